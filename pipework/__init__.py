@@ -1,0 +1,66 @@
+"""pipework: a trio-native pipeline and event-driven request processor."""
+
+from __future__ import annotations
+
+from ._errors import DeadlineExceeded as DeadlineExceeded
+from ._errors import InvalidTransition as InvalidTransition
+from ._errors import JobCancelled as JobCancelled
+from ._errors import JobFailed as JobFailed
+from ._errors import JobNotFound as JobNotFound
+from ._errors import MergeConflict as MergeConflict
+from ._errors import Overloaded as Overloaded
+from ._errors import PipeworkError as PipeworkError
+from ._errors import RegistrationError as RegistrationError
+from ._errors import Rejected as Rejected
+from ._errors import SignalError as SignalError
+from ._errors import StateError as StateError
+from .dispatcher._admission import Admission as Admission
+from .dispatcher._admission import GlobalLimit as GlobalLimit
+from .dispatcher._engine import Engine as Engine
+from .dispatcher._job import ErrorInfo as ErrorInfo
+from .dispatcher._job import JobView as JobView
+from .dispatcher._job import Progress as Progress
+from .dispatcher._queue import MemoryEventQueue as MemoryEventQueue
+from .dispatcher._queue import QueueStatistics as QueueStatistics
+from .dispatcher._status import Status as Status
+from .dispatcher._store import JobGone as JobGone
+from .dispatcher._store import MemoryJobStore as MemoryJobStore
+from .pipes._pipe import Context as Context
+from .pipes._pipe import Pipe as Pipe
+from .pipes._stages import Chain as Chain
+from .pipes._stages import Serial as Serial
+from .pipes._stages import serial as serial
+from .registry._registry import Registry as Registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Admission",
+    "Chain",
+    "Context",
+    "DeadlineExceeded",
+    "Engine",
+    "ErrorInfo",
+    "GlobalLimit",
+    "InvalidTransition",
+    "JobCancelled",
+    "JobFailed",
+    "JobGone",
+    "JobNotFound",
+    "JobView",
+    "MemoryEventQueue",
+    "MemoryJobStore",
+    "MergeConflict",
+    "Overloaded",
+    "Pipe",
+    "PipeworkError",
+    "Progress",
+    "Registry",
+    "Rejected",
+    "Serial",
+    "SignalError",
+    "StateError",
+    "Status",
+    "__version__",
+    "serial",
+]

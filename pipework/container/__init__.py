@@ -1,0 +1,1 @@
+"""The HTTP container: quart-trio on hypercorn."""

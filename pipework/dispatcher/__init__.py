@@ -1,0 +1,1 @@
+"""Jobs and the job pool, events and the event queue, the dispatcher and its worker pools."""

@@ -1,0 +1,371 @@
+"""The dispatcher: takes events off the queue and turns them into steps on worker slots.
+
+A *step* is what one worker does with one slot: load the job from the pool, run pipes from
+the cursor while they share the slot's key, and stop at a key change (hand-off: the job goes
+back through the queue), a suspension, or the end of the chain. Nothing survives a step but
+the job record, so any worker can take the next one (see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected
+from ..pipes._pipe import Context, Pipe, Suspend
+from ..pipes._stages import Chain, Serial
+from ..pipes._state import check_state
+from ..registry._registry import Registry
+from ._admission import Admission
+from ._events import Expire, Resume, RunJob
+from ._job import ErrorInfo, Frame, Job, Progress
+from ._queue import EventQueue
+from ._status import TERMINAL, Status
+from ._store import JobStore
+
+__all__ = ["Dispatcher"]
+
+_log = logging.getLogger("pipework.dispatcher")
+
+
+class Dispatcher:
+    def __init__(
+        self, registry: Registry, store: JobStore, queue: EventQueue, pool: Admission
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.queue = queue
+        self.pool = pool
+        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._timers: dict[str, trio.CancelScope] = {}
+        self._waiters: dict[str, trio.Event] = {}
+        self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
+        self._handlers: dict[type[Any], Callable[[Any], None]] = {
+            RunJob: self._on_run,
+            Resume: self._on_run,
+            Expire: self._on_expire,
+        }
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Dispatch events until cancelled; steps run in this task's nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                event = await self.queue.get()
+                self._handlers[type(event)](event)
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._nursery is not None, "the dispatcher is not running"
+        self._nursery.start_soon(fn, *args)
+
+    def _on_run(self, event: RunJob | Resume) -> None:
+        self._spawn(self._step, event)
+
+    def _on_expire(self, event: Expire) -> None:
+        self._spawn(self._expire, event)
+
+    # -- cursor --------------------------------------------------------------------------
+
+    def start_frames(self, job: Job, chain: Chain) -> None:
+        """Give a new job its root frame and the key of its first step."""
+        root = chain.node_at(job.root)
+        deadline = job.deadline
+        if isinstance(root, Serial) and root.timeout is not None:
+            deadline = min(deadline, trio.current_time() + root.timeout)
+        job.frames = [Frame(0, deadline)]
+        pipe = self._advance(job, chain)
+        if pipe is not None:
+            job.key = pipe.key or chain.key
+
+    def _advance(self, job: Job, chain: Chain) -> Pipe | None:
+        """Move the cursor to the next pipe to run (entering and leaving stages); None when
+        the job's sequence is complete."""
+        frames = job.frames
+        while frames:
+            top = frames[-1]
+            path = (*job.root, *(f.index for f in frames[:-1]))
+            children = chain.node_at(path).children  # type: ignore[union-attr]
+            if top.index >= len(children):
+                frames.pop()
+                if frames:
+                    frames[-1].index += 1
+                continue
+            child = children[top.index]
+            if isinstance(child, Pipe):
+                return child
+            deadline = top.deadline
+            if child.timeout is not None:
+                deadline = min(deadline, trio.current_time() + child.timeout)
+            frames.append(Frame(0, deadline))
+        return None
+
+    def _path(self, job: Job) -> tuple[int, ...]:
+        return (*job.root, *(f.index for f in job.frames[:-1]))
+
+    # -- a step --------------------------------------------------------------------------
+
+    async def _step(self, event: RunJob | Resume) -> None:
+        acked = False
+        try:
+            try:
+                job = await self.store.get(event.job_id)
+            except PipeworkError:
+                return
+            if job.status is not Status.QUEUED:
+                return  # cancelled or finished while the event waited: nothing to run
+            with trio.CancelScope() as scope:
+                self._scopes[job.id] = scope
+                try:
+                    async with self.pool.slot(job.key, deadline=job.deadline):
+                        self.queue.ack(event)
+                        acked = True
+                        await self._run_held(job)
+                except Rejected as exc:
+                    self._note(exc, job, f"admission key {job.key!r}")
+                    await self._finish(job, Status.FAILED, exc=exc)
+                except trio.Cancelled:
+                    with trio.CancelScope(shield=True):
+                        await self._finish(
+                            job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
+                        )
+                    raise
+                finally:
+                    if self._scopes.get(job.id) is scope:
+                        del self._scopes[job.id]
+        finally:
+            if not acked:
+                self.queue.ack(event)
+
+    async def _run_held(self, job: Job) -> None:
+        """Run pipes while they share the held slot's key."""
+        chain = self.registry.get_chain(job.chain)
+        held = job.key
+        job.transition(Status.RUNNING)
+        while True:
+            pipe = self._advance(job, chain)
+            if pipe is None:
+                result = job.state if chain.result is None else job.state.get(chain.result)
+                await self._finish(job, Status.DONE, result=result)
+                return
+            key = pipe.key or chain.key
+            if key != held:
+                job.key = key
+                job.transition(Status.QUEUED)
+                await self.store.update(job)
+                self.queue.put_nowait(RunJob(job.id))
+                return
+            if not await self._run_pipe(job, chain, pipe):
+                return
+
+    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe) -> bool:
+        """Run one pipe; True to go on, False when the step ended (failure or suspension)."""
+        path = chain.describe(self._path(job), pipe)
+        top = job.frames[-1]
+        pipe_deadline = math.inf if pipe.timeout is None else trio.current_time() + pipe.timeout
+        deadline = min(pipe_deadline, top.deadline)
+        ctx = Context(
+            state=job.state,
+            job_id=job.id,
+            correlation_id=job.correlation_id,
+            chain=chain.name,
+            pipe=pipe.name,
+            path=path,
+            key=job.key,
+            deadline=deadline,
+            ops=self,
+        )
+        try:
+            await self._call(pipe, ctx, job, top.deadline)
+        except Suspend as suspend:
+            top.index += 1
+            return await self._suspend(job, chain, suspend, path)
+        except Exception as exc:
+            self._note(exc, job, path)
+            status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
+            await self._finish(job, status, exc=exc, where=path)
+            return False
+        top.index += 1
+        await self.store.update(job)
+        return True
+
+    async def _call(self, pipe: Pipe, ctx: Context, job: Job, stage_deadline: float) -> None:
+        with trio.CancelScope(deadline=ctx.deadline) as scope:
+            await pipe.run(ctx)
+        if scope.cancelled_caught:
+            raise self._timeout(job, ctx.deadline, stage_deadline, ctx.path)
+        check_state(job.state)
+
+    def _timeout(self, job: Job, deadline: float, stage: float, path: str) -> DeadlineExceeded:
+        if deadline == job.deadline:
+            scope, what = "job", f"job {job.id} passed its deadline"
+        elif deadline == stage:
+            scope, what = "stage", "a stage timeout ran out"
+        else:
+            scope, what = "pipe", "the pipe's timeout ran out"
+        return DeadlineExceeded(f"{what} in {path}", scope=scope, where=path, deadline=deadline)
+
+    # -- suspend, resume, expire ---------------------------------------------------------
+
+    async def _suspend(self, job: Job, chain: Chain, suspend: Suspend, path: str) -> bool:
+        check_state(job.state)
+        if suspend.signal in job.signals:  # it came while we ran: no need to park
+            job.state[suspend.into] = job.signals.pop(suspend.signal)
+            await self.store.update(job)
+            return True
+        top = job.frames[-1]
+        now = trio.current_time()
+        limit = math.inf if suspend.timeout is None else now + suspend.timeout
+        job.suspend_deadline = min(limit, top.deadline)
+        job.waiting_for = suspend.signal
+        job.suspend_into = suspend.into
+        pipe = self._advance(job, chain)
+        if pipe is not None:
+            job.key = pipe.key or chain.key
+        job.transition(Status.SUSPENDED)
+        await self.store.update(job)
+        if job.suspend_deadline < math.inf:
+            self._spawn(self._timer, job.id, job.version, job.suspend_deadline)
+        _log.debug("job %s suspended at %s for %r", job.id, path, suspend.signal)
+        return False
+
+    async def deliver(self, job: Job, signal: str, payload: Any) -> None:
+        """Resume a suspended job waiting for ``signal`` (the caller checked both)."""
+        assert job.suspend_into is not None
+        job.state[job.suspend_into] = payload
+        job.waiting_for = job.suspend_into = job.suspend_deadline = None
+        job.transition(Status.QUEUED)
+        await self.store.update(job)
+        self._cancel_timer(job.id)
+        self.queue.put_nowait(Resume(job.id, signal))
+
+    async def _timer(self, job_id: str, version: int, deadline: float) -> None:
+        with trio.CancelScope() as scope:
+            self._timers[job_id] = scope
+            try:
+                await trio.sleep_until(deadline)
+                self.queue.put_nowait(Expire(job_id, version))
+            finally:
+                if self._timers.get(job_id) is scope:
+                    del self._timers[job_id]
+
+    def _cancel_timer(self, job_id: str) -> None:
+        scope = self._timers.pop(job_id, None)
+        if scope is not None:
+            scope.cancel()
+
+    async def _expire(self, event: Expire) -> None:
+        try:
+            job = await self.store.get(event.job_id)
+            if job.status is not Status.SUSPENDED or job.version != event.version:
+                return  # resumed or finished meanwhile: the timer lost the race
+            assert job.suspend_deadline is not None
+            chain = self.registry.get_chain(job.chain)
+            where = chain.describe(self._path(job))
+            deadline = job.suspend_deadline
+            if deadline == job.deadline:
+                exc = DeadlineExceeded(
+                    f"job {job.id} passed its deadline while suspended for {job.waiting_for!r}",
+                    scope="job",
+                    where=where,
+                    deadline=deadline,
+                )
+            else:
+                exc = DeadlineExceeded(
+                    f"no signal {job.waiting_for!r} before the suspend timeout at {where}",
+                    scope="suspend",
+                    where=where,
+                    deadline=deadline,
+                )
+            self._note(exc, job, where)
+            status = Status.EXPIRED if exc.scope == "job" else Status.FAILED
+            await self._finish(job, status, exc=exc, where=where)
+        finally:
+            self.queue.ack(event)
+
+    # -- cancel and finish ---------------------------------------------------------------
+
+    async def cancel(self, job: Job) -> None:
+        job.cancel_requested = True
+        scope = self._scopes.get(job.id)
+        if scope is not None:
+            scope.cancel()  # the step finishes it once the pipe's cleanup has run
+        else:
+            await self._finish(
+                job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
+            )
+
+    async def _finish(
+        self,
+        job: Job,
+        status: Status,
+        *,
+        result: Any = None,
+        exc: BaseException | None = None,
+        where: str = "",
+    ) -> None:
+        if job.status in TERMINAL:
+            return
+        job.transition(status)
+        job.finished_at = time.time()
+        job.waiting_for = None
+        if status is Status.DONE:
+            job.result = result
+        elif exc is not None:
+            job.exception = exc
+            job.error = ErrorInfo(
+                type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
+            )
+        await self.store.update(job)
+        self._cancel_timer(job.id)
+        stream = self._streams.pop(job.id, None)
+        if stream is not None:
+            stream.close()
+        waiter = self._waiters.pop(job.id, None)
+        if waiter is not None:
+            waiter.set()
+        _log.debug("job %s %s", job.id, status.value)
+
+    async def wait_finished(self, job_id: str) -> None:
+        waiter = self._waiters.setdefault(job_id, trio.Event())
+        await waiter.wait()
+
+    def open_stream(self, job_id: str, buffer: int) -> trio.MemoryReceiveChannel[Any]:
+        send, receive = trio.open_memory_channel[Any](buffer)
+        self._streams[job_id] = send
+        return receive
+
+    @staticmethod
+    def _note(exc: BaseException, job: Job, where: str) -> None:
+        note = f"pipework: in {where} (job {job.id}, correlation id {job.correlation_id})"
+        if note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+
+    # -- what a pipe's Context calls -----------------------------------------------------
+
+    async def report_progress(
+        self, ctx: Context, done: float, total: float | None, message: str | None
+    ) -> None:
+        job = await self.store.get(ctx.job_id)
+        job.progress = Progress(done, total, message)
+        await self.store.update(job)
+
+    async def emit(self, ctx: Context, chunk: Any) -> None:
+        stream = self._streams.get(ctx.job_id)
+        if stream is not None:
+            await stream.send(chunk)
+        else:
+            job = await self.store.get(ctx.job_id)
+            job.output.append(chunk)
+
+
+def _is_job_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, DeadlineExceeded) and exc.scope == "job"

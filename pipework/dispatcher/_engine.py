@@ -1,0 +1,235 @@
+"""The in-process API: an :class:`Engine` owns a registry, a job pool, an event queue, a
+worker pool and the dispatcher, and runs them in its own nursery while it is open."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+from typing import Any, overload
+
+import trio
+
+from .._errors import JobCancelled, JobFailed, Overloaded, SignalError
+from ..pipes._pipe import Pipe, PipeFunction
+from ..pipes._stages import Chain, StageItem
+from ..pipes._state import check_state, check_value
+from ..registry._registry import Registry
+from ._admission import Admission, GlobalLimit
+from ._dispatcher import Dispatcher
+from ._events import RunJob
+from ._job import Job, JobView, hash_token, new_correlation_id, new_job_id
+from ._queue import EventQueue, MemoryEventQueue
+from ._status import TERMINAL, Status
+from ._store import JobStore, MemoryJobStore
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Register pipes and chains, then ``async with engine:`` to run jobs.
+
+    ``pool`` governs concurrency (default: one limit of 64 slots for every key);
+    ``store`` and ``queue`` default to in-memory ones; ``default_timeout`` bounds jobs whose
+    chain sets none. Leaving the ``async with`` cancels whatever is still running.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: Admission | None = None,
+        registry: Registry | None = None,
+        store: JobStore | None = None,
+        queue: EventQueue | None = None,
+        queue_capacity: int = 10_000,
+        default_timeout: float | None = None,
+        stream_buffer: int = 16,
+    ) -> None:
+        self.registry = registry or Registry()
+        self.store: JobStore = store or MemoryJobStore()
+        self.queue: EventQueue = queue or MemoryEventQueue(queue_capacity)
+        self.pool: Admission = pool or GlobalLimit(64)
+        self.default_timeout = default_timeout
+        self._stream_buffer = stream_buffer
+        self._dispatcher = Dispatcher(self.registry, self.store, self.queue, self.pool)
+        self._nursery_manager: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
+
+    # -- registration --------------------------------------------------------------------
+
+    @overload
+    def pipe(self, fn: PipeFunction, /) -> Pipe: ...
+
+    @overload
+    def pipe(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        key: str | None = None,
+        timeout: float | None = None,
+        blocking: bool = False,
+    ) -> Callable[[PipeFunction], Pipe]: ...
+
+    def pipe(
+        self,
+        fn: PipeFunction | None = None,
+        /,
+        *,
+        name: str | None = None,
+        key: str | None = None,
+        timeout: float | None = None,
+        blocking: bool = False,
+    ) -> Pipe | Callable[[PipeFunction], Pipe]:
+        """Register a pipe: ``@engine.pipe`` or ``@engine.pipe(key="users", timeout=0.5)``."""
+        if fn is not None:
+            return self.registry.pipe(fn)
+        return self.registry.pipe(name=name, key=key, timeout=timeout, blocking=blocking)
+
+    def chain(
+        self,
+        name: str,
+        *items: StageItem,
+        timeout: float | None = None,
+        key: str = "default",
+        result: str | None = None,
+    ) -> Chain:
+        """Register a chain of pipes and stages under ``name``."""
+        return self.registry.chain(name, *items, timeout=timeout, key=key, result=result)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        if self._nursery is not None:
+            raise RuntimeError("this engine is already running")
+        self._nursery_manager = trio.open_nursery()
+        self._nursery = await self._nursery_manager.__aenter__()
+        await self._nursery.start(self._dispatcher.run)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        try:
+            return bool(await self._nursery_manager.__aexit__(exc_type, exc, tb))
+        finally:
+            self._nursery = None
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        chain: str,
+        state: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the job's time limit, not this call's
+        correlation_id: str | None = None,
+        token: str | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Accept a job and return its id, or raise Overloaded at once if the queue is full.
+
+        ``timeout`` overrides the chain's; ``token`` is the owner secret (only its hash is
+        kept); ``stream=True`` keeps emitted chunks for :meth:`stream` instead of the record.
+        """
+        if self._nursery is None:
+            raise RuntimeError("the engine is not running; use `async with engine:` first")
+        plan = self.registry.get_chain(chain)
+        state = check_state({} if state is None else state)
+        limit = timeout if timeout is not None else plan.timeout or self.default_timeout
+        deadline = math.inf if limit is None else trio.current_time() + limit
+        job = Job(
+            id=new_job_id(),
+            chain=chain,
+            state=state,
+            correlation_id=correlation_id or new_correlation_id(),
+            deadline=deadline,
+            token_hash=None if token is None else hash_token(token),
+        )
+        self._dispatcher.start_frames(job, plan)
+        await self.store.create(job)
+        try:
+            self.queue.submit_nowait(RunJob(job.id))
+        except Overloaded:
+            await self.store.delete(job.id)
+            raise
+        if stream:
+            self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
+        return job.id
+
+    async def wait(self, job_id: str) -> Any:
+        """Wait for the job to end: its result, or its original exception raised here."""
+        job = await self.store.get(job_id)
+        while job.status not in TERMINAL:
+            await self._dispatcher.wait_finished(job_id)
+            job = await self.store.get(job_id)
+        return _outcome(job)
+
+    async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """Submit and wait: the job's result, or its exception."""
+        return await self.wait(await self.submit(chain, state, **kwargs))
+
+    async def status(self, job_id: str) -> JobView:
+        return (await self.store.get(job_id)).view()
+
+    async def cancel(self, job_id: str) -> JobView:
+        """Cancel the job if it is still active (a running pipe's cleanup runs first)."""
+        job = await self.store.get(job_id)
+        if job.status not in TERMINAL:
+            await self._dispatcher.cancel(job)
+        return job.view()
+
+    async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
+        """Deliver signal ``name``: resumes the job if it is suspended waiting for it, or
+        is kept until the job suspends for it if the job is still queued or running."""
+        job = await self.store.get(job_id)
+        check_value(payload, root="payload")
+        if job.status in TERMINAL:
+            raise SignalError(
+                f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"
+            )
+        if job.status is Status.SUSPENDED:
+            if job.waiting_for != name:
+                raise SignalError(
+                    f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, "
+                    f"not {name!r}"
+                )
+            await self._dispatcher.deliver(job, name, payload)
+            return
+        if name in job.signals:
+            raise SignalError(f"signal {name!r} is already pending for job {job_id}")
+        job.signals[name] = payload
+        await self.store.update(job)
+
+    async def stream(self, job_id: str) -> AsyncIterator[Any]:
+        """Yield the chunks the job emits as they come, then its outcome's error if any.
+        Only for jobs submitted with ``stream=True``, and only once."""
+        try:
+            receive = self._receivers.pop(job_id)
+        except KeyError:
+            raise LookupError(
+                f"job {job_id} has no stream to read: submit it with stream=True, and read it once"
+            ) from None
+        async with receive:
+            async for chunk in receive:
+                yield chunk
+        await self.wait(job_id)
+
+
+def _outcome(job: Job) -> Any:
+    if job.status is Status.DONE:
+        return job.result
+    if job.exception is not None:
+        raise job.exception
+    error = job.error
+    if job.status is Status.CANCELLED:
+        raise JobCancelled(error.message if error else f"job {job.id} was cancelled")
+    assert error is not None
+    raise JobFailed(error.message, error_type=error.type, where=error.where)

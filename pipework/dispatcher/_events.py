@@ -1,0 +1,50 @@
+"""Events: every transition of a job is one of these, carried by the event queue.
+
+They are frozen and small (ids and names, never state), so a shared queue can carry them as
+msgpack; the dispatcher maps each type to its handler through one table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BranchDone", "Event", "Expire", "Resume", "RunJob"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunJob:
+    """Run the job from its cursor (a new submission, or a hand-off to another key)."""
+
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A suspended job got its signal; the payload is already in its state."""
+
+    job_id: str
+    signal: str
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """A suspended job's timer fired. ``version`` guards against a timer that lost a race
+    with a resume: it only acts if the job is still in the suspension that set it."""
+
+    job_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class BranchDone:
+    """A branch of a parallel stage ended; ``outcome`` is ok, error, cancelled or timed_out."""
+
+    parent_id: str
+    branch_id: str
+    index: int
+    outcome: str
+    delta: Any = None
+
+
+Event = RunJob | Resume | Expire | BranchDone

@@ -1,0 +1,187 @@
+"""The job record, and the frozen view of it that the public API hands out.
+
+A :class:`Job` is everything a stateless worker needs to continue a chain: which chain, the
+state, the cursor (a stack of frames), the admission key of its next step, its deadline and
+its status. Every field but ``exception`` and ``stream`` round-trips through msgpack
+(:meth:`Job.to_wire`), which is what a shared (Redis) store keeps; those two only live in the
+process that runs the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._status import Status, check_transition
+
+__all__ = ["ErrorInfo", "Frame", "Job", "JobView", "Progress", "new_job_id"]
+
+
+def new_job_id() -> str:
+    """128 random bits, URL-safe: unguessable, so an id alone reveals nothing."""
+    return secrets.token_urlsafe(16)
+
+
+def new_correlation_id() -> str:
+    return uuid.uuid4().hex
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class Frame:
+    """One level of the cursor: the position inside one serial sequence of the chain.
+
+    ``index`` is the next child to run; ``deadline`` (absolute trio time) is the tightest of
+    this stage's timeout and every enclosing one, the job's deadline included.
+    """
+
+    index: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    done: float
+    total: float | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """What is recorded about a failure: enough to answer without the exception object."""
+
+    type: str
+    message: str
+    where: str = ""
+    status: int = 500
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    id: str
+    chain: str
+    state: dict[str, Any]
+    correlation_id: str
+    deadline: float = math.inf
+    key: str = "default"
+    status: Status = Status.QUEUED
+    frames: list[Frame] = field(default_factory=list)
+    #: Path from the chain's root to the sequence this job runs (branches start deeper).
+    root: tuple[int, ...] = ()
+    progress: Progress | None = None
+    result: Any = None
+    error: ErrorInfo | None = None
+    token_hash: str | None = None
+    waiting_for: str | None = None
+    suspend_into: str | None = None
+    suspend_deadline: float | None = None
+    signals: dict[str, Any] = field(default_factory=dict)
+    output: list[Any] = field(default_factory=list)
+    cancel_requested: bool = False
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    #: Absolute trio time after which a finished job is dropped (None while active).
+    retain_until: float | None = None
+    version: int = 0
+    # In-process only, never stored remotely.
+    exception: BaseException | None = None
+
+    def transition(self, target: Status) -> None:
+        self.status = check_transition(self.status, target, self.id)
+        self.updated_at = time.time()
+
+    def view(self) -> JobView:
+        return JobView(
+            id=self.id,
+            chain=self.chain,
+            status=self.status,
+            correlation_id=self.correlation_id,
+            key=self.key,
+            progress=self.progress,
+            error=self.error,
+            result=self.result if self.status is Status.DONE else None,
+            waiting_for=self.waiting_for,
+            deadline=self.deadline,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            finished_at=self.finished_at,
+            retain_until=self.retain_until,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The record as plain msgpack-able data (for a shared store)."""
+        return {
+            "id": self.id,
+            "chain": self.chain,
+            "state": self.state,
+            "correlation_id": self.correlation_id,
+            "deadline": self.deadline,
+            "key": self.key,
+            "status": self.status.value,
+            "frames": [[f.index, f.deadline] for f in self.frames],
+            "root": list(self.root),
+            "progress": None if self.progress is None else list(_progress_tuple(self.progress)),
+            "result": self.result,
+            "error": None if self.error is None else _error_tuple(self.error),
+            "token_hash": self.token_hash,
+            "waiting_for": self.waiting_for,
+            "suspend_into": self.suspend_into,
+            "suspend_deadline": self.suspend_deadline,
+            "signals": self.signals,
+            "output": self.output,
+            "cancel_requested": self.cancel_requested,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "finished_at": self.finished_at,
+            "retain_until": self.retain_until,
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Job:
+        fields = dict(data)
+        fields["status"] = Status(fields["status"])
+        fields["frames"] = [Frame(int(i), float(d)) for i, d in fields["frames"]]
+        fields["root"] = tuple(fields["root"])
+        if fields["progress"] is not None:
+            fields["progress"] = Progress(*fields["progress"])
+        if fields["error"] is not None:
+            fields["error"] = ErrorInfo(*fields["error"])
+        return cls(**fields)
+
+
+def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None]:
+    return (p.done, p.total, p.message)
+
+
+def _error_tuple(e: ErrorInfo) -> list[Any]:
+    return [e.type, e.message, e.where, e.status]
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A frozen snapshot of a job, as :meth:`Engine.status` returns it."""
+
+    id: str
+    chain: str
+    status: Status
+    correlation_id: str
+    key: str
+    progress: Progress | None
+    error: ErrorInfo | None
+    result: Any
+    waiting_for: str | None
+    deadline: float
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    retain_until: float | None

@@ -1,0 +1,86 @@
+"""The event queue: bounded for new work, never dropping what it accepted.
+
+``depth`` counts events taken in and not yet acknowledged: a submission counts until a
+worker slot is granted to it, so a backlog waiting for workers fills the queue and new
+submissions are then refused at once with :class:`~pipework.Overloaded`. Events about jobs
+already accepted (hand-offs, resumes, branch completions, timers) are always taken: refusing
+them would lose accepted work, and blocking on them would stall the workers that send them.
+So the bound on *new* work is exact, and the depth can exceed ``capacity`` only by events of
+accepted jobs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from .._errors import Overloaded
+from ._events import Event
+
+__all__ = ["EventQueue", "MemoryEventQueue", "QueueStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatistics:
+    depth: int
+    capacity: int
+    accepted: int
+    refused: int
+
+
+class EventQueue(Protocol):
+    def submit_nowait(self, event: Event) -> None:
+        """Take a new submission or raise Overloaded at once."""
+        ...
+
+    def put_nowait(self, event: Event) -> None:
+        """Take an event about an accepted job; never refuses."""
+        ...
+
+    async def get(self) -> Event: ...
+
+    def ack(self, event: Event) -> None:
+        """The event's work has started (or ended): it no longer counts toward the depth."""
+        ...
+
+    def statistics(self) -> QueueStatistics: ...
+
+
+class MemoryEventQueue:
+    def __init__(self, capacity: int = 10_000, *, retry_after: float = 1.0) -> None:
+        if capacity < 1:
+            raise ValueError(f"queue capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.retry_after = retry_after
+        self._send, self._receive = trio.open_memory_channel[Event](math.inf)
+        self._depth = 0
+        self._accepted = 0
+        self._refused = 0
+
+    def submit_nowait(self, event: Event) -> None:
+        if self._depth >= self.capacity:
+            self._refused += 1
+            raise Overloaded(
+                f"the event queue is full ({self._depth} of {self.capacity} events waiting); "
+                f"retry after {self.retry_after:g}s",
+                reason="queue_full",
+                retry_after=self.retry_after,
+            )
+        self.put_nowait(event)
+
+    def put_nowait(self, event: Event) -> None:
+        self._depth += 1
+        self._accepted += 1
+        self._send.send_nowait(event)
+
+    async def get(self) -> Event:
+        return await self._receive.receive()
+
+    def ack(self, event: Event) -> None:
+        self._depth -= 1
+
+    def statistics(self) -> QueueStatistics:
+        return QueueStatistics(self._depth, self.capacity, self._accepted, self._refused)

@@ -1,0 +1,138 @@
+"""The job pool: where job records live. The source of truth for every worker.
+
+:class:`JobStore` is the interface; :class:`MemoryJobStore` is the embedded default and a
+Redis store implements the same methods. Active jobs are never evicted. A job that reaches a
+terminal status is moved to a retention cache bounded by count and by time (cachetools, on
+the trio clock so tests can use virtual time); its ``retain_until`` says when it goes. After
+that, ``get`` raises :class:`JobGone` for as long as the id is remembered (so the HTTP side
+can answer 410 rather than 404).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import cachetools
+import trio
+
+from .._errors import JobNotFound
+from ._job import Job
+from ._status import TERMINAL, Status
+
+__all__ = ["JobGone", "JobStore", "MemoryJobStore"]
+
+
+class JobGone(JobNotFound):
+    """The job existed but was dropped after its retention time."""
+
+    http_status = 410
+
+
+class JobStore(Protocol):
+    async def create(self, job: Job) -> None: ...
+
+    async def get(self, job_id: str) -> Job:
+        """Return the job or raise JobNotFound (JobGone when retention dropped it)."""
+        ...
+
+    async def update(self, job: Job) -> None:
+        """Write the job back; a terminal status starts its retention."""
+        ...
+
+    async def delete(self, job_id: str) -> None: ...
+
+    async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]: ...
+
+
+class _Retained(cachetools.TTLCache[str, Job]):
+    """A TTL cache that remembers what it dropped, so a lookup can tell gone from unknown."""
+
+    def __init__(self, maxsize: int, ttl: float, tombstones: cachetools.LRUCache[str, bool]):
+        super().__init__(maxsize=maxsize, ttl=ttl, timer=trio.current_time)
+        self._tombstones = tombstones
+
+    def popitem(self) -> tuple[str, Job]:
+        key, job = super().popitem()
+        self._tombstones[key] = True
+        return key, job
+
+    def expire(self, time: float | None = None) -> list[tuple[str, Job]]:
+        dropped = super().expire(time)
+        for key, _ in dropped:
+            self._tombstones[key] = True
+        return dropped
+
+
+class MemoryJobStore:
+    """Jobs in this process's memory. ``retain_count`` finished jobs at most, each for at
+    most ``retain_seconds``; ``tombstones`` dropped ids are remembered to answer "gone"."""
+
+    def __init__(
+        self,
+        *,
+        retain_seconds: float = 3600.0,
+        retain_count: int = 10_000,
+        tombstones: int = 100_000,
+    ) -> None:
+        if retain_seconds <= 0 or retain_count < 1:
+            raise ValueError("retain_seconds must be positive and retain_count at least 1")
+        self.retain_seconds = retain_seconds
+        self._active: dict[str, Job] = {}
+        self._gone: cachetools.LRUCache[str, bool] = cachetools.LRUCache(maxsize=tombstones)
+        self._finished = _Retained(retain_count, retain_seconds, self._gone)
+
+    async def create(self, job: Job) -> None:
+        if job.id in self._active or job.id in self._finished:
+            raise ValueError(f"job {job.id} already exists")
+        self._active[job.id] = job
+
+    async def get(self, job_id: str) -> Job:
+        return self.get_nowait(job_id)
+
+    def get_nowait(self, job_id: str) -> Job:
+        job = self._active.get(job_id)
+        if job is not None:
+            return job
+        self._finished.expire()
+        job = self._finished.get(job_id)
+        if job is not None:
+            return job
+        if job_id in self._gone:
+            raise JobGone(f"job {job_id} finished and was dropped after its retention time")
+        raise JobNotFound(f"no job with id {job_id!r}")
+
+    async def update(self, job: Job) -> None:
+        job.version += 1
+        if job.status in TERMINAL:
+            if self._active.pop(job.id, None) is not None:
+                job.retain_until = trio.current_time() + self.retain_seconds
+                self._finished[job.id] = job
+        elif job.id not in self._active:
+            raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
+
+    async def delete(self, job_id: str) -> None:
+        if self._active.pop(job_id, None) is None:
+            self._finished.pop(job_id, None)
+
+    async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]:
+        if status is None:
+            wanted = set(Status)
+        elif isinstance(status, Status):
+            wanted = {status}
+        else:
+            wanted = set(status)
+        self._finished.expire()
+        jobs = [j for j in self._active.values() if j.status in wanted]
+        if wanted & TERMINAL:
+            jobs.extend(j for j in self._finished.values() if j.status in wanted)
+        return jobs
+
+    def counts(self) -> dict[Status, int]:
+        """Jobs per status, for metrics."""
+        counts = dict.fromkeys(Status, 0)
+        for job in self._active.values():
+            counts[job.status] += 1
+        for job in self._finished.values():
+            counts[job.status] += 1
+        return counts

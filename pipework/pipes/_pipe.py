@@ -1,0 +1,172 @@
+"""A pipe is one named step: an ``async def`` (or a declared blocking function) taking a
+:class:`Context`. The context is the pipe's whole view of its job."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+import trio
+
+from .._errors import RegistrationError
+from ._state import check_value
+
+__all__ = ["Context", "Pipe", "PipeFunction", "Suspend", "as_pipe"]
+
+PipeFunction = Callable[["Context"], Awaitable[None]] | Callable[["Context"], None]
+
+
+class Suspend(BaseException):
+    """Raised by :meth:`Context.suspend` to end the pipe and park the job.
+
+    A BaseException so that a pipe's ``except Exception`` cannot swallow it."""
+
+    def __init__(self, signal: str, timeout: float | None, into: str) -> None:
+        super().__init__(signal)
+        self.signal = signal
+        self.timeout = timeout
+        self.into = into
+
+
+class _JobOps(Protocol):
+    async def report_progress(
+        self, ctx: Context, done: float, total: float | None, message: str | None
+    ) -> None: ...
+
+    async def emit(self, ctx: Context, chunk: Any) -> None: ...
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Pipe:
+    """A named pipe. ``key`` is its admission key (None: the chain's), ``timeout`` bounds
+    one run (always within the job's deadline), ``blocking`` runs it in a worker thread."""
+
+    fn: PipeFunction
+    name: str
+    key: str | None = None
+    timeout: float | None = None
+    blocking: bool = False
+
+    kind = "pipe"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise RegistrationError("a pipe needs a non-empty name")
+        if self.timeout is not None and not self.timeout > 0:
+            raise RegistrationError(f"pipe {self.name!r}: timeout must be positive")
+        is_async = inspect.iscoroutinefunction(self.fn)
+        if self.blocking and is_async:
+            raise RegistrationError(
+                f"pipe {self.name!r} is an async function declared blocking; "
+                "drop blocking=True (async pipes run on the event loop)"
+            )
+        if not self.blocking and not is_async:
+            raise RegistrationError(
+                f"pipe {self.name!r} is not an async function; write it as `async def`, "
+                "or declare it with blocking=True to run it in a worker thread"
+            )
+
+    async def run(self, ctx: Context) -> None:
+        if self.blocking:
+            # Not abandoned on cancel: the slot stays held until the thread really ends, so
+            # the pool's accounting never undercounts work still running.
+            await trio.to_thread.run_sync(self.fn, ctx)
+        else:
+            await self.fn(ctx)  # type: ignore[misc]  # async by the check in __post_init__
+
+
+def as_pipe(item: Pipe | PipeFunction) -> Pipe:
+    """A Pipe as is; a bare function becomes a pipe named after it."""
+    if isinstance(item, Pipe):
+        return item
+    if callable(item):
+        return Pipe(item, getattr(item, "__name__", repr(item)))
+    raise RegistrationError(f"expected a pipe, a stage or an async function, got {item!r}")
+
+
+class Context:
+    """What a pipe sees of its job.
+
+    ``state`` is the job's state (a branch sees its own snapshot); write only values msgpack
+    can store. ``deadline`` is the absolute trio time this run must end by (the tightest of
+    the pipe, stage and job limits); pass ``remaining`` on to backend calls.
+    """
+
+    __slots__ = (
+        "_ops",
+        "chain",
+        "correlation_id",
+        "deadline",
+        "job_id",
+        "key",
+        "path",
+        "pipe",
+        "state",
+    )
+
+    def __init__(
+        self,
+        *,
+        state: dict[str, Any],
+        job_id: str,
+        correlation_id: str,
+        chain: str,
+        pipe: str,
+        path: str,
+        key: str,
+        deadline: float,
+        ops: _JobOps,
+    ) -> None:
+        self.state = state
+        self.job_id = job_id
+        self.correlation_id = correlation_id
+        self.chain = chain
+        self.pipe = pipe
+        self.path = path
+        self.key = key
+        self.deadline = deadline
+        self._ops = ops
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left before ``deadline`` (``inf`` without one, never negative)."""
+        if self.deadline == math.inf:
+            return math.inf
+        return max(0.0, self.deadline - trio.current_time())
+
+    async def progress(
+        self, done: float, total: float | None = None, message: str | None = None
+    ) -> None:
+        """Record progress on the job; it is visible to status readers at once."""
+        await self._ops.report_progress(self, done, total, message)
+
+    async def emit(self, chunk: Any) -> None:
+        """Send an output chunk (streamed to a consumer, else kept with the job's output).
+        Waits while a streaming consumer is behind: backpressure, not buffering."""
+        check_value(chunk, root="chunk")
+        await self._ops.emit(self, chunk)
+
+    async def suspend(
+        self,
+        signal: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - how long the job waits, not this call
+        into: str | None = None,
+    ) -> NoReturn:
+        """End this pipe and park the job until ``signal`` arrives (or ``timeout`` passes).
+
+        The job's slot is released and its cursor saved *after* this pipe, so when the
+        signal comes the chain continues with the next step and this pipe does not run
+        again. The signal's payload is written to ``state[into]`` (default: the signal
+        name) for the pipes that follow. If the signal already arrived while the job was
+        running, the job continues at once.
+        """
+        if not signal or not isinstance(signal, str):
+            raise ValueError("a signal name must be a non-empty string")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"suspend timeout must be positive, got {timeout}")
+        await trio.lowlevel.checkpoint()
+        raise Suspend(signal, timeout, into or signal)

@@ -1,0 +1,70 @@
+"""Job state must survive msgpack: checked where state enters a job, with the key path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .._errors import StateError
+
+__all__ = ["check_state", "check_value"]
+
+_SCALARS = (str, bytes, int, float, bool, type(None))
+
+
+def check_state(state: object, *, root: str = "state") -> dict[str, Any]:
+    """Return ``state`` if it is a dict with string keys that msgpack can store; else raise
+    :class:`StateError` naming the key path of the first offending value."""
+    if not isinstance(state, dict):
+        raise StateError(f"{root} must be a dict, got {type(state).__name__}", path=root)
+    for key in state:
+        if not isinstance(key, str):
+            raise StateError(
+                f"{root}[{key!r}]: top-level state keys must be strings, not {type(key).__name__}",
+                path=f"{root}[{key!r}]",
+            )
+    check_value(state, root=root)
+    return state
+
+
+def check_value(value: object, *, root: str = "value") -> None:
+    """Raise :class:`StateError` with the key path if msgpack cannot store ``value``."""
+    try:
+        # The C packer is the fast path; only a failure pays for the walk that names the path.
+        msgpack.packb(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        path, bad = _find(value, root)
+        path = path or root
+        raise StateError(
+            f"{path} holds {type(bad).__name__} {_short(bad)}, which job state cannot store "
+            "(use str, bytes, int, float, bool, None, list or dict)",
+            path=path,
+        ) from exc
+
+
+def _find(value: object, path: str) -> tuple[str, object]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, _SCALARS):
+                return f"{path}[{key!r}]", key
+            found = _find(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]")
+            if found[0]:
+                return found
+        return "", None
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _find(item, f"{path}[{index}]")
+            if found[0]:
+                return found
+        return "", None
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        return path, value
+    if isinstance(value, _SCALARS):
+        return "", None
+    return path, value
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

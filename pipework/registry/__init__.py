@@ -1,0 +1,1 @@
+"""The pipe register centre: names to pipes, names to chains."""

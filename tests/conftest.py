@@ -1,0 +1,14 @@
+"""Shared test configuration."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+# No per-example deadline: a loaded 2-core machine must not make property tests flaky.
+settings.register_profile(
+    "pipework",
+    deadline=None,
+    max_examples=200,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("pipework")

@@ -1,0 +1,459 @@
+"""The engine end to end, in process: serial chains, timeouts, suspend/resume, overload,
+cancellation and errors. Time is virtual (autojump_clock), so every time is exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import pipework as pw
+
+
+def make_engine(**kwargs: Any) -> pw.Engine:
+    return pw.Engine(**kwargs)
+
+
+async def test_serial_chain_result() -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def load(ctx: pw.Context) -> None:
+        ctx.state["user"] = {"id": ctx.state["user_id"], "name": "ada"}
+
+    @engine.pipe
+    async def greet(ctx: pw.Context) -> None:
+        ctx.state["greeting"] = f"hello {ctx.state['user']['name']}"
+
+    engine.chain("hello", load, greet, result="greeting")
+    async with engine:
+        assert await engine.run("hello", {"user_id": 7}) == "hello ada"
+
+
+async def test_chain_without_result_returns_whole_state() -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def one(ctx: pw.Context) -> None:
+        ctx.state["a"] = 1
+
+    engine.chain("c", one, pw.serial(one, one))
+    async with engine:
+        job_id = await engine.submit("c", {"b": 2})
+        assert await engine.wait(job_id) == {"a": 1, "b": 2}
+        view = await engine.status(job_id)
+        assert view.status is pw.Status.DONE
+        assert view.result == {"a": 1, "b": 2}
+        assert view.retain_until is not None
+
+
+async def test_pipe_timeout_fires_at_exact_virtual_time(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+
+    @engine.pipe(timeout=1.5)
+    async def slow(ctx: pw.Context) -> None:
+        await trio.sleep(10)
+
+    engine.chain("c", slow)
+    async with engine:
+        start = trio.current_time()
+        with pytest.raises(pw.DeadlineExceeded) as info:
+            await engine.run("c")
+        assert trio.current_time() - start == pytest.approx(1.5)
+        assert info.value.scope == "pipe"
+        assert "chain 'c' > pipe 'slow'" in str(info.value)
+
+
+async def test_stage_timeout_spans_its_pipes(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def one_second(ctx: pw.Context) -> None:
+        await trio.sleep(1)
+
+    engine.chain("c", one_second, pw.serial(one_second, one_second, one_second, timeout=2.5))
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        with pytest.raises(pw.DeadlineExceeded) as info:
+            await engine.wait(job_id)
+        # 1 s before the stage, then the stage's 2.5 s: 3.5 s, not 4.
+        assert trio.current_time() - start == pytest.approx(3.5)
+        assert info.value.scope == "stage"
+        assert (await engine.status(job_id)).status is pw.Status.FAILED
+
+
+async def test_job_timeout_bounds_pipe_and_stage(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+
+    @engine.pipe(timeout=10)
+    async def one_second(ctx: pw.Context) -> None:
+        assert ctx.remaining <= 10
+        await trio.sleep(1)
+
+    engine.chain("c", one_second, pw.serial(one_second, one_second, timeout=5), timeout=2.25)
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        with pytest.raises(pw.DeadlineExceeded) as info:
+            await engine.wait(job_id)
+        assert trio.current_time() - start == pytest.approx(2.25)
+        assert info.value.scope == "job"
+        assert (await engine.status(job_id)).status is pw.Status.EXPIRED
+
+
+async def test_submit_timeout_overrides_chain_timeout(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def forever(ctx: pw.Context) -> None:
+        await trio.sleep_forever()
+
+    engine.chain("c", forever, timeout=100)
+    async with engine:
+        start = trio.current_time()
+        with pytest.raises(pw.DeadlineExceeded):
+            await engine.run("c", timeout=0.75)
+        assert trio.current_time() - start == pytest.approx(0.75)
+
+
+async def test_suspend_then_signal_continues_at_cursor(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+    calls: list[str] = []
+
+    @engine.pipe
+    async def first(ctx: pw.Context) -> None:
+        calls.append("first")
+        ctx.state["n"] = 1
+
+    @engine.pipe(key="payments")
+    async def wait_paid(ctx: pw.Context) -> None:
+        calls.append("wait_paid")
+        await ctx.suspend("paid", into="payment")
+
+    @engine.pipe
+    async def last(ctx: pw.Context) -> None:
+        calls.append("last")
+        ctx.state["total"] = ctx.state["payment"]["amount"] + ctx.state["n"]
+
+    engine.chain("order", first, wait_paid, last)
+    async with engine:
+        job_id = await engine.submit("order")
+        await trio.testing.wait_all_tasks_blocked()
+        view = await engine.status(job_id)
+        assert view.status is pw.Status.SUSPENDED
+        assert view.waiting_for == "paid"
+        await trio.sleep(30)  # suspended jobs hold nothing and wait as long as they must
+        await engine.signal(job_id, "paid", {"amount": 12})
+        result = await engine.wait(job_id)
+    assert result["total"] == 13
+    assert calls == ["first", "wait_paid", "last"]
+
+
+async def test_signal_that_arrives_while_running_is_kept() -> None:
+    engine = make_engine()
+    go = trio.Event()
+
+    @engine.pipe
+    async def hand_out_callback(ctx: pw.Context) -> None:
+        await go.wait()  # the backend answers before we get to suspend
+        await ctx.suspend("done")
+
+    engine.chain("c", hand_out_callback)
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.testing.wait_all_tasks_blocked()
+        await engine.signal(job_id, "done", "early")
+        go.set()
+        assert await engine.wait(job_id) == {"done": "early"}
+
+
+async def test_signal_errors_are_clear() -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("paid")
+
+    @engine.pipe
+    async def noop(ctx: pw.Context) -> None:
+        return None
+
+    engine.chain("park", park)
+    engine.chain("noop", noop)
+    async with engine:
+        with pytest.raises(pw.JobNotFound, match="no job with id 'nope'"):
+            await engine.signal("nope", "paid")
+        done = await engine.submit("noop")
+        await engine.wait(done)
+        with pytest.raises(pw.SignalError, match="is done; signal 'paid' can only reach"):
+            await engine.signal(done, "paid")
+        parked = await engine.submit("park")
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(pw.SignalError, match="waiting for signal 'paid', not 'shipped'"):
+            await engine.signal(parked, "shipped")
+        with pytest.raises(pw.StateError) as info:
+            await engine.signal(parked, "paid", {"when": object()})
+        assert info.value.path == "payload.when"
+        await engine.cancel(parked)
+
+
+async def test_suspend_timeout_fails_at_exact_time(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("paid", timeout=60)
+
+    engine.chain("c", park)
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        with pytest.raises(pw.DeadlineExceeded) as info:
+            await engine.wait(job_id)
+        assert trio.current_time() - start == pytest.approx(60)
+        assert info.value.scope == "suspend"
+        assert (await engine.status(job_id)).status is pw.Status.FAILED
+
+
+async def test_job_deadline_while_suspended_expires_it(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("paid", timeout=60)
+
+    engine.chain("c", park, timeout=20)
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        with pytest.raises(pw.DeadlineExceeded) as info:
+            await engine.wait(job_id)
+        assert trio.current_time() - start == pytest.approx(20)
+        assert info.value.scope == "job"
+        assert (await engine.status(job_id)).status is pw.Status.EXPIRED
+        with pytest.raises(pw.SignalError):
+            await engine.signal(job_id, "paid")
+
+
+async def test_unserializable_state_is_rejected_with_key_path() -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def bad(ctx: pw.Context) -> None:
+        ctx.state["user"] = {"tags": ["a", {1, 2}]}
+
+    engine.chain("c", bad)
+    async with engine:
+        with pytest.raises(pw.StateError) as info:
+            await engine.submit("c", {"ok": 1, "when": {"at": object()}})
+        assert info.value.path == "state.when.at"
+        assert "state.when.at holds object" in str(info.value)
+        with pytest.raises(pw.StateError) as info:
+            await engine.run("c")
+        assert info.value.path == "state.user.tags[1]"
+        assert any("pipe 'bad'" in note for note in info.value.__notes__)
+
+
+async def test_full_queue_refuses_at_once_and_loses_nothing() -> None:
+    engine = make_engine(pool=pw.GlobalLimit(1), queue_capacity=2)
+    release = trio.Event()
+    finished: list[int] = []
+
+    @engine.pipe
+    async def work(ctx: pw.Context) -> None:
+        await release.wait()
+        finished.append(ctx.state["n"])
+
+    engine.chain("c", work)
+    async with engine:
+        accepted = [await engine.submit("c", {"n": 0})]
+        await trio.testing.wait_all_tasks_blocked()  # job 0 holds the only slot
+        accepted.append(await engine.submit("c", {"n": 1}))
+        accepted.append(await engine.submit("c", {"n": 2}))
+        with pytest.raises(pw.Overloaded) as info:
+            await engine.submit("c", {"n": 3})
+        assert info.value.retry_after > 0
+        assert engine.queue.statistics().depth == 2
+        release.set()
+        results = [await engine.wait(job_id) for job_id in accepted]
+    assert sorted(finished) == [0, 1, 2]
+    assert [r["n"] for r in results] == [0, 1, 2]
+
+
+async def test_cancelling_a_running_job_cancels_its_pipe() -> None:
+    engine = make_engine()
+    cleaned_up = trio.Event()
+
+    @engine.pipe
+    async def forever(ctx: pw.Context) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cleaned_up.set()
+
+    engine.chain("c", forever)
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await engine.status(job_id)).status is pw.Status.RUNNING
+        await engine.cancel(job_id)
+        with pytest.raises(pw.JobCancelled):
+            await engine.wait(job_id)
+        assert cleaned_up.is_set()
+        assert (await engine.status(job_id)).status is pw.Status.CANCELLED
+
+
+async def test_cancelling_suspended_and_queued_jobs() -> None:
+    engine = make_engine(pool=pw.GlobalLimit(1))
+    release = trio.Event()
+
+    @engine.pipe
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("x")
+
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        await release.wait()
+
+    engine.chain("park", park)
+    engine.chain("hold", hold)
+    async with engine:
+        parked = await engine.submit("park")
+        await trio.testing.wait_all_tasks_blocked()
+        holder = await engine.submit("hold")
+        queued = await engine.submit("hold")
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await engine.status(queued)).status is pw.Status.QUEUED
+        await engine.cancel(parked)
+        await engine.cancel(queued)
+        for job_id in (parked, queued):
+            with pytest.raises(pw.JobCancelled):
+                await engine.wait(job_id)
+        release.set()
+        assert await engine.wait(holder) == {}
+
+
+async def test_pipe_exception_is_the_same_object_with_stage_path() -> None:
+    engine = make_engine()
+    raised: list[BaseException] = []
+
+    @engine.pipe
+    async def quote(ctx: pw.Context) -> None:
+        exc = KeyError("price")
+        raised.append(exc)
+        raise exc
+
+    @engine.pipe
+    async def ok(ctx: pw.Context) -> None:
+        return None
+
+    engine.chain("order", ok, pw.serial(ok, quote))
+    async with engine:
+        job_id = await engine.submit("order", correlation_id="corr-1")
+        with pytest.raises(KeyError) as info:
+            await engine.wait(job_id)
+        assert info.value is raised[0]
+        note = info.value.__notes__[-1]
+        assert "chain 'order' > serial[1] > pipe 'quote'" in note
+        assert job_id in note
+        assert "corr-1" in note
+        view = await engine.status(job_id)
+        assert view.error is not None
+        assert view.error.type == "KeyError"
+        assert view.error.where == "chain 'order' > serial[1] > pipe 'quote'"
+
+
+async def test_same_key_pipes_share_one_step_and_key_changes_hand_off() -> None:
+    engine = make_engine()
+    keys: list[str] = []
+
+    async def record(ctx: pw.Context) -> None:
+        keys.append(ctx.key)
+
+    a1 = engine.pipe(name="a1", key="a")(record)
+    a2 = engine.pipe(name="a2", key="a")(record)
+    a3 = engine.pipe(name="a3", key="a")(record)
+    b1 = engine.pipe(name="b1", key="b")(record)
+    engine.chain("c", a1, a2, a3, b1)
+    async with engine:
+        await engine.run("c")
+        # One submission plus one hand-off (a -> b): the three "a" pipes shared a step.
+        assert engine.queue.statistics().accepted == 2
+    assert keys == ["a", "a", "a", "b"]
+
+
+async def test_blocking_pipe_runs_in_a_thread() -> None:
+    engine = make_engine()
+    import threading
+
+    main_thread = threading.get_ident()
+
+    def crunch(ctx: pw.Context) -> None:
+        ctx.state["thread"] = threading.get_ident() != main_thread
+        ctx.state["sum"] = sum(range(1000))
+
+    engine.registry.add_pipe(pw.Pipe(crunch, "crunch", blocking=True))
+    engine.chain("c", "crunch")
+    async with engine:
+        assert await engine.run("c") == {"thread": True, "sum": 499500}
+
+
+async def test_progress_and_output_chunks() -> None:
+    engine = make_engine()
+    step = trio.Event()
+
+    @engine.pipe
+    async def export(ctx: pw.Context) -> None:
+        await ctx.progress(1, 2, "half")
+        await step.wait()
+        for i in range(3):
+            await ctx.emit({"row": i})
+        await ctx.progress(2, 2, "done")
+
+    engine.chain("c", export)
+    async with engine:
+        job_id = await engine.submit("c", stream=True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await engine.status(job_id)).progress == pw.Progress(1, 2, "half")
+        step.set()
+        chunks = [chunk async for chunk in engine.stream(job_id)]
+        assert chunks == [{"row": 0}, {"row": 1}, {"row": 2}]
+        assert (await engine.status(job_id)).progress == pw.Progress(2, 2, "done")
+
+
+async def test_registration_errors() -> None:
+    engine = make_engine()
+
+    async def a(ctx: pw.Context) -> None:
+        return None
+
+    def sync(ctx: pw.Context) -> None:
+        return None
+
+    with pytest.raises(pw.RegistrationError, match="unknown pipe 'missing'"):
+        engine.chain("c", "missing")
+    with pytest.raises(pw.RegistrationError, match="not an async function"):
+        engine.pipe(sync)
+    with pytest.raises(pw.RegistrationError, match="at least one"):
+        engine.chain("empty")
+    engine.chain("c", a)
+    with pytest.raises(pw.RegistrationError, match="already registered"):
+        engine.chain("c", a)
+    async with engine:
+        with pytest.raises(pw.RegistrationError, match="unknown chain 'nope'"):
+            await engine.submit("nope")
+
+
+async def test_submit_needs_a_running_engine() -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def a(ctx: pw.Context) -> None:
+        return None
+
+    engine.chain("c", a)
+    with pytest.raises(RuntimeError, match="not running"):
+        await engine.submit("c")

@@ -1,0 +1,161 @@
+"""Job records, the status table, state checks, the job pool and the event queue, tested
+without running an engine."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+import trio
+
+import pipework as pw
+from pipework.dispatcher._events import RunJob
+from pipework.dispatcher._job import Frame, Job, new_job_id
+from pipework.dispatcher._status import ACTIVE, TERMINAL, TRANSITIONS, Status, check_transition
+from pipework.pipes._state import check_state
+
+
+def make_job(**kwargs: object) -> Job:
+    return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]
+
+
+def test_job_ids_are_unguessable_and_unique() -> None:
+    ids = {new_job_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    # 16 random bytes, base64url without padding: 22 characters, 128 bits.
+    assert all(len(i) == 22 for i in ids)
+
+
+def test_transition_table_is_complete_and_terminal_states_are_final() -> None:
+    assert set(TRANSITIONS) == set(Status)
+    assert TERMINAL == {Status.DONE, Status.FAILED, Status.CANCELLED, Status.EXPIRED}
+    assert ACTIVE == {Status.QUEUED, Status.RUNNING, Status.SUSPENDED}
+    for status in ACTIVE:
+        assert TRANSITIONS[status] & TERMINAL
+
+
+@pytest.mark.parametrize(
+    ("current", "target"),
+    [
+        (Status.DONE, Status.RUNNING),
+        (Status.QUEUED, Status.SUSPENDED),
+        (Status.QUEUED, Status.DONE),
+        (Status.SUSPENDED, Status.RUNNING),
+        (Status.CANCELLED, Status.QUEUED),
+    ],
+)
+def test_illegal_transition_names_both_states(current: Status, target: Status) -> None:
+    with pytest.raises(pw.InvalidTransition) as info:
+        check_transition(current, target, "job-1")
+    assert f"'{current.value}' -> '{target.value}'" in str(info.value)
+    assert "job-1" in str(info.value)
+
+
+def test_job_transition_goes_through_the_table() -> None:
+    job = make_job()
+    job.transition(Status.RUNNING)
+    job.transition(Status.DONE)
+    with pytest.raises(pw.InvalidTransition):
+        job.transition(Status.RUNNING)
+    assert job.status is Status.DONE
+
+
+def test_job_record_round_trips_through_msgpack() -> None:
+    job = make_job(deadline=math.inf, frames=[Frame(2, 10.5), Frame(0, math.inf)])
+    job.state = {"a": [1, 2], "b": {"c": None}}
+    job.progress = pw.Progress(1, 3, "one")
+    job.error = pw.ErrorInfo("KeyError", "'x'", "chain 'c' > pipe 'p'", 500)
+    wire = msgpack.unpackb(msgpack.packb(job.to_wire()))
+    back = Job.from_wire(wire)
+    assert back.to_wire() == job.to_wire()
+
+
+@pytest.mark.parametrize(
+    ("state", "path"),
+    [
+        ({"a": object()}, "state.a"),
+        ({"a": {"b": [1, 2, {3}]}}, "state.a.b[2]"),
+        ({"a": {1: {"x": object()}}}, "state.a[1].x"),
+        ({"a": 2**70}, "state.a"),
+        ({1: "x"}, "state[1]"),
+        ([1, 2], "state"),
+    ],
+)
+def test_state_errors_name_the_key_path(state: object, path: str) -> None:
+    with pytest.raises(pw.StateError) as info:
+        check_state(state)
+    assert info.value.path == path
+    assert path in str(info.value)
+
+
+def test_serializable_state_passes() -> None:
+    state = {"s": "x", "b": b"y", "i": 1, "f": 1.5, "n": None, "l": [1, (2, 3)], "d": {"k": True}}
+    assert check_state(state) is state
+
+
+async def test_store_keeps_active_jobs_and_retains_finished_ones_by_time(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = pw.MemoryJobStore(retain_seconds=60, retain_count=10)
+    active, finished = make_job(), make_job()
+    await store.create(active)
+    await store.create(finished)
+    finished.transition(Status.RUNNING)
+    finished.transition(Status.DONE)
+    await store.update(finished)
+    assert finished.retain_until == pytest.approx(trio.current_time() + 60)
+    assert {j.id for j in await store.list(Status.DONE)} == {finished.id}
+    assert {j.id for j in await store.list(Status.QUEUED)} == {active.id}
+    await trio.sleep(59)
+    assert (await store.get(finished.id)) is finished
+    await trio.sleep(2)
+    with pytest.raises(pw.JobGone, match="dropped after its retention"):
+        await store.get(finished.id)
+    await trio.sleep(10_000)
+    assert (await store.get(active.id)) is active  # active jobs are never evicted
+    with pytest.raises(pw.JobNotFound, match="no job with id"):
+        await store.get("unknown")
+
+
+async def test_store_retains_finished_jobs_by_count() -> None:
+    store = pw.MemoryJobStore(retain_seconds=3600, retain_count=3)
+    jobs = [make_job() for _ in range(5)]
+    for job in jobs:
+        await store.create(job)
+        job.transition(Status.CANCELLED)
+        await store.update(job)
+    for job in jobs[:2]:
+        with pytest.raises(pw.JobGone):
+            await store.get(job.id)
+    for job in jobs[2:]:
+        assert await store.get(job.id) is job
+    assert store.counts()[Status.CANCELLED] == 3
+
+
+async def test_store_delete_and_duplicate_create() -> None:
+    store = pw.MemoryJobStore()
+    job = make_job()
+    await store.create(job)
+    with pytest.raises(ValueError, match="already exists"):
+        await store.create(job)
+    await store.delete(job.id)
+    with pytest.raises(pw.JobNotFound):
+        await store.get(job.id)
+
+
+async def test_queue_refuses_new_work_at_capacity_but_takes_internal_events() -> None:
+    queue = pw.MemoryEventQueue(capacity=2, retry_after=3)
+    queue.submit_nowait(RunJob("a"))
+    queue.submit_nowait(RunJob("b"))
+    with pytest.raises(pw.Overloaded) as info:
+        queue.submit_nowait(RunJob("c"))
+    assert info.value.retry_after == 3
+    queue.put_nowait(RunJob("a"))  # about an accepted job: never refused
+    assert queue.statistics() == pw.QueueStatistics(depth=3, capacity=2, accepted=3, refused=1)
+    first = await queue.get()
+    assert first == RunJob("a")
+    queue.ack(first)
+    queue.ack(await queue.get())
+    queue.submit_nowait(RunJob("d"))
+    assert queue.statistics().depth == 2
