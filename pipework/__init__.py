@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._errors import BackendError as BackendError
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import InvalidTransition as InvalidTransition
 from ._errors import JobCancelled as JobCancelled
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Admission",
+    "BackendError",
     "Chain",
     "Context",
     "DeadlineExceeded",

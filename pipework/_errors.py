@@ -4,6 +4,7 @@
     ├── Overloaded                    refused at once: nothing was accepted (HTTP 503)
     │   └── Rejected                  refused by the worker pool, with a reason (HTTP 503)
     ├── DeadlineExceeded (TimeoutError) a pipe, stage, suspend or job ran out of time (504)
+    ├── BackendError                  a backend answered badly or not at all (HTTP 502)
     ├── JobNotFound                   no such job, or it is past retention (HTTP 404 / 410)
     ├── JobCancelled                  the job was cancelled before it finished
     ├── JobFailed                     a job failed in another process (only its record is here)
@@ -20,6 +21,7 @@ object, with notes naming the stage path, job id and correlation id.
 from __future__ import annotations
 
 __all__ = [
+    "BackendError",
     "DeadlineExceeded",
     "InvalidTransition",
     "JobCancelled",
@@ -80,6 +82,18 @@ class DeadlineExceeded(PipeworkError, TimeoutError):
         self.scope = scope
         self.where = where
         self.deadline = deadline
+
+
+class BackendError(PipeworkError):
+    """A backend service failed: it answered with an unaccepted status, or the connection
+    failed. ``service`` names it and ``status`` is its HTTP status (None: no answer)."""
+
+    http_status = 502
+
+    def __init__(self, message: str, *, service: str, status: int | None = None):
+        super().__init__(message)
+        self.service = service
+        self.status = status
 
 
 class JobNotFound(PipeworkError, LookupError):

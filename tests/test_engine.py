@@ -457,3 +457,41 @@ async def test_submit_needs_a_running_engine() -> None:
     engine.chain("c", a)
     with pytest.raises(RuntimeError, match="not running"):
         await engine.submit("c")
+
+
+async def test_authorize_needs_the_owner_token_and_reveals_nothing() -> None:
+    engine = make_engine()
+
+    @engine.pipe
+    async def a(ctx: pw.Context) -> None:
+        return None
+
+    engine.chain("c", a)
+    async with engine:
+        job_id = await engine.submit("c", token="s3cret")
+        assert (await engine.authorize(job_id, "s3cret")).id == job_id
+        for wrong in ("nope", None):
+            with pytest.raises(pw.JobNotFound) as info:
+                await engine.authorize(job_id, wrong)
+            assert str(info.value) == f"no job with id {job_id!r}"
+        untokened = await engine.submit("c")
+        with pytest.raises(pw.JobNotFound):
+            await engine.authorize(untokened, "")
+
+
+async def test_callback_url_comes_from_the_container_hook() -> None:
+    engine = make_engine()
+    urls: list[str] = []
+
+    @engine.pipe
+    async def hand_out(ctx: pw.Context) -> None:
+        urls.append(ctx.callback_url("paid", ttl=60))
+
+    engine.chain("c", hand_out)
+    async with engine:
+        with pytest.raises(RuntimeError, match="need an HTTP container"):
+            await engine.run("c")
+        engine.set_callback_factory(lambda job, signal, ttl: f"/cb/{job}/{signal}?ttl={ttl:g}")
+        job_id = await engine.submit("c")
+        await engine.wait(job_id)
+    assert urls == [f"/cb/{job_id}/paid?ttl=60"]

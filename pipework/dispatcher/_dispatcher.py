@@ -46,6 +46,8 @@ class Dispatcher:
         self._timers: dict[str, trio.CancelScope] = {}
         self._waiters: dict[str, trio.Event] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
+        #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
+        self.callback_factory: Callable[[str, str, float], str] | None = None
         self._handlers: dict[type[Any], Callable[[Any], None]] = {
             RunJob: self._on_run,
             Resume: self._on_run,
@@ -357,6 +359,14 @@ class Dispatcher:
         job = await self.store.get(ctx.job_id)
         job.progress = Progress(done, total, message)
         await self.store.update(job)
+
+    def callback_url(self, ctx: Context, signal: str, ttl: float) -> str:
+        if self.callback_factory is None:
+            raise RuntimeError(
+                "callback URLs need an HTTP container serving this engine; in process, "
+                "call engine.signal(job_id, name, payload) instead"
+            )
+        return self.callback_factory(ctx.job_id, signal, ttl)
 
     async def emit(self, ctx: Context, chunk: Any) -> None:
         stream = self._streams.get(ctx.job_id)

@@ -3,6 +3,7 @@ worker pool and the dispatcher, and runs them in its own nursery while it is ope
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
@@ -10,7 +11,7 @@ from typing import Any, overload
 
 import trio
 
-from .._errors import JobCancelled, JobFailed, Overloaded, SignalError
+from .._errors import JobCancelled, JobFailed, JobNotFound, Overloaded, SignalError
 from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
@@ -178,6 +179,20 @@ class Engine:
 
     async def status(self, job_id: str) -> JobView:
         return (await self.store.get(job_id)).view()
+
+    async def authorize(self, job_id: str, token: str | None) -> JobView:
+        """The job's view if ``token`` is its owner token; otherwise JobNotFound, exactly as
+        for an unknown id, so a wrong token reveals nothing."""
+        job = await self.store.get(job_id)
+        expected = job.token_hash
+        given = "" if token is None else hash_token(token)
+        if expected is None or not hmac.compare_digest(expected, given):
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return job.view()
+
+    def set_callback_factory(self, factory: Callable[[str, str, float], str] | None) -> None:
+        """Let pipes hand out callback URLs: ``factory(job_id, signal, ttl) -> url``."""
+        self._dispatcher.callback_factory = factory
 
     async def cancel(self, job_id: str) -> JobView:
         """Cancel the job if it is still active (a running pipe's cleanup runs first)."""

@@ -38,6 +38,8 @@ class _JobOps(Protocol):
 
     async def emit(self, ctx: Context, chunk: Any) -> None: ...
 
+    def callback_url(self, ctx: Context, signal: str, ttl: float) -> str: ...
+
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Pipe:
@@ -148,6 +150,12 @@ class Context:
         Waits while a streaming consumer is behind: backpressure, not buffering."""
         check_value(chunk, root="chunk")
         await self._ops.emit(self, chunk)
+
+    def callback_url(self, signal: str, *, ttl: float = 3600.0) -> str:
+        """A signed URL that delivers ``signal`` to this job when a backend POSTs to it,
+        valid for ``ttl`` seconds. Hand it to the backend, then :meth:`suspend`. Needs an
+        HTTP container serving the engine."""
+        return self._ops.callback_url(self, signal, ttl)
 
     async def suspend(
         self,
