@@ -159,3 +159,16 @@ async def test_queue_refuses_new_work_at_capacity_but_takes_internal_events() ->
     queue.ack(await queue.get())
     queue.submit_nowait(RunJob("d"))
     assert queue.statistics().depth == 2
+
+
+def test_state_diagram_matches_the_transition_table() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs/diagrams/job-states.md").read_text()
+    drawn = set()
+    for line in text.splitlines():
+        parts = line.strip().split(":")[0].split(" --> ")
+        if len(parts) == 2 and "[*]" not in parts:
+            drawn.add((Status(parts[0].strip()), Status(parts[1].strip())))
+    table = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
+    assert drawn == table

@@ -10,8 +10,7 @@ pool does, and :class:`GlobalLimit` is the simplest one (one limit for every key
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 import trio
@@ -56,34 +55,52 @@ class GlobalLimit:
         return self._waiting
 
     def slot(self, key: str, *, deadline: float = math.inf) -> AbstractAsyncContextManager[None]:
-        return self._slot(key, deadline)
+        return _Slot(self, key, deadline)
 
-    @asynccontextmanager
-    async def _slot(self, key: str, deadline: float) -> AsyncIterator[None]:
+
+class _Slot:
+    """One holder's slot: a plain class, not a generator, because it is on every step."""
+
+    __slots__ = ("_deadline", "_key", "_limit", "_token")
+
+    def __init__(self, limit: GlobalLimit, key: str, deadline: float) -> None:
+        self._limit = limit
+        self._key = key
+        self._deadline = deadline
         # A token object per holder: CapacityLimiter refuses one borrower holding two slots.
-        token = object()
+        self._token = object()
+
+    async def __aenter__(self) -> None:
+        limit = self._limit
         try:
-            self._limiter.acquire_on_behalf_of_nowait(token)
+            # No checkpoint on the fast path: a cancellation landing after the grant would
+            # leak the slot, and the step that follows checkpoints anyway.
+            limit._limiter.acquire_on_behalf_of_nowait(self._token)
         except trio.WouldBlock:
-            if self._waiting >= self._max_waiting:
-                raise Rejected(
-                    f"worker pool is full and {self._waiting} steps already wait; try again later",
-                    key=key,
-                    reason="queue_full",
-                ) from None
-            self._waiting += 1
-            try:
-                with trio.move_on_at(deadline) as scope:
-                    await self._limiter.acquire_on_behalf_of(token)
-            finally:
-                self._waiting -= 1
-            if scope.cancelled_caught:
-                raise Rejected(
-                    f"no worker slot for key {key!r} before the job's deadline",
-                    key=key,
-                    reason="deadline",
-                ) from None
+            await self._wait(limit)
+
+    async def _wait(self, limit: GlobalLimit) -> None:
+        if limit._waiting >= limit._max_waiting:
+            raise Rejected(
+                f"worker pool is full and {limit._waiting} steps already wait; try again later",
+                key=self._key,
+                reason="queue_full",
+            )
+        limit._waiting += 1
         try:
-            yield
+            if self._deadline == math.inf:
+                await limit._limiter.acquire_on_behalf_of(self._token)
+                return
+            with trio.move_on_at(self._deadline) as scope:
+                await limit._limiter.acquire_on_behalf_of(self._token)
         finally:
-            self._limiter.release_on_behalf_of(token)
+            limit._waiting -= 1
+        if scope.cancelled_caught:
+            raise Rejected(
+                f"no worker slot for key {self._key!r} before the job's deadline",
+                key=self._key,
+                reason="deadline",
+            )
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._limit._limiter.release_on_behalf_of(self._token)

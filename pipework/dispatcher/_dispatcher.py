@@ -61,9 +61,10 @@ class Dispatcher:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
+            handlers = self._handlers
             while True:
-                event = await self.queue.get()
-                self._handlers[type(event)](event)
+                for event in await self.queue.get_batch():
+                    handlers[type(event)](event)
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None, "the dispatcher is not running"
@@ -170,7 +171,11 @@ class Dispatcher:
 
     async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe) -> bool:
         """Run one pipe; True to go on, False when the step ended (failure or suspension)."""
-        path = chain.describe(self._path(job), pipe)
+        position = self._path(job)
+
+        def describe() -> str:  # formatted only when asked for: errors, logs, ctx.path
+            return chain.describe(position, pipe)
+
         top = job.frames[-1]
         pipe_deadline = math.inf if pipe.timeout is None else trio.current_time() + pipe.timeout
         deadline = min(pipe_deadline, top.deadline)
@@ -179,8 +184,8 @@ class Dispatcher:
             job_id=job.id,
             correlation_id=job.correlation_id,
             chain=chain.name,
-            pipe=pipe.name,
-            path=path,
+            pipe=pipe,
+            describe=describe,
             key=job.key,
             deadline=deadline,
             ops=self,
@@ -189,8 +194,9 @@ class Dispatcher:
             await self._call(pipe, ctx, job, top.deadline)
         except Suspend as suspend:
             top.index += 1
-            return await self._suspend(job, chain, suspend, path)
+            return await self._suspend(job, chain, suspend, describe())
         except Exception as exc:
+            path = describe()
             self._note(exc, job, path)
             status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
             await self._finish(job, status, exc=exc, where=path)
@@ -200,10 +206,15 @@ class Dispatcher:
         return True
 
     async def _call(self, pipe: Pipe, ctx: Context, job: Job, stage_deadline: float) -> None:
-        with trio.CancelScope(deadline=ctx.deadline) as scope:
-            await pipe.run(ctx)
-        if scope.cancelled_caught:
-            raise self._timeout(job, ctx.deadline, stage_deadline, ctx.path)
+        # Async pipes are awaited directly: one coroutine frame fewer on every resume.
+        call = pipe.run if pipe.blocking else pipe.fn
+        if ctx.deadline == math.inf:
+            await call(ctx)  # type: ignore[misc]  # no limit anywhere: skip the scope's cost
+        else:
+            with trio.CancelScope(deadline=ctx.deadline) as scope:
+                await call(ctx)  # type: ignore[misc]  # async: checked at registration
+            if scope.cancelled_caught:
+                raise self._timeout(job, ctx.deadline, stage_deadline, ctx.path)
         check_state(job.state)
 
     def _timeout(self, job: Job, deadline: float, stage: float, path: str) -> DeadlineExceeded:

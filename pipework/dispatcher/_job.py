@@ -13,7 +13,6 @@ import hashlib
 import math
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ def new_job_id() -> str:
 
 
 def new_correlation_id() -> str:
-    return uuid.uuid4().hex
+    return secrets.token_hex(16)
 
 
 def hash_token(token: str) -> str:

@@ -42,6 +42,10 @@ class EventQueue(Protocol):
 
     async def get(self) -> Event: ...
 
+    async def get_batch(self, limit: int = 256) -> list[Event]:
+        """Wait for at least one event; return it with any others already waiting."""
+        ...
+
     def ack(self, event: Event) -> None:
         """The event's work has started (or ended): it no longer counts toward the depth."""
         ...
@@ -78,6 +82,15 @@ class MemoryEventQueue:
 
     async def get(self) -> Event:
         return await self._receive.receive()
+
+    async def get_batch(self, limit: int = 256) -> list[Event]:
+        batch = [await self._receive.receive()]
+        while len(batch) < limit:
+            try:
+                batch.append(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                break
+        return batch
 
     def ack(self, event: Event) -> None:
         self._depth -= 1

@@ -98,13 +98,13 @@ class Context:
     """
 
     __slots__ = (
+        "_describe",
         "_ops",
         "chain",
         "correlation_id",
         "deadline",
         "job_id",
         "key",
-        "path",
         "pipe",
         "state",
     )
@@ -116,8 +116,8 @@ class Context:
         job_id: str,
         correlation_id: str,
         chain: str,
-        pipe: str,
-        path: str,
+        pipe: Pipe,
+        describe: Callable[[], str],
         key: str,
         deadline: float,
         ops: _JobOps,
@@ -127,10 +127,15 @@ class Context:
         self.correlation_id = correlation_id
         self.chain = chain
         self.pipe = pipe
-        self.path = path
         self.key = key
         self.deadline = deadline
+        self._describe = describe
         self._ops = ops
+
+    @property
+    def path(self) -> str:
+        """Where this pipe runs: ``chain 'order' > all_of[1] > pipe 'quote'``."""
+        return self._describe()
 
     @property
     def remaining(self) -> float:

@@ -1,0 +1,82 @@
+"""Engine overhead: jobs through a 1-pipe and a 5-pipe serial chain, against bare trio
+spawning one task per job that does the same awaits."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import trio
+
+import pipework as pw
+
+from ._timing import median_of
+
+
+async def _checkpoint_pipe(ctx: pw.Context) -> None:
+    await trio.lowlevel.checkpoint()
+
+
+def _bare(jobs: int, awaits: int, workers: int | None) -> float:
+    limiter = trio.CapacityLimiter(workers) if workers else None
+
+    async def job() -> None:
+        if limiter is None:
+            for _ in range(awaits):
+                await trio.lowlevel.checkpoint()
+            return
+        async with limiter:
+            for _ in range(awaits):
+                await trio.lowlevel.checkpoint()
+
+    async def main() -> float:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(jobs):
+                nursery.start_soon(job)
+        return time.perf_counter() - start
+
+    return trio.run(main)
+
+
+def _engine(jobs: int, pipes: int, workers: int) -> float:
+    engine = pw.Engine(pool=pw.GlobalLimit(workers), queue_capacity=jobs + 1)
+    names = []
+    for n in range(pipes):
+        engine.registry.add_pipe(pw.Pipe(_checkpoint_pipe, f"p{n}"))
+        names.append(f"p{n}")
+    engine.chain("c", *names)
+
+    async def main() -> float:
+        async with engine:
+            start = time.perf_counter()
+            ids = [await engine.submit("c") for _ in range(jobs)]
+            for job_id in ids:
+                await engine.wait(job_id)
+            return time.perf_counter() - start
+
+    return trio.run(main)
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    jobs = 2_000 if quick else 20_000
+    repeats = 3 if quick else 5
+    rows = []
+    for pipes, workers in ((1, jobs), (5, jobs), (1, 64)):
+        limited = workers < jobs
+        bare = median_of(repeats, _bare, jobs, pipes, workers if limited else None) / jobs * 1e6
+        ours = median_of(repeats, _engine, jobs, pipes, workers) / jobs * 1e6
+        rows.append(
+            {
+                "scenario": f"engine: {pipes}-pipe serial chain, {jobs:,} jobs, "
+                f"{'no slot waits' if workers == jobs else f'{workers} workers'}",
+                "subject_us": ours,
+                "baseline": f"bare trio: a task per job, {pipes} checkpoint(s)"
+                + (f", CapacityLimiter({workers})" if limited else ""),
+                "baseline_us": bare,
+                "ratio": ours / bare,
+                "goal": "≤ 2.0×" if pipes == 1 and workers == jobs else "",
+                "note": f"{1e6 / ours:,.0f} jobs/s vs {1e6 / bare:,.0f} tasks/s",
+            }
+        )
+    return rows
