@@ -18,8 +18,8 @@ run: $(STAMP)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check pipework tests benchmarks examples
+	$(BIN)/ruff format --check pipework tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

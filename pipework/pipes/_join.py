@@ -1,0 +1,331 @@
+"""The join of a parallel stage, as a pure state machine: branch events in, decisions out.
+
+The engine runs each branch as a child job and reports its end with :meth:`Join.branch_done`;
+the :class:`Decision` it gets back says which branches to start, which to cancel, and whether
+the stage is resolved. A join is stored in the parent's job record between events, so it
+round-trips through msgpack (:meth:`Join.to_wire` / :meth:`Join.from_wire`).
+
+Each branch moves ``waiting -> running -> ok | error | cancelled | timed_out``, or
+``waiting -> not_started`` when the stage resolves before it was started. Any outcome but
+``ok`` is a failure. The rules, with ``need`` successes required:
+
+=========  ====  ==========================================  ================================
+kind       need  resolved ok                                  resolved failed
+=========  ====  ==========================================  ================================
+all_of     n     every branch ok                              first failure (``settle``: once
+                                                              every branch has ended)
+any_of     1     first ok; its delta alone is merged          every branch failed
+quorum     k     k-th ok; those k are merged                  the moment k cannot be reached
+graph      core  every non-detached node ok                   first non-detached failure
+=========  ====  ==========================================  ================================
+
+On resolution, running branches are cancelled and waiting ones become ``not_started``.
+``max_concurrency`` caps running branches; the others start, in declaration order, as running
+ones end. In a graph a node is ready once all its parents are ok.
+
+Detached graph nodes are fire-and-forget. Their failure never fails the join, nothing may wait
+for them, and the join does not wait for them: it resolves when the last non-detached node
+succeeds, even while detached nodes run. Resolving ok starts every detached node not yet
+started (past ``max_concurrency``: the stage is over, so its cap no longer applies); resolving
+failed leaves running detached nodes alone. A detached node's delta is never merged, since
+whether it finished before the join would depend on timing.
+
+After resolution a report is recorded in :attr:`Join.outcomes` (so the merge step and logs see
+how every branch ended) but changes nothing else and returns an empty decision; a second report
+for the same branch is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal, TypeAlias, get_args
+
+from .._errors import RegistrationError
+from ._graph import find_cycle
+
+__all__ = ["Decision", "Join", "JoinKind", "Outcome", "Resolution"]
+
+JoinKind: TypeAlias = Literal["all_of", "any_of", "quorum", "graph"]
+Outcome: TypeAlias = Literal["ok", "error", "cancelled", "timed_out"]
+Resolution: TypeAlias = Literal["ok", "failed"]
+
+_KINDS: Final = frozenset(get_args(JoinKind))
+_OUTCOMES: Final = frozenset(get_args(Outcome))
+_FAILURES: Final = _OUTCOMES - {"ok"}
+_WAITING, _RUNNING, _NOT_STARTED = "waiting", "running", "not_started"
+_WIRE_VERSION: Final = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the engine must do after an event. Indices are branch positions in declaration
+    order; every tuple is sorted.
+
+    ``merge`` (set when resolved ok) lists the branches whose deltas to merge; ``failures``
+    (set when resolved failed) lists the failed branches whose errors the stage raises.
+    """
+
+    start: tuple[int, ...] = ()
+    cancel: tuple[int, ...] = ()
+    resolved: Resolution | None = None
+    merge: tuple[int, ...] = ()
+    failures: tuple[int, ...] = ()
+
+
+class Join:
+    """The bookkeeping of one parallel stage run. Build one with :meth:`all_of`,
+    :meth:`any_of`, :meth:`quorum` or :meth:`graph`, call :meth:`start` once, then
+    :meth:`branch_done` for each branch that ends."""
+
+    __slots__ = (
+        "_core",
+        "_detach",
+        "_failures",
+        "_merge",
+        "_parents",
+        "_resolved",
+        "_started",
+        "_status",
+        "kind",
+        "max_concurrency",
+        "need",
+        "settle",
+    )
+
+    def __init__(
+        self,
+        kind: JoinKind,
+        n: int,
+        *,
+        need: int,
+        settle: bool = False,
+        max_concurrency: int | None = None,
+        parents: Sequence[Sequence[int]] = (),
+        detach: Sequence[bool] = (),
+    ) -> None:
+        if kind not in _KINDS:
+            raise RegistrationError(f"unknown join kind {kind!r}; use one of {sorted(_KINDS)}")
+        if n < 1:
+            raise RegistrationError(f"a {kind} stage needs at least one branch, got {n}")
+        if not 0 <= need <= n:
+            raise RegistrationError(f"a {kind} stage of {n} branches cannot need {need} successes")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise RegistrationError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.kind: JoinKind = kind
+        self.need = need
+        self.settle = settle
+        self.max_concurrency = max_concurrency
+        self._parents = [list(p) for p in parents] or [[] for _ in range(n)]
+        self._detach = list(detach) or [False] * n
+        self._core = [i for i in range(n) if not self._detach[i]]
+        self._status = [_WAITING] * n
+        self._started = False
+        self._resolved: Resolution | None = None
+        self._merge: list[int] = []
+        self._failures: list[int] = []
+
+    # -- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def all_of(cls, n: int, *, settle: bool = False, max_concurrency: int | None = None) -> Join:
+        return cls("all_of", n, need=n, settle=settle, max_concurrency=max_concurrency)
+
+    @classmethod
+    def any_of(cls, n: int, *, max_concurrency: int | None = None) -> Join:
+        return cls("any_of", n, need=1, max_concurrency=max_concurrency)
+
+    @classmethod
+    def quorum(cls, k: int, n: int, *, max_concurrency: int | None = None) -> Join:
+        if not 1 <= k <= n:
+            raise RegistrationError(f"quorum needs 1 <= k <= {n} branches, got k={k}")
+        return cls("quorum", n, need=k, max_concurrency=max_concurrency)
+
+    @classmethod
+    def graph(
+        cls,
+        parents: Sequence[Sequence[int]],
+        detach: Sequence[bool] | None = None,
+        *,
+        max_concurrency: int | None = None,
+    ) -> Join:
+        """``parents[i]`` lists the nodes node ``i`` waits for; ``detach[i]`` marks node ``i``
+        fire-and-forget. Raises :class:`RegistrationError` for a graph that could deadlock."""
+        n = len(parents)
+        flags = [False] * n if detach is None else list(detach)
+        if len(flags) != n:
+            raise RegistrationError(f"graph has {n} nodes but {len(flags)} detach flags")
+        for node, its_parents in enumerate(parents):
+            for parent in its_parents:
+                if not 0 <= parent < n or parent == node:
+                    raise RegistrationError(f"graph node {node} names bad parent {parent}")
+                if flags[parent]:
+                    raise RegistrationError(
+                        f"graph node {node} waits for detached node {parent}; nothing may wait "
+                        "for a detached node"
+                    )
+        cycle = find_cycle({i: list(p) for i, p in enumerate(parents)})
+        if cycle is not None:
+            raise RegistrationError(f"graph cycle {' -> '.join(map(str, cycle))}")
+        need = flags.count(False)
+        return cls(
+            "graph", n, need=need, max_concurrency=max_concurrency, parents=parents, detach=flags
+        )
+
+    # -- what the engine reads -----------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return len(self._status)
+
+    @property
+    def parents(self) -> tuple[tuple[int, ...], ...]:
+        """Each branch's parents (empty unless this is a graph)."""
+        return tuple(tuple(p) for p in self._parents)
+
+    @property
+    def detached(self) -> tuple[bool, ...]:
+        """Which branches are fire-and-forget (none unless this is a graph)."""
+        return tuple(self._detach)
+
+    @property
+    def outcomes(self) -> tuple[str, ...]:
+        """Each branch's label: ``waiting``, ``running``, an outcome, or ``not_started``."""
+        return tuple(self._status)
+
+    @property
+    def resolved(self) -> Resolution | None:
+        return self._resolved
+
+    @property
+    def merge(self) -> tuple[int, ...]:
+        """The branches whose deltas to merge, once resolved ok."""
+        return tuple(self._merge)
+
+    @property
+    def failures(self) -> tuple[int, ...]:
+        """The failures that failed the join, once resolved failed."""
+        return tuple(self._failures)
+
+    @property
+    def running(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self._status) if s == _RUNNING)
+
+    @property
+    def finished(self) -> bool:
+        """Resolved, and every started branch (detached ones too) has reported its end."""
+        return self._resolved is not None and _RUNNING not in self._status
+
+    def __repr__(self) -> str:
+        return f"<Join {self.kind} need={self.need} resolved={self._resolved} {self._status}>"
+
+    # -- events --------------------------------------------------------------------------------
+
+    def start(self) -> Decision:
+        """The branches to start first. Call exactly once."""
+        if self._started:
+            raise RuntimeError(f"{self!r} was already started")
+        self._started = True
+        return self._step()
+
+    def branch_done(self, i: int, outcome: Outcome) -> Decision:
+        """Record that branch ``i`` ended with ``outcome``; say what to do next."""
+        if outcome not in _OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; use one of {sorted(_OUTCOMES)}")
+        if not 0 <= i < self.n:
+            raise IndexError(f"branch {i} out of range for a join of {self.n} branches")
+        if self._status[i] == _WAITING:
+            raise RuntimeError(f"branch {i} reported {outcome!r} but was never started: {self!r}")
+        if self._status[i] != _RUNNING:
+            return Decision()  # a second report, or one for a branch withdrawn unstarted
+        self._status[i] = outcome
+        if self._resolved is not None:
+            return Decision()  # late: recorded for the merge step, decides nothing
+        return self._step()
+
+    def _step(self) -> Decision:
+        ok = [i for i in self._core if self._status[i] == "ok"]
+        failed = [i for i in self._core if self._status[i] in _FAILURES]
+        still_open = len(self._core) - len(ok) - len(failed)
+        if len(ok) >= self.need and not (self.settle and still_open):
+            return self._resolve("ok", merge=ok)
+        if failed and (
+            (self.settle and not still_open)
+            or (not self.settle and len(ok) + still_open < self.need)
+        ):
+            return self._resolve("failed", failures=failed)
+        return Decision(start=self._fill())
+
+    def _ready(self, i: int) -> bool:
+        return self._status[i] == _WAITING and all(
+            self._status[p] == "ok" for p in self._parents[i]
+        )
+
+    def _fill(self) -> tuple[int, ...]:
+        room = self.n if self.max_concurrency is None else self.max_concurrency
+        room -= self._status.count(_RUNNING)
+        start = [i for i in range(self.n) if self._ready(i)][: max(room, 0)]
+        for i in start:
+            self._status[i] = _RUNNING
+        return tuple(start)
+
+    def _resolve(
+        self, resolution: Resolution, *, merge: Sequence[int] = (), failures: Sequence[int] = ()
+    ) -> Decision:
+        self._resolved = resolution
+        self._merge = list(merge)
+        self._failures = list(failures)
+        start: list[int] = []
+        if resolution == "ok":
+            # Detached nodes still waiting are all ready now: no core node is left to wait for.
+            start = [i for i in range(self.n) if self._detach[i] and self._ready(i)]
+            for i in start:
+                self._status[i] = _RUNNING
+        cancel = [i for i, s in enumerate(self._status) if s == _RUNNING and not self._detach[i]]
+        self._status = [_NOT_STARTED if s == _WAITING else s for s in self._status]
+        return Decision(
+            start=tuple(start),
+            cancel=tuple(cancel),
+            resolved=resolution,
+            merge=tuple(merge),
+            failures=tuple(failures),
+        )
+
+    # -- wire ----------------------------------------------------------------------------------
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain lists, str, int, bool and None: safe to store with msgpack."""
+        return {
+            "version": _WIRE_VERSION,
+            "kind": self.kind,
+            "need": self.need,
+            "settle": self.settle,
+            "max_concurrency": self.max_concurrency,
+            "parents": [list(p) for p in self._parents] if self.kind == "graph" else [],
+            "detach": list(self._detach) if self.kind == "graph" else [],
+            "status": list(self._status),
+            "started": self._started,
+            "resolved": self._resolved,
+            "merge": list(self._merge),
+            "failures": list(self._failures),
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> Join:
+        if wire.get("version") != _WIRE_VERSION:
+            raise ValueError(f"unsupported join record version {wire.get('version')!r}")
+        join = cls(
+            wire["kind"],
+            len(wire["status"]),
+            need=wire["need"],
+            settle=wire["settle"],
+            max_concurrency=wire["max_concurrency"],
+            parents=wire["parents"],
+            detach=wire["detach"],
+        )
+        join._status = list(wire["status"])
+        join._started = wire["started"]
+        join._resolved = wire["resolved"]
+        join._merge = list(wire["merge"])
+        join._failures = list(wire["failures"])
+        return join
