@@ -26,24 +26,37 @@ from .dispatcher._queue import QueueStatistics as QueueStatistics
 from .dispatcher._status import Status as Status
 from .dispatcher._store import JobGone as JobGone
 from .dispatcher._store import MemoryJobStore as MemoryJobStore
+from .pipes._merge import MISSING as MISSING
+from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
 from .pipes._pipe import Pipe as Pipe
+from .pipes._stages import BranchEnd as BranchEnd
 from .pipes._stages import Chain as Chain
+from .pipes._stages import GraphNode as GraphNode
+from .pipes._stages import Parallel as Parallel
 from .pipes._stages import Serial as Serial
+from .pipes._stages import all_of as all_of
+from .pipes._stages import any_of as any_of
+from .pipes._stages import graph as graph
+from .pipes._stages import node as node
+from .pipes._stages import quorum as quorum
 from .pipes._stages import serial as serial
 from .registry._registry import Registry as Registry
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MISSING",
     "Admission",
     "BackendError",
+    "BranchEnd",
     "Chain",
     "Context",
     "DeadlineExceeded",
     "Engine",
     "ErrorInfo",
     "GlobalLimit",
+    "GraphNode",
     "InvalidTransition",
     "JobCancelled",
     "JobFailed",
@@ -53,7 +66,9 @@ __all__ = [
     "MemoryEventQueue",
     "MemoryJobStore",
     "MergeConflict",
+    "MergePolicy",
     "Overloaded",
+    "Parallel",
     "Pipe",
     "PipeworkError",
     "Progress",
@@ -64,5 +79,10 @@ __all__ = [
     "StateError",
     "Status",
     "__version__",
+    "all_of",
+    "any_of",
+    "graph",
+    "node",
+    "quorum",
     "serial",
 ]

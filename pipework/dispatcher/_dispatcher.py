@@ -18,12 +18,13 @@ import trio
 
 from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected
 from ..pipes._pipe import Context, Pipe, Suspend
-from ..pipes._stages import Chain, Serial
+from ..pipes._stages import Chain, Parallel, Serial
 from ..pipes._state import check_state
 from ..registry._registry import Registry
 from ._admission import Admission
-from ._events import Expire, Resume, RunJob
+from ._events import BranchDone, Expire, Resume, RunJob
 from ._job import ErrorInfo, Frame, Job, Progress
+from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
 from ._status import TERMINAL, Status
 from ._store import JobStore
@@ -52,6 +53,7 @@ class Dispatcher:
             RunJob: self._on_run,
             Resume: self._on_run,
             Expire: self._on_expire,
+            BranchDone: self._on_branch_done,
         }
 
     # -- the loop ------------------------------------------------------------------------
@@ -76,6 +78,9 @@ class Dispatcher:
     def _on_expire(self, event: Expire) -> None:
         self._spawn(self._expire, event)
 
+    def _on_branch_done(self, event: BranchDone) -> None:
+        self._spawn(on_branch_done, self, event)
+
     # -- cursor --------------------------------------------------------------------------
 
     def start_frames(self, job: Job, chain: Chain) -> None:
@@ -85,13 +90,15 @@ class Dispatcher:
         if isinstance(root, Serial) and root.timeout is not None:
             deadline = min(deadline, trio.current_time() + root.timeout)
         job.frames = [Frame(0, deadline)]
-        pipe = self._advance(job, chain)
-        if pipe is not None:
-            job.key = pipe.key or chain.key
+        job.key = self._next_key(job, chain)
 
-    def _advance(self, job: Job, chain: Chain) -> Pipe | None:
-        """Move the cursor to the next pipe to run (entering and leaving stages); None when
-        the job's sequence is complete."""
+    def _next_key(self, job: Job, chain: Chain) -> str:
+        step = self._advance(job, chain)
+        return step.key or chain.key if isinstance(step, Pipe) else chain.key
+
+    def _advance(self, job: Job, chain: Chain) -> Pipe | Parallel | None:
+        """Move the cursor to the next pipe or parallel stage (entering and leaving serial
+        stages); None when the job's sequence is complete."""
         frames = job.frames
         while frames:
             top = frames[-1]
@@ -103,7 +110,7 @@ class Dispatcher:
                     frames[-1].index += 1
                 continue
             child = children[top.index]
-            if isinstance(child, Pipe):
+            if isinstance(child, Pipe | Parallel):
                 return child
             deadline = top.deadline
             if child.timeout is not None:
@@ -111,7 +118,7 @@ class Dispatcher:
             frames.append(Frame(0, deadline))
         return None
 
-    def _path(self, job: Job) -> tuple[int, ...]:
+    def path_of(self, job: Job) -> tuple[int, ...]:
         return (*job.root, *(f.index for f in job.frames[:-1]))
 
     # -- a step --------------------------------------------------------------------------
@@ -133,11 +140,11 @@ class Dispatcher:
                         acked = True
                         await self._run_held(job)
                 except Rejected as exc:
-                    self._note(exc, job, f"admission key {job.key!r}")
-                    await self._finish(job, Status.FAILED, exc=exc)
+                    self.note(exc, job, f"admission key {job.key!r}")
+                    await self.finish(job, Status.FAILED, exc=exc)
                 except trio.Cancelled:
                     with trio.CancelScope(shield=True):
-                        await self._finish(
+                        await self.finish(
                             job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
                         )
                     raise
@@ -156,8 +163,16 @@ class Dispatcher:
         while True:
             pipe = self._advance(job, chain)
             if pipe is None:
-                result = job.state if chain.result is None else job.state.get(chain.result)
-                await self._finish(job, Status.DONE, result=result)
+                if job.parent is not None:
+                    result = None  # a branch's result is its delta, sent to the join
+                elif chain.result is None:
+                    result = job.state
+                else:
+                    result = job.state.get(chain.result)
+                await self.finish(job, Status.DONE, result=result)
+                return
+            if isinstance(pipe, Parallel):
+                await fork(self, job, chain, pipe)  # the slot is released on return
                 return
             key = pipe.key or chain.key
             if key != held:
@@ -171,7 +186,7 @@ class Dispatcher:
 
     async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe) -> bool:
         """Run one pipe; True to go on, False when the step ended (failure or suspension)."""
-        position = self._path(job)
+        position = self.path_of(job)
 
         def describe() -> str:  # formatted only when asked for: errors, logs, ctx.path
             return chain.describe(position, pipe)
@@ -197,9 +212,9 @@ class Dispatcher:
             return await self._suspend(job, chain, suspend, describe())
         except Exception as exc:
             path = describe()
-            self._note(exc, job, path)
+            self.note(exc, job, path)
             status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
-            await self._finish(job, status, exc=exc, where=path)
+            await self.finish(job, status, exc=exc, where=path)
             return False
         top.index += 1
         await self.store.update(job)
@@ -230,8 +245,11 @@ class Dispatcher:
 
     async def _suspend(self, job: Job, chain: Chain, suspend: Suspend, path: str) -> bool:
         check_state(job.state)
-        if suspend.signal in job.signals:  # it came while we ran: no need to park
-            job.state[suspend.into] = job.signals.pop(suspend.signal)
+        holder = await self._mailbox_with(job, suspend.signal)
+        if holder is not None:  # it came while we ran: no need to park
+            job.state[suspend.into] = holder.signals.pop(suspend.signal)
+            if holder is not job:
+                await self.store.update(holder)
             await self.store.update(job)
             return True
         top = job.frames[-1]
@@ -240,15 +258,37 @@ class Dispatcher:
         job.suspend_deadline = min(limit, top.deadline)
         job.waiting_for = suspend.signal
         job.suspend_into = suspend.into
-        pipe = self._advance(job, chain)
-        if pipe is not None:
-            job.key = pipe.key or chain.key
+        job.key = self._next_key(job, chain)
         job.transition(Status.SUSPENDED)
         await self.store.update(job)
         if job.suspend_deadline < math.inf:
             self._spawn(self._timer, job.id, job.version, job.suspend_deadline)
         _log.debug("job %s suspended at %s for %r", job.id, path, suspend.signal)
         return False
+
+    async def _mailbox_with(self, job: Job, signal: str) -> Job | None:
+        """The job, or the nearest parent, holding an early ``signal`` (a signal sent to a
+        parent waiting at a join is meant for whichever branch suspends for it)."""
+        current: Job | None = job
+        while current is not None:
+            if signal in current.signals:
+                return current
+            current = None if current.parent is None else await self.store.get(current.parent)
+        return None
+
+    async def find_waiting(self, job: Job, signal: str) -> Job | None:
+        """The job or one of its branches (depth first) suspended waiting for ``signal``."""
+        if job.status is Status.SUSPENDED and job.waiting_for == signal:
+            return job
+        if job.join is None:
+            return None
+        for child_id in job.join["children"].values():
+            child = await self.store.get(child_id)
+            if child.status not in TERMINAL:
+                found = await self.find_waiting(child, signal)
+                if found is not None:
+                    return found
+        return None
 
     async def deliver(self, job: Job, signal: str, payload: Any) -> None:
         """Resume a suspended job waiting for ``signal`` (the caller checked both)."""
@@ -282,7 +322,7 @@ class Dispatcher:
                 return  # resumed or finished meanwhile: the timer lost the race
             assert job.suspend_deadline is not None
             chain = self.registry.get_chain(job.chain)
-            where = chain.describe(self._path(job))
+            where = chain.describe(self.path_of(job))
             deadline = job.suspend_deadline
             if deadline == job.deadline:
                 exc = DeadlineExceeded(
@@ -298,13 +338,20 @@ class Dispatcher:
                     where=where,
                     deadline=deadline,
                 )
-            self._note(exc, job, where)
+            self.note(exc, job, where)
             status = Status.EXPIRED if exc.scope == "job" else Status.FAILED
-            await self._finish(job, status, exc=exc, where=where)
+            await self.finish(job, status, exc=exc, where=where)
         finally:
             self.queue.ack(event)
 
     # -- cancel and finish ---------------------------------------------------------------
+
+    async def continue_later(self, job: Job, chain: Chain) -> None:
+        """Send a job back through the queue to continue at its cursor (after a join)."""
+        job.key = self._next_key(job, chain)
+        job.transition(Status.QUEUED)
+        await self.store.update(job)
+        self.queue.put_nowait(RunJob(job.id))
 
     async def cancel(self, job: Job) -> None:
         job.cancel_requested = True
@@ -312,11 +359,11 @@ class Dispatcher:
         if scope is not None:
             scope.cancel()  # the step finishes it once the pipe's cleanup has run
         else:
-            await self._finish(
+            await self.finish(
                 job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
             )
 
-    async def _finish(
+    async def finish(
         self,
         job: Job,
         status: Status,
@@ -339,6 +386,10 @@ class Dispatcher:
             )
         await self.store.update(job)
         self._cancel_timer(job.id)
+        if job.join is not None:
+            await cancel_branches(self, job)
+        if job.parent is not None:
+            await report_branch(self, job)
         stream = self._streams.pop(job.id, None)
         if stream is not None:
             stream.close()
@@ -357,7 +408,7 @@ class Dispatcher:
         return receive
 
     @staticmethod
-    def _note(exc: BaseException, job: Job, where: str) -> None:
+    def note(exc: BaseException, job: Job, where: str) -> None:
         note = f"pipework: in {where} (job {job.id}, correlation id {job.correlation_id})"
         if note not in getattr(exc, "__notes__", ()):
             exc.add_note(note)

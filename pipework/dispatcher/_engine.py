@@ -210,14 +210,14 @@ class Engine:
             raise SignalError(
                 f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"
             )
-        if job.status is Status.SUSPENDED:
-            if job.waiting_for != name:
-                raise SignalError(
-                    f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, "
-                    f"not {name!r}"
-                )
-            await self._dispatcher.deliver(job, name, payload)
+        target = await self._dispatcher.find_waiting(job, name)
+        if target is not None:
+            await self._dispatcher.deliver(target, name, payload)
             return
+        if job.status is Status.SUSPENDED:
+            raise SignalError(
+                f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, not {name!r}"
+            )
         if name in job.signals:
             raise SignalError(f"signal {name!r} is already pending for job {job_id}")
         job.signals[name] = payload

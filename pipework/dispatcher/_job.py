@@ -90,6 +90,12 @@ class Job:
     finished_at: float | None = None
     #: Absolute trio time after which a finished job is dropped (None while active).
     retain_until: float | None = None
+    #: A branch of a parallel stage: its parent job, its index there, and which join.
+    parent: str | None = None
+    branch: int | None = None
+    join_id: str | None = None
+    #: A parent waiting at a parallel stage: the join's state (see _parallel.py).
+    join: dict[str, Any] | None = None
     version: int = 0
     # In-process only, never stored remotely.
     exception: BaseException | None = None
@@ -142,6 +148,10 @@ class Job:
             "updated_at": self.updated_at,
             "finished_at": self.finished_at,
             "retain_until": self.retain_until,
+            "parent": self.parent,
+            "branch": self.branch,
+            "join_id": self.join_id,
+            "join": self.join,
             "version": self.version,
         }
 

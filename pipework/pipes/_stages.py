@@ -6,17 +6,35 @@ a position in the tree is a path of child indices, which is what a job's cursor 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from .._errors import RegistrationError
+from ._graph import validate_graph
+from ._join import Join
+from ._merge import MergePolicy, MergeRule
 from ._pipe import Pipe, PipeFunction, as_pipe
 
-__all__ = ["Chain", "Node", "Serial", "StageItem", "resolve", "serial"]
+__all__ = [
+    "BranchEnd",
+    "Chain",
+    "GraphNode",
+    "Node",
+    "Parallel",
+    "Serial",
+    "StageItem",
+    "all_of",
+    "any_of",
+    "graph",
+    "node",
+    "quorum",
+    "resolve",
+    "serial",
+]
 
 # What stage constructors accept: pipes, stages, bare async functions, or registered names.
-StageItem = Union[Pipe, "Serial", PipeFunction, str]
+StageItem = Union[Pipe, "Serial", "Parallel", PipeFunction, str]
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +51,56 @@ class Serial:
         return self.items  # type: ignore[return-value]  # resolved trees hold only nodes
 
 
-Node = Pipe | Serial
+@dataclass(frozen=True, slots=True)
+class BranchEnd:
+    """What a graph node's ``on_success`` / ``on_error`` callback receives."""
+
+    job_id: str
+    node: str
+    outcome: str
+    error: BaseException | None
+
+
+Callback = Callable[[BranchEnd], Awaitable[None] | None]
+
+
+@dataclass(frozen=True, eq=False)
+class Parallel:
+    """Branches that run at once, each on a snapshot of the state, joined by ``kind``.
+
+    Each branch is a :class:`Serial` (a lone pipe is wrapped), named for merge conflicts,
+    errors and graph edges. ``parents``/``detach``/callbacks are for graphs only.
+    """
+
+    kind: str
+    branches: tuple[Serial, ...]
+    names: tuple[str, ...]
+    k: int = 1
+    settle: bool = False
+    merge: MergePolicy = field(default_factory=MergePolicy)
+    timeout: float | None = None
+    max_concurrency: int | None = None
+    parents: tuple[tuple[int, ...], ...] = ()
+    detach: tuple[bool, ...] = ()
+    on_success: tuple[Callback | None, ...] = ()
+    on_error: tuple[Callback | None, ...] = ()
+
+    @property
+    def children(self) -> tuple[Serial, ...]:
+        return self.branches
+
+    def new_join(self) -> Join:
+        n = len(self.branches)
+        if self.kind == "all_of":
+            return Join.all_of(n, settle=self.settle, max_concurrency=self.max_concurrency)
+        if self.kind == "any_of":
+            return Join.any_of(n, max_concurrency=self.max_concurrency)
+        if self.kind == "quorum":
+            return Join.quorum(self.k, n, max_concurrency=self.max_concurrency)
+        return Join.graph(self.parents, self.detach, max_concurrency=self.max_concurrency)
+
+
+Node = Pipe | Serial | Parallel
 
 
 def serial(*items: StageItem, timeout: float | None = None) -> Serial:
@@ -49,13 +116,198 @@ def _check_timeout(kind: str, timeout: float | None) -> None:
         raise RegistrationError(f"{kind}(): timeout must be positive, got {timeout}")
 
 
+def _branches(items: Sequence[StageItem]) -> tuple[tuple[Serial, ...], tuple[str, ...]]:
+    branches, names = [], []
+    for index, item in enumerate(items):
+        branches.append(item if isinstance(item, Serial) else Serial((item,)))
+        if isinstance(item, str):
+            names.append(item)
+        elif isinstance(item, Pipe):
+            names.append(item.name)
+        elif isinstance(item, Serial | Parallel):
+            names.append(f"branch[{index}]")
+        else:
+            names.append(getattr(item, "__name__", f"branch[{index}]"))
+    return tuple(branches), tuple(names)
+
+
+def _parallel(
+    kind: str,
+    items: Sequence[StageItem],
+    *,
+    timeout: float | None,
+    max_concurrency: int | None,
+    merge: MergePolicy | MergeRule | None,
+    **options: Any,
+) -> Parallel:
+    if not items:
+        raise RegistrationError(f"{kind}() needs at least one branch")
+    _check_timeout(kind, timeout)
+    branches, names = _branches(items)
+    stage = Parallel(
+        kind,
+        branches,
+        names,
+        timeout=timeout,
+        max_concurrency=max_concurrency,
+        merge=MergePolicy.of(merge),
+        **options,
+    )
+    stage.new_join()  # validates counts and options now, at registration
+    return stage
+
+
+def any_of(
+    *branches: StageItem,
+    timeout: float | None = None,
+    max_concurrency: int | None = None,
+) -> Parallel:
+    """Start every branch; the first to **succeed** wins and only its changes are merged.
+    The others are cancelled (or withdrawn while waiting for a slot); if all fail, the stage
+    fails with every error in an ExceptionGroup."""
+    return _parallel(
+        "any_of", branches, timeout=timeout, max_concurrency=max_concurrency, merge="last"
+    )
+
+
+def all_of(
+    *branches: StageItem,
+    settle: bool = False,
+    merge: MergePolicy | MergeRule | None = None,
+    timeout: float | None = None,
+    max_concurrency: int | None = None,
+) -> Parallel:
+    """Every branch must succeed; their changes are merged in declaration order. The first
+    failure cancels the rest and fails the stage with that exception. ``settle=True`` waits
+    for every branch, merges the ones that succeeded and records each outcome in
+    ``state["outcomes"]`` instead of failing."""
+    return _parallel(
+        "all_of",
+        branches,
+        timeout=timeout,
+        max_concurrency=max_concurrency,
+        merge=merge,
+        settle=settle,
+    )
+
+
+def quorum(
+    k: int,
+    *branches: StageItem,
+    merge: MergePolicy | MergeRule | None = None,
+    timeout: float | None = None,
+    max_concurrency: int | None = None,
+) -> Parallel:
+    """Succeed at the k-th success (those k are merged, the rest cancelled); fail as soon as
+    k successes can no longer be reached."""
+    return _parallel(
+        "quorum", branches, timeout=timeout, max_concurrency=max_concurrency, merge=merge, k=k
+    )
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One node of a :func:`graph`: ``item`` runs once every node in ``after`` succeeded."""
+
+    name: str
+    item: StageItem
+    after: tuple[str, ...] = ()
+    detach: bool = False
+    on_success: Callback | None = None
+    on_error: Callback | None = None
+
+
+def node(
+    name: str,
+    item: StageItem,
+    *,
+    after: Sequence[str] = (),
+    detach: bool = False,
+    on_success: Callback | None = None,
+    on_error: Callback | None = None,
+) -> GraphNode:
+    """Declare a graph node. ``detach=True`` makes it fire-and-forget: its failure is logged
+    and counted, never fatal, and no node may name it in ``after``. The callbacks run exactly
+    once, when the node ends ok or with an error."""
+    return GraphNode(name, item, tuple(after), detach, on_success, on_error)
+
+
+def graph(
+    *nodes: GraphNode,
+    name: str = "graph",
+    merge: MergePolicy | MergeRule | None = None,
+    timeout: float | None = None,
+    max_concurrency: int | None = None,
+) -> Parallel:
+    """A dependency graph: roots start together, a node starts when all its parents
+    succeeded. Checked when declared: unknown parents, detached parents and cycles are
+    refused with the nodes named."""
+    if not nodes:
+        raise RegistrationError("graph() needs at least one node")
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise RegistrationError(f"graph {name!r}: node names must be unique, got {names}")
+    parents: Mapping[str, Sequence[str]] = {n.name: n.after for n in nodes}
+    validate_graph(name, parents, [n.name for n in nodes if n.detach])
+    index = {n: i for i, n in enumerate(names)}
+    stage = _parallel(
+        "graph",
+        [n.item for n in nodes],
+        timeout=timeout,
+        max_concurrency=max_concurrency,
+        merge=merge,
+        parents=tuple(tuple(index[p] for p in n.after) for n in nodes),
+        detach=tuple(n.detach for n in nodes),
+        on_success=tuple(n.on_success for n in nodes),
+        on_error=tuple(n.on_error for n in nodes),
+    )
+    return _renamed(stage, tuple(names))
+
+
+def _renamed(stage: Parallel, names: tuple[str, ...]) -> Parallel:
+    return Parallel(
+        stage.kind,
+        stage.branches,
+        names,
+        stage.k,
+        stage.settle,
+        stage.merge,
+        stage.timeout,
+        stage.max_concurrency,
+        stage.parents,
+        stage.detach,
+        stage.on_success,
+        stage.on_error,
+    )
+
+
 def resolve(item: StageItem, lookup: Callable[[str], Pipe]) -> Node:
     """Return ``item`` as a tree of nodes: names looked up, bare functions made pipes."""
     if isinstance(item, str):
         return lookup(item)
     if isinstance(item, Serial):
-        return Serial(tuple(resolve(child, lookup) for child in item.items), item.timeout)
+        return _resolve_serial(item, lookup)
+    if isinstance(item, Parallel):
+        branches = tuple(_resolve_serial(b, lookup) for b in item.branches)
+        return Parallel(
+            item.kind,
+            branches,
+            item.names,
+            item.k,
+            item.settle,
+            item.merge,
+            item.timeout,
+            item.max_concurrency,
+            item.parents,
+            item.detach,
+            item.on_success,
+            item.on_error,
+        )
     return as_pipe(item)
+
+
+def _resolve_serial(item: Serial, lookup: Callable[[str], Pipe]) -> Serial:
+    return Serial(tuple(resolve(child, lookup) for child in item.items), item.timeout)
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,7 +333,9 @@ class Chain:
         node: Any = self.root
         for index in path:
             child = node.children[index]
-            if not isinstance(child, Pipe):
+            if isinstance(node, Parallel):
+                parts.append(f"branch {node.names[index]!r}")
+            elif not isinstance(child, Pipe):
                 parts.append(f"{child.kind}[{index}]")
             node = child
         if pipe is not None:

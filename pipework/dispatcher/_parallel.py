@@ -1,0 +1,257 @@
+"""Parallel stages in the dispatcher: fork branches as child jobs, join on their events.
+
+At a parallel stage the parent's step ends and its slot is released: the parent stays
+``running`` holding nothing, with a ``join`` record (the join state machine's wire form, the
+branches' child-job ids, the ok branches' deltas). Each branch is a child job on a snapshot of
+the parent's state, admitted under its own keys like any job, and able to suspend. When a
+child ends, a ``BranchDone`` event (with its delta) drives the join; once it resolves, the
+deltas are merged in declaration order and the parent continues at the next cursor through
+the queue. A late or duplicate ``BranchDone`` finds the join gone or already resolved and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .._errors import DeadlineExceeded, JobCancelled, JobFailed, MergeConflict, Rejected
+from ..pipes._join import Join, Outcome
+from ..pipes._merge import Delta, delta, merge, snapshot
+from ..pipes._stages import BranchEnd, Chain, Parallel
+from ._events import BranchDone, RunJob
+from ._job import Job, new_job_id
+from ._status import TERMINAL, Status
+
+if TYPE_CHECKING:
+    from ._dispatcher import Dispatcher
+
+__all__ = ["branch_outcome", "fork", "on_branch_done"]
+
+_log = logging.getLogger("pipework.dispatcher")
+
+
+async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
+    """Start the stage's first branches; the parent then waits holding no slot."""
+    top = job.frames[-1]
+    deadline = top.deadline
+    if stage.timeout is not None:
+        deadline = min(deadline, trio.current_time() + stage.timeout)
+    join = stage.new_join()
+    decision = join.start()
+    job.join = {
+        "id": new_job_id(),
+        "path": [*d.path_of(job), top.index],
+        "wire": join.to_wire(),
+        "deadline": deadline,
+        "children": {},
+        "deltas": {},
+    }
+    for index in decision.start:
+        await _start_branch(d, job, chain, index)
+    await d.store.update(job)
+
+
+async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) -> None:
+    assert parent.join is not None
+    child = Job(
+        id=new_job_id(),
+        chain=parent.chain,
+        state=snapshot(parent.state),
+        correlation_id=parent.correlation_id,
+        deadline=parent.join["deadline"],
+        root=(*parent.join["path"], index),
+        parent=parent.id,
+        branch=index,
+        join_id=parent.join["id"],
+    )
+    d.start_frames(child, chain)
+    parent.join["children"][str(index)] = child.id
+    await d.store.create(child)
+    d.queue.put_nowait(RunJob(child.id))
+
+
+def branch_outcome(job: Job) -> Outcome:
+    if job.status is Status.DONE:
+        return "ok"
+    if job.status is Status.CANCELLED:
+        return "cancelled"
+    exc = job.exception
+    if job.status is Status.EXPIRED or isinstance(exc, DeadlineExceeded):
+        return "timed_out"
+    if isinstance(exc, Rejected) and exc.reason == "deadline":
+        return "timed_out"
+    return "error"
+
+
+async def report_branch(d: Dispatcher, child: Job) -> None:
+    """Called when a child job ends: send its outcome and delta to the parent's join."""
+    assert child.parent is not None
+    assert child.branch is not None
+    outcome = branch_outcome(child)
+    change = None
+    if outcome == "ok":
+        parent = await d.store.get(child.parent)
+        change = delta(parent.state, child.state).to_wire()
+    d.queue.put_nowait(BranchDone(child.parent, child.id, child.branch, outcome, change))
+
+
+async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
+    try:
+        await _branch_done(d, event)
+    finally:
+        d.queue.ack(event)
+
+
+async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
+    child = await d.store.get(event.branch_id)
+    parent = await d.store.get(event.parent_id)
+    chain = d.registry.get_chain(parent.chain)
+    path = child.root[:-1]
+    stage = chain.node_at(path)
+    assert isinstance(stage, Parallel)
+    await _callback(stage, event, child)
+    join_record = parent.join
+    if parent.status in TERMINAL or join_record is None or join_record["id"] != child.join_id:
+        return  # the stage is over: a late branch changes nothing
+    join = Join.from_wire(join_record["wire"])
+    decision = join.branch_done(event.index, event.outcome)  # type: ignore[arg-type]
+    if event.outcome == "ok" and event.delta is not None:
+        join_record["deltas"][str(event.index)] = event.delta
+    join_record["wire"] = join.to_wire()
+    for index in decision.start:
+        await _start_branch(d, parent, chain, index)
+    for index in decision.cancel:
+        await _cancel_branch(d, join_record["children"][str(index)])
+    where = chain.describe(path)
+    if decision.resolved is None:
+        await d.store.update(parent)
+    elif decision.resolved == "ok" or stage.settle:
+        await _continue(d, parent, chain, stage, join, decision.merge, where)
+    else:
+        errors = [await _error_of(d, join_record["children"][str(i)]) for i in decision.failures]
+        exc = _stage_error(stage, errors, where, parent)
+        d.note(exc, parent, where)
+        parent.join = None
+        status = Status.EXPIRED if _is_job_deadline(exc) else Status.FAILED
+        await d.finish(parent, status, exc=exc, where=where)
+
+
+async def _continue(
+    d: Dispatcher,
+    parent: Job,
+    chain: Chain,
+    stage: Parallel,
+    join: Join,
+    merged: tuple[int, ...],
+    where: str,
+) -> None:
+    assert parent.join is not None
+    deltas = parent.join["deltas"]
+    if stage.settle:  # merge whatever succeeded and say how each branch ended
+        merged = tuple(i for i, o in enumerate(join.outcomes) if o == "ok" and not join.detached[i])
+    pairs = [(stage.names[i], Delta.from_wire(deltas[str(i)])) for i in sorted(merged)]
+    try:
+        state = merge(parent.state, pairs, stage.merge, where=where)
+    except MergeConflict as exc:
+        d.note(exc, parent, where)
+        parent.join = None
+        await d.finish(parent, Status.FAILED, exc=exc, where=where)
+        return
+    if stage.settle:
+        state["outcomes"] = {
+            stage.names[i]: await _describe_outcome(d, parent.join["children"].get(str(i)), o)
+            for i, o in enumerate(join.outcomes)
+        }
+    parent.state = state
+    parent.join = None
+    parent.frames[-1].index += 1
+    await d.continue_later(parent, chain)
+
+
+async def _describe_outcome(d: Dispatcher, child_id: str | None, outcome: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"outcome": outcome}
+    if child_id is not None and outcome not in ("ok", "not_started"):
+        child = await d.store.get(child_id)
+        if child.error is not None:
+            info["error"] = {"type": child.error.type, "message": child.error.message}
+    return info
+
+
+async def _cancel_branch(d: Dispatcher, child_id: str) -> None:
+    child = await d.store.get(child_id)
+    if child.status not in TERMINAL:
+        await d.cancel(child)
+
+
+async def cancel_branches(d: Dispatcher, parent: Job) -> None:
+    if parent.join is not None:
+        for child_id in list(parent.join["children"].values()):
+            await _cancel_branch(d, child_id)
+
+
+async def _error_of(d: Dispatcher, child_id: str) -> BaseException:
+    child = await d.store.get(child_id)
+    if child.exception is not None:
+        return child.exception
+    error = child.error
+    if child.status is Status.CANCELLED or error is None:
+        return JobCancelled(f"branch job {child_id} was cancelled")
+    return JobFailed(error.message, error_type=error.type, where=error.where)
+
+
+def _stage_error(
+    stage: Parallel, errors: list[BaseException], where: str, parent: Job
+) -> BaseException:
+    errors = [_as_stage_timeout(e, where, parent) for e in errors]
+    if stage.kind == "any_of" and len(errors) > 1:
+        return ExceptionGroup(f"every branch of {where} failed", _exceptions(errors))
+    if stage.kind == "quorum" and len(errors) > 1:
+        return ExceptionGroup(
+            f"{where} can no longer reach {stage.k} successes", _exceptions(errors)
+        )
+    return errors[0]
+
+
+def _exceptions(errors: list[BaseException]) -> list[Exception]:
+    return [e if isinstance(e, Exception) else RuntimeError(repr(e)) for e in errors]
+
+
+def _as_stage_timeout(exc: BaseException, where: str, parent: Job) -> BaseException:
+    """A branch that hit its own deadline hit the stage's (or the parent job's) limit."""
+    if not (isinstance(exc, DeadlineExceeded) and exc.scope == "job"):
+        return exc
+    if exc.deadline >= parent.deadline:
+        return DeadlineExceeded(
+            f"job {parent.id} passed its deadline in {where}",
+            scope="job",
+            where=where,
+            deadline=exc.deadline,
+        )
+    return DeadlineExceeded(
+        f"the stage timeout of {where} ran out", scope="stage", where=where, deadline=exc.deadline
+    )
+
+
+def _is_job_deadline(exc: BaseException) -> bool:
+    return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
+
+
+async def _callback(stage: Parallel, event: BranchDone, child: Job) -> None:
+    """Graph nodes' on_success / on_error: once per node, since a child ends only once."""
+    if stage.kind != "graph" or event.outcome not in ("ok", "error"):
+        return
+    callbacks = stage.on_success if event.outcome == "ok" else stage.on_error
+    callback = callbacks[event.index]
+    if callback is None:
+        return
+    end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, child.exception)
+    try:
+        result = callback(end)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        _log.exception("graph node %r callback failed (job %s)", end.node, event.parent_id)

@@ -1,0 +1,366 @@
+"""Parallel stages through the engine: times are virtual (autojump_clock) and exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pipework as pw
+
+
+def sleeper(name: str, seconds: float, key: str | None = None) -> pw.Pipe:
+    async def run(ctx: pw.Context) -> None:
+        await trio.sleep(seconds)
+        ctx.state[name] = seconds
+
+    return pw.Pipe(run, name, key=key)
+
+
+def failing(name: str, seconds: float, exc: BaseException) -> pw.Pipe:
+    async def run(ctx: pw.Context) -> None:
+        await trio.sleep(seconds)
+        raise exc
+
+    return pw.Pipe(run, name)
+
+
+async def test_all_of_finishes_at_the_slowest_branch(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    engine.chain("c", pw.all_of(sleeper("a", 1), sleeper("b", 3), sleeper("c", 2)))
+    async with engine:
+        start = trio.current_time()
+        result = await engine.run("c", {"x": 0})
+        assert trio.current_time() - start == pytest.approx(3)
+    assert result == {"x": 0, "a": 1, "b": 3, "c": 2}
+
+
+async def test_all_of_first_failure_cancels_the_rest(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    boom = ValueError("quote service said no")
+    cleaned: list[str] = []
+
+    async def slow(ctx: pw.Context) -> None:
+        try:
+            await trio.sleep(10)
+        finally:
+            cleaned.append("slow")
+
+    engine.chain("order", pw.all_of(pw.Pipe(slow, "slow"), failing("quote", 1, boom)))
+    async with engine:
+        start = trio.current_time()
+        with pytest.raises(ValueError, match="quote service said no") as info:
+            await engine.run("order")
+        assert info.value is boom
+        assert trio.current_time() - start == pytest.approx(1)
+        assert any("chain 'order' > all_of[0] > branch 'quote'" in n for n in boom.__notes__)
+        await trio.testing.wait_all_tasks_blocked()
+    assert cleaned == ["slow"]
+
+
+async def test_any_of_takes_the_fastest_success(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    cleanup: list[str] = []
+    late_writes: list[str] = []
+
+    async def stubborn(ctx: pw.Context) -> None:
+        # Ignores cancellation for a while and writes to its own snapshot late.
+        with trio.CancelScope(shield=True):
+            await trio.sleep(5)
+        ctx.state["price"] = 999
+        late_writes.append("stubborn")
+
+    async def slow(ctx: pw.Context) -> None:
+        try:
+            await trio.sleep(10)
+            ctx.state["price"] = 10
+        finally:
+            cleanup.append("slow")
+
+    engine.chain(
+        "search",
+        pw.any_of(
+            pw.Pipe(slow, "slow"),
+            failing("broken", 0.5, RuntimeError("mirror down")),
+            sleeper("fast", 2),
+            pw.Pipe(stubborn, "stubborn"),
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("search", {"q": "tea"})
+        result = await engine.wait(job_id)
+        assert trio.current_time() - start == pytest.approx(2)
+        assert result == {"q": "tea", "fast": 2}
+        await trio.sleep(10)  # let the stubborn loser finish late
+        assert late_writes == ["stubborn"]
+        assert cleanup == ["slow"]
+        assert (await engine.status(job_id)).result == {"q": "tea", "fast": 2}
+
+
+async def test_any_of_all_failed_raises_every_error(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    e1, e2 = RuntimeError("a down"), KeyError("b")
+    engine.chain("c", pw.any_of(failing("a", 1, e1), failing("b", 2, e2)))
+    async with engine:
+        start = trio.current_time()
+        with pytest.raises(ExceptionGroup) as info:
+            await engine.run("c")
+        assert trio.current_time() - start == pytest.approx(2)
+    assert set(info.value.exceptions) == {e1, e2}
+
+
+async def test_quorum_succeeds_at_the_kth_success(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    engine.chain(
+        "c", pw.quorum(2, sleeper("a", 3), sleeper("b", 1), sleeper("c", 2), sleeper("d", 9))
+    )
+    async with engine:
+        start = trio.current_time()
+        result = await engine.run("c")
+        assert trio.current_time() - start == pytest.approx(2)
+    assert result == {"b": 1, "c": 2}
+
+
+async def test_quorum_fails_when_k_becomes_unreachable(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    e1, e2 = RuntimeError("one"), RuntimeError("two")
+    engine.chain("c", pw.quorum(2, failing("a", 1, e1), sleeper("b", 5), failing("c", 2, e2)))
+    async with engine:
+        start = trio.current_time()
+        with pytest.raises(ExceptionGroup) as info:
+            await engine.run("c")
+        # At t=2 two of three failed: 2 successes are out of reach, though b still runs.
+        assert trio.current_time() - start == pytest.approx(2)
+    assert set(info.value.exceptions) == {e1, e2}
+
+
+async def test_seed_graph_runs_nodes_when_their_parents_are_done(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    started: dict[str, float] = {}
+    callbacks: list[tuple[str, str]] = []
+    t0 = 0.0
+
+    def timed(name: str, seconds: float, fail: bool = False) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            started[name] = trio.current_time() - t0
+            await trio.sleep(seconds)
+            if fail:
+                raise RuntimeError(f"{name} failed")
+            ctx.state[name] = trio.current_time() - t0
+
+        return pw.Pipe(run, name)
+
+    def record(end: pw.BranchEnd) -> None:
+        callbacks.append((end.node, end.outcome))
+
+    engine.chain(
+        "seed",
+        pw.graph(
+            pw.node("A", timed("A", 1), on_success=record),
+            pw.node("B", timed("B", 3), on_success=record),
+            pw.node("C", timed("C", 0.5, fail=True), detach=True, on_error=record),
+            pw.node("D", timed("D", 1), after=["A"], on_success=record),
+            pw.node("E", timed("E", 1), after=["B", "D"], on_success=record),
+        ),
+    )
+    async with engine:
+        t0 = trio.current_time()
+        result = await engine.run("seed")
+        assert trio.current_time() - t0 == pytest.approx(4)
+    assert started == pytest.approx({"A": 0, "B": 0, "C": 0, "D": 1, "E": 3})
+    assert result == pytest.approx({"A": 1, "B": 3, "D": 2, "E": 4})
+    assert sorted(callbacks) == [("A", "ok"), ("B", "ok"), ("C", "error"), ("D", "ok"), ("E", "ok")]
+
+
+def test_graph_cycle_is_refused_at_registration_naming_it() -> None:
+    async def noop(ctx: pw.Context) -> None:
+        return None
+
+    with pytest.raises(pw.RegistrationError, match=r"graph 'g': cycle a -> b -> c -> a"):
+        pw.graph(
+            pw.node("a", noop, after=["c"]),
+            pw.node("b", noop, after=["a"]),
+            pw.node("c", noop, after=["b"]),
+            name="g",
+        )
+    with pytest.raises(pw.RegistrationError, match="detached node 'a' as a parent"):
+        pw.graph(pw.node("a", noop, detach=True), pw.node("b", noop, after=["a"]))
+
+
+async def test_all_of_of_any_of_of_serial_chains_merges(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+
+    def put(key: str, value: Any, seconds: float) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(seconds)
+            ctx.state[key] = value
+
+        return pw.Pipe(run, f"{key}={value}@{seconds}")
+
+    engine.chain(
+        "c",
+        pw.all_of(
+            pw.any_of(
+                pw.serial(put("user", "slow", 2), put("user_src", "a", 0)),
+                pw.serial(put("user", "fast", 1), put("user_src", "b", 0.5)),
+            ),
+            pw.any_of(
+                pw.serial(put("price", 10, 3)),
+                pw.serial(put("price", 12, 1), put("currency", "EUR", 1)),
+            ),
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        result = await engine.run("c", {"base": True})
+        assert trio.current_time() - start == pytest.approx(2)
+    assert result == {
+        "base": True,
+        "user": "fast",
+        "user_src": "b",
+        "price": 12,
+        "currency": "EUR",
+    }
+
+
+async def test_conflicting_branches_raise_merge_conflict() -> None:
+    engine = pw.Engine()
+
+    def put(name: str, value: int) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            ctx.state["total"] += value
+
+        return pw.Pipe(run, name)
+
+    engine.chain("strict", pw.all_of(put("a", 1), put("b", 2)))
+    engine.chain(
+        "summed", pw.all_of(put("c", 1), put("d", 2), merge=pw.MergePolicy(keys={"total": "sum"}))
+    )
+    async with engine:
+        with pytest.raises(pw.MergeConflict) as info:
+            await engine.run("strict", {"total": 0})
+        assert info.value.key == "total"
+        assert info.value.branches == ("a", "b")
+        assert await engine.run("summed", {"total": 10}) == {"total": 13}
+
+
+async def test_suspended_branch_resumes_and_the_join_completes(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+
+    async def approve(ctx: pw.Context) -> None:
+        await ctx.suspend("approved", into="approval")
+
+    engine.chain("c", pw.all_of(sleeper("fetch", 1), pw.Pipe(approve, "approve")))
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(5)
+        view = await engine.status(job_id)
+        assert view.status is pw.Status.RUNNING  # waiting at the join, holding nothing
+        await engine.signal(job_id, "approved", {"by": "ops"})
+        assert await engine.wait(job_id) == {"fetch": 1, "approval": {"by": "ops"}}
+
+
+async def test_settle_records_every_outcome(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    engine.chain(
+        "c",
+        pw.all_of(sleeper("a", 1), failing("b", 2, KeyError("nope")), sleeper("c", 3), settle=True),
+    )
+    async with engine:
+        result = await engine.run("c")
+    assert result["a"] == 1
+    assert result["c"] == 3
+    assert result["outcomes"] == {
+        "a": {"outcome": "ok"},
+        "b": {"outcome": "error", "error": {"type": "KeyError", "message": "'nope'"}},
+        "c": {"outcome": "ok"},
+    }
+
+
+async def test_max_concurrency_caps_running_branches(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    engine.chain("c", pw.all_of(*(sleeper(f"s{i}", 1) for i in range(5)), max_concurrency=2))
+    async with engine:
+        start = trio.current_time()
+        await engine.run("c")
+        assert trio.current_time() - start == pytest.approx(3)  # 2 + 2 + 1
+
+
+async def test_stage_timeout_and_branch_isolation(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    seen: list[Any] = []
+
+    async def writer(ctx: pw.Context) -> None:
+        ctx.state["shared"].append("writer")
+        await trio.sleep(1)
+
+    async def reader(ctx: pw.Context) -> None:
+        await trio.sleep(2)
+        seen.append(list(ctx.state["shared"]))
+
+    engine.chain(
+        "iso", pw.all_of(pw.Pipe(writer, "writer"), pw.Pipe(reader, "reader"), merge="last")
+    )
+    engine.chain("slow", pw.all_of(sleeper("a", 1), sleeper("b", 10), timeout=4))
+    async with engine:
+        result = await engine.run("iso", {"shared": []})
+        assert seen == [[]]  # the reader never saw its sibling's write
+        assert result["shared"] == ["writer"]
+        start = trio.current_time()
+        with pytest.raises(pw.DeadlineExceeded) as info:
+            await engine.run("slow")
+        assert trio.current_time() - start == pytest.approx(4)
+        assert info.value.scope == "stage"
+
+
+async def test_cancelling_a_parent_cancels_its_branches(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+    cleaned: list[str] = []
+
+    async def forever(ctx: pw.Context) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cleaned.append(ctx.pipe.name)
+
+    engine.chain("c", pw.all_of(pw.Pipe(forever, "x"), pw.Pipe(forever, "y")))
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(1)
+        await engine.cancel(job_id)
+        with pytest.raises(pw.JobCancelled):
+            await engine.wait(job_id)
+        await trio.testing.wait_all_tasks_blocked()
+    assert sorted(cleaned) == ["x", "y"]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=20), min_size=2, max_size=5))
+def test_merged_state_never_depends_on_completion_order(durations: list[int]) -> None:
+    async def main() -> Any:
+        engine = pw.Engine()
+        pipes = []
+        for i, seconds in enumerate(durations):
+
+            async def run(ctx: pw.Context, i: int = i, seconds: int = seconds) -> None:
+                await trio.sleep(seconds)
+                ctx.state["log"] = [*ctx.state["log"], f"b{i}"]
+                ctx.state[f"k{i}"] = i
+
+            pipes.append(pw.Pipe(run, f"b{i}"))
+        engine.chain("c", pw.all_of(*pipes, merge=pw.MergePolicy(keys={"log": "extend"})))
+        async with engine:
+            return await engine.run("c", {"log": ["start"]})
+
+    result = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    n = len(durations)
+    assert result["log"] == ["start", *(f"b{i}" for i in range(n))]
+    assert all(result[f"k{i}"] == i for i in range(n))
