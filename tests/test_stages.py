@@ -364,3 +364,30 @@ def test_merged_state_never_depends_on_completion_order(durations: list[int]) ->
     n = len(durations)
     assert result["log"] == ["start", *(f"b{i}" for i in range(n))]
     assert all(result[f"k{i}"] == i for i in range(n))
+
+
+async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
+    import msgpack
+
+    from pipework.dispatcher._job import Job
+
+    engine = pw.Engine()
+
+    async def wait(ctx: pw.Context) -> None:
+        await ctx.suspend("go")
+
+    engine.chain("c", pw.all_of(sleeper("a", 0), pw.Pipe(wait, "wait")))
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.testing.wait_all_tasks_blocked()
+        store = engine.store
+        assert isinstance(store, pw.MemoryJobStore)
+        parent = await store.get(job_id)
+        assert parent.join is not None
+        wire = msgpack.unpackb(msgpack.packb(parent.to_wire()))
+        back = Job.from_wire(wire)
+        assert back.to_wire() == parent.to_wire()
+        assert back.join is not None
+        assert back.join["join"].outcomes == parent.join["join"].outcomes
+        await engine.signal(job_id, "go", 1)
+        assert await engine.wait(job_id) == {"a": 0, "go": 1}

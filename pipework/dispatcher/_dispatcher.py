@@ -8,10 +8,11 @@ the job record, so any worker can take the next one (see docs/design.md).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -49,11 +50,13 @@ class Dispatcher:
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
         #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
         self.callback_factory: Callable[[str, str, float], str] | None = None
-        self._handlers: dict[type[Any], Callable[[Any], None]] = {
+        # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
+        # (pipes run concurrently); the others are short bookkeeping on the job pool.
+        self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
             RunJob: self._on_run,
             Resume: self._on_run,
-            Expire: self._on_expire,
-            BranchDone: self._on_branch_done,
+            Expire: self._expire,
+            BranchDone: functools.partial(on_branch_done, self),
         }
 
     # -- the loop ------------------------------------------------------------------------
@@ -66,20 +69,18 @@ class Dispatcher:
             handlers = self._handlers
             while True:
                 for event in await self.queue.get_batch():
-                    handlers[type(event)](event)
+                    try:
+                        await handlers[type(event)](event)
+                    except Exception:
+                        # A bug in one event's bookkeeping must not stop every other job.
+                        _log.exception("dispatching %r failed", event)
 
-    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         assert self._nursery is not None, "the dispatcher is not running"
         self._nursery.start_soon(fn, *args)
 
-    def _on_run(self, event: RunJob | Resume) -> None:
-        self._spawn(self._step, event)
-
-    def _on_expire(self, event: Expire) -> None:
-        self._spawn(self._expire, event)
-
-    def _on_branch_done(self, event: BranchDone) -> None:
-        self._spawn(on_branch_done, self, event)
+    async def _on_run(self, event: RunJob | Resume) -> None:
+        self.spawn(self._step, event)
 
     # -- cursor --------------------------------------------------------------------------
 
@@ -262,7 +263,7 @@ class Dispatcher:
         job.transition(Status.SUSPENDED)
         await self.store.update(job)
         if job.suspend_deadline < math.inf:
-            self._spawn(self._timer, job.id, job.version, job.suspend_deadline)
+            self.spawn(self._timer, job.id, job.version, job.suspend_deadline)
         _log.debug("job %s suspended at %s for %r", job.id, path, suspend.signal)
         return False
 

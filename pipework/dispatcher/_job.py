@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..pipes._join import Join
 from ._status import Status, check_transition
 
 __all__ = ["ErrorInfo", "Frame", "Job", "JobView", "Progress", "new_job_id"]
@@ -151,7 +152,9 @@ class Job:
             "parent": self.parent,
             "branch": self.branch,
             "join_id": self.join_id,
-            "join": self.join,
+            "join": None
+            if self.join is None
+            else {**self.join, "join": self.join["join"].to_wire()},
             "version": self.version,
         }
 
@@ -165,6 +168,8 @@ class Job:
             fields["progress"] = Progress(*fields["progress"])
         if fields["error"] is not None:
             fields["error"] = ErrorInfo(*fields["error"])
+        if fields["join"] is not None:
+            fields["join"] = {**fields["join"], "join": Join.from_wire(fields["join"]["join"])}
         return cls(**fields)
 
 

@@ -21,7 +21,7 @@ import trio
 from .._errors import DeadlineExceeded, JobCancelled, JobFailed, MergeConflict, Rejected
 from ..pipes._join import Join, Outcome
 from ..pipes._merge import Delta, delta, merge, snapshot
-from ..pipes._stages import BranchEnd, Chain, Parallel
+from ..pipes._stages import BranchEnd, Callback, Chain, Parallel
 from ._events import BranchDone, RunJob
 from ._job import Job, new_job_id
 from ._status import TERMINAL, Status
@@ -45,7 +45,7 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
     job.join = {
         "id": new_job_id(),
         "path": [*d.path_of(job), top.index],
-        "wire": join.to_wire(),
+        "join": join,  # the live state machine; Job.to_wire() stores its wire form
         "deadline": deadline,
         "children": {},
         "deltas": {},
@@ -113,15 +113,14 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     path = child.root[:-1]
     stage = chain.node_at(path)
     assert isinstance(stage, Parallel)
-    await _callback(stage, event, child)
+    _callback(d, stage, event, child)
     join_record = parent.join
     if parent.status in TERMINAL or join_record is None or join_record["id"] != child.join_id:
         return  # the stage is over: a late branch changes nothing
-    join = Join.from_wire(join_record["wire"])
+    join: Join = join_record["join"]
     decision = join.branch_done(event.index, event.outcome)  # type: ignore[arg-type]
     if event.outcome == "ok" and event.delta is not None:
         join_record["deltas"][str(event.index)] = event.delta
-    join_record["wire"] = join.to_wire()
     for index in decision.start:
         await _start_branch(d, parent, chain, index)
     for index in decision.cancel:
@@ -240,18 +239,22 @@ def _is_job_deadline(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
 
-async def _callback(stage: Parallel, event: BranchDone, child: Job) -> None:
-    """Graph nodes' on_success / on_error: once per node, since a child ends only once."""
+def _callback(d: Dispatcher, stage: Parallel, event: BranchDone, child: Job) -> None:
+    """Graph nodes' on_success / on_error: once per node, since a child ends only once. Run
+    in their own task so a slow callback never holds up the dispatcher."""
     if stage.kind != "graph" or event.outcome not in ("ok", "error"):
         return
     callbacks = stage.on_success if event.outcome == "ok" else stage.on_error
     callback = callbacks[event.index]
-    if callback is None:
-        return
-    end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, child.exception)
+    if callback is not None:
+        end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, child.exception)
+        d.spawn(_run_callback, callback, end)
+
+
+async def _run_callback(callback: Callback, end: BranchEnd) -> None:
     try:
         result = callback(end)
         if inspect.isawaitable(result):
             await result
     except Exception:
-        _log.exception("graph node %r callback failed (job %s)", end.node, event.parent_id)
+        _log.exception("graph node %r callback failed (job %s)", end.node, end.job_id)

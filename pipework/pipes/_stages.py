@@ -18,6 +18,7 @@ from ._pipe import Pipe, PipeFunction, as_pipe
 
 __all__ = [
     "BranchEnd",
+    "Callback",
     "Chain",
     "GraphNode",
     "Node",
