@@ -18,6 +18,8 @@ from typing import Any
 import trio
 
 from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected
+from .._logging import log_job
+from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel, Serial
 from ..pipes._state import check_state
@@ -37,12 +39,20 @@ _log = logging.getLogger("pipework.dispatcher")
 
 class Dispatcher:
     def __init__(
-        self, registry: Registry, store: JobStore, queue: EventQueue, pool: Admission
+        self,
+        registry: Registry,
+        store: JobStore,
+        queue: EventQueue,
+        pool: Admission,
+        metrics: Metrics,
+        key_label: Callable[[str], str],
     ) -> None:
         self.registry = registry
         self.store = store
         self.queue = queue
         self.pool = pool
+        self.metrics = metrics
+        self.key_label = key_label
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[str, trio.CancelScope] = {}
         self._timers: dict[str, trio.CancelScope] = {}
@@ -135,12 +145,15 @@ class Dispatcher:
                 return  # cancelled or finished while the event waited: nothing to run
             with trio.CancelScope() as scope:
                 self._scopes[job.id] = scope
+                waited = trio.current_time()
                 try:
                     async with self.pool.slot(job.key, deadline=job.deadline):
                         self.queue.ack(event)
                         acked = True
+                        self._waited(job.key, waited)
                         await self._run_held(job)
                 except Rejected as exc:
+                    self._waited(job.key, waited)
                     self.note(exc, job, f"admission key {job.key!r}")
                     await self.finish(job, Status.FAILED, exc=exc)
                 except trio.Cancelled:
@@ -155,6 +168,9 @@ class Dispatcher:
         finally:
             if not acked:
                 self.queue.ack(event)
+
+    def _waited(self, key: str, since: float) -> None:
+        self.metrics.pool_wait.labels(self.key_label(key)).observe(trio.current_time() - since)
 
     async def _run_held(self, job: Job) -> None:
         """Run pipes while they share the held slot's key."""
@@ -181,6 +197,14 @@ class Dispatcher:
                 job.transition(Status.QUEUED)
                 await self.store.update(job)
                 self.queue.put_nowait(RunJob(job.id))
+                log_job(
+                    "job handed off",
+                    correlation_id=job.correlation_id,
+                    job_id=job.id,
+                    route=job.chain,
+                    key=key,
+                    status=job.status.value,
+                )
                 return
             if not await self._run_pipe(job, chain, pipe):
                 return
@@ -206,20 +230,45 @@ class Dispatcher:
             deadline=deadline,
             ops=self,
         )
+        started = trio.current_time()
         try:
             await self._call(pipe, ctx, job, top.deadline)
         except Suspend as suspend:
+            self._pipe_ended(job, pipe, started, "suspended")
             top.index += 1
             return await self._suspend(job, chain, suspend, describe())
         except Exception as exc:
+            outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
+            self._pipe_ended(job, pipe, started, outcome, exc)
             path = describe()
             self.note(exc, job, path)
             status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
             await self.finish(job, status, exc=exc, where=path)
             return False
+        except trio.Cancelled:
+            self._pipe_ended(job, pipe, started, "cancelled")
+            raise
+        self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
         await self.store.update(job)
         return True
+
+    def _pipe_ended(
+        self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
+    ) -> None:
+        duration = trio.current_time() - started
+        self.metrics.pipe_duration.labels(pipe.name, outcome).observe(duration)
+        log_job(
+            "pipe ended",
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=job.chain,
+            pipe=pipe.name,
+            key=job.key,
+            duration=round(duration, 6),
+            outcome=outcome,
+            error=None if exc is None else f"{type(exc).__name__}: {exc}",
+        )
 
     async def _call(self, pipe: Pipe, ctx: Context, job: Job, stage_deadline: float) -> None:
         # Async pipes are awaited directly: one coroutine frame fewer on every resume.
@@ -264,7 +313,15 @@ class Dispatcher:
         await self.store.update(job)
         if job.suspend_deadline < math.inf:
             self.spawn(self._timer, job.id, job.version, job.suspend_deadline)
-        _log.debug("job %s suspended at %s for %r", job.id, path, suspend.signal)
+        log_job(
+            "job suspended",
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=job.chain,
+            stage=path,
+            signal=suspend.signal,
+            status=job.status.value,
+        )
         return False
 
     async def _mailbox_with(self, job: Job, signal: str) -> Job | None:
@@ -300,6 +357,14 @@ class Dispatcher:
         await self.store.update(job)
         self._cancel_timer(job.id)
         self.queue.put_nowait(Resume(job.id, signal))
+        log_job(
+            "job resumed",
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=job.chain,
+            signal=signal,
+            status=job.status.value,
+        )
 
     async def _timer(self, job_id: str, version: int, deadline: float) -> None:
         with trio.CancelScope() as scope:
@@ -386,6 +451,20 @@ class Dispatcher:
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
         await self.store.update(job)
+        duration = trio.current_time() - job.accepted_at
+        if job.parent is None:
+            self.metrics.job_duration.labels(job.chain, status.value).observe(duration)
+        log_job(
+            "job finished" if job.parent is None else "branch finished",
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=job.chain,
+            key=job.key,
+            duration=round(duration, 6),
+            outcome=status.value,
+            stage=where or None,
+            error=None if job.error is None else f"{job.error.type}: {job.error.message}",
+        )
         self._cancel_timer(job.id)
         if job.join is not None:
             await cancel_branches(self, job)
@@ -397,7 +476,6 @@ class Dispatcher:
         waiter = self._waiters.pop(job.id, None)
         if waiter is not None:
             waiter.set()
-        _log.debug("job %s %s", job.id, status.value)
 
     async def wait_finished(self, job_id: str) -> None:
         waiter = self._waiters.setdefault(job_id, trio.Event())

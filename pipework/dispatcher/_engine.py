@@ -12,6 +12,8 @@ from typing import Any, overload
 import trio
 
 from .._errors import JobCancelled, JobFailed, JobNotFound, Overloaded, SignalError
+from .._logging import log_job
+from .._metrics import Metrics
 from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
@@ -45,6 +47,7 @@ class Engine:
         queue_capacity: int = 10_000,
         default_timeout: float | None = None,
         stream_buffer: int = 16,
+        metrics: Metrics | None = None,
     ) -> None:
         self.registry = registry or Registry()
         self.store: JobStore = store or MemoryJobStore()
@@ -52,10 +55,27 @@ class Engine:
         self.pool: Admission = pool or GlobalLimit(64)
         self.default_timeout = default_timeout
         self._stream_buffer = stream_buffer
-        self._dispatcher = Dispatcher(self.registry, self.store, self.queue, self.pool)
+        self.metrics = metrics or Metrics()
+        self._dispatcher = Dispatcher(
+            self.registry, self.store, self.queue, self.pool, self.metrics, self.key_label
+        )
+        self.metrics.watch(
+            queue=self.queue, jobs=self._job_counts, pool=self.pool, key_label=self.key_label
+        )
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
+
+    def key_label(self, key: str) -> str:
+        """The metrics label for an admission key: configured keys by name, others
+        ``default``, so label values stay bounded whatever keys pipes use."""
+        config = getattr(self.pool, "config", None)
+        keys = getattr(config, "keys", None)
+        return key if keys is not None and key in keys else "default"
+
+    def _job_counts(self) -> dict[str, int]:
+        counts = getattr(self.store, "counts", None)
+        return {} if counts is None else {s.value: n for s, n in counts().items()}
 
     # -- registration --------------------------------------------------------------------
 
@@ -153,6 +173,7 @@ class Engine:
             correlation_id=correlation_id or new_correlation_id(),
             deadline=deadline,
             token_hash=None if token is None else hash_token(token),
+            accepted_at=trio.current_time(),
         )
         self._dispatcher.start_frames(job, plan)
         await self.store.create(job)
@@ -163,6 +184,14 @@ class Engine:
             raise
         if stream:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
+        log_job(
+            "job accepted",
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=chain,
+            key=job.key,
+            status=job.status.value,
+        )
         return job.id
 
     async def wait(self, job_id: str) -> Any:

@@ -89,6 +89,8 @@ class Job:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+    #: The trio clock when the job was accepted (durations and metrics).
+    accepted_at: float = 0.0
     #: Absolute trio time after which a finished job is dropped (None while active).
     retain_until: float | None = None
     #: A branch of a parallel stage: its parent job, its index there, and which join.
@@ -149,6 +151,7 @@ class Job:
             "updated_at": self.updated_at,
             "finished_at": self.finished_at,
             "retain_until": self.retain_until,
+            "accepted_at": self.accepted_at,
             "parent": self.parent,
             "branch": self.branch,
             "join_id": self.join_id,

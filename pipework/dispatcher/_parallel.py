@@ -67,6 +67,7 @@ async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) ->
         parent=parent.id,
         branch=index,
         join_id=parent.join["id"],
+        accepted_at=trio.current_time(),
     )
     d.start_frames(child, chain)
     parent.join["children"][str(index)] = child.id
@@ -114,6 +115,8 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     stage = chain.node_at(path)
     assert isinstance(stage, Parallel)
     _callback(d, stage, event, child)
+    if stage.detach and stage.detach[event.index] and event.outcome in ("error", "timed_out"):
+        d.metrics.detached_failures.labels(parent.chain).inc()
     join_record = parent.join
     if parent.status in TERMINAL or join_record is None or join_record["id"] != child.join_id:
         return  # the stage is over: a late branch changes nothing

@@ -1,0 +1,242 @@
+"""Prometheus metrics: every family pipework exports, in one place.
+
+Each :class:`Metrics` owns a ``CollectorRegistry`` (never the global one), so several
+engines in one process never collide and tests read exact values. Two kinds of family:
+
+- *events* (histograms and counters the engine and container update as things happen):
+  pipe and job durations and outcomes, pool wait times, backend calls;
+- *state* read at scrape time from the components' ``statistics()`` (a custom collector):
+  queue depth, jobs by status, the pool's per-key counters and weights.
+
+Label values are bounded: chain (route) and pipe names come from registration, pool keys are
+the configured ones plus ``default`` for every other key, outcomes and reasons are fixed
+sets. Never a job id or a raw path. Components added later (push board, resource pools, a
+Redis store) add their families here in the same style. For several serving processes,
+prometheus-client's multiprocess mode can replace the registry; nothing here depends on
+process-local state beyond the collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: from sub-millisecond pipes to minute-long jobs.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class _Statistics(Protocol):
+    def statistics(self) -> Any: ...
+
+
+class Metrics:
+    """The metric families of one engine (and the container serving it)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.pipe_duration = Histogram(
+            "pipework_pipe_duration_seconds",
+            "Time one pipe run took, by pipe and outcome (ok, error, timeout, suspended, "
+            "cancelled).",
+            ["pipe", "outcome"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.job_duration = Histogram(
+            "pipework_job_duration_seconds",
+            "Time from submission to the end of a job, by route (chain) and outcome (the "
+            "job's final status).",
+            ["route", "outcome"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.pool_wait = Histogram(
+            "pipework_pool_wait_seconds",
+            "Time a step waited for a worker slot, by pool key (granted or rejected).",
+            ["key"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.parked = Gauge(
+            "pipework_parked_requests",
+            "HTTP requests parked waiting for their job.",
+            registry=r,
+        )
+        self.backend_calls = Counter(
+            "pipework_backend_calls_total",
+            "Calls to backend services, by service and outcome (ok, error).",
+            ["service", "outcome"],
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "pipework_backend_errors_total",
+            "Failed backend calls by service and kind (status, connect, timeout).",
+            ["service", "kind"],
+            registry=r,
+        )
+        self.backend_latency = Histogram(
+            "pipework_backend_latency_seconds",
+            "Backend call latency by service.",
+            ["service"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.detached_failures = Counter(
+            "pipework_detached_failures_total",
+            "Detached (fire-and-forget) graph nodes that failed, by route (chain).",
+            ["route"],
+            registry=r,
+        )
+        self._collector: _StateCollector | None = None
+
+    def watch(
+        self,
+        *,
+        queue: _Statistics,
+        jobs: Callable[[], Mapping[str, int]],
+        pool: object,
+        key_label: Callable[[str], str],
+    ) -> None:
+        """Read these components' state at every scrape (once per Metrics)."""
+        if self._collector is not None:
+            self.registry.unregister(self._collector)
+        self._collector = _StateCollector(queue, jobs, pool, key_label)
+        self.registry.register(self._collector)
+
+    def exposition(self) -> bytes:
+        """The text exposition format, as ``GET /metrics`` serves it."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    def __init__(
+        self,
+        queue: _Statistics,
+        jobs: Callable[[], Mapping[str, int]],
+        pool: object,
+        key_label: Callable[[str], str],
+    ) -> None:
+        self._queue = queue
+        self._jobs = jobs
+        self._pool = pool
+        self._label = key_label
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: families appear as the components report them
+
+    def collect(self) -> Iterator[Metric]:
+        q = self._queue.statistics()
+        yield _gauge("pipework_event_queue_depth", "Events accepted and not yet started.", q.depth)
+        yield _gauge(
+            "pipework_event_queue_capacity", "New submissions the queue takes.", q.capacity
+        )
+        refused = CounterMetricFamily(
+            "pipework_event_queue_refused", "Submissions refused because the queue was full."
+        )
+        refused.add_metric([], q.refused)
+        yield refused
+        jobs = GaugeMetricFamily(
+            "pipework_jobs", "Jobs in the job pool by status.", labels=["status"]
+        )
+        for status, count in self._jobs().items():
+            jobs.add_metric([status], count)
+        yield jobs
+        yield from _pool_families(self._pool, self._label)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric]:
+    statistics = getattr(pool, "statistics", None)
+    if statistics is None:
+        return
+    stats = statistics()
+    keys: Mapping[str, Any] = getattr(stats, "keys", {})
+    in_use = GaugeMetricFamily(
+        "pipework_pool_in_use",
+        "Worker slots held, by key and kind (reserved or shared).",
+        labels=["key", "kind"],
+    )
+    waiting = GaugeMetricFamily(
+        "pipework_pool_waiting", "Steps waiting for a slot.", labels=["key"]
+    )
+    oldest = GaugeMetricFamily(
+        "pipework_pool_oldest_wait_seconds",
+        "How long the oldest waiter has waited.",
+        labels=["key"],
+    )
+    reserve = GaugeMetricFamily(
+        "pipework_pool_reserve", "Slots reserved for the key.", labels=["key"]
+    )
+    limit = GaugeMetricFamily(
+        "pipework_pool_limit", "The key's static limit (-1: none).", labels=["key"]
+    )
+    effective = GaugeMetricFamily(
+        "pipework_pool_effective_limit",
+        "The limit in force: the smaller of the static and adaptive ones (-1: none).",
+        labels=["key"],
+    )
+    admitted = CounterMetricFamily(
+        "pipework_pool_admitted", "Steps granted a slot.", labels=["key"]
+    )
+    rejected = CounterMetricFamily(
+        "pipework_pool_rejected", "Steps refused a slot, by reason.", labels=["key", "reason"]
+    )
+    rows: dict[str, dict[str, Any]] = {}
+    for name, k in keys.items():
+        row = rows.setdefault(
+            label(name),
+            {
+                "reserved": 0,
+                "shared": 0,
+                "waiting": 0,
+                "oldest": 0.0,
+                "reserve": 0,
+                "limit": None,
+                "effective": None,
+                "admitted": 0,
+                "rejected": {},
+            },
+        )
+        row["reserved"] += k.in_use_reserved
+        row["shared"] += k.in_use_shared
+        row["waiting"] += k.waiting
+        row["oldest"] = max(row["oldest"], k.oldest_wait)
+        row["admitted"] += k.admitted
+        for reason, count in k.rejected.items():
+            row["rejected"][reason] = row["rejected"].get(reason, 0) + count
+        if k.configured or label(name) == name:
+            row["reserve"], row["limit"], row["effective"] = k.reserve, k.limit, k.effective_limit
+    for key, row in sorted(rows.items()):
+        in_use.add_metric([key, "reserved"], row["reserved"])
+        in_use.add_metric([key, "shared"], row["shared"])
+        waiting.add_metric([key], row["waiting"])
+        oldest.add_metric([key], row["oldest"])
+        reserve.add_metric([key], row["reserve"])
+        limit.add_metric([key], -1 if row["limit"] is None else row["limit"])
+        effective.add_metric([key], -1 if row["effective"] is None else row["effective"])
+        admitted.add_metric([key], row["admitted"])
+        for reason in ("queue_full", "wait_timeout", "deadline", "paused"):
+            rejected.add_metric([key, reason], row["rejected"].get(reason, 0))
+    yield from (in_use, waiting, oldest, reserve, limit, effective, admitted, rejected)
+    generation = getattr(stats, "config_generation", None)
+    if generation is not None:
+        yield _gauge(
+            "pipework_pool_config_generation",
+            "Which pool configuration is in force (bumped by every reconfiguration).",
+            generation,
+        )
+    yield _gauge("pipework_pool_max_workers", "Worker slots in all.", stats.max_workers)
