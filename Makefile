@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest bench clean
+.PHONY: run test tools lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python examples/engine_demo.py
 
-test: lint typecheck pytest
+test: tools lint typecheck pytest
+
+tools:
+	scripts/ensure-tools
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipework tests benchmarks examples
