@@ -26,6 +26,13 @@ from .dispatcher._queue import QueueStatistics as QueueStatistics
 from .dispatcher._status import Status as Status
 from .dispatcher._store import JobGone as JobGone
 from .dispatcher._store import MemoryJobStore as MemoryJobStore
+from .dispatcher._weighted import WeightedPool as WeightedPool
+from .dispatcher._weighted_core import Adaptive as Adaptive
+from .dispatcher._weighted_core import KeyStatistics as KeyStatistics
+from .dispatcher._weighted_core import PoolConfig as PoolConfig
+from .dispatcher._weighted_core import PoolConfigError as PoolConfigError
+from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
+from .dispatcher._weighted_core import Weights as Weights
 from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
@@ -47,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MISSING",
+    "Adaptive",
     "Admission",
     "BackendError",
     "BranchEnd",
@@ -63,6 +71,7 @@ __all__ = [
     "JobGone",
     "JobNotFound",
     "JobView",
+    "KeyStatistics",
     "MemoryEventQueue",
     "MemoryJobStore",
     "MergeConflict",
@@ -71,6 +80,9 @@ __all__ = [
     "Parallel",
     "Pipe",
     "PipeworkError",
+    "PoolConfig",
+    "PoolConfigError",
+    "PoolStatistics",
     "Progress",
     "Registry",
     "Rejected",
@@ -78,6 +90,8 @@ __all__ = [
     "SignalError",
     "StateError",
     "Status",
+    "WeightedPool",
+    "Weights",
     "__version__",
     "all_of",
     "any_of",

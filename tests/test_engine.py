@@ -258,7 +258,7 @@ async def test_unserializable_state_is_rejected_with_key_path() -> None:
 
 
 async def test_full_queue_refuses_at_once_and_loses_nothing() -> None:
-    engine = make_engine(pool=pw.GlobalLimit(1), queue_capacity=2)
+    engine = make_engine(pool=pw.WeightedPool(1), queue_capacity=2)
     release = trio.Event()
     finished: list[int] = []
 
@@ -307,7 +307,7 @@ async def test_cancelling_a_running_job_cancels_its_pipe() -> None:
 
 
 async def test_cancelling_suspended_and_queued_jobs() -> None:
-    engine = make_engine(pool=pw.GlobalLimit(1))
+    engine = make_engine(pool=pw.WeightedPool(1))
     release = trio.Event()
 
     @engine.pipe

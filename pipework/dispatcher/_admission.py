@@ -27,6 +27,10 @@ class Admission(Protocol):
         """Hold one worker slot under ``key`` for the body of the ``async with``."""
         ...
 
+    def record(self, key: str, *, ok: bool, latency: float) -> None:
+        """How a pipe run under ``key`` went (feeds adaptive limits); called inside the slot."""
+        ...
+
 
 class GlobalLimit:
     """At most ``max_workers`` slots in use, whatever the key; at most ``max_waiting`` waiters.
@@ -56,6 +60,9 @@ class GlobalLimit:
 
     def slot(self, key: str, *, deadline: float = math.inf) -> AbstractAsyncContextManager[None]:
         return _Slot(self, key, deadline)
+
+    def record(self, key: str, *, ok: bool, latency: float) -> None:
+        """A global limit does not adapt."""
 
 
 class _Slot:

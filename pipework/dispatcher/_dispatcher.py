@@ -258,6 +258,9 @@ class Dispatcher:
     ) -> None:
         duration = trio.current_time() - started
         self.metrics.pipe_duration.labels(pipe.name, outcome).observe(duration)
+        if outcome != "cancelled":
+            # Only the backend's trouble (errors, timeouts) should shrink an adaptive limit.
+            self.pool.record(job.key, ok=outcome in ("ok", "suspended"), latency=duration)
         log_job(
             "pipe ended",
             correlation_id=job.correlation_id,

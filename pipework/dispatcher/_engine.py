@@ -18,7 +18,8 @@ from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
 from ..registry._registry import Registry
-from ._admission import Admission, GlobalLimit
+from ._admission import Admission
+from ._weighted import WeightedPool
 from ._dispatcher import Dispatcher
 from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_correlation_id, new_job_id
@@ -32,7 +33,7 @@ __all__ = ["Engine"]
 class Engine:
     """Register pipes and chains, then ``async with engine:`` to run jobs.
 
-    ``pool`` governs concurrency (default: one limit of 64 slots for every key);
+    ``pool`` governs concurrency (default: a WeightedPool of 64 slots, no weights);
     ``store`` and ``queue`` default to in-memory ones; ``default_timeout`` bounds jobs whose
     chain sets none. Leaving the ``async with`` cancels whatever is still running.
     """
@@ -52,7 +53,7 @@ class Engine:
         self.registry = registry or Registry()
         self.store: JobStore = store or MemoryJobStore()
         self.queue: EventQueue = queue or MemoryEventQueue(queue_capacity)
-        self.pool: Admission = pool or GlobalLimit(64)
+        self.pool: Admission = pool if pool is not None else WeightedPool(64)
         self.default_timeout = default_timeout
         self._stream_buffer = stream_buffer
         self.metrics = metrics or Metrics()
