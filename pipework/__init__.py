@@ -15,6 +15,8 @@ from ._errors import RegistrationError as RegistrationError
 from ._errors import Rejected as Rejected
 from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
+from ._logging import JsonFormatter as JsonFormatter
+from ._metrics import Metrics as Metrics
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._admission import GlobalLimit as GlobalLimit
 from .dispatcher._engine import Engine as Engine
@@ -71,11 +73,13 @@ __all__ = [
     "JobGone",
     "JobNotFound",
     "JobView",
+    "JsonFormatter",
     "KeyStatistics",
     "MemoryEventQueue",
     "MemoryJobStore",
     "MergeConflict",
     "MergePolicy",
+    "Metrics",
     "Overloaded",
     "Parallel",
     "Pipe",

@@ -19,13 +19,13 @@ from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
 from ..registry._registry import Registry
 from ._admission import Admission
-from ._weighted import WeightedPool
 from ._dispatcher import Dispatcher
 from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_correlation_id, new_job_id
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import TERMINAL, Status
 from ._store import JobStore, MemoryJobStore
+from ._weighted import WeightedPool
 
 __all__ = ["Engine"]
 
