@@ -97,6 +97,15 @@ class Metrics:
             registry=r,
         )
         self._collector: _StateCollector | None = None
+        # labels() costs more than observe(): keep each labelled child once it exists.
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+    def observe(self, family: Histogram, labels: tuple[str, ...], value: float) -> None:
+        """``family.labels(*labels).observe(value)``, with the child cached."""
+        child = self._children.get((family, labels))
+        if child is None:
+            child = self._children[(family, labels)] = family.labels(*labels)
+        child.observe(value)
 
     def watch(
         self,

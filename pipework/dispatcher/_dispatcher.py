@@ -170,7 +170,9 @@ class Dispatcher:
                 self.queue.ack(event)
 
     def _waited(self, key: str, since: float) -> None:
-        self.metrics.pool_wait.labels(self.key_label(key)).observe(trio.current_time() - since)
+        self.metrics.observe(
+            self.metrics.pool_wait, (self.key_label(key),), trio.current_time() - since
+        )
 
     async def _run_held(self, job: Job) -> None:
         """Run pipes while they share the held slot's key."""
@@ -217,7 +219,8 @@ class Dispatcher:
             return chain.describe(position, pipe)
 
         top = job.frames[-1]
-        pipe_deadline = math.inf if pipe.timeout is None else trio.current_time() + pipe.timeout
+        started = trio.current_time()
+        pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
         deadline = min(pipe_deadline, top.deadline)
         ctx = Context(
             state=job.state,
@@ -230,7 +233,6 @@ class Dispatcher:
             deadline=deadline,
             ops=self,
         )
-        started = trio.current_time()
         try:
             await self._call(pipe, ctx, job, top.deadline)
         except Suspend as suspend:
@@ -257,7 +259,7 @@ class Dispatcher:
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
     ) -> None:
         duration = trio.current_time() - started
-        self.metrics.pipe_duration.labels(pipe.name, outcome).observe(duration)
+        self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
         if outcome != "cancelled":
             # Only the backend's trouble (errors, timeouts) should shrink an adaptive limit.
             self.pool.record(job.key, ok=outcome in ("ok", "suspended"), latency=duration)
@@ -456,7 +458,7 @@ class Dispatcher:
         await self.store.update(job)
         duration = trio.current_time() - job.accepted_at
         if job.parent is None:
-            self.metrics.job_duration.labels(job.chain, status.value).observe(duration)
+            self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
         log_job(
             "job finished" if job.parent is None else "branch finished",
             correlation_id=job.correlation_id,

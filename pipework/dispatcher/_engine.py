@@ -166,7 +166,8 @@ class Engine:
         plan = self.registry.get_chain(chain)
         state = check_state({} if state is None else state)
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
-        deadline = math.inf if limit is None else trio.current_time() + limit
+        now = trio.current_time()
+        deadline = math.inf if limit is None else now + limit
         job = Job(
             id=new_job_id(),
             chain=chain,
@@ -174,7 +175,7 @@ class Engine:
             correlation_id=correlation_id or new_correlation_id(),
             deadline=deadline,
             token_hash=None if token is None else hash_token(token),
-            accepted_at=trio.current_time(),
+            accepted_at=now,
         )
         self._dispatcher.start_frames(job, plan)
         await self.store.create(job)
