@@ -17,6 +17,10 @@ from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
 from ._logging import JsonFormatter as JsonFormatter
 from ._metrics import Metrics as Metrics
+from .container._app import Container as Container
+from .container._app import ContainerConfig as ContainerConfig
+from .container._app import create_app as create_app
+from .container._callbacks import CallbackSigner as CallbackSigner
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._admission import GlobalLimit as GlobalLimit
 from .dispatcher._engine import Engine as Engine
@@ -51,6 +55,7 @@ from .pipes._stages import node as node
 from .pipes._stages import quorum as quorum
 from .pipes._stages import serial as serial
 from .registry._registry import Registry as Registry
+from .registry._routes import Route as Route
 
 __version__ = "0.1.0"
 
@@ -60,7 +65,10 @@ __all__ = [
     "Admission",
     "BackendError",
     "BranchEnd",
+    "CallbackSigner",
     "Chain",
+    "Container",
+    "ContainerConfig",
     "Context",
     "DeadlineExceeded",
     "Engine",
@@ -90,6 +98,7 @@ __all__ = [
     "Progress",
     "Registry",
     "Rejected",
+    "Route",
     "Serial",
     "SignalError",
     "StateError",
@@ -99,6 +108,7 @@ __all__ = [
     "__version__",
     "all_of",
     "any_of",
+    "create_app",
     "graph",
     "node",
     "quorum",

@@ -8,6 +8,7 @@ from typing import overload
 from .._errors import RegistrationError
 from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, Serial, StageItem, resolve
+from ._routes import Mode, OnDisconnect, Route, RouteTable
 
 __all__ = ["Registry"]
 
@@ -16,6 +17,7 @@ class Registry:
     def __init__(self) -> None:
         self._pipes: dict[str, Pipe] = {}
         self._chains: dict[str, Chain] = {}
+        self._routes = RouteTable()
 
     @overload
     def pipe(self, fn: PipeFunction, /) -> Pipe: ...
@@ -102,3 +104,33 @@ class Registry:
     @property
     def pipes(self) -> dict[str, Pipe]:
         return dict(self._pipes)
+
+    def route(
+        self,
+        name: str,
+        *,
+        path: str,
+        chain: str,
+        method: str = "POST",
+        mode: Mode = "sync",
+        timeout: float | None = None,
+        sync_wait: float = 10.0,
+        on_disconnect: OnDisconnect = "cancel",
+        max_body: int | None = None,
+    ) -> Route:
+        """Register an HTTP route that submits a job on ``chain`` (registered first)."""
+        return self.add_route(
+            Route(name, method, path, chain, mode, timeout, sync_wait, on_disconnect, max_body)
+        )
+
+    def add_route(self, route: Route) -> Route:
+        if route.chain not in self._chains:
+            raise RegistrationError(
+                f"route {route.name!r} runs chain {route.chain!r}, which is not registered; "
+                "register the chain first"
+            )
+        return self._routes.add(route)
+
+    @property
+    def routes(self) -> dict[str, Route]:
+        return self._routes.as_dict()

@@ -1,0 +1,325 @@
+"""The HTTP container: a QuartTrio app that serves an engine's routes and its job API.
+
+The engine is not owned here: the caller runs it (``async with engine:``) around the
+container, so jobs outlive the server by exactly as much as the caller decides::
+
+    async with engine:
+        container = Container(engine)                 # routes from engine.registry
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(partial(container.serve, shutdown_trigger=stop))
+
+``Container.serve`` runs hypercorn (through :func:`pipework.container._server.serve`) and
+owns the graceful shutdown: when ``shutdown_trigger`` is set it stops accepting, lets
+parked requests finish within ``shutdown_grace`` seconds, answers the rest 503 and
+cancels their jobs, then returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import trio
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from .._errors import DeadlineExceeded, Overloaded, PipeworkError
+from ..dispatcher._engine import Engine
+from ..dispatcher._job import new_correlation_id
+from ..pipes._pipe import Context, Pipe
+from ..registry._routes import Route
+from ._bodies import JSON, dumps_json
+from ._callbacks import CallbackSigner
+from ._idempotency import IdempotencyTable
+from ._jobs_api import JobsApi
+from ._modes import Parking, Submissions, shutting_down
+from ._problems import Problem, problem_for_exception, problem_for_http, render_problem
+from ._server import BoundAddress, serve
+
+__all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
+
+_log = logging.getLogger("pipework.container")
+
+#: The internal chain ``/readyz`` runs to prove a job gets through the queue and a worker.
+CANARY_CHAIN: Final = "_pipework_canary"
+
+# Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
+_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
+# Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
+_FLUSH_MARGIN: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerConfig:
+    """How the container serves (every limit has a default a gateway can run with).
+
+    - ``max_body``: request body limit in bytes (routes may set their own); 413 beyond.
+    - ``max_header_bytes``: request headers in bytes; 431 beyond.
+    - ``body_time_limit``: seconds a client may take to send its body; 408 after.
+    - ``default_timeout``: job time limit when neither route, chain nor engine sets one.
+    - ``shutdown_grace``: seconds parked requests get to finish once shutdown starts.
+    - ``readiness_timeout``: seconds the ``/readyz`` canary job may take.
+    - ``cancel_wait``: seconds ``DELETE /jobs/{id}`` waits for the job to end.
+    - ``idempotency_keys``: how many Idempotency-Keys are remembered at most.
+    - ``callback_secret``: HMAC key for callback URLs (else ``PIPEWORK_CALLBACK_SECRET``,
+      else random per start); ``public_url``: the base of callback URLs as backends
+      reach this server (else the address it listens on).
+    - ``expose_errors``: show every pipe exception's message to clients (development).
+    """
+
+    max_body: int = 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    body_time_limit: float = 30.0
+    default_timeout: float = 30.0
+    shutdown_grace: float = 10.0
+    readiness_timeout: float = 2.0
+    cancel_wait: float = 2.0
+    idempotency_keys: int = 10_000
+    callback_secret: str | bytes | None = None
+    public_url: str | None = None
+    expose_errors: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ContainerConfig.{name} must be positive")
+        for name in ("max_body", "max_header_bytes", "shutdown_grace", "cancel_wait"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ContainerConfig.{name} must not be negative")
+
+
+class Container:
+    """Serves ``engine``'s routes (default: those registered on its registry), the job
+    API, signed callbacks, ``/healthz`` and ``/readyz``. ``app`` is the QuartTrio app."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        routes: Iterable[Route] | None = None,
+        config: ContainerConfig | None = None,
+        *,
+        signer: CallbackSigner | None = None,
+    ) -> None:
+        self.engine = engine
+        self.config = config = config or ContainerConfig()
+        self.routes = tuple(engine.registry.routes.values() if routes is None else routes)
+        for route in self.routes:
+            engine.registry.get_chain(route.chain)  # fails now, with the known names
+        _register_canary(engine, config.readiness_timeout)
+        self.signer = signer or CallbackSigner.from_config(
+            config.callback_secret, base_url=config.public_url or ""
+        )
+        engine.set_callback_factory(self.signer.url)
+        self.parking = Parking()
+        self.submissions = Submissions(
+            engine,
+            self.parking,
+            IdempotencyTable(config.idempotency_keys),
+            default_timeout=config.default_timeout,
+            max_body=config.max_body,
+            body_time_limit=config.body_time_limit,
+            # Idempotency keys last as long as their jobs stay readable.
+            retain_seconds=float(getattr(engine.store, "retain_seconds", 3600.0)),
+            expose_errors=config.expose_errors,
+        )
+        self.jobs = JobsApi(
+            engine,
+            self.signer,
+            max_body=config.max_body,
+            body_time_limit=config.body_time_limit,
+            cancel_wait=config.cancel_wait,
+            expose_errors=config.expose_errors,
+        )
+        self.app = self._build_app()
+
+    # -- serving -------------------------------------------------------------------------
+
+    async def serve(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_trigger: trio.Event | None = None,
+        hypercorn_options: Mapping[str, object] | None = None,
+        task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until ``shutdown_trigger`` is set (then shut down gracefully) or until
+        cancelled; ``task_status.started()`` reports the bound address."""
+        options: dict[str, object] = {
+            "h11_max_incomplete_size": self.config.max_header_bytes,
+            "h2_max_header_list_size": self.config.max_header_bytes,
+            **(hypercorn_options or {}),
+        }
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            address: BoundAddress = await nursery.start(
+                functools.partial(
+                    serve,
+                    self.app,
+                    host=host,
+                    port=port,
+                    shutdown_trigger=stop,
+                    graceful_timeout=self.config.shutdown_grace + _FLUSH_MARGIN,
+                    hypercorn_options=options,
+                )
+            )
+            if not self.signer.base_url:
+                self.signer.base_url = address.url
+            task_status.started(address)
+            if shutdown_trigger is None:
+                await trio.sleep_forever()
+            else:
+                await shutdown_trigger.wait()
+            self.begin_shutdown()
+            stop.set()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new jobs (503) and give parked requests ``shutdown_grace`` seconds."""
+        _log.info("shutting down: %d parked requests", self.parking.parked)
+        self.parking.drain(self.config.shutdown_grace)
+
+    # -- the app -------------------------------------------------------------------------
+
+    def _build_app(self) -> QuartTrio:
+        app = QuartTrio(__name__, static_folder=None)
+        limits = [self.config.max_body, *(r.max_body or 0 for r in self.routes)]
+        # Quart's own cap, above every route's: the routes' limits are checked while reading.
+        app.config["MAX_CONTENT_LENGTH"] = max(limits)
+        app.before_request(_take_correlation_id)
+        app.before_request(self._check_headers)
+        app.after_request(_give_correlation_id)
+        app.register_error_handler(Problem, self._on_problem)
+        app.register_error_handler(HTTPException, self._on_http_error)
+        app.register_error_handler(Exception, self._on_error)
+        for route in self.routes:
+            app.add_url_rule(
+                route.rule,
+                endpoint=f"route:{route.name}",
+                view_func=self._route_view(route),
+                methods=[route.method],
+            )
+        jobs = self.jobs
+        app.add_url_rule("/jobs/<job_id>", "job", jobs.status, methods=["GET"])
+        app.add_url_rule("/jobs/<job_id>", "cancel_job", jobs.cancel, methods=["DELETE"])
+        app.add_url_rule("/jobs/<job_id>/result", "job_result", jobs.result, methods=["GET"])
+        app.add_url_rule(
+            "/jobs/<job_id>/signals/<name>", "job_signal", jobs.signal, methods=["POST"]
+        )
+        app.add_url_rule("/callbacks/<job_id>/<name>", "callback", jobs.callback, methods=["POST"])
+        app.add_url_rule("/healthz", "healthz", _healthz, methods=["GET"])
+        app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
+        return app
+
+    def _route_view(self, route: Route) -> Any:
+        async def view(**params: str) -> Response:
+            return await self.submissions.handle(route, params)
+
+        view.__name__ = f"route_{route.name}"
+        return view
+
+    async def _check_headers(self) -> None:
+        # hypercorn bounds only headers that arrive in pieces; this bounds them all.
+        size = sum(len(name) + len(value) + 4 for name, value in request.scope["headers"])
+        if size > self.config.max_header_bytes:
+            raise Problem(
+                431,
+                "Request Header Fields Too Large",
+                f"the request's headers take {size} bytes, over the limit of "
+                f"{self.config.max_header_bytes}",
+                slug="headers-too-large",
+            )
+
+    async def _readyz(self) -> Response:
+        if self.parking.draining:
+            raise shutting_down()
+        limit = self.config.readiness_timeout
+        try:
+            with trio.fail_after(limit):
+                await self.engine.run(CANARY_CHAIN, timeout=limit)
+        except Overloaded as exc:
+            raise problem_for_exception(exc) from None
+        except (trio.TooSlowError, DeadlineExceeded):
+            raise Problem(
+                503,
+                "Not ready",
+                f"the canary job did not get through the queue and a worker in {limit:g}s",
+                slug="not-ready",
+                headers={"Retry-After": "1"},
+            ) from None
+        return _json({"status": "ready"})
+
+    # -- errors --------------------------------------------------------------------------
+
+    async def _on_problem(self, problem: Problem) -> Response:
+        return render_problem(problem, correlation_id=_correlation_id(), instance=request.path)
+
+    async def _on_http_error(self, exc: HTTPException) -> Response:
+        problem = problem_for_http(exc)
+        # werkzeug's descriptions are written for people at a browser
+        if exc.code == 404:
+            problem.detail = f"no route for {request.method} {request.path}"
+        elif exc.code == 405:
+            problem.detail = f"{request.method} is not allowed on {request.path}; see Allow"
+        return await self._on_problem(problem)
+
+    async def _on_error(self, exc: Exception) -> Response:
+        if isinstance(exc, PipeworkError):
+            return await self._on_problem(problem_for_exception(exc))
+        # A bug in the container or a hook, not a job's failure: log all of it, show none.
+        _log.error(
+            "unhandled error on %s %s (correlation id %s)",
+            request.method,
+            request.path,
+            _correlation_id(),
+            exc_info=exc,
+        )
+        detail = "the server failed; its log has the details under this correlation id"
+        return await self._on_problem(Problem(500, "Internal Server Error", detail))
+
+
+async def _healthz() -> Response:
+    return _json({"status": "ok"})
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(dumps_json(value), status=status, content_type=JSON)
+
+
+def _correlation_id() -> str:
+    value = g.get("correlation_id")
+    if value is None:
+        value = g.correlation_id = new_correlation_id()
+    return str(value)
+
+
+async def _take_correlation_id() -> None:
+    given = request.headers.get("X-Request-ID", "")
+    g.correlation_id = given if _REQUEST_ID.match(given) else new_correlation_id()
+
+
+async def _give_correlation_id(response: Response) -> Response:
+    response.headers["X-Request-ID"] = _correlation_id()
+    return response
+
+
+async def _canary(ctx: Context) -> None:
+    ctx.state["ok"] = True
+
+
+def _register_canary(engine: Engine, timeout: float) -> None:
+    registry = engine.registry
+    if CANARY_CHAIN not in registry.chains:  # an earlier container may have registered it
+        registry.add_pipe(Pipe(_canary, CANARY_CHAIN))
+        registry.chain(CANARY_CHAIN, CANARY_CHAIN, timeout=timeout)
+
+
+def create_app(
+    engine: Engine, routes: Iterable[Route] | None = None, config: ContainerConfig | None = None
+) -> QuartTrio:
+    """The QuartTrio app for ``engine`` (serve it with any ASGI server on trio)."""
+    return Container(engine, routes, config).app

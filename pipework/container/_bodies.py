@@ -1,0 +1,235 @@
+"""Request and response bodies: JSON by default, msgpack when the client sends or accepts it;
+what a request's body, query and path become as job state; and the ``Prefer`` header.
+
+Reading a body is bounded twice: by size (413 as soon as it is over the limit, without
+reading the rest) and by time. Decoding refuses what job state could not hold, with the
+problem a client can act on (400 malformed, 415 unsupported type).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, NoReturn
+
+import msgpack
+import trio
+from quart import Request
+from werkzeug.datastructures import MultiDict
+
+from ._problems import Problem
+
+__all__ = [
+    "JSON",
+    "MSGPACK",
+    "Preferences",
+    "build_state",
+    "choose_media_type",
+    "decode",
+    "encode",
+    "parse_prefer",
+    "read_body",
+    "sse_event",
+]
+
+JSON: Final = "application/json"
+MSGPACK: Final = "application/msgpack"
+_MSGPACK_TYPES: Final = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
+_OFFERED: Final = [JSON, *sorted(_MSGPACK_TYPES)]
+
+
+def is_msgpack(media_type: str) -> bool:
+    return media_type in _MSGPACK_TYPES
+
+
+def choose_media_type(request: Request) -> str:
+    """What to answer in: the best of JSON and msgpack for ``Accept``; JSON when the client
+    accepts neither (a body it may not parse beats a bare 406 from a gateway)."""
+    if "Accept" not in request.headers:
+        return JSON
+    return str(request.accept_mimetypes.best_match(_OFFERED, default=JSON))
+
+
+async def read_body(request: Request, *, limit: int, time_limit: float) -> bytes:
+    """The request body, at most ``limit`` bytes (413 beyond), sent within ``time_limit``
+    seconds (408 after)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        _too_large(limit)
+    data = bytearray()
+    with trio.move_on_after(time_limit) as scope:
+        async for chunk in request.body:
+            data += chunk
+            if len(data) > limit:
+                _too_large(limit)
+    if scope.cancelled_caught:
+        raise Problem(
+            408,
+            "Request Timeout",
+            f"the request body did not arrive within {time_limit:g}s",
+            slug="body-timeout",
+        )
+    return bytes(data)
+
+
+def _too_large(limit: int) -> NoReturn:
+    raise Problem(
+        413,
+        "Content Too Large",
+        f"the request body is over this endpoint's limit of {limit} bytes",
+        slug="body-too-large",
+        limit=limit,
+    )
+
+
+def decode(data: bytes, media_type: str | None, *, what: str = "request body") -> Any:
+    """Decode a JSON or msgpack body; an empty body is None."""
+    if not data:
+        return None
+    if not media_type:
+        raise Problem(
+            415,
+            "Unsupported Media Type",
+            f"the {what} has no Content-Type; send application/json or application/msgpack",
+            slug="unsupported-media-type",
+        )
+    if media_type == JSON or media_type.endswith("+json"):
+        return _decode_json(data, what)
+    if is_msgpack(media_type):
+        return _decode_msgpack(data, what)
+    raise Problem(
+        415,
+        "Unsupported Media Type",
+        f"the {what} is {media_type}; send application/json or application/msgpack",
+        slug="unsupported-media-type",
+    )
+
+
+def _malformed(what: str, kind: str, error: BaseException) -> Problem:
+    detail = f"the {what} is not valid {kind}: {error}"
+    return Problem(400, "Malformed body", detail, slug="malformed")
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    # 1e400 parses to inf, which no JSON answer could carry back.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a number")
+    return value
+
+
+def _decode_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:
+        raise _malformed(what, "JSON", exc) from None
+
+
+def _refuse_ext(code: int, data: bytes) -> NoReturn:
+    raise ValueError(f"msgpack extension type {code} cannot be job state")
+
+
+def _decode_msgpack(data: bytes, what: str) -> Any:
+    try:
+        # Timestamps decode to datetime, which the state check then refuses by its key path.
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, timestamp=3
+        )
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        raise _malformed(what, "msgpack", exc) from None
+
+
+def encode(value: Any, media_type: str) -> bytes:
+    """Encode a result. In JSON, bytes become base64 strings (JSON has no bytes)."""
+    if is_msgpack(media_type):
+        return bytes(msgpack.packb(value, use_bin_type=True))
+    return dumps_json(value).encode()
+
+
+def dumps_json(value: Any) -> str:
+    try:
+        return json.dumps(
+            value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_bytes
+        )
+    except (ValueError, TypeError) as exc:
+        raise Problem(
+            500,
+            "Result not representable",
+            f"the result cannot be written as JSON ({exc}); ask for application/msgpack",
+            slug="unrepresentable",
+        ) from None
+
+
+def _bytes(value: object) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+@dataclass(frozen=True, slots=True)
+class Preferences:
+    """What a client asked for in ``Prefer`` (RFC 7240) that the container acts on."""
+
+    respond_async: bool = False
+    wait: float | None = None
+
+
+def parse_prefer(headers: Iterable[str]) -> Preferences:
+    """Read ``respond-async`` and ``wait=N``; the first of a repeated preference counts."""
+    respond_async = False
+    wait: float | None = None
+    for header in headers:
+        for item in header.split(","):
+            name, _, value = item.split(";", 1)[0].partition("=")
+            name, value = name.strip().lower(), value.strip().strip('"')
+            if name == "respond-async":
+                respond_async = True
+            elif name == "wait" and wait is None and value.isdigit():
+                wait = float(value)
+    return Preferences(respond_async, wait)
+
+
+def build_state(body: Any, query: MultiDict[str, str], params: Mapping[str, str]) -> dict[str, Any]:
+    """The job's state: the body's members, then query and path parameters, all top-level.
+
+    A repeated query parameter becomes a list of strings. A name given twice with different
+    values (say in the body and the path) is refused rather than silently overridden.
+    """
+    if body is None:
+        state: dict[str, Any] = {}
+    elif isinstance(body, dict):
+        state = dict(body)
+    else:
+        raise Problem(
+            400,
+            "Malformed body",
+            f"the request body must be a JSON object or msgpack map, not {type(body).__name__}: "
+            "its members become the job's state",
+            slug="body-not-an-object",
+        )
+    args = {key: values[0] if len(values) == 1 else values for key, values in query.lists()}
+    for source, values in (("query parameter", args), ("path parameter", params)):
+        for key, value in values.items():
+            if key in state and state[key] != value:
+                raise Problem(
+                    400,
+                    "Conflicting input",
+                    f"{source} {key!r} differs from the value given for it elsewhere",
+                    slug="conflicting-input",
+                    key=key,
+                )
+            state[key] = value
+    return state
+
+
+def sse_event(event: str, json_text: str, *, event_id: int | None = None) -> bytes:
+    """One server-sent event; ``json_text`` is one line (compact JSON never breaks lines)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json_text}\n\n".encode()

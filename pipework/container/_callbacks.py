@@ -1,0 +1,97 @@
+"""Signed, expiring callback URLs: how a backend resumes a suspended job without its token.
+
+A pipe asks for ``ctx.callback_url("paid", ttl=600)`` and hands the URL to a backend; the
+backend POSTs the signal's payload to it. The URL is
+``/callbacks/{job}/{signal}?exp={unix seconds}&sig={signature}``, where the signature is
+HMAC-SHA256, keyed with the container's secret, over ``POST``, the path and ``exp``. It
+names one job and one signal, so a leaked URL can do nothing else, and only until ``exp``.
+
+The secret comes from the configuration, else from ``PIPEWORK_CALLBACK_SECRET``, else it is
+generated at start (then URLs handed out before a restart stop working, as do the jobs
+they would resume, which lived in that process's memory).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import math
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Final
+from urllib.parse import quote, urlencode
+
+from ._problems import Problem
+
+__all__ = ["SECRET_ENV", "CallbackSigner"]
+
+SECRET_ENV: Final = "PIPEWORK_CALLBACK_SECRET"
+_MIN_SECRET: Final = 16
+
+
+class CallbackSigner:
+    """Makes and checks callback URLs. ``base_url`` (e.g. ``https://gw.example.com``) is
+    put in front of the path; the container sets it to where it serves unless configured.
+    ``clock`` gives Unix time (a parameter so tests can move it)."""
+
+    def __init__(
+        self,
+        secret: bytes | str,
+        *,
+        base_url: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        key = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if len(key) < _MIN_SECRET:
+            raise ValueError(
+                f"the callback secret must be at least {_MIN_SECRET} bytes; "
+                "use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        self._key = key
+        self.base_url = base_url.rstrip("/")
+        self._clock = clock
+
+    @classmethod
+    def from_config(cls, secret: bytes | str | None, *, base_url: str = "") -> CallbackSigner:
+        """The configured secret, else the environment's, else a new random one."""
+        if secret is None:
+            secret = os.environ.get(SECRET_ENV) or secrets.token_bytes(32)
+        return cls(secret, base_url=base_url)
+
+    @staticmethod
+    def path(job_id: str, signal: str) -> str:
+        return f"/callbacks/{quote(job_id, safe='')}/{quote(signal, safe='')}"
+
+    def url(self, job_id: str, signal: str, ttl: float) -> str:
+        """A URL that delivers ``signal`` to ``job_id`` for the next ``ttl`` seconds."""
+        if not ttl > 0:
+            raise ValueError(f"a callback URL's ttl must be positive, got {ttl}")
+        return self.url_expiring_at(job_id, signal, math.ceil(self._clock() + ttl))
+
+    def url_expiring_at(self, job_id: str, signal: str, expires: int) -> str:
+        path = self.path(job_id, signal)
+        query = urlencode({"exp": expires, "sig": self._sign("POST", path, expires)})
+        return f"{self.base_url}{path}?{query}"
+
+    def verify(self, job_id: str, signal: str, exp: str | None, sig: str | None) -> None:
+        """Raise a 403 problem unless ``exp`` and ``sig`` sign this job and signal and the
+        URL has not expired."""
+        if exp is None or sig is None or not exp.isdigit():
+            raise _refused("the callback URL lacks its exp and sig parameters")
+        expected = self._sign("POST", self.path(job_id, signal), int(exp))
+        if not hmac.compare_digest(expected.encode(), sig.encode()):
+            raise _refused("the callback URL's signature does not match")
+        if int(exp) <= self._clock():
+            raise _refused("the callback URL has expired; ask the job for a new one")
+
+    def _sign(self, method: str, path: str, expires: int) -> str:
+        message = f"{method}\n{path}\n{expires}".encode()
+        digest = hmac.new(self._key, message, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def _refused(detail: str) -> Problem:
+    return Problem(403, "Callback refused", detail, slug="callback-refused")

@@ -1,0 +1,468 @@
+"""How a route's request waits for its job: sync, async, stream or auto.
+
+A request becomes a job at once (its input is the job's state); what differs is how the
+answer comes. A parked request holds no worker: it waits on the job's end, bounded by the
+job's deadline, and a server that is shutting down cuts every such wait to its grace
+period (see :class:`Parking`). A client that hangs up while parked cancels its job unless
+the route says ``on_disconnect = "continue"`` or another request waits on the same job.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import secrets
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+import trio
+from quart import Response, g, request
+
+from .._errors import JobNotFound, PipeworkError
+from ..dispatcher._engine import Engine
+from ..dispatcher._status import Status
+from ..registry._routes import Route
+from ._bodies import (
+    build_state,
+    choose_media_type,
+    decode,
+    dumps_json,
+    encode,
+    parse_prefer,
+    read_body,
+    sse_event,
+)
+from ._idempotency import IdempotencyTable, check_key, fingerprint
+from ._jobs_api import job_document
+from ._problems import Problem, problem_for_exception
+
+__all__ = ["EventStream", "Parking", "Submissions", "shutting_down"]
+
+_log = logging.getLogger("pipework.container")
+
+# The engine itself ends a job at its deadline and records why; a parked request gives it
+# this long to do so before answering 504 on its own.
+_SLACK: Final = 0.5
+# How long a retry waits for a concurrent submission with its Idempotency-Key.
+_CLAIM_WAIT: Final = 5.0
+
+
+class Parking:
+    """The parked requests' waits, so that a shutdown can cut them all short at once."""
+
+    def __init__(self) -> None:
+        self._scopes: set[trio.CancelScope] = set()
+        self._watchers: collections.Counter[str] = collections.Counter()
+        self.drain_deadline = math.inf
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline < math.inf
+
+    @property
+    def drained(self) -> bool:
+        """The grace period is over: what still waits is answered 503."""
+        return trio.current_time() >= self.drain_deadline
+
+    @property
+    def parked(self) -> int:
+        return len(self._scopes)
+
+    @contextmanager
+    def scope(self, deadline: float) -> Iterator[trio.CancelScope]:
+        """A wait that ends at ``deadline`` or at the end of a shutdown's grace period."""
+        scope = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
+        self._scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._scopes.discard(scope)
+
+    def drain(self, grace: float) -> None:
+        """Start a shutdown: every wait, present or future, ends within ``grace`` seconds."""
+        self.drain_deadline = min(self.drain_deadline, trio.current_time() + grace)
+        for scope in self._scopes:
+            scope.deadline = min(scope.deadline, self.drain_deadline)
+
+    @contextmanager
+    def watching(self, job_id: str) -> Iterator[None]:
+        self._watchers[job_id] += 1
+        try:
+            yield
+        finally:
+            self._watchers[job_id] -= 1
+            if not self._watchers[job_id]:
+                del self._watchers[job_id]
+
+    def watchers(self, job_id: str) -> int:
+        return self._watchers[job_id]
+
+
+def shutting_down() -> Problem:
+    return Problem(
+        503,
+        "Shutting down",
+        "the server is shutting down; try again (another instance may answer)",
+        slug="shutting-down",
+        headers={"Retry-After": "1"},
+    )
+
+
+def _deadline_passed(job_id: str) -> Problem:
+    return Problem(
+        504,
+        "Deadline exceeded",
+        f"job {job_id} did not finish before its deadline",
+        slug="deadline-exceeded",
+        job_id=job_id,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Ticket:
+    job_id: str
+    token: str
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    result: Any = None
+    error: Exception | None = None
+
+
+async def _settle(engine: Engine, job_id: str) -> _Outcome:
+    try:
+        return _Outcome(result=await engine.wait(job_id))
+    except Exception as exc:  # the job's own error, whatever a pipe raised
+        return _Outcome(error=exc)
+
+
+class Submissions:
+    """Turns a route's request into a job and answers it as the route's mode says."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        parking: Parking,
+        idempotency: IdempotencyTable,
+        *,
+        default_timeout: float,
+        max_body: int,
+        body_time_limit: float,
+        retain_seconds: float,
+        expose_errors: bool,
+    ) -> None:
+        self.engine = engine
+        self.parking = parking
+        self.idempotency = idempotency
+        self.default_timeout = default_timeout
+        self.max_body = max_body
+        self.body_time_limit = body_time_limit
+        self.retain_seconds = retain_seconds
+        self.expose_errors = expose_errors
+
+    async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
+        if self.parking.draining:
+            raise shutting_down()
+        limit = self.max_body if route.max_body is None else route.max_body
+        data = await read_body(request, limit=limit, time_limit=self.body_time_limit)
+        state = build_state(decode(data, request.mimetype or None), request.args, params)
+        ticket = await self._submit(route, state)
+        prefs = parse_prefer(request.headers.getlist("Prefer"))
+        if route.mode == "async":
+            return await self._accepted(ticket, respond_async=prefs.respond_async)
+        if route.mode == "stream":
+            return await self._stream(ticket)
+        if route.mode == "sync":
+            return await self._park(route, ticket, wait=None)
+        wait = route.sync_wait
+        applied = []
+        if prefs.wait is not None and prefs.wait <= route.sync_wait:
+            wait = prefs.wait
+            applied.append(f"wait={prefs.wait:g}")
+        elif prefs.respond_async and prefs.wait is None:
+            wait = 0.0
+        return await self._park(
+            route, ticket, wait=wait, applied=applied, respond_async=prefs.respond_async
+        )
+
+    # -- submitting ----------------------------------------------------------------------
+
+    async def _submit(self, route: Route, state: dict[str, Any]) -> _Ticket:
+        header = request.headers.get("Idempotency-Key")
+        if header is None:
+            token = secrets.token_urlsafe(32)
+            return _Ticket(await self._new_job(route, state, token), token, replayed=False)
+        key = f"{route.name}\n{check_key(header)}"
+        digest = fingerprint(route.method, request.path, state)
+        with trio.move_on_after(_CLAIM_WAIT):
+            while True:
+                claim = self.idempotency.get(key)
+                if claim is None:
+                    return await self._first_with_key(route, state, key, digest)
+                if claim.fingerprint != digest:
+                    raise Problem(
+                        422,
+                        "Idempotency-Key reused",
+                        "this Idempotency-Key was used for a different request",
+                        slug="idempotency-key-reused",
+                    )
+                if claim.job_id is None:
+                    await claim.settled.wait()
+                    continue
+                try:
+                    view = await self.engine.status(claim.job_id)
+                except JobNotFound:
+                    view = None
+                if view is None or view.status is Status.CANCELLED:
+                    # A cancelled or dropped job frees its key: the retry starts afresh.
+                    self.idempotency.forget(key, claim)
+                    continue
+                return _Ticket(claim.job_id, claim.token, replayed=True)
+        raise Problem(
+            409,
+            "Idempotency-Key in use",
+            "a request with this Idempotency-Key is still being submitted; retry shortly",
+            slug="idempotency-key-busy",
+            headers={"Retry-After": "1"},
+        )
+
+    async def _first_with_key(
+        self, route: Route, state: dict[str, Any], key: str, digest: str
+    ) -> _Ticket:
+        token = secrets.token_urlsafe(32)
+        claim = self.idempotency.claim(key, digest, token)
+        try:
+            job_id = await self._new_job(route, state, token)
+            view = await self.engine.status(job_id)
+        except BaseException:
+            self.idempotency.forget(key, claim)
+            raise
+        self.idempotency.bind(key, claim, job_id, view.deadline + self.retain_seconds)
+        return _Ticket(job_id, token, replayed=False)
+
+    async def _new_job(self, route: Route, state: dict[str, Any], token: str) -> str:
+        timeout = route.timeout
+        if timeout is None:
+            timeout = self.engine.registry.get_chain(route.chain).timeout
+        if timeout is None:
+            timeout = self.engine.default_timeout
+        if timeout is None:
+            timeout = self.default_timeout
+        return await self.engine.submit(
+            route.chain,
+            state,
+            timeout=timeout,
+            correlation_id=g.correlation_id,
+            token=token,
+            stream=route.mode == "stream",
+        )
+
+    # -- answering -----------------------------------------------------------------------
+
+    async def _accepted(
+        self, ticket: _Ticket, *, respond_async: bool, applied: Iterable[str] = ()
+    ) -> Response:
+        view = await self.engine.status(ticket.job_id)
+        document = job_document(view, expose=self.expose_errors)
+        document["token"] = ticket.token
+        media_type = choose_media_type(request)
+        response = Response(encode(document, media_type), status=202, content_type=media_type)
+        response.headers["Location"] = f"/jobs/{ticket.job_id}"
+        response.headers["X-Job-Id"] = ticket.job_id
+        response.headers["X-Job-Token"] = ticket.token
+        preferences = ["respond-async", *applied] if respond_async else list(applied)
+        if preferences:
+            response.headers["Preference-Applied"] = ", ".join(preferences)
+        return response
+
+    async def _park(
+        self,
+        route: Route,
+        ticket: _Ticket,
+        *,
+        wait: float | None,
+        applied: list[str] | None = None,
+        respond_async: bool = False,
+    ) -> Response:
+        job_id = ticket.job_id
+        deadline = (await self.engine.status(job_id)).deadline + _SLACK
+        limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
+        outcome = await self._wait(route, job_id, limit)
+        if outcome is None:
+            if self.parking.drained:
+                await self.cancel_quietly(job_id)
+                raise shutting_down()
+            if limit < deadline:
+                return await self._accepted(
+                    ticket, respond_async=respond_async, applied=applied or ()
+                )
+            await self.cancel_quietly(job_id)
+            raise _deadline_passed(job_id)
+        if outcome.error is not None:
+            raise await self.failure(job_id, outcome.error)
+        media_type = choose_media_type(request)
+        response = Response(encode(outcome.result, media_type), content_type=media_type)
+        response.headers["X-Job-Id"] = job_id
+        if applied:
+            response.headers["Preference-Applied"] = ", ".join(applied)
+        return response
+
+    async def _wait(self, route: Route, job_id: str, limit: float) -> _Outcome | None:
+        """The job's outcome, or None if ``limit`` (or the shutdown's grace) came first."""
+        with self.parking.watching(job_id):
+            try:
+                with self.parking.scope(limit):
+                    return await _settle(self.engine, job_id)
+            except trio.Cancelled:
+                # Our own scope swallows its timeout, so this is from outside: the client
+                # hung up (or the server is stopping hard).
+                if route.on_disconnect == "cancel" and self.parking.watchers(job_id) == 1:
+                    await self.cancel_quietly(job_id)
+                raise
+            return None
+
+    async def cancel_quietly(self, job_id: str) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                await self.engine.cancel(job_id)
+            except PipeworkError as exc:
+                _log.debug("could not cancel job %s: %s", job_id, exc)
+
+    async def failure(self, job_id: str, error: BaseException) -> Problem:
+        """The problem for a job that ended with ``error`` (its stage path from its record)."""
+        where = ""
+        try:
+            recorded = (await self.engine.status(job_id)).error
+        except JobNotFound:
+            recorded = None
+        if recorded is not None:
+            where = recorded.where
+        problem = problem_for_exception(
+            error, expose=self.expose_errors, job_id=job_id, where=where
+        )
+        problem.headers["X-Job-Id"] = job_id
+        return problem
+
+    async def _stream(self, ticket: _Ticket) -> Response:
+        if ticket.replayed:
+            raise Problem(
+                409,
+                "Stream already taken",
+                "this Idempotency-Key started a stream, which only its first request can read",
+                slug="stream-taken",
+                headers={"Location": f"/jobs/{ticket.job_id}"},
+            )
+        deadline = (await self.engine.status(ticket.job_id)).deadline + _SLACK
+        events = EventStream(self, ticket.job_id, deadline, g.correlation_id, request.path)
+        try:
+            await events.start()
+        except BaseException:
+            await events.aclose()
+            raise
+        response = Response(events, content_type="text/event-stream")
+        response.timeout = None  # Quart would cut a stream at RESPONSE_TIMEOUT otherwise
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"  # proxies: flush each event
+        response.headers["X-Job-Id"] = ticket.job_id
+        return response
+
+
+class EventStream:
+    """A streamed job as server-sent events: ``chunk`` per emitted chunk, then ``end``
+    (status and result) or ``error`` (a problem document). Closing it early (the client
+    went away) cancels the job."""
+
+    def __init__(
+        self,
+        submissions: Submissions,
+        job_id: str,
+        deadline: float,
+        correlation_id: str,
+        instance: str,
+    ) -> None:
+        self._submissions = submissions
+        self._engine = submissions.engine
+        self._parking = submissions.parking
+        self._job_id = job_id
+        self._deadline = deadline
+        self._correlation_id = correlation_id
+        self._instance = instance
+        self._chunks = self._engine.stream(job_id)
+        self._first: bytes | None = None
+        self._done = False
+        self._settled = False
+        self._sent = 0
+
+    async def start(self) -> None:
+        """Wait for the first event; a job that fails before any chunk raises its problem,
+        so the client gets a plain error response instead of a stream."""
+        self._first = await self._pull(first=True)
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        if self._done:
+            raise StopAsyncIteration
+        return await self._pull(first=False)
+
+    async def _pull(self, *, first: bool) -> bytes:
+        with self._parking.scope(self._deadline):
+            try:
+                chunk = await anext(self._chunks)
+            except StopAsyncIteration:
+                return await self._end(first)
+            except Exception as exc:
+                return await self._failed(exc, first)
+            else:
+                return await self._chunk(chunk, first)
+        # The scope ran out: the job's deadline passed, or the shutdown's grace did.
+        self._done = True
+        await self._submissions.cancel_quietly(self._job_id)
+        drained = self._parking.drained
+        return self._error(shutting_down() if drained else _deadline_passed(self._job_id), first)
+
+    async def _chunk(self, chunk: Any, first: bool) -> bytes:
+        try:
+            data = dumps_json(chunk)
+        except Problem as problem:
+            self._done = True
+            await self._submissions.cancel_quietly(self._job_id)
+            return self._error(problem, first)
+        self._sent += 1
+        return sse_event("chunk", data, event_id=self._sent)
+
+    async def _end(self, first: bool) -> bytes:
+        self._done = self._settled = True
+        view = await self._engine.status(self._job_id)
+        try:
+            return sse_event("end", dumps_json({"status": view.status, "result": view.result}))
+        except Problem as problem:
+            return self._error(problem, first)
+
+    async def _failed(self, exc: Exception, first: bool) -> bytes:
+        self._done = self._settled = True
+        return self._error(await self._submissions.failure(self._job_id, exc), first)
+
+    def _error(self, problem: Problem, first: bool) -> bytes:
+        if first:
+            raise problem
+        document = problem.document(correlation_id=self._correlation_id, instance=self._instance)
+        return sse_event("error", dumps_json(document))
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            if not self._settled:
+                await self._submissions.cancel_quietly(self._job_id)
+            aclose = getattr(self._chunks, "aclose", None)  # an async generator's
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,66 @@
+"""Thousands of requests parked at once on one engine, each answered with its own result.
+
+The clients are bare trio sockets (one connection each), not httpx: a client library's
+pool is the bottleneck at this scale, and the point is the server holding the requests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+import trio.testing
+
+import pipework as pw
+
+from .test_container_harness import raw_client, serving
+
+PARKED = 2000
+
+
+async def test_thousands_of_parked_sync_requests_are_all_answered() -> None:
+    # Every resumed job queues for a worker at once: let them all wait rather than refuse.
+    engine = pw.Engine(pool=pw.GlobalLimit(64, max_waiting=PARKED))
+    all_suspended = trio.Event()
+    suspended = 0
+
+    @engine.pipe
+    async def wait_for_go(ctx: pw.Context) -> None:
+        nonlocal suspended
+        suspended += 1
+        if suspended == PARKED:
+            all_suspended.set()
+        await ctx.suspend("go")  # the job holds no worker while its request is parked
+
+    @engine.pipe
+    async def answer(ctx: pw.Context) -> None:
+        ctx.state["answer"] = ctx.state["n"] * 2
+
+    engine.chain("park", wait_for_go, answer, result="answer")
+    engine.registry.route("park", path="/park", chain="park")
+    answers: dict[int, tuple[int, object]] = {}
+
+    async with serving(engine, hypercorn_options={"backlog": 4096}) as served:
+
+        async def request(n: int) -> None:
+            async with raw_client(served.address) as raw:
+                await raw.send(
+                    "POST",
+                    "/park",
+                    body=json.dumps({"n": n}).encode(),
+                    headers=[("Content-Type", "application/json")],
+                )
+                response, body = await raw.receive()
+                answers[n] = (response.status_code, json.loads(body))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for n in range(PARKED):
+                    nursery.start_soon(request, n)
+                await all_suspended.wait()
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                assert served.container.parking.parked == PARKED
+                assert not answers
+                for job in await engine.store.list(pw.Status.SUSPENDED):
+                    await engine.signal(job.id, "go")
+    assert answers == {n: (200, n * 2) for n in range(PARKED)}
