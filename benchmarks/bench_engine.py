@@ -40,7 +40,9 @@ def _bare(jobs: int, awaits: int, workers: int | None) -> float:
 
 
 def _engine(jobs: int, pipes: int, workers: int) -> float:
-    engine = pw.Engine(pool=pw.GlobalLimit(workers), queue_capacity=jobs + 1)
+    engine = pw.Engine(
+        pool=pw.WeightedPool(workers, default=pw.Weights(max_waiting=jobs)), queue_capacity=jobs + 1
+    )
     names = []
     for n in range(pipes):
         engine.registry.add_pipe(pw.Pipe(_checkpoint_pipe, f"p{n}"))

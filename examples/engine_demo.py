@@ -10,7 +10,9 @@ import trio
 
 import pipework as pw
 
-engine = pw.Engine(pool=pw.GlobalLimit(8), default_timeout=10)
+engine = pw.Engine(
+    pool=pw.WeightedPool(8, keys={"users": pw.Weights(reserve=2)}), default_timeout=10
+)
 
 
 @engine.pipe(key="users")

@@ -22,7 +22,6 @@ from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
 from .dispatcher._admission import Admission as Admission
-from .dispatcher._admission import GlobalLimit as GlobalLimit
 from .dispatcher._engine import Engine as Engine
 from .dispatcher._job import ErrorInfo as ErrorInfo
 from .dispatcher._job import JobView as JobView
@@ -73,7 +72,6 @@ __all__ = [
     "DeadlineExceeded",
     "Engine",
     "ErrorInfo",
-    "GlobalLimit",
     "GraphNode",
     "InvalidTransition",
     "JobCancelled",

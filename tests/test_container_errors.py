@@ -196,7 +196,7 @@ async def test_a_pipe_can_refuse_input_with_a_4xx() -> None:
 
 
 async def test_overload_is_503_with_retry_after_and_accepted_jobs_finish() -> None:
-    engine = pw.Engine(pool=pw.GlobalLimit(1), queue_capacity=2)
+    engine = pw.Engine(pool=pw.WeightedPool(1), queue_capacity=2)
     release = trio.Event()
 
     @engine.pipe
@@ -225,7 +225,7 @@ async def test_overload_is_503_with_retry_after_and_accepted_jobs_finish() -> No
 
 
 async def test_pool_rejection_is_503_with_reason() -> None:
-    engine = pw.Engine(pool=pw.GlobalLimit(1, max_waiting=0))
+    engine = pw.Engine(pool=pw.WeightedPool(1, default=pw.Weights(max_waiting=0)))
     release = trio.Event()
 
     @engine.pipe
@@ -246,7 +246,7 @@ async def test_pool_rejection_is_503_with_reason() -> None:
 
 
 async def test_healthz_and_readyz() -> None:
-    engine = pw.Engine(pool=pw.GlobalLimit(1))
+    engine = pw.Engine(pool=pw.WeightedPool(1))
     release = trio.Event()
     entered = trio.Event()
 

@@ -265,6 +265,11 @@ async def test_job_past_retention_is_410_gone() -> None:
             await trio.sleep_until(retain_until + 0.01)
             gone = await served.client.get(f"/jobs/{job_id}", headers=bearer(token))
             gone_result = await served.client.get(f"/jobs/{job_id}/result", headers=bearer(token))
+            stranger = await served.client.get(f"/jobs/{job_id}", headers=bearer("wrong"))
+            anonymous = await served.client.get(f"/jobs/{job_id}")
     assert retained.status_code == 200
     assert_problem(gone, 410, "job-gone")
     assert_problem(gone_result, 410, "job-gone")
+    # Only the owner learns the job existed: anyone else gets the unknown-job answer.
+    assert stranger.status_code == 404
+    assert anonymous.status_code == 404

@@ -20,7 +20,7 @@ PARKED = 2000
 
 async def test_thousands_of_parked_sync_requests_are_all_answered() -> None:
     # Every resumed job queues for a worker at once: let them all wait rather than refuse.
-    engine = pw.Engine(pool=pw.GlobalLimit(64, max_waiting=PARKED))
+    engine = pw.Engine(pool=pw.WeightedPool(64, default=pw.Weights(max_waiting=PARKED)))
     all_suspended = trio.Event()
     suspended = 0
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected
+from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected, StateError
 from .._logging import log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe, Suspend
@@ -241,6 +241,8 @@ class Dispatcher:
             return await self._suspend(job, chain, suspend, describe())
         except Exception as exc:
             outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
+            if isinstance(exc, StateError):
+                exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
             self._pipe_ended(job, pipe, started, outcome, exc)
             path = describe()
             self.note(exc, job, path)

@@ -24,7 +24,7 @@ from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_correlation_id, new_job_id
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import TERMINAL, Status
-from ._store import JobStore, MemoryJobStore
+from ._store import JobGone, JobStore, MemoryJobStore
 from ._weighted import WeightedPool
 
 __all__ = ["Engine"]
@@ -214,9 +214,14 @@ class Engine:
     async def authorize(self, job_id: str, token: str | None) -> JobView:
         """The job's view if ``token`` is its owner token; otherwise JobNotFound, exactly as
         for an unknown id, so a wrong token reveals nothing."""
-        job = await self.store.get(job_id)
-        expected = job.token_hash
         given = "" if token is None else hash_token(token)
+        try:
+            job = await self.store.get(job_id)
+        except JobGone as gone:  # "gone" is news only for the owner
+            if gone.token_hash is not None and hmac.compare_digest(gone.token_hash, given):
+                raise
+            raise JobNotFound(f"no job with id {job_id!r}") from None
+        expected = job.token_hash
         if expected is None or not hmac.compare_digest(expected, given):
             raise JobNotFound(f"no job with id {job_id!r}")
         return job.view()

@@ -24,9 +24,14 @@ __all__ = ["JobGone", "JobStore", "MemoryJobStore"]
 
 
 class JobGone(JobNotFound):
-    """The job existed but was dropped after its retention time."""
+    """The job existed but was dropped after its retention time. ``token_hash`` is its owner
+    token's hash, so an API can reveal "gone" only to the owner (others get "not found")."""
 
     http_status = 410
+
+    def __init__(self, message: str, *, token_hash: str | None = None) -> None:
+        super().__init__(message)
+        self.token_hash = token_hash
 
 
 class JobStore(Protocol):
@@ -46,21 +51,22 @@ class JobStore(Protocol):
 
 
 class _Retained(cachetools.TTLCache[str, Job]):
-    """A TTL cache that remembers what it dropped, so a lookup can tell gone from unknown."""
+    """A TTL cache that remembers what it dropped (id -> owner token hash, "" for none), so a
+    lookup can tell gone from unknown."""
 
-    def __init__(self, maxsize: int, ttl: float, tombstones: cachetools.LRUCache[str, bool]):
+    def __init__(self, maxsize: int, ttl: float, tombstones: cachetools.LRUCache[str, str]):
         super().__init__(maxsize=maxsize, ttl=ttl, timer=trio.current_time)
         self._tombstones = tombstones
 
     def popitem(self) -> tuple[str, Job]:
         key, job = super().popitem()
-        self._tombstones[key] = True
+        self._tombstones[key] = job.token_hash or ""
         return key, job
 
     def expire(self, time: float | None = None) -> list[tuple[str, Job]]:
         dropped = super().expire(time)
-        for key, _ in dropped:
-            self._tombstones[key] = True
+        for key, job in dropped:
+            self._tombstones[key] = job.token_hash or ""
         return dropped
 
 
@@ -79,7 +85,7 @@ class MemoryJobStore:
             raise ValueError("retain_seconds must be positive and retain_count at least 1")
         self.retain_seconds = retain_seconds
         self._active: dict[str, Job] = {}
-        self._gone: cachetools.LRUCache[str, bool] = cachetools.LRUCache(maxsize=tombstones)
+        self._gone: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=tombstones)
         self._finished = _Retained(retain_count, retain_seconds, self._gone)
 
     async def create(self, job: Job) -> None:
@@ -98,8 +104,12 @@ class MemoryJobStore:
         job = self._finished.get(job_id)
         if job is not None:
             return job
-        if job_id in self._gone:
-            raise JobGone(f"job {job_id} finished and was dropped after its retention time")
+        token_hash = self._gone.get(job_id)
+        if token_hash is not None:
+            raise JobGone(
+                f"job {job_id} finished and was dropped after its retention time",
+                token_hash=token_hash or None,
+            )
         raise JobNotFound(f"no job with id {job_id!r}")
 
     async def update(self, job: Job) -> None:
