@@ -29,6 +29,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .._errors import DeadlineExceeded, Overloaded, PipeworkError
+from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..dispatcher._engine import Engine
 from ..dispatcher._job import new_correlation_id
 from ..pipes._pipe import Context, Pipe
@@ -115,7 +116,7 @@ class Container:
             config.callback_secret, base_url=config.public_url or ""
         )
         engine.set_callback_factory(self.signer.url)
-        self.parking = Parking()
+        self.parking = Parking(engine.metrics.parked)
         self.submissions = Submissions(
             engine,
             self.parking,
@@ -213,7 +214,11 @@ class Container:
         app.add_url_rule("/callbacks/<job_id>/<name>", "callback", jobs.callback, methods=["POST"])
         app.add_url_rule("/healthz", "healthz", _healthz, methods=["GET"])
         app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
+        app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
         return app
+
+    async def _metrics(self) -> Response:
+        return Response(self.engine.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
 
     def _route_view(self, route: Route) -> Any:
         async def view(**params: str) -> Response:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import trio
+from prometheus_client import Gauge
 from quart import Response, g, request
 
 from .._errors import JobNotFound, PipeworkError
@@ -53,10 +54,11 @@ _CLAIM_WAIT: Final = 5.0
 class Parking:
     """The parked requests' waits, so that a shutdown can cut them all short at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, gauge: Gauge | None = None) -> None:
         self._scopes: set[trio.CancelScope] = set()
         self._watchers: collections.Counter[str] = collections.Counter()
         self.drain_deadline = math.inf
+        self._gauge = gauge  # pipework_parked_requests
 
     @property
     def draining(self) -> bool:
@@ -76,11 +78,15 @@ class Parking:
         """A wait that ends at ``deadline`` or at the end of a shutdown's grace period."""
         scope = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
         self._scopes.add(scope)
+        if self._gauge is not None:
+            self._gauge.inc()
         try:
             with scope:
                 yield scope
         finally:
             self._scopes.discard(scope)
+            if self._gauge is not None:
+                self._gauge.dec()
 
     def drain(self, grace: float) -> None:
         """Start a shutdown: every wait, present or future, ends within ``grace`` seconds."""

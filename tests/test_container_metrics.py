@@ -1,0 +1,62 @@
+"""``GET /metrics`` on a real server: parked requests counted while they wait, back to 0."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
+
+import pipework as pw
+
+from .test_container_harness import HANG_GUARD, serving
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_metrics_endpoint_counts_parked_requests() -> None:
+    engine = pw.Engine()
+    release = trio.Event()
+    all_started = trio.Event()
+    started = 0
+
+    @engine.pipe
+    async def slow(ctx: pw.Context) -> None:
+        nonlocal started
+        started += 1
+        if started == 5:
+            all_started.set()
+        await release.wait()
+        ctx.state["done"] = True
+
+    engine.chain("slow", slow)
+    engine.registry.route("slow", path="/slow", chain="slow", method="POST", mode="sync")
+    with trio.fail_after(HANG_GUARD):
+        async with serving(engine) as served:
+            statuses: list[int] = []
+
+            async def call() -> None:
+                response = await served.client.post("/slow", json={})
+                statuses.append(response.status_code)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(call)
+                await all_started.wait()
+                await trio.testing.wait_all_tasks_blocked()  # every handler is parked
+                during = await served.client.get("/metrics")
+                release.set()
+            after = await served.client.get("/metrics")
+    assert statuses == [200] * 5
+    assert during.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert samples(during.text)[("pipework_parked_requests", ())] == 5
+    values = samples(after.text)
+    assert values[("pipework_parked_requests", ())] == 0
+    assert values[("pipework_event_queue_depth", ())] == 0
+    done = ("pipework_job_duration_seconds_count", (("outcome", "done"), ("route", "slow")))
+    assert values[done] == 5
