@@ -34,6 +34,7 @@ from ..dispatcher._engine import Engine
 from ..dispatcher._job import new_correlation_id
 from ..pipes._pipe import Context, Pipe
 from ..registry._routes import Route
+from ._admin import AdminApi, Reload, admin_token
 from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
 from ._idempotency import IdempotencyTable
@@ -71,6 +72,8 @@ class ContainerConfig:
       else random per start); ``public_url``: the base of callback URLs as backends
       reach this server (else the address it listens on).
     - ``expose_errors``: show every pipe exception's message to clients (development).
+    - ``admin_token``: the admin API's bearer token (else ``PIPEWORK_ADMIN_TOKEN``; with
+      neither, the admin API is off).
     """
 
     max_body: int = 1024 * 1024
@@ -84,6 +87,7 @@ class ContainerConfig:
     callback_secret: str | bytes | None = None
     public_url: str | None = None
     expose_errors: bool = False
+    admin_token: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -105,6 +109,7 @@ class Container:
         config: ContainerConfig | None = None,
         *,
         signer: CallbackSigner | None = None,
+        reload: Reload | None = None,
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
@@ -135,6 +140,18 @@ class Container:
             body_time_limit=config.body_time_limit,
             cancel_wait=config.cancel_wait,
             expose_errors=config.expose_errors,
+        )
+        token = admin_token(config.admin_token)
+        self.admin = (
+            None
+            if token is None
+            else AdminApi(
+                engine,
+                token,
+                reload,
+                max_body=config.max_body,
+                body_time_limit=config.body_time_limit,
+            )
         )
         self.app = self._build_app()
 
@@ -215,6 +232,11 @@ class Container:
         app.add_url_rule("/healthz", "healthz", _healthz, methods=["GET"])
         app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
+        if self.admin is not None:
+            admin = self.admin
+            app.add_url_rule("/admin/pool", "admin_pool", admin.pool, methods=["GET"])
+            app.add_url_rule("/admin/pool/keys/<key>", "admin_key", admin.set_key, methods=["PUT"])
+            app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
         return app
 
     async def _metrics(self) -> Response:

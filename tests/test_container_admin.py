@@ -1,0 +1,104 @@
+"""The admin API on a real server: tokens, reading the pool, changing weights live."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import pipework as pw
+from pipework.container import ContainerConfig
+
+from .test_container_harness import HANG_GUARD, SECRET, assert_problem, bearer, serving
+
+TOKEN = "admin-token-for-tests"
+
+
+def config(token: str | None = TOKEN) -> ContainerConfig:
+    return ContainerConfig(callback_secret=SECRET, shutdown_grace=1.0, admin_token=token)
+
+
+def gated_engine() -> tuple[pw.Engine, trio.Event, list[int]]:
+    pool = pw.WeightedPool(8, keys={"search": pw.Weights(limit=1)})
+    engine = pw.Engine(pool=pool)
+    release = trio.Event()
+    running: list[int] = [0, 0]  # now, peak
+
+    @engine.pipe(key="search")
+    async def search(ctx: pw.Context) -> None:
+        running[0] += 1
+        running[1] = max(running[1], running[0])
+        await release.wait()
+        running[0] -= 1
+
+    engine.chain("search", search)
+    engine.registry.route("search", path="/search", chain="search", method="POST", mode="async")
+    return engine, release, running
+
+
+async def test_admin_needs_its_token_and_is_off_without_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PIPEWORK_ADMIN_TOKEN", raising=False)
+    engine, release, _ = gated_engine()
+    release.set()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(engine, config=config()) as served:
+            missing = await served.client.get("/admin/pool")
+            wrong = await served.client.get("/admin/pool", headers=bearer("nope"))
+            ok = await served.client.get("/admin/pool", headers=bearer(TOKEN))
+    assert_problem(missing, 401, "admin-unauthorized")
+    assert missing.headers["www-authenticate"].startswith("Bearer")
+    assert_problem(wrong, 401, "admin-unauthorized")
+    assert ok.status_code == 200
+    body = ok.json()
+    assert body["max_workers"] == 8
+    assert body["keys"]["search"]["limit"] == 1
+
+    engine, release, _ = gated_engine()
+    release.set()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(engine, config=config(token=None)) as served:
+            off = await served.client.get("/admin/pool", headers=bearer(TOKEN))
+    assert off.status_code == 404
+
+
+async def test_a_weight_changed_live_governs_the_next_admission() -> None:
+    engine, release, running = gated_engine()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(engine, config=config()) as served:
+            jobs = [(await served.client.post("/search", json={})).json() for _ in range(3)]
+            await trio.testing.wait_all_tasks_blocked()
+            assert running == [1, 1]  # the limit of 1 holds the other two back
+            bad = await served.client.put(
+                "/admin/pool/keys/search", json={"reserve": 99}, headers=bearer(TOKEN)
+            )
+            unknown_field = await served.client.put(
+                "/admin/pool/keys/search", json={"colour": 1}, headers=bearer(TOKEN)
+            )
+            changed = await served.client.put(
+                "/admin/pool/keys/search", json={"limit": 3}, headers=bearer(TOKEN)
+            )
+            await trio.testing.wait_all_tasks_blocked()
+            assert running == [3, 3]  # the waiters were woken at once
+            release.set()
+            for job in jobs:
+                await served.engine.wait(job["id"])
+            after = await served.client.get("/admin/pool", headers=bearer(TOKEN))
+    problem = assert_problem(bad, 400, "admin-bad-weights")
+    assert "99" in problem["detail"]
+    assert_problem(unknown_field, 400, "admin-bad-weights")
+    assert changed.status_code == 200
+    assert changed.json()["key"]["limit"] == 3
+    generation = changed.json()["config_generation"]
+    assert after.json()["config_generation"] == generation
+    assert after.json()["keys"]["search"]["admitted"] == 3
+
+
+async def test_reload_without_a_config_file_is_404() -> None:
+    engine, release, _ = gated_engine()
+    release.set()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(engine, config=config()) as served:
+            response = await served.client.post("/admin/reload", headers=bearer(TOKEN))
+    assert_problem(response, 404, "admin-no-config")
