@@ -23,6 +23,7 @@ from typing import Any, Final
 import trio
 
 from . import __version__
+from ._logging import JsonFormatter
 from .container._app import Container, ContainerConfig
 from .dispatcher._engine import Engine
 
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="base URL backends use to reach this server, for callback URLs",
     )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one JSON object per line, with the job fields (correlation_id, job_id...)",
+    )
     return parser
 
 
@@ -141,10 +148,12 @@ _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {"serve": _se
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    if getattr(args, "log_format", "text") == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"), handlers=[handler])
     return _COMMANDS[args.command](args)
 
 

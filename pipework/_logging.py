@@ -35,12 +35,25 @@ FIELDS = (
 job_logger = logging.getLogger("pipework.job")
 
 
-def log_job(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log one structured line on ``pipework.job`` (cheap when the level is off)."""
+def log_job(
+    event: str,
+    level: int = logging.INFO,
+    exc: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """Log one structured line on ``pipework.job`` (cheap when the level is off); ``exc``
+    attaches a traceback (a failure's details belong in the log, not the response)."""
     if job_logger.isEnabledFor(level):
         fields["event"] = event
-        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k != "event")
-        job_logger.log(level, "%s %s", event, text, extra=fields)
+        text = " ".join(
+            f"{k}={_quoted(v)}" for k, v in fields.items() if v is not None and k != "event"
+        )
+        job_logger.log(level, "%s %s", event, text, extra=fields, exc_info=exc)
+
+
+def _quoted(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text) if not text or any(c.isspace() or c in '"=' for c in text) else text
 
 
 class JsonFormatter(logging.Formatter):

@@ -29,8 +29,10 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Seconds: from sub-millisecond pipes to minute-long jobs.
+# Seconds: from sub-millisecond pipes to minute-long jobs; jobs that suspend for a callback
+# may take an hour.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_JOB_BUCKETS = (*_BUCKETS, 600, 1800, 3600)
 
 
 class _Statistics(Protocol):
@@ -56,7 +58,7 @@ class Metrics:
             "Time from submission to the end of a job, by route (chain) and outcome (the "
             "job's final status).",
             ["route", "outcome"],
-            buckets=_BUCKETS,
+            buckets=_JOB_BUCKETS,
             registry=r,
         )
         self.pool_wait = Histogram(
@@ -153,6 +155,12 @@ class _StateCollector(Collector):
         )
         refused.add_metric([], q.refused)
         yield refused
+        accepted = CounterMetricFamily(
+            "pipework_event_queue_accepted",
+            "Events taken in (submissions and events of accepted jobs).",
+        )
+        accepted.add_metric([], q.accepted)
+        yield accepted
         jobs = GaugeMetricFamily(
             "pipework_jobs", "Jobs in the job pool by status.", labels=["status"]
         )
@@ -166,6 +174,22 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc)
     family.add_metric([], value)
     return family
+
+
+def _new_row() -> dict[str, Any]:
+    return {
+        "reserved": 0,
+        "shared": 0,
+        "waiting": 0,
+        "oldest": 0.0,
+        "reserve": 0,
+        "limit": None,
+        "effective": None,
+        "admitted": 0,
+        "rejected": {},
+        "debt": 0,
+        "adaptive": None,
+    }
 
 
 def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric]:
@@ -198,6 +222,17 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
         "The limit in force: the smaller of the static and adaptive ones (-1: none).",
         labels=["key"],
     )
+    debt = GaugeMetricFamily(
+        "pipework_pool_debt",
+        "Slots held above the key's limit after a reconfiguration lowered it (they drain; "
+        "admitted work is never revoked).",
+        labels=["key"],
+    )
+    adaptive = GaugeMetricFamily(
+        "pipework_pool_adaptive_limit",
+        "The key's adaptive (AIMD) limit (-1: the key has none).",
+        labels=["key"],
+    )
     admitted = CounterMetricFamily(
         "pipework_pool_admitted", "Steps granted a slot.", labels=["key"]
     )
@@ -206,29 +241,25 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
     )
     rows: dict[str, dict[str, Any]] = {}
     for name, k in keys.items():
-        row = rows.setdefault(
-            label(name),
-            {
-                "reserved": 0,
-                "shared": 0,
-                "waiting": 0,
-                "oldest": 0.0,
-                "reserve": 0,
-                "limit": None,
-                "effective": None,
-                "admitted": 0,
-                "rejected": {},
-            },
-        )
+        row = rows.setdefault(label(name), _new_row())
         row["reserved"] += k.in_use_reserved
         row["shared"] += k.in_use_shared
         row["waiting"] += k.waiting
         row["oldest"] = max(row["oldest"], k.oldest_wait)
         row["admitted"] += k.admitted
+        row["debt"] += k.debt
         for reason, count in k.rejected.items():
             row["rejected"][reason] = row["rejected"].get(reason, 0) + count
         if k.configured or label(name) == name:
             row["reserve"], row["limit"], row["effective"] = k.reserve, k.limit, k.effective_limit
+            row["adaptive"] = k.adaptive_limit
+    config = getattr(pool, "config", None)
+    default = getattr(config, "default", None)
+    if default is not None:
+        # Unnamed keys each get the default weights: show them on the "default" row.
+        row = rows.setdefault("default", _new_row())
+        row["reserve"], row["limit"] = default.reserve, default.limit
+        row["effective"] = default.limit
     for key, row in sorted(rows.items()):
         in_use.add_metric([key, "reserved"], row["reserved"])
         in_use.add_metric([key, "shared"], row["shared"])
@@ -238,9 +269,22 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
         limit.add_metric([key], -1 if row["limit"] is None else row["limit"])
         effective.add_metric([key], -1 if row["effective"] is None else row["effective"])
         admitted.add_metric([key], row["admitted"])
+        debt.add_metric([key], row["debt"])
+        adaptive.add_metric([key], -1 if row["adaptive"] is None else row["adaptive"])
         for reason in ("queue_full", "wait_timeout", "deadline", "paused"):
             rejected.add_metric([key, reason], row["rejected"].get(reason, 0))
-    yield from (in_use, waiting, oldest, reserve, limit, effective, admitted, rejected)
+    yield from (
+        in_use,
+        waiting,
+        oldest,
+        reserve,
+        limit,
+        effective,
+        debt,
+        adaptive,
+        admitted,
+        rejected,
+    )
     generation = getattr(stats, "config_generation", None)
     if generation is not None:
         yield _gauge(
@@ -249,3 +293,10 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
             generation,
         )
     yield _gauge("pipework_pool_max_workers", "Worker slots in all.", stats.max_workers)
+    shared = getattr(stats, "shared_pool", None)
+    if shared is not None:
+        yield _gauge(
+            "pipework_pool_shared_slots",
+            "The shared pool: max_workers minus every reserve.",
+            shared,
+        )

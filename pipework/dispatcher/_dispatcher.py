@@ -267,6 +267,8 @@ class Dispatcher:
             self.pool.record(job.key, ok=outcome in ("ok", "suspended"), latency=duration)
         log_job(
             "pipe ended",
+            logging.WARNING if exc is not None else logging.INFO,
+            exc if outcome == "error" else None,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,
@@ -463,6 +465,8 @@ class Dispatcher:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
         log_job(
             "job finished" if job.parent is None else "branch finished",
+            logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING,
+            None,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,
