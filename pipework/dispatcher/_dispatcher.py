@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected, StateError
-from .._logging import log_job
+from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel, Serial
@@ -265,9 +265,12 @@ class Dispatcher:
         if outcome != "cancelled":
             # Only the backend's trouble (errors, timeouts) should shrink an adaptive limit.
             self.pool.record(job.key, ok=outcome in ("ok", "suspended"), latency=duration)
+        level = logging.WARNING if exc is not None else logging.INFO
+        if not job_logger.isEnabledFor(level):
+            return  # the common case: skip building the record's fields
         log_job(
             "pipe ended",
-            logging.WARNING if exc is not None else logging.INFO,
+            level,
             exc if outcome == "error" else None,
             correlation_id=job.correlation_id,
             job_id=job.id,
