@@ -1,0 +1,102 @@
+"""The command-line tools for gateway files: ``check``, ``routes`` and ``graph``.
+
+Each takes the file's path, prints to stdout (results) and stderr (problems), and returns
+the exit status: 0 when the file is valid, 1 when it is not (every problem printed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .pipes._pipe import Pipe
+from .registry._config import GatewayConfig, build_registry, load_config
+from .registry._config_draw import chain_text, mermaid
+from .registry._config_problems import ConfigError
+from .registry._registry import Registry
+
+__all__ = ["check", "graph", "routes"]
+
+
+def _load(path: str | os.PathLike[str]) -> tuple[GatewayConfig, Registry] | None:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    for warning in config.warnings:
+        print(warning.format(config.source), file=sys.stderr)
+    return config, build_registry(config, config.backends())
+
+
+def check(path: str | os.PathLike[str]) -> int:
+    """Validate the file: a one-line summary (and any warnings) when it is valid, every
+    problem otherwise."""
+    loaded = _load(path)
+    if loaded is None:
+        return 1
+    s = loaded[0].summary()
+    warned = len(s["warnings"])
+    print(
+        f"{s['source']}: valid: {_count(s['services'], 'service')}, "
+        f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}; "
+        f"{s['max_workers']} workers ({s['reserved']} reserved)"
+        + (f"; {_count(warned, 'warning')}" if warned else "")
+    )
+    return 0
+
+
+def routes(path: str | os.PathLike[str]) -> int:
+    """List the routes with their resolved chains, as a table."""
+    loaded = _load(path)
+    if loaded is None:
+        return 1
+    config, registry = loaded
+    rows = [("ROUTE", "METHOD", "PATH", "MODE", "TIMEOUT", "CHAIN")]
+    for name, rc in config.routes.items():
+        route = rc.route
+        timeout = "-" if route.timeout is None else f"{route.timeout:g}s"
+        chain = chain_text(registry.get_chain(name).root)
+        rows.append((name, route.method, route.path, route.mode, timeout, chain))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]))
+    return 0
+
+
+def graph(path: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None) -> int:
+    """Draw each route's chain as a Mermaid flowchart: to stdout, or one ``ROUTE.md`` per
+    route in ``out_dir`` (created if needed)."""
+    loaded = _load(path)
+    if loaded is None:
+        return 1
+    config, registry = loaded
+
+    def describe(pipe: Pipe) -> str:
+        spec = config.pipes.get(pipe.name)
+        return spec.describe() if spec is not None else ""
+
+    target = None if out_dir is None else Path(out_dir)
+    if target is not None:
+        target.mkdir(parents=True, exist_ok=True)
+    for name, rc in config.routes.items():
+        chain = registry.get_chain(name)
+        page = (
+            f"# Route `{name}`\n\n"
+            f"`{rc.route.method} {rc.route.path}` ({rc.route.mode}) runs "
+            f"`{chain_text(chain.root)}`.\n\n"
+            f"```mermaid\n{mermaid(rc.route, chain, describe)}\n```\n"
+        )
+        if target is None:
+            print(page)
+        else:
+            file = target / f"{name}.md"
+            file.write_text(page, encoding="utf-8")
+            print(file)
+    return 0
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

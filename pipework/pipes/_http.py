@@ -1,0 +1,290 @@
+"""The built-in HTTP backend pipe, on httpx.
+
+:class:`Backends` owns one ``httpx.AsyncClient`` per service, opened and closed around the
+code that runs the pipes::
+
+    backends = Backends([Service("users", "http://users:8080", max_connections=16)])
+    engine.registry.add_pipe(http_pipe("get_user", HttpCall.of("users", "/users/{id}",
+                                                               into="user"), backends))
+    async with backends, engine:
+        ...
+
+Every call goes to its service's configured host: the templates fill only the path, the
+query, headers and body, and the finished URL is checked against the base URL before
+anything is sent. Redirects are not followed and the environment's proxy settings are not
+read, for the same reason. Failures are translated here, at the boundary: an unaccepted
+status or a broken connection is a :class:`~pipework.BackendError` (502), running out of
+time a :class:`~pipework.DeadlineExceeded` (504).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, Final
+
+import httpx
+import trio
+
+from .._errors import BackendError, DeadlineExceeded, RegistrationError
+from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service
+from ._http_template import TemplateError, render_body
+from ._pipe import Context, Pipe
+
+__all__ = ["Backends", "http_pipe"]
+
+_USER_AGENT: Final = "pipework"
+
+
+class Backends:
+    """The HTTP clients of a set of services: ``async with backends:`` opens one client per
+    service (connection limits and timeouts from its :class:`Service`) and closes them all
+    on the way out. Pipes made by :func:`http_pipe` call through it while it is open."""
+
+    def __init__(self, services: Iterable[Service] | Mapping[str, Service]) -> None:
+        items = services.values() if isinstance(services, Mapping) else services
+        self.services: dict[str, Service] = {}
+        for service in items:
+            if service.name in self.services:
+                raise RegistrationError(f"service {service.name!r} is declared twice")
+            self.services[service.name] = service
+        self._clients: dict[str, httpx.AsyncClient] | None = None
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> Backends:
+        if self._stack is not None:
+            raise RuntimeError("these backends are already open")
+        stack = AsyncExitStack()
+        clients: dict[str, httpx.AsyncClient] = {}
+        async with stack:
+            for name, service in self.services.items():
+                client = httpx.AsyncClient(
+                    limits=service.limits(),
+                    timeout=httpx.Timeout(service.timeout, connect=_connect(service)),
+                    follow_redirects=False,
+                    trust_env=False,
+                    headers={"User-Agent": _USER_AGENT},
+                )
+                clients[name] = await stack.enter_async_context(client)
+            self._stack = stack.pop_all()
+        self._clients = clients
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack, self._clients = self._stack, None, None
+        if stack is not None:
+            with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
+                await stack.aclose()
+
+    def client(self, name: str) -> httpx.AsyncClient:
+        if self._clients is None:
+            raise RuntimeError(
+                "the backends are not open: run the engine inside `async with backends:`"
+            )
+        return self._clients[name]
+
+    async def call(self, call: HttpCall, ctx: Context) -> Any:
+        """Make ``call`` for the job behind ``ctx``; return the answer's body."""
+        service = self.services[call.service]
+        client = self.client(call.service)
+        # httpx's per-operation timeouts, capped by the time the job has left.
+        started = trio.current_time()
+        budget = min(service.timeout, ctx.remaining)
+        timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
+        request = _build_request(client, service, call, ctx, timeout)
+        # The job's deadline is enforced by the engine's cancel scope around the pipe, which
+        # names the right scope (pipe, stage or job); this one adds the service's own bound.
+        with trio.move_on_after(service.timeout) as scope:
+            try:
+                return await _send(client, service, call, request)
+            except httpx.TimeoutException as exc:
+                raise _timeout(service, ctx, budget, started + budget, exc) from exc
+            except httpx.HTTPError as exc:
+                raise BackendError(
+                    f"service {service.name!r} failed: {type(exc).__name__}",
+                    service=service.name,
+                ) from exc
+        assert scope.cancelled_caught
+        raise DeadlineExceeded(
+            f"service {service.name!r} did not answer within {service.timeout:g}s",
+            scope="pipe",
+            where=ctx.path,
+            deadline=scope.deadline,
+        )
+
+
+def http_pipe(
+    name: str,
+    call: HttpCall,
+    backends: Backends,
+    *,
+    key: str | None = None,
+    timeout: float | None = None,
+) -> Pipe:
+    """A pipe that makes ``call`` through ``backends`` and writes the answer to
+    ``state[call.into]``. Its admission key defaults to the service's name, so the
+    service's pool weights apply to it."""
+    if call.service not in backends.services:
+        known = ", ".join(sorted(backends.services)) or "none"
+        raise RegistrationError(
+            f"pipe {name!r} calls unknown service {call.service!r} (known: {known})"
+        )
+
+    async def run(ctx: Context) -> None:
+        answer = await backends.call(call, ctx)
+        if call.into is not None:
+            ctx.state[call.into] = answer
+
+    run.__name__ = run.__qualname__ = name
+    return Pipe(run, name, key if key is not None else call.service, timeout)
+
+
+def _connect(service: Service) -> float:
+    return service.timeout if service.connect_timeout is None else service.connect_timeout
+
+
+def _build_request(
+    client: httpx.AsyncClient,
+    service: Service,
+    call: HttpCall,
+    ctx: Context,
+    timeout: httpx.Timeout,
+) -> httpx.Request:
+    state = ctx.state
+    base = service.url
+    url = base.copy_with(
+        raw_path=base.raw_path.rstrip(b"/") + call.path.render_path(state).encode()
+    )
+    params: list[tuple[str, str | int | float | bool | None]] = []
+    for name, template in call.query:
+        params.extend((name, value) for value in template.render_query(state, name))
+    headers = httpx.Headers(service.headers)
+    if call.forward_headers is not None:
+        headers.update(_forwarded(state, call.forward_headers))
+    for name, template in call.headers:
+        rendered = template.render_header(state, name)
+        if rendered is not None:
+            headers[name] = rendered
+    content: bytes | None = None
+    if call.body is not None:
+        try:
+            content = json.dumps(
+                render_body(call.body, state), separators=(",", ":"), allow_nan=False
+            ).encode()
+        except (TypeError, ValueError) as exc:
+            raise TemplateError(f"the body cannot be sent as JSON: {exc}") from None
+        headers.setdefault("Content-Type", "application/json")
+    request = client.build_request(
+        call.method, url, params=params, headers=headers, content=content, timeout=timeout
+    )
+    sent = request.url
+    if (sent.scheme, sent.host, sent.port) != (base.scheme, base.host, base.port):
+        # Unreachable by construction (values are percent-encoded); kept as the last guard.
+        raise TemplateError(f"the call to service {service.name!r} would leave its host")
+    return request
+
+
+def _forwarded(state: Mapping[str, Any], key: str) -> dict[str, str]:
+    """The headers in ``state[key]`` that may travel on: no hop-by-hop ones (including any
+    the ``Connection`` header names), no Host or Content-Length."""
+    given = state.get(key)
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in given.items()
+    ):
+        raise TemplateError(f"state value {key!r} must be a table of header names to strings")
+    named = {
+        token.strip().lower()
+        for k, v in given.items()
+        if k.lower() == "connection"
+        for token in v.split(",")
+    }
+    kept: dict[str, str] = {}
+    for name, value in given.items():
+        lowered = name.lower()
+        if lowered in FORBIDDEN_HEADERS or lowered.startswith("proxy-") or lowered in named:
+            continue
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise TemplateError(f"forwarded header {name!r} may not hold control characters")
+        kept[name] = value
+    return kept
+
+
+async def _send(
+    client: httpx.AsyncClient, service: Service, call: HttpCall, request: httpx.Request
+) -> Any:
+    response = await client.send(request, stream=True)
+    try:
+        if response.status_code not in call.accept:
+            raise BackendError(
+                f"service {service.name!r} answered HTTP {response.status_code}; "
+                f"the pipe accepts {call.describe_accept()}",
+                service=service.name,
+                status=response.status_code,
+            )
+        limit = service.max_response_bytes
+        declared = response.headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_big(service, response)
+        body = bytearray()
+        size = 0
+        # Drained to the end even past the limit: httpx's body generators nest, and one left
+        # half-read is only finalized by the garbage collector (with a ResourceWarning).
+        # The service's timeout still bounds the time this takes.
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk
+        if size > limit:
+            raise _too_big(service, response)
+    finally:
+        await response.aclose()
+    return _decode(service, response, bytes(body))
+
+
+def _too_big(service: Service, response: httpx.Response) -> BackendError:
+    return BackendError(
+        f"service {service.name!r} answered with more than {service.max_response_bytes} "
+        "bytes (its max_response_bytes)",
+        service=service.name,
+        status=response.status_code,
+    )
+
+
+def _decode(service: Service, response: httpx.Response, body: bytes) -> Any:
+    if not body:
+        return None
+    media = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise BackendError(
+                f"service {service.name!r} answered with invalid JSON",
+                service=service.name,
+                status=response.status_code,
+            ) from None
+    return body.decode(response.charset_encoding or "utf-8", errors="replace")
+
+
+def _timeout(
+    service: Service, ctx: Context, budget: float, deadline: float, exc: httpx.TimeoutException
+) -> DeadlineExceeded:
+    if isinstance(exc, httpx.ConnectTimeout):
+        what = f"could not connect to service {service.name!r} within {budget:g}s"
+    elif isinstance(exc, httpx.PoolTimeout):
+        what = (
+            f"no free connection to service {service.name!r} within {budget:g}s "
+            f"(all {service.max_connections} of its max_connections were busy)"
+        )
+    else:
+        what = f"service {service.name!r} did not answer within {budget:g}s"
+    return DeadlineExceeded(what, scope="pipe", where=ctx.path, deadline=deadline)

@@ -1,0 +1,220 @@
+"""What an HTTP backend call is made of: a :class:`Service` (where and how to connect) and
+an :class:`HttpCall` (what to send and where the answer goes). Plain frozen data, checked
+when made; :mod:`._http` does the calling.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final
+
+import httpx
+
+from .._errors import RegistrationError
+from ._http_template import BodyTemplate, Template, parse_body
+
+__all__ = [
+    "DEFAULT_ACCEPT",
+    "FORBIDDEN_HEADERS",
+    "HOP_BY_HOP",
+    "METHODS",
+    "HttpCall",
+    "Service",
+    "check_base_url",
+    "check_header_name",
+]
+
+#: Headers that describe one connection, not the message (RFC 9110 §7.6.1): never forwarded.
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: Headers a pipe may not set: hop-by-hop ones, and those that would redirect or reframe the
+#: request (the host comes only from the service's base_url; httpx frames the body).
+FORBIDDEN_HEADERS: Final = HOP_BY_HOP | {"host", "content-length"}
+METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+DEFAULT_ACCEPT: Final = frozenset(range(200, 300))
+
+_TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+
+
+def check_header_name(name: str) -> str | None:
+    """Why ``name`` cannot be a header a pipe sets, or None if it can."""
+    if not _TOKEN.match(name):
+        return f"{name!r} is not a valid header name"
+    lowered = name.lower()
+    if lowered in HOP_BY_HOP or lowered.startswith("proxy-"):
+        return f"{name!r} is a hop-by-hop header; pipework never forwards those"
+    if lowered == "host":
+        return "'Host' cannot be set: the host comes only from the service's base_url"
+    if lowered == "content-length":
+        return "'Content-Length' cannot be set: it is computed from the body"
+    return None
+
+
+def check_base_url(url: str) -> str | None:
+    """Why ``url`` cannot be a service's base URL, or None if it can."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        return f"{url!r} is not a valid URL: {exc}"
+    if parsed.scheme not in ("http", "https"):
+        return f"{url!r} must start with http:// or https://"
+    if not parsed.host:
+        return f"{url!r} names no host"
+    if parsed.userinfo:
+        return f"{url!r} holds credentials; send them with the service's headers instead"
+    if parsed.query or parsed.fragment or "?" in url or "#" in url:
+        return f"{url!r} may not have a query or fragment; set them on the pipes"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """A backend service: every call to it goes to ``base_url`` (plus the pipe's path).
+
+    ``timeout`` bounds one whole call in seconds (and always the job's remaining time);
+    ``connect_timeout`` the connection set-up. ``max_connections`` is the size of its
+    connection pool, which should be at least the concurrency its pool weights allow;
+    ``max_keepalive`` idle connections are kept for ``keepalive_expiry`` seconds.
+    ``headers`` go with every call; ``max_response_bytes`` caps an answer's (decoded) body.
+    """
+
+    name: str
+    base_url: str
+    timeout: float = 10.0
+    connect_timeout: float | None = None
+    max_connections: int = 10
+    max_keepalive: int | None = None
+    keepalive_expiry: float = 5.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+    max_response_bytes: int = 10 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        where = f"service {self.name!r}"
+        object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if not self.name:
+            raise RegistrationError("a service needs a non-empty name")
+        problem = check_base_url(self.base_url)
+        if problem is not None:
+            raise RegistrationError(f"{where}: base_url {problem}")
+        for name, value in (("timeout", self.timeout), ("connect_timeout", self.connect_timeout)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise RegistrationError(f"{where}: {name} must be a positive number, got {value}")
+        if self.max_connections < 1:
+            raise RegistrationError(f"{where}: max_connections must be at least 1")
+        if self.max_keepalive is not None and self.max_keepalive < 0:
+            raise RegistrationError(f"{where}: max_keepalive must be 0 or more")
+        if not (math.isfinite(self.keepalive_expiry) and self.keepalive_expiry >= 0):
+            raise RegistrationError(f"{where}: keepalive_expiry must be 0 or more")
+        if self.max_response_bytes < 0:
+            raise RegistrationError(f"{where}: max_response_bytes must be 0 or more")
+        for name in self.headers:
+            problem = check_header_name(name)
+            if problem is not None:
+                raise RegistrationError(f"{where}: {problem}")
+
+    @property
+    def url(self) -> httpx.URL:
+        return httpx.URL(self.base_url)
+
+    def limits(self) -> httpx.Limits:
+        keepalive = self.max_connections if self.max_keepalive is None else self.max_keepalive
+        return httpx.Limits(
+            max_connections=self.max_connections,
+            max_keepalive_connections=min(keepalive, self.max_connections),
+            keepalive_expiry=self.keepalive_expiry,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCall:
+    """One call to ``service``: ``method`` on ``path`` (a path template, appended to the
+    base URL's path), with ``query``, ``headers`` and a JSON ``body`` filled from state.
+
+    ``forward_headers`` names a state key holding a dict of headers to pass on (hop-by-hop
+    ones, Host and Content-Length are dropped). The answer's body (JSON parsed, else text,
+    None when empty) is written to ``state[into]`` (None: not kept); a status outside
+    ``accept`` is a :class:`~pipework.BackendError`.
+    """
+
+    service: str
+    path: Template
+    method: str = "GET"
+    query: tuple[tuple[str, Template], ...] = ()
+    headers: tuple[tuple[str, Template], ...] = ()
+    body: BodyTemplate | None = None
+    forward_headers: str | None = None
+    into: str | None = None
+    accept: frozenset[int] = DEFAULT_ACCEPT
+
+    def __post_init__(self) -> None:
+        method = self.method.upper()
+        if method not in METHODS:
+            raise RegistrationError(
+                f"HTTP method {self.method!r} is not one of {', '.join(METHODS)}"
+            )
+        object.__setattr__(self, "method", method)
+        for name, _ in self.headers:
+            problem = check_header_name(name)
+            if problem is not None:
+                raise RegistrationError(problem)
+        if not self.accept:
+            raise RegistrationError("accept needs at least one status")
+
+    @classmethod
+    def of(
+        cls,
+        service: str,
+        path: str,
+        *,
+        method: str = "GET",
+        query: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: Any = None,
+        forward_headers: str | None = None,
+        into: str | None = None,
+        accept: frozenset[int] = DEFAULT_ACCEPT,
+    ) -> HttpCall:
+        """Build a call from template strings (parsed here; a bad one raises ValueError)."""
+        return cls(
+            service,
+            Template.parse_path(path),
+            method,
+            tuple((k, Template.parse(v)) for k, v in (query or {}).items()),
+            tuple((k, Template.parse(v)) for k, v in (headers or {}).items()),
+            parse_body(body) if body is not None else None,
+            forward_headers,
+            into,
+            accept,
+        )
+
+    def describe_accept(self) -> str:
+        return describe_statuses(self.accept)
+
+
+def describe_statuses(statuses: frozenset[int]) -> str:
+    """``2xx`` for whole classes, else the numbers: ``2xx, 404``."""
+    parts: list[str] = []
+    rest = set(statuses)
+    for hundred in range(100, 600, 100):
+        block = set(range(hundred, hundred + 100))
+        if block <= rest:
+            parts.append(f"{hundred // 100}xx")
+            rest -= block
+    parts.extend(str(s) for s in sorted(rest))
+    order = {p: (int(p[0]) * 100 if p.endswith("xx") else int(p)) for p in parts}
+    return ", ".join(sorted(parts, key=order.__getitem__))

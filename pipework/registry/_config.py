@@ -1,0 +1,238 @@
+"""The gateway configuration file: TOML in, a checked :class:`GatewayConfig` out.
+
+::
+
+    config = load_config("gateway.toml")          # ConfigError listing every problem
+    backends = config.backends()                   # one HTTP client per service, once open
+    registry = build_registry(config, backends)    # pipes, one chain per route, routes
+    pool = WeightedPool.from_config(config.pool_config())
+
+Loading checks everything a server would trip over later -- types, unknown keys, unknown
+services and pipes, graph cycles, reserves above ``max_workers``, Python import paths --
+and reports all of it at once, each problem with its key path and line. See
+docs/configuration.md for the schema.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Final
+
+from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
+from ..pipes._http import Backends
+from ..pipes._http_spec import Service
+from ._config_lines import scan_lines
+from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
+from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
+from ._config_read import report_unknown
+from ._config_routes import RouteConfig, read_routes
+from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server, read_services
+from ._registry import Registry
+
+__all__ = [
+    "ConfigError",
+    "GatewayConfig",
+    "HttpPipeConfig",
+    "PipeConfig",
+    "PoolSettings",
+    "Problem",
+    "PythonPipeConfig",
+    "RouteConfig",
+    "ServerConfig",
+    "build_registry",
+    "config_from_dict",
+    "load_config",
+    "loads_config",
+]
+
+SECTIONS: Final = ("server", "pool", "services", "pipes", "routes")
+_TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """A checked gateway configuration. ``warnings`` holds what is legal but suspicious
+    (a pipe no route uses, a token written in the file)."""
+
+    source: str
+    server: ServerConfig
+    pool: PoolSettings
+    services: Mapping[str, Service]
+    pipes: Mapping[str, PipeConfig]
+    routes: Mapping[str, RouteConfig]
+    warnings: tuple[Problem, ...] = ()
+
+    def pool_config(self) -> PoolConfig:
+        """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
+        return self.pool.pool_config()
+
+    def backends(self) -> Backends:
+        """The (not yet open) HTTP clients of every service: ``async with`` it."""
+        return Backends(self.services)
+
+    def summary(self) -> dict[str, Any]:
+        """What the file declares, in a few numbers (for logs, ``check`` and reloads)."""
+        return {
+            "source": self.source,
+            "services": len(self.services),
+            "pipes": len(self.pipes),
+            "routes": len(self.routes),
+            "max_workers": self.pool.max_workers,
+            "reserved": sum(w.reserve for w in self.pool.keys.values()),
+            "warnings": [str(w) for w in self.warnings],
+        }
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and check the gateway file at ``path``; raises :class:`ConfigError`."""
+    source = os.fspath(path)
+    try:
+        with open(path, "rb") as file:
+            text = file.read().decode("utf-8")
+    except OSError as exc:
+        problem = Problem("", f"cannot read the file: {exc.strerror or exc}")
+        raise ConfigError([problem], source) from None
+    except UnicodeDecodeError as exc:
+        problem = Problem("", f"the file is not UTF-8 text: {exc.reason}")
+        raise ConfigError([problem], source) from None
+    return loads_config(text, source=source)
+
+
+def loads_config(text: str, *, source: str = "<string>") -> GatewayConfig:
+    """Check the gateway configuration in ``text``; raises :class:`ConfigError`."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([_syntax_problem(str(exc), text)], source) from None
+    return config_from_dict(data, source=source, lines=scan_lines(text))
+
+
+def _syntax_problem(message: str, text: str) -> Problem:
+    found = _TOML_POSITION.search(message)
+    if found is not None:
+        line, column = int(found.group(1)), int(found.group(2))
+        return Problem("", f"invalid TOML: {message[: found.start()]} (column {column})", line)
+    if message.endswith("(at end of document)"):
+        what = message.removesuffix("(at end of document)").strip()
+        return Problem(
+            "", f"invalid TOML: {what} at the end of the file", text.rstrip().count("\n") + 1
+        )
+    return Problem("", f"invalid TOML: {message}")
+
+
+def config_from_dict(
+    data: Mapping[str, Any],
+    *,
+    source: str = "<dict>",
+    lines: Mapping[KeyPath, int] | None = None,
+) -> GatewayConfig:
+    """Check a configuration already parsed from TOML (``lines`` maps key paths to line
+    numbers, for the messages); raises :class:`ConfigError`."""
+    c = Collector(lines)
+    if not isinstance(data, Mapping):
+        c.error((), f"expected a table, got {describe_value(data)}")
+        raise ConfigError(c.problems(), source)
+    for key in data:
+        if key not in SECTIONS:
+            report_unknown(c, (key,), key, SECTIONS)
+    server = read_server(c, data.get("server"))
+    settings, pool_keys = read_pool(c, data.get("pool"))
+    services, service_weights = read_services(c, data.get("services"), settings)
+    declared_services = _names(data.get("services"))
+    for key in list(pool_keys):
+        if key in declared_services:
+            c.error(
+                ("pool", "keys", key),
+                f"{key!r} is a service: set its weights in [services.{key}]",
+            )
+            del pool_keys[key]
+    settings = replace(settings, keys={**service_weights, **pool_keys})
+    _check_reserves(c, settings)
+    if not c.failed(("pool",)) and not c.failed(("services",)):
+        try:
+            settings.pool_config()
+        except PoolConfigError as exc:
+            c.error(("pool", "max_workers"), str(exc))
+    pipes = read_pipes(c, data.get("pipes"), declared_services)
+    declared_pipes = _names(data.get("pipes"))
+    routes, used = read_routes(c, data.get("routes"), declared_pipes)
+    _warn_unused(c, data, declared_services, declared_pipes, used)
+    config = GatewayConfig(
+        source,
+        server,
+        settings,
+        MappingProxyType(services),
+        MappingProxyType(dict(pipes)),
+        MappingProxyType(routes),
+    )
+    if not c.has_errors:
+        try:
+            build_registry(config, config.backends())  # whatever slipped through, now
+        except (PoolConfigError, ValueError) as exc:
+            c.error((), str(exc))
+    if c.has_errors:
+        raise ConfigError(c.problems(), source)
+    return replace(config, warnings=c.problems())
+
+
+def _check_reserves(c: Collector, settings: PoolSettings) -> None:
+    """Reserves above max_workers, reported even when other weights have problems."""
+    reserved = {k: w.reserve for k, w in settings.keys.items() if w.reserve}
+    total = sum(reserved.values())
+    if total > settings.max_workers and not c.failed(("pool", "max_workers")):
+        parts = ", ".join(f"{k}={r}" for k, r in reserved.items())
+        c.error(
+            ("pool", "max_workers"),
+            f"reserves add up to {total} ({parts}) but max_workers is {settings.max_workers}; "
+            "lower a reserve or raise max_workers",
+        )
+
+
+def _names(section: Any) -> list[str]:
+    return [k for k in section if isinstance(k, str)] if isinstance(section, dict) else []
+
+
+def _warn_unused(
+    c: Collector,
+    data: Mapping[str, Any],
+    services: list[str],
+    pipes: list[str],
+    used: set[str],
+) -> None:
+    # Only for entries without errors: a warning on a broken entry adds nothing.
+    for name in pipes:
+        if name not in used and not c.failed(("pipes", name)):
+            c.warn(("pipes", name), "no route uses this pipe")
+    referenced: set[str] = set()
+    section = data.get("pipes")
+    for spec in section.values() if isinstance(section, dict) else ():
+        if isinstance(spec, dict):
+            referenced.update(v for k in ("service", "key") if isinstance(v := spec.get(k), str))
+    for name in services:
+        if name not in referenced and not c.failed(("services", name)):
+            c.warn(("services", name), "no pipe calls this service or uses it as its key")
+    if not isinstance(data.get("routes"), dict) or not data["routes"]:
+        c.warn(("routes",), "no routes: the gateway would serve only its own endpoints")
+
+
+def build_registry(
+    config: GatewayConfig, backends: Backends, registry: Registry | None = None
+) -> Registry:
+    """Register every pipe, one chain per route (named after it), and the routes.
+
+    HTTP pipes call through ``backends``, which must be open while they run. Pass a
+    ``registry`` to add to an existing one."""
+    registry = registry if registry is not None else Registry()
+    for pipe in config.pipes.values():
+        registry.add_pipe(pipe.build(backends))
+    for rc in config.routes.values():
+        registry.chain(
+            rc.route.name, rc.chain, timeout=rc.route.timeout, key=rc.key, result=rc.result
+        )
+        registry.add_route(rc.route)
+    return registry

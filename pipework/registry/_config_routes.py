@@ -1,0 +1,361 @@
+"""The ``[routes.NAME]`` section: each route and the chain it runs.
+
+A chain is an array whose items are pipe names, nested arrays (run in order) and stage
+tables: ``{serial = [...]}``, ``{any_of = [...]}``, ``{all_of = [...], settle = true,
+merge = ...}``, ``{quorum = [...], k = 2}`` and ``{graph = {NODE = {pipe = "p", after =
+[...], detach = false}}}``. Stages are built with the same constructors as in Python, so
+a chain means exactly what the code version would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Final, cast, get_args
+
+from .._errors import RegistrationError
+from ..pipes._merge import MergePolicy, MergeRule, ReducerName
+from ..pipes._stages import (
+    GraphNode,
+    Serial,
+    StageItem,
+    all_of,
+    any_of,
+    graph,
+    node,
+    quorum,
+    serial,
+)
+from ._config_problems import Collector, KeyPath, close_match, describe_value
+from ._config_read import Table, check_name, open_table, report_unknown
+from ._routes import Mode, OnDisconnect, Route, RouteTable
+
+__all__ = ["RouteConfig", "read_routes"]
+
+ROUTE_KEYS: Final = (
+    "method",
+    "path",
+    "chain",
+    "mode",
+    "timeout",
+    "sync_wait",
+    "on_disconnect",
+    "key",
+    "result",
+    "max_body",
+)
+ROUTE_METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
+STAGE_OPTIONS: Final[dict[str, tuple[str, ...]]] = {
+    "serial": ("timeout",),
+    "any_of": ("timeout", "max_concurrency"),
+    "all_of": ("settle", "merge", "timeout", "max_concurrency"),
+    "quorum": ("k", "merge", "timeout", "max_concurrency"),
+    "graph": ("merge", "timeout", "max_concurrency"),
+}
+_ALL_OPTIONS: Final = frozenset(o for options in STAGE_OPTIONS.values() for o in options)
+NODE_KEYS: Final = ("pipe", "chain", "after", "detach")
+MERGE_RULES: Final = get_args(ReducerName)
+#: Deeper nesting than this is almost surely a generated mistake, and recursion has limits.
+MAX_DEPTH: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    """A route, the chain it runs (pipes by name), and the pipes it uses, in order."""
+
+    route: Route
+    chain: Serial
+    key: str = "default"
+    result: str | None = None
+    pipes: tuple[str, ...] = ()
+
+
+def read_routes(
+    c: Collector, value: Any, pipes: Collection[str]
+) -> tuple[dict[str, RouteConfig], set[str]]:
+    """Every route that reads without errors, and the names of every pipe a route uses."""
+    path: KeyPath = ("routes",)
+    used: set[str] = set()
+    if value is None:
+        return {}, used
+    if not isinstance(value, dict):
+        c.error(path, "expected a table of routes, one [routes.NAME] each")
+        return {}, used
+    table = RouteTable()
+    routes: dict[str, RouteConfig] = {}
+    for name, spec in value.items():
+        where = (*path, name)
+        t = open_table(c, where, spec, ROUTE_KEYS)
+        if t is None or not check_name(c, where, name, "route"):
+            continue
+        reader = _ChainReader(c, pipes, name)
+        config = _route(name, t, reader)
+        used.update(reader.used)
+        if config is None or c.failed(where):
+            continue
+        try:
+            table.add(config.route)
+        except RegistrationError as exc:
+            c.error(t.at("path"), str(exc))
+            continue
+        routes[name] = config
+    return routes, used
+
+
+def _route(name: str, t: Table, reader: _ChainReader) -> RouteConfig | None:
+    c = t.c
+    method = t.string("method", "POST").upper()
+    if method not in ROUTE_METHODS:
+        c.error(
+            t.at("method"),
+            f"unknown method {method!r}; expected one of: {', '.join(ROUTE_METHODS)}",
+        )
+    path = t.string("path", None, required=True)
+    if path is not None:
+        try:
+            Route(name, "GET", path, "chain")  # checks the path alone, to report it there
+        except RegistrationError as exc:
+            c.error(t.at("path"), str(exc).removeprefix(f"route {name!r}: "))
+            path = None
+    mode = t.string("mode", "sync", choices=get_args(Mode))
+    on_disconnect = t.string("on_disconnect", "cancel", choices=get_args(OnDisconnect))
+    timeout = t.number("timeout", None)
+    sync_wait = t.number("sync_wait", 10.0, positive=False)
+    key = t.string("key", "default")
+    result = t.string("result", None)
+    max_body = t.integer("max_body", None, minimum=0)
+    chain: Serial | None = None
+    if "chain" not in t:
+        c.error(t.at("chain"), "required key is missing: list the pipes and stages to run")
+    else:
+        items = reader.items(t.at("chain"), t.data["chain"], 0)
+        chain = Serial(tuple(items)) if items is not None else None
+    if path is None or chain is None or c.failed(t.path):
+        return None
+    try:
+        route = Route(
+            name,
+            method,
+            path,
+            name,
+            cast(Mode, mode),
+            timeout,
+            sync_wait,
+            cast(OnDisconnect, on_disconnect),
+            max_body,
+        )
+    except RegistrationError as exc:
+        c.error(t.path, str(exc).removeprefix(f"route {name!r}: "))
+        return None
+    return RouteConfig(route, chain, key, result, tuple(dict.fromkeys(reader.used)))
+
+
+class _ChainReader:
+    """Reads one route's chain into stage objects, reporting every problem on the way."""
+
+    def __init__(self, c: Collector, pipes: Collection[str], route: str) -> None:
+        self.c = c
+        self.pipes = pipes
+        self.route = route
+        self.used: list[str] = []  # every pipe named, in order, repeats included
+
+    def items(self, path: KeyPath, value: Any, depth: int) -> list[StageItem] | None:
+        if not isinstance(value, list):
+            self.c.error(
+                path, f"expected an array of pipes and stages, got {describe_value(value)}"
+            )
+            return None
+        if not value:
+            self.c.error(path, "must name at least one pipe or stage")
+            return None
+        items = [self.item((*path, i), v, depth + 1) for i, v in enumerate(value)]
+        if any(item is None for item in items):
+            return None
+        return cast(list[StageItem], items)
+
+    def item(self, path: KeyPath, value: Any, depth: int) -> StageItem | None:
+        if depth > MAX_DEPTH:
+            self.c.error(path, f"stages nest deeper than {MAX_DEPTH} levels")
+            return None
+        if isinstance(value, str):
+            return self.pipe(path, value)
+        if isinstance(value, list):
+            items = self.items(path, value, depth)
+            return serial(*items) if items is not None else None
+        if isinstance(value, dict):
+            return self.stage(path, value, depth)
+        self.c.error(
+            path, f"expected a pipe name, an array or a stage table, got {describe_value(value)}"
+        )
+        return None
+
+    def pipe(self, path: KeyPath, name: str) -> str | None:
+        if name not in self.pipes:
+            guess = close_match(name, self.pipes)
+            self.c.error(
+                path, f"unknown pipe {name!r}" + (f"; did you mean {guess!r}?" if guess else "")
+            )
+            return None
+        self.used.append(name)
+        return name
+
+    def stage(self, path: KeyPath, table: dict[str, Any], depth: int) -> StageItem | None:
+        c = self.c
+        kinds = [k for k in STAGE_OPTIONS if k in table]
+        if len(kinds) != 1:
+            for key in table:
+                if key not in STAGE_OPTIONS and key not in _ALL_OPTIONS:
+                    report_unknown(c, (*path, key), key, STAGE_OPTIONS)
+            what = ", ".join(kinds) if kinds else "none"
+            c.error(
+                path, f"a stage table needs exactly one of {', '.join(STAGE_OPTIONS)}; found {what}"
+            )
+            return None
+        kind = kinds[0]
+        options = STAGE_OPTIONS[kind]
+        for key in table:
+            if key == kind or key in options:
+                continue
+            if key in _ALL_OPTIONS:
+                c.error(
+                    (*path, key), f"not an option of {kind} (its options: {', '.join(options)})"
+                )
+            else:
+                report_unknown(c, (*path, key), key, (kind, *options))
+        t = Table(c, path, table)
+        timeout = t.number("timeout", None)
+        max_concurrency = (
+            t.integer("max_concurrency", None, minimum=1) if kind != "serial" else None
+        )
+        merge = self.merge(t) if "merge" in options and "merge" in t else None
+        k = t.integer("k", 1, minimum=1, required=True) if kind == "quorum" else 1
+        settle = t.boolean("settle", False) if kind == "all_of" else False
+        if kind == "graph":
+            nodes = self.graph(t.at("graph"), table["graph"], depth)
+            items: list[StageItem] | None = None
+        else:
+            items = self.items(t.at(kind), table[kind], depth)
+        if c.failed(path):
+            return None
+        try:
+            if kind == "graph":
+                assert nodes is not None
+                where = t.at("graph")
+                return graph(
+                    *nodes,
+                    name=self.route,
+                    merge=merge,
+                    timeout=timeout,
+                    max_concurrency=max_concurrency,
+                )
+            where = path
+            assert items is not None
+            if kind == "serial":
+                return serial(*items, timeout=timeout)
+            if kind == "any_of":
+                return any_of(*items, timeout=timeout, max_concurrency=max_concurrency)
+            if kind == "all_of":
+                return all_of(
+                    *items,
+                    settle=settle,
+                    merge=merge,
+                    timeout=timeout,
+                    max_concurrency=max_concurrency,
+                )
+            if k > len(items):
+                c.error(
+                    t.at("k"), f"must be at most the number of branches ({len(items)}), got {k}"
+                )
+                return None
+            return quorum(k, *items, merge=merge, timeout=timeout, max_concurrency=max_concurrency)
+        except RegistrationError as exc:
+            c.error(where, str(exc))
+            return None
+
+    def merge(self, t: Table) -> MergePolicy | None:
+        value = t.data["merge"]
+        if isinstance(value, str):
+            rule = self.rule(t.at("merge"), value)
+            return MergePolicy(default=rule) if rule is not None else None
+        m = open_table(t.c, t.at("merge"), value, ("default", "keys"))
+        if m is None:
+            return None
+        default = self.rule(m.at("default"), m.data.get("default", "strict"))
+        keys: dict[str, MergeRule] = {}
+        for key, rule in (m.table("keys") or {}).items():
+            checked = self.rule((*m.at("keys"), key), rule)
+            if checked is not None:
+                keys[key] = checked
+        if default is None or t.c.failed(t.at("merge")):
+            return None
+        return MergePolicy(default=default, keys=keys)
+
+    def rule(self, path: KeyPath, value: Any) -> MergeRule | None:
+        if isinstance(value, str) and value in MERGE_RULES:
+            return cast(ReducerName, value)
+        rules = ", ".join(MERGE_RULES)
+        if not isinstance(value, str):
+            self.c.error(path, f"expected a merge rule ({rules}), got {describe_value(value)}")
+            return None
+        guess = close_match(value, MERGE_RULES)
+        also = f"did you mean {guess!r}? " if guess else ""
+        self.c.error(path, f"unknown merge rule {value!r}; {also}expected one of: {rules}")
+        return None
+
+    def graph(self, path: KeyPath, value: Any, depth: int) -> list[GraphNode] | None:
+        c = self.c
+        if not isinstance(value, dict):
+            c.error(path, f"expected a table of nodes, got {describe_value(value)}")
+            return None
+        if not value:
+            c.error(path, "a graph needs at least one node")
+            return None
+        nodes: list[GraphNode] = []
+        for name, spec in value.items():
+            where = (*path, name)
+            check_name(c, where, name, "node")
+            if isinstance(spec, str):
+                item: StageItem | None = self.pipe(where, spec)
+                after: list[str] = []
+                detach = False
+            else:
+                n = open_table(c, where, spec, NODE_KEYS)
+                if n is None:
+                    continue
+                item = self.node_item(n, depth)
+                after = self.after(n, value)
+                detach = n.boolean("detach", False)
+            if item is not None and not c.failed(where):
+                nodes.append(node(name, item, after=after, detach=detach))
+        return nodes if not c.failed(path) else None
+
+    def node_item(self, n: Table, depth: int) -> StageItem | None:
+        if ("pipe" in n) == ("chain" in n):
+            self.c.error(n.path, 'a graph node needs pipe = "name" or chain = [...], one of them')
+            return None
+        if "pipe" in n:
+            name = n.string("pipe", None)
+            return self.pipe(n.at("pipe"), name) if name is not None else None
+        items = self.items(n.at("chain"), n.data["chain"], depth + 1)
+        return serial(*items) if items is not None else None
+
+    def after(self, n: Table, nodes: dict[str, Any]) -> list[str]:
+        value = n.data.get("after", [])
+        if not isinstance(value, list):
+            self.c.error(
+                n.at("after"), f"expected an array of node names, got {describe_value(value)}"
+            )
+            return []
+        parents: list[str] = []
+        for i, parent in enumerate(value):
+            if not isinstance(parent, str):
+                self.c.error(
+                    (*n.at("after"), i), f"expected a node name, got {describe_value(parent)}"
+                )
+            elif parent not in nodes:
+                guess = close_match(parent, nodes)
+                also = f"did you mean {guess!r}?" if guess else f"nodes: {', '.join(nodes)}"
+                self.c.error((*n.at("after"), i), f"unknown node {parent!r}; {also}")
+            else:
+                parents.append(parent)
+        return parents

@@ -1,0 +1,314 @@
+"""The ``[server]``, ``[pool]`` and ``[services.NAME]`` sections of a gateway file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final
+
+from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
+from ..pipes._http_spec import Service, check_base_url, check_header_name
+from ._config_problems import Collector, KeyPath
+from ._config_read import Table, check_name, open_table
+
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "PoolSettings",
+    "ServerConfig",
+    "read_pool",
+    "read_server",
+    "read_services",
+]
+
+#: Connection pool size for a service with no limit: httpx slows down with big pools.
+DEFAULT_MAX_CONNECTIONS: Final = 32
+
+SERVER_KEYS: Final = (
+    "host",
+    "port",
+    "max_body",
+    "max_header_bytes",
+    "body_time_limit",
+    "default_timeout",
+    "shutdown_grace",
+    "admin_token",
+    "admin_token_env",
+    "public_url",
+    "callback_secret_env",
+)
+POOL_KEYS: Final = (
+    "max_workers",
+    "wait_timeout",
+    "max_waiting",
+    "queue_capacity",
+    "max_passed_over",
+    "keys",
+)
+WEIGHT_KEYS: Final = ("reserve", "limit", "max_waiting", "wait_timeout", "adaptive")
+ADAPTIVE_KEYS: Final = ("min_limit", "max_limit", "increase", "backoff", "latency_tolerance")
+SERVICE_KEYS: Final = (
+    "base_url",
+    "timeout",
+    "connect_timeout",
+    "max_connections",
+    "max_keepalive",
+    "keepalive_expiry",
+    "headers",
+    "max_response_bytes",
+    *WEIGHT_KEYS,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """``[server]``: where the container listens and its limits. The names match
+    :class:`~pipework.ContainerConfig` where both have them."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body: int = 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    body_time_limit: float = 30.0
+    default_timeout: float = 30.0
+    shutdown_grace: float = 10.0
+    admin_token: str | None = None
+    admin_token_env: str | None = None
+    public_url: str | None = None
+    callback_secret_env: str | None = None
+
+    def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The admin bearer token (from the file or the environment); None: no admin API."""
+        if self.admin_token is not None:
+            return self.admin_token
+        if self.admin_token_env is None:
+            return None
+        return (os.environ if environ is None else environ).get(self.admin_token_env) or None
+
+    def callback_secret_value(self, environ: Mapping[str, str] | None = None) -> str | None:
+        if self.callback_secret_env is None:
+            return None
+        return (os.environ if environ is None else environ).get(self.callback_secret_env) or None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """``[pool]``: the weighted worker pool and the event queue. ``keys`` holds the weights
+    of every named key: each service's, and those of ``[pool.keys.NAME]``."""
+
+    max_workers: int = 64
+    wait_timeout: float = 10.0
+    max_waiting: int = 1000
+    queue_capacity: int = 10_000
+    max_passed_over: int = 8
+    keys: Mapping[str, Weights] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", MappingProxyType(dict(self.keys)))
+
+    def pool_config(self) -> PoolConfig:
+        """The :class:`PoolConfig` for ``WeightedPool.from_config``."""
+        return PoolConfig(
+            max_workers=self.max_workers,
+            keys=self.keys,
+            default=Weights(max_waiting=self.max_waiting),
+            wait_timeout=self.wait_timeout,
+            max_passed_over=self.max_passed_over,
+        )
+
+
+def read_server(c: Collector, value: Any) -> ServerConfig:
+    path: KeyPath = ("server",)
+    t = open_table(c, path, {} if value is None else value, SERVER_KEYS)
+    if t is None:
+        return ServerConfig()
+    d = ServerConfig()
+    token = t.string("admin_token", None)
+    token_env = t.string("admin_token_env", None)
+    if token is not None and token_env is not None:
+        c.error(t.at("admin_token"), "set admin_token or admin_token_env, not both")
+    elif token is not None:
+        c.warn(
+            t.at("admin_token"),
+            "a token written in the file is readable by whoever reads the file; "
+            "prefer admin_token_env",
+        )
+    public_url = t.string("public_url", None)
+    if public_url is not None:
+        problem = check_base_url(public_url)
+        if problem is not None:
+            c.error(t.at("public_url"), problem)
+    return ServerConfig(
+        host=t.string("host", d.host),
+        port=t.integer("port", d.port, minimum=0, maximum=65535),
+        max_body=t.integer("max_body", d.max_body, minimum=0),
+        max_header_bytes=t.integer("max_header_bytes", d.max_header_bytes, minimum=1),
+        body_time_limit=t.number("body_time_limit", d.body_time_limit),
+        default_timeout=t.number("default_timeout", d.default_timeout),
+        shutdown_grace=t.number("shutdown_grace", d.shutdown_grace, positive=False),
+        admin_token=token,
+        admin_token_env=token_env,
+        public_url=public_url,
+        callback_secret_env=t.string("callback_secret_env", None),
+    )
+
+
+def read_pool(c: Collector, value: Any) -> tuple[PoolSettings, dict[str, Weights]]:
+    """The pool's settings and the weights of ``[pool.keys.NAME]``."""
+    path: KeyPath = ("pool",)
+    t = open_table(c, path, {} if value is None else value, POOL_KEYS)
+    if t is None:
+        return PoolSettings(), {}
+    d = PoolSettings()
+    settings = PoolSettings(
+        max_workers=t.integer("max_workers", d.max_workers, minimum=1),
+        wait_timeout=t.number("wait_timeout", d.wait_timeout),
+        max_waiting=t.integer("max_waiting", d.max_waiting, minimum=0),
+        queue_capacity=t.integer("queue_capacity", d.queue_capacity, minimum=1),
+        max_passed_over=t.integer("max_passed_over", d.max_passed_over, minimum=1),
+    )
+    keys: dict[str, Weights] = {}
+    for name, spec in (t.table("keys") or {}).items():
+        where = (*t.at("keys"), name)
+        weights = read_weights(c, where, spec, WEIGHT_KEYS, settings.max_waiting)
+        if check_name(c, where, name, "key") and weights is not None:
+            keys[name] = weights
+    return settings, keys
+
+
+def read_weights(
+    c: Collector, path: KeyPath, value: Any, known: tuple[str, ...], max_waiting: int
+) -> Weights | None:
+    t = open_table(c, path, value, known)
+    if t is None:
+        return None
+    return _weights(t, max_waiting)
+
+
+def _weights(t: Table, max_waiting: int) -> Weights | None:
+    reserve = t.integer("reserve", 0, minimum=0)
+    limit = t.integer("limit", None, minimum=0)
+    adaptive = _adaptive(t)
+    try:
+        return Weights(
+            reserve=reserve,
+            limit=limit,
+            max_waiting=t.integer("max_waiting", max_waiting, minimum=0),
+            wait_timeout=t.number("wait_timeout", None),
+            adaptive=adaptive,
+        )
+    except PoolConfigError as exc:
+        t.c.error(t.at("reserve"), str(exc))
+        return None
+
+
+def _adaptive(t: Table) -> Adaptive | None:
+    if "adaptive" not in t:
+        return None
+    a = open_table(t.c, t.at("adaptive"), t.data["adaptive"], ADAPTIVE_KEYS)
+    if a is None:
+        return None
+    d = Adaptive()
+    min_limit = a.integer("min_limit", d.min_limit, minimum=1)
+    max_limit = a.integer("max_limit", d.max_limit, minimum=1)
+    if max_limit is not None and max_limit < min_limit:
+        a.c.error(a.at("max_limit"), f"must be at least min_limit ({min_limit}), got {max_limit}")
+    backoff = a.number("backoff", d.backoff)
+    if not backoff < 1:
+        a.c.error(
+            a.at("backoff"), f"must be below 1 (the share of the limit kept), got {backoff:g}"
+        )
+    tolerance = a.number("latency_tolerance", d.latency_tolerance)
+    if tolerance is not None and not tolerance > 1:
+        a.c.error(a.at("latency_tolerance"), f"must be above 1, got {tolerance:g}")
+    increase = a.number("increase", d.increase)
+    if a.c.failed(a.path):
+        return None
+    try:
+        return Adaptive(min_limit, max_limit, increase, backoff, tolerance)
+    except PoolConfigError as exc:
+        t.c.error(t.at("adaptive"), str(exc))
+        return None
+
+
+@dataclass(slots=True)
+class _ServiceDraft:
+    table: Table
+    weights: Weights
+
+
+def read_services(
+    c: Collector, value: Any, settings: PoolSettings
+) -> tuple[dict[str, Service], dict[str, Weights]]:
+    """Every service, and its weights (keyed by the service's name)."""
+    path: KeyPath = ("services",)
+    if value is None:
+        return {}, {}
+    if not isinstance(value, dict):
+        c.error(path, "expected a table of services, one [services.NAME] each")
+        return {}, {}
+    drafts: dict[str, _ServiceDraft] = {}
+    for name, spec in value.items():
+        where = (*path, name)
+        t = open_table(c, where, spec, SERVICE_KEYS)
+        if t is None or not check_name(c, where, name, "service"):
+            continue
+        weights = _weights(t, settings.max_waiting)
+        if weights is not None:
+            drafts[name] = _ServiceDraft(t, weights)
+    shared = settings.max_workers - sum(d.weights.reserve for d in drafts.values())
+    services = {}
+    for name, draft in drafts.items():
+        service = _service(name, draft, settings.max_workers if shared < 0 else shared)
+        if service is not None:
+            services[name] = service
+    return services, {name: d.weights for name, d in drafts.items()}
+
+
+def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
+    t, weights = draft.table, draft.weights
+    c = t.c
+    base_url = t.string("base_url", None, required=True)
+    if base_url is not None:
+        problem = check_base_url(base_url)
+        if problem is not None:
+            c.error(t.at("base_url"), problem)
+            base_url = None
+    headers = t.string_table("headers")
+    for header in headers:
+        problem = check_header_name(header)
+        if problem is not None:
+            c.error((*t.at("headers"), header), problem)
+    # The most slots this service's key can hold is its reserve plus the shared pool,
+    # capped by its limit. With a limit, the pool must cover that many concurrent calls;
+    # without one, at least the reserve (the rest wait on httpx, modestly sized by default).
+    most = weights.reserve + shared
+    if weights.limit:
+        most = min(most, weights.limit)
+        needed, what = most, f"the {most} worker slots its limit lets it hold"
+    else:
+        needed, what = weights.reserve, f"its reserve of {weights.reserve}"
+    if weights.limit:
+        default = needed
+    else:
+        default = max(1, weights.reserve, min(most, DEFAULT_MAX_CONNECTIONS))
+    connections = t.integer("max_connections", None, minimum=1)
+    if connections is not None and connections < needed:
+        c.error(
+            t.at("max_connections"),
+            f"{connections} is below {what}: calls beyond {connections} would hold a "
+            f"worker slot while waiting for a connection; raise it to {needed} or more",
+        )
+    timeout = t.number("timeout", 10.0)
+    fields: dict[str, Any] = {
+        "timeout": timeout,
+        "connect_timeout": t.number("connect_timeout", None),
+        "max_connections": connections or default,
+        "max_keepalive": t.integer("max_keepalive", None, minimum=0),
+        "keepalive_expiry": t.number("keepalive_expiry", 5.0, positive=False),
+        "max_response_bytes": t.integer("max_response_bytes", 10 * 1024 * 1024, minimum=0),
+    }
+    if base_url is None or c.failed(t.path):
+        return None
+    return Service(name, base_url, headers=headers, **fields)
