@@ -498,3 +498,30 @@ async def test_callback_url_comes_from_the_container_hook() -> None:
         job_id = await engine.submit("c")
         await engine.wait(job_id)
     assert urls == [f"/cb/{job_id}/paid?ttl=60"]
+
+
+async def test_a_swapped_plan_runs_new_jobs_and_old_ones_keep_theirs() -> None:
+    engine = make_engine()
+    calls: list[str] = []
+
+    def recorder(name: str) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            calls.append(name)
+            if name == "wait":
+                await ctx.suspend("go")
+
+        return pw.Pipe(run, name)
+
+    engine.chain("c", recorder("a"), recorder("wait"), recorder("b"))
+    async with engine:
+        old = await engine.submit("c")
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.plan_generation == 1
+        registry = pw.Registry()
+        registry.chain("c", recorder("x"), recorder("y"))
+        assert engine.swap_registry(registry) == 2
+        new = await engine.submit("c")
+        await engine.wait(new)
+        await engine.signal(old, "go")
+        await engine.wait(old)
+    assert calls == ["a", "wait", "x", "y", "b"]

@@ -27,6 +27,7 @@ import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing import Map, MapAdapter, Rule
 
 from .._errors import DeadlineExceeded, Overloaded, PipeworkError
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -113,9 +114,7 @@ class Container:
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
-        self.routes = tuple(engine.registry.routes.values() if routes is None else routes)
-        for route in self.routes:
-            engine.registry.get_chain(route.chain)  # fails now, with the known names
+        self.set_routes(engine.registry.routes.values() if routes is None else routes)
         _register_canary(engine, config.readiness_timeout)
         self.signer = signer or CallbackSigner.from_config(
             config.callback_secret, base_url=config.public_url or ""
@@ -205,22 +204,19 @@ class Container:
 
     def _build_app(self) -> QuartTrio:
         app = QuartTrio(__name__, static_folder=None)
-        limits = [self.config.max_body, *(r.max_body or 0 for r in self.routes)]
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
-        app.config["MAX_CONTENT_LENGTH"] = max(limits)
+        app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
         app.before_request(_take_correlation_id)
         app.before_request(self._check_headers)
         app.after_request(_give_correlation_id)
         app.register_error_handler(Problem, self._on_problem)
         app.register_error_handler(HTTPException, self._on_http_error)
         app.register_error_handler(Exception, self._on_error)
-        for route in self.routes:
-            app.add_url_rule(
-                route.rule,
-                endpoint=f"route:{route.name}",
-                view_func=self._route_view(route),
-                methods=[route.method],
-            )
+        # Routes are matched by our own map, behind one catch-all rule, so that a reload can
+        # swap them in one step; the container's own paths are Quart rules and win.
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+        app.add_url_rule("/", "routes_root", self._dispatch_route, methods=methods)
+        app.add_url_rule("/<path:_rest>", "routes", self._dispatch_route, methods=methods)
         jobs = self.jobs
         app.add_url_rule("/jobs/<job_id>", "job", jobs.status, methods=["GET"])
         app.add_url_rule("/jobs/<job_id>", "cancel_job", jobs.cancel, methods=["DELETE"])
@@ -242,12 +238,26 @@ class Container:
     async def _metrics(self) -> Response:
         return Response(self.engine.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
 
-    def _route_view(self, route: Route) -> Any:
-        async def view(**params: str) -> Response:
-            return await self.submissions.handle(route, params)
+    def set_routes(self, routes: Iterable[Route]) -> None:
+        """Serve ``routes`` from the next request on (a reload's swap), in one step."""
+        routes = tuple(routes)
+        for route in routes:
+            self.engine.registry.get_chain(route.chain)  # fails now, with the known names
+        rules = [Rule(r.rule, endpoint=r.name, methods=[r.method]) for r in routes]
+        self._matcher: MapAdapter = Map(rules, strict_slashes=False).bind("localhost")
+        self._by_name = {route.name: route for route in routes}
+        self.routes = routes
+        app = getattr(self, "app", None)
+        if app is not None:  # Quart's own cap stays above every route's limit
+            app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
 
-        view.__name__ = f"route_{route.name}"
-        return view
+    def _largest_body(self) -> int:
+        return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])
+
+    async def _dispatch_route(self, _rest: str = "") -> Response:
+        # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
+        name, params = self._matcher.match(request.path, method=request.method)
+        return await self.submissions.handle(self._by_name[name], params)
 
     async def _check_headers(self) -> None:
         # hypercorn bounds only headers that arrive in pieces; this bounds them all.

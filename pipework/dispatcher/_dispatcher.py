@@ -47,7 +47,9 @@ class Dispatcher:
         metrics: Metrics,
         key_label: Callable[[str], str],
     ) -> None:
-        self.registry = registry
+        #: Every plan (registry) jobs may still run on, by generation: a reload adds one,
+        #: and a job keeps the plan it was accepted under (its cursor means nothing elsewhere).
+        self.plans: dict[int, Registry] = {1: registry}
         self.store = store
         self.queue = queue
         self.pool = pool
@@ -68,6 +70,9 @@ class Dispatcher:
             Expire: self._expire,
             BranchDone: functools.partial(on_branch_done, self),
         }
+
+    def chain_of(self, job: Job) -> Chain:
+        return self.plans[job.plan].get_chain(job.chain)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -176,7 +181,7 @@ class Dispatcher:
 
     async def _run_held(self, job: Job) -> None:
         """Run pipes while they share the held slot's key."""
-        chain = self.registry.get_chain(job.chain)
+        chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
         while True:
@@ -399,7 +404,7 @@ class Dispatcher:
             if job.status is not Status.SUSPENDED or job.version != event.version:
                 return  # resumed or finished meanwhile: the timer lost the race
             assert job.suspend_deadline is not None
-            chain = self.registry.get_chain(job.chain)
+            chain = self.chain_of(job)
             where = chain.describe(self.path_of(job))
             deadline = job.suspend_deadline
             if deadline == job.deadline:

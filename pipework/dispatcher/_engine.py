@@ -67,6 +67,19 @@ class Engine:
         self._nursery: trio.Nursery | None = None
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
 
+    @property
+    def plan_generation(self) -> int:
+        """Which plan (registry) new jobs run on: 1 at start, one more per swap."""
+        return max(self._dispatcher.plans)
+
+    def swap_registry(self, registry: Registry) -> int:
+        """Run new jobs on ``registry`` from now on, in one step; jobs already accepted
+        finish on the plan they started with. Returns the new plan generation."""
+        generation = self.plan_generation + 1
+        self._dispatcher.plans[generation] = registry
+        self.registry = registry
+        return generation
+
     def key_label(self, key: str) -> str:
         """The metrics label for an admission key: configured keys by name, others
         ``default``, so label values stay bounded whatever keys pipes use."""
@@ -163,7 +176,8 @@ class Engine:
         """
         if self._nursery is None:
             raise RuntimeError("the engine is not running; use `async with engine:` first")
-        plan = self.registry.get_chain(chain)
+        generation = self.plan_generation
+        plan = self._dispatcher.plans[generation].get_chain(chain)
         state = check_state({} if state is None else state)
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
         now = trio.current_time()
@@ -176,6 +190,7 @@ class Engine:
             deadline=deadline,
             token_hash=None if token is None else hash_token(token),
             accepted_at=now,
+            plan=generation,
         )
         self._dispatcher.start_frames(job, plan)
         await self.store.create(job)

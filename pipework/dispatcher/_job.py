@@ -89,6 +89,8 @@ class Job:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+    #: The plan generation (registry) the job runs on; a reload never changes it.
+    plan: int = 1
     #: The trio clock when the job was accepted (durations and metrics).
     accepted_at: float = 0.0
     #: Absolute trio time after which a finished job is dropped (None while active).
@@ -152,6 +154,7 @@ class Job:
             "finished_at": self.finished_at,
             "retain_until": self.retain_until,
             "accepted_at": self.accepted_at,
+            "plan": self.plan,
             "parent": self.parent,
             "branch": self.branch,
             "join_id": self.join_id,

@@ -68,6 +68,7 @@ async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) ->
         branch=index,
         join_id=parent.join["id"],
         accepted_at=trio.current_time(),
+        plan=parent.plan,
     )
     d.start_frames(child, chain)
     parent.join["children"][str(index)] = child.id
@@ -110,7 +111,7 @@ async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
 async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     child = await d.store.get(event.branch_id)
     parent = await d.store.get(event.parent_id)
-    chain = d.registry.get_chain(parent.chain)
+    chain = d.chain_of(parent)
     path = child.root[:-1]
     stage = chain.node_at(path)
     assert isinstance(stage, Parallel)
