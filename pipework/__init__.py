@@ -21,6 +21,7 @@ from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
+from .container._gateway import Gateway as Gateway
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._engine import Engine as Engine
 from .dispatcher._job import ErrorInfo as ErrorInfo
@@ -38,6 +39,11 @@ from .dispatcher._weighted_core import PoolConfig as PoolConfig
 from .dispatcher._weighted_core import PoolConfigError as PoolConfigError
 from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
 from .dispatcher._weighted_core import Weights as Weights
+from .pipes._http import Backends as Backends
+from .pipes._http import http_pipe as http_pipe
+from .pipes._http_spec import HttpCall as HttpCall
+from .pipes._http_spec import Service as Service
+from .pipes._http_template import TemplateError as TemplateError
 from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
@@ -53,6 +59,13 @@ from .pipes._stages import graph as graph
 from .pipes._stages import node as node
 from .pipes._stages import quorum as quorum
 from .pipes._stages import serial as serial
+from .registry._config import GatewayConfig as GatewayConfig
+from .registry._config import build_registry as build_registry
+from .registry._config import config_from_dict as config_from_dict
+from .registry._config import load_config as load_config
+from .registry._config import loads_config as loads_config
+from .registry._config_problems import ConfigError as ConfigError
+from .registry._config_problems import Problem as ConfigProblem
 from .registry._registry import Registry as Registry
 from .registry._routes import Route as Route
 
@@ -63,16 +76,22 @@ __all__ = [
     "Adaptive",
     "Admission",
     "BackendError",
+    "Backends",
     "BranchEnd",
     "CallbackSigner",
     "Chain",
+    "ConfigError",
+    "ConfigProblem",
     "Container",
     "ContainerConfig",
     "Context",
     "DeadlineExceeded",
     "Engine",
     "ErrorInfo",
+    "Gateway",
+    "GatewayConfig",
     "GraphNode",
+    "HttpCall",
     "InvalidTransition",
     "JobCancelled",
     "JobFailed",
@@ -98,16 +117,23 @@ __all__ = [
     "Rejected",
     "Route",
     "Serial",
+    "Service",
     "SignalError",
     "StateError",
     "Status",
+    "TemplateError",
     "WeightedPool",
     "Weights",
     "__version__",
     "all_of",
     "any_of",
+    "build_registry",
+    "config_from_dict",
     "create_app",
     "graph",
+    "http_pipe",
+    "load_config",
+    "loads_config",
     "node",
     "quorum",
     "serial",

@@ -1,12 +1,16 @@
 """The ``pipework`` command line.
 
-    pipework serve MODULE:FACTORY [--host HOST] [--port PORT] ...
+    pipework serve FILE.toml | MODULE:FACTORY [--host HOST] [--port PORT] ...
+    pipework check FILE          validate a gateway file: every problem, with its line
+    pipework routes FILE         the routes and their resolved chains
+    pipework graph FILE [--out DIR]   each route's chain as a Mermaid diagram
     pipework --version
 
-``serve`` imports ``FACTORY`` from ``MODULE`` (a function returning an :class:`Engine`, or
-an Engine itself), runs the engine and serves its routes until SIGINT or SIGTERM, then
-shuts down gracefully (a second signal stops at once). Each subcommand is one function
-registered in ``_COMMANDS``; new ones add a parser and a function.
+``serve FILE`` builds the gateway the file declares (pool, backends, pipes, routes) and
+reloads it on SIGHUP; ``serve MODULE:FACTORY`` imports a function returning an
+:class:`Engine` (or an Engine). Both serve until SIGINT or SIGTERM, then shut down
+gracefully (a second signal stops at once). Each subcommand is one function registered in
+``_COMMANDS``; new ones add a parser and a function.
 """
 
 from __future__ import annotations
@@ -15,17 +19,22 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import trio
 
 from . import __version__
+from ._cli_config import check, graph, routes
+from ._errors import PipeworkError
 from ._logging import JsonFormatter
 from .container._app import Container, ContainerConfig
+from .container._gateway import Gateway
 from .dispatcher._engine import Engine
+from .registry._config_problems import ConfigError
 
 __all__ = ["build_parser", "main"]
 
@@ -40,12 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipework {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    serve = commands.add_parser("serve", help="serve an engine's routes over HTTP")
+    serve = commands.add_parser("serve", help="serve a gateway file or an engine over HTTP")
     serve.add_argument(
-        "target", metavar="MODULE:FACTORY", help="where the engine comes from, e.g. app:build"
+        "target",
+        metavar="FILE|MODULE:FACTORY",
+        help="a gateway TOML file, or where an engine comes from (e.g. app:build)",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any (8000)")
+    serve.add_argument("--host", default=None, help="address to bind (the file's, else 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=None, help="port to bind, 0 for any (the file's, else 8000)"
+    )
     serve.add_argument(
         "--shutdown-grace",
         type=float,
@@ -72,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["text", "json"],
         help="json: one JSON object per line, with the job fields (correlation_id, job_id...)",
     )
+    for name, text in (
+        ("check", "validate a gateway file and print every problem"),
+        ("routes", "list a gateway file's routes with their resolved chains"),
+        ("graph", "draw each route's chain as a Mermaid diagram"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("file", metavar="FILE", help="the gateway TOML file")
+        if name == "graph":
+            command.add_argument(
+                "--out", metavar="DIR", default=None, help="write one .md file per route here"
+            )
     return parser
 
 
@@ -98,11 +122,21 @@ def load_engine(target: str) -> Engine:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.target.endswith(".toml") or os.path.isfile(args.target):
+        try:
+            gateway = Gateway(args.target)
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        trio.run(_run_gateway, gateway, args.host, args.port)
+        return 0
     engine = load_engine(args.target)
     config = ContainerConfig(
         shutdown_grace=args.shutdown_grace, max_body=args.max_body, public_url=args.public_url
     )
-    trio.run(functools.partial(_run, engine, config, args.host, args.port))
+    host = args.host or "127.0.0.1"
+    port = 8000 if args.port is None else args.port
+    trio.run(functools.partial(_run, engine, config, host, port))
     return 0
 
 
@@ -110,31 +144,56 @@ async def _run(engine: Engine, config: ContainerConfig, host: str, port: int) ->
     stop = trio.Event()
     async with engine:
         container = Container(engine, config=config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(_watch_signals, stop, nursery.cancel_scope)
 
-            async def serve(*, task_status: trio.TaskStatus[Any]) -> None:
-                await container.serve(
-                    host=host, port=port, shutdown_trigger=stop, task_status=task_status
-                )
-                nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
+        async def serve(*, task_status: trio.TaskStatus[Any]) -> None:
+            await container.serve(
+                host=host, port=port, shutdown_trigger=stop, task_status=task_status
+            )
 
-            address = await nursery.start(serve)
-            # One line on stderr that a supervisor (or a test) can wait for.
-            print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
+        await _serve_until_signalled(serve, stop, reload=None)
+
+
+async def _run_gateway(gateway: Gateway, host: str | None, port: int | None) -> None:
+    stop = trio.Event()
+
+    async def serve(*, task_status: trio.TaskStatus[Any]) -> None:
+        await gateway.run(host=host, port=port, stop=stop, task_status=task_status)
+
+    await _serve_until_signalled(serve, stop, reload=gateway.reload)
+
+
+async def _serve_until_signalled(
+    serve: Callable[..., Awaitable[None]],
+    stop: trio.Event,
+    reload: Callable[[], Awaitable[Any]] | None,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals, stop, nursery.cancel_scope, reload)
+
+        async def serving(*, task_status: trio.TaskStatus[Any]) -> None:
+            await serve(task_status=task_status)
+            nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
+
+        address = await nursery.start(serving)
+        # One line on stderr that a supervisor (or a test) can wait for.
+        print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
 
 
 async def _watch_signals(
     stop: trio.Event,
     everything: trio.CancelScope,
+    reload: Callable[[], Awaitable[Any]] | None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    """First SIGINT/SIGTERM: graceful shutdown. Second: stop at once. SIGHUP: reload."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                await _reload(reload)
+                continue
             if stop.is_set():
                 _log.warning("second %s: stopping now", name)
                 everything.cancel()
@@ -143,11 +202,32 @@ async def _watch_signals(
             stop.set()
 
 
-_COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {"serve": _serve}
+async def _reload(reload: Callable[[], Awaitable[Any]] | None) -> None:
+    if reload is None:
+        _log.warning("SIGHUP: nothing to reload (not serving a gateway file)")
+        return
+    try:
+        summary = await reload()
+    except PipeworkError as exc:  # a bad file changes nothing; say why
+        _log.error("SIGHUP: reload refused, the old config keeps serving:\n%s", exc)
+    else:
+        _log.info("SIGHUP: reloaded (plan %s)", summary.get("plan_generation"))
+
+
+_COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
+    "serve": _serve,
+    "check": lambda args: check(args.file),
+    "routes": lambda args: routes(args.file),
+    "graph": lambda args: graph(args.file, args.out),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # As `python -m` does: a gateway file's `python = "pkg.mod:fn"` pipes and a
+        # MODULE:FACTORY resolve from the directory the command runs in.
+        sys.path.insert(0, os.getcwd())
     handler = logging.StreamHandler()
     if getattr(args, "log_format", "text") == "json":
         handler.setFormatter(JsonFormatter())

@@ -12,7 +12,13 @@
     ├── InvalidTransition             a job status change the transition table forbids (a bug)
     ├── StateError (TypeError)        a state value that cannot be serialized, with its key path
     ├── MergeConflict                 two branches changed one key differently
-    └── RegistrationError (ValueError) a pipe, chain or stage declared wrongly
+    ├── RegistrationError (ValueError) a pipe, chain or stage declared wrongly
+    ├── ConfigError (ValueError)      a gateway file with problems, each with key path and line
+    │                                 (pipework.registry._config_problems)
+    ├── TemplateError                 job state cannot fill a backend call's template (HTTP 400)
+    │                                 (pipework.pipes._http_template)
+    └── PoolConfigError (ValueError)  a worker pool config that cannot work
+                                      (pipework.dispatcher._weighted_core)
 
 Errors raised *by pipes* are never wrapped: they reach the caller as the same exception
 object, with notes naming the stage path, job id and correlation id.

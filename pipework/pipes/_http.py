@@ -29,6 +29,7 @@ import httpx
 import trio
 
 from .._errors import BackendError, DeadlineExceeded, RegistrationError
+from .._metrics import Metrics
 from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service
 from ._http_template import TemplateError, render_body
 from ._pipe import Context, Pipe
@@ -52,6 +53,8 @@ class Backends:
             self.services[service.name] = service
         self._clients: dict[str, httpx.AsyncClient] | None = None
         self._stack: AsyncExitStack | None = None
+        #: Where calls are counted (the engine's metrics); set before serving.
+        self.metrics: Metrics | None = None
 
     async def __aenter__(self) -> Backends:
         if self._stack is not None:
@@ -92,6 +95,28 @@ class Backends:
 
     async def call(self, call: HttpCall, ctx: Context) -> Any:
         """Make ``call`` for the job behind ``ctx``; return the answer's body."""
+        started = trio.current_time()
+        try:
+            answer = await self._call(call, ctx)
+        except BackendError as exc:
+            self._observe(call.service, started, "connect" if exc.status is None else "status")
+            raise
+        except DeadlineExceeded:
+            self._observe(call.service, started, "timeout")
+            raise
+        self._observe(call.service, started, None)
+        return answer
+
+    def _observe(self, service: str, started: float, error: str | None) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.backend_latency.labels(service).observe(trio.current_time() - started)
+        metrics.backend_calls.labels(service, "ok" if error is None else "error").inc()
+        if error is not None:
+            metrics.backend_errors.labels(service, error).inc()
+
+    async def _call(self, call: HttpCall, ctx: Context) -> Any:
         service = self.services[call.service]
         client = self.client(call.service)
         # httpx's per-operation timeouts, capped by the time the job has left.

@@ -1,0 +1,110 @@
+"""A gateway built from a config file: pool, backends, engine and container, reloadable.
+
+``Gateway(path).run(...)`` is what ``pipework serve FILE`` runs. A reload (``POST
+/admin/reload`` or SIGHUP) reads and checks the file again first: a bad file changes
+nothing and the caller gets every problem. A good one is built completely — its backends
+opened, its pipes and chains registered — and only then swapped in, in one step with no
+await: the engine's plan (new jobs run the new chains, accepted jobs keep theirs), the
+routes, and the pool's weights. Backends of earlier plans stay open until shutdown, since
+jobs still running on an earlier plan call through them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+
+from ..dispatcher._engine import Engine
+from ..dispatcher._weighted import WeightedPool
+from ..registry._config import GatewayConfig, build_registry, load_config
+from ._app import Container, ContainerConfig
+from ._server import BoundAddress
+
+__all__ = ["Gateway"]
+
+_log = logging.getLogger("pipework.gateway")
+
+
+def _container_config(config: GatewayConfig) -> ContainerConfig:
+    s = config.server
+    return ContainerConfig(
+        max_body=s.max_body,
+        max_header_bytes=s.max_header_bytes,
+        body_time_limit=s.body_time_limit,
+        default_timeout=s.default_timeout,
+        shutdown_grace=s.shutdown_grace,
+        public_url=s.public_url,
+        admin_token=s.admin_token_value(os.environ),
+        callback_secret=s.callback_secret_value(os.environ),
+    )
+
+
+class Gateway:
+    """Serves the gateway the file at ``path`` declares, until ``stop`` is set."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.config = load_config(path)  # ConfigError, before anything starts
+        self.engine: Engine | None = None
+        self.container: Container | None = None
+        self._pool: WeightedPool | None = None
+        self._stack: AsyncExitStack | None = None
+        self._lock = trio.Lock()
+
+    async def run(
+        self,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        stop: trio.Event,
+        task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        config = self.config
+        for warning in config.warnings:
+            _log.warning("%s", warning.format(config.source))
+        pool = self._pool = WeightedPool.from_config(config.pool_config())
+        async with AsyncExitStack() as stack:
+            self._stack = stack
+            backends = await stack.enter_async_context(config.backends())
+            engine = self.engine = Engine(
+                pool=pool,
+                registry=build_registry(config, backends),
+                queue_capacity=config.pool.queue_capacity,
+                default_timeout=config.server.default_timeout,
+            )
+            backends.metrics = engine.metrics
+            async with engine:
+                container = self.container = Container(
+                    engine, config=_container_config(config), reload=self.reload
+                )
+                await container.serve(
+                    host=host or config.server.host,
+                    port=config.server.port if port is None else port,
+                    shutdown_trigger=stop,
+                    task_status=task_status,
+                )
+
+    async def reload(self) -> dict[str, Any]:
+        """Check the file again and swap it in; raises ConfigError (changing nothing)."""
+        engine, container, pool, stack = self.engine, self.container, self._pool, self._stack
+        if engine is None or container is None or pool is None or stack is None:
+            raise RuntimeError("the gateway is not serving yet")
+        async with self._lock:  # one reload at a time: each builds on the plan in force
+            config = await trio.to_thread.run_sync(load_config, self.path)
+            pool_config = config.pool_config()  # validated before anything changes
+            backends = await stack.enter_async_context(config.backends())
+            backends.metrics = engine.metrics
+            registry = build_registry(config, backends)
+            # The swap: no await from here on, so no request sees half of it.
+            generation = engine.swap_registry(registry)
+            container.set_routes(registry.routes.values())
+            weights = pool.reconfigure(pool_config)
+            self.config = config
+        for warning in config.warnings:
+            _log.warning("%s", warning.format(config.source))
+        _log.info("reloaded %s: plan %d, pool config %d", self.path, generation, weights)
+        return {**config.summary(), "plan_generation": generation, "config_generation": weights}

@@ -1,0 +1,203 @@
+"""A gateway served from a config file, against real backend servers on free ports:
+reload through the admin API (a bad file changes nothing) and on SIGHUP."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from quart import request
+from quart_trio import QuartTrio
+
+from pipework.container import BoundAddress
+from pipework.container._gateway import Gateway
+from pipework.container._server import serve
+
+HANG_GUARD = 15.0
+TOKEN = "gateway-admin-token"
+
+
+def backend_app() -> QuartTrio:
+    app = QuartTrio("backend")
+
+    @app.route("/users/<user_id>")
+    async def user(user_id: str) -> dict[str, str]:
+        return {"id": user_id, "name": f"user-{user_id}", "via": request.headers.get("X-Via", "")}
+
+    @app.route("/hello")
+    async def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    return app
+
+
+def gateway_file(backend: str, *, extra_route: bool = False, limit: int = 4) -> str:
+    text = f"""
+[server]
+admin_token = "{TOKEN}"
+
+[services.users]
+base_url = "{backend}"
+timeout = 2
+limit = {limit}
+
+[pipes.get_user]
+service = "users"
+path = "/users/{{user_id}}"
+headers = {{ X-Via = "pipework" }}
+into = "user"
+
+[routes.user]
+method = "GET"
+path = "/users/{{user_id}}"
+chain = ["get_user"]
+result = "user"
+"""
+    if extra_route:
+        text += """
+[pipes.hello]
+service = "users"
+path = "/hello"
+into = "hello"
+
+[routes.hello]
+method = "GET"
+path = "/hello"
+chain = ["hello"]
+result = "hello"
+"""
+    return text
+
+
+@asynccontextmanager
+async def backend() -> AsyncIterator[BoundAddress]:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        address: BoundAddress = await nursery.start(
+            functools.partial(serve, backend_app(), port=0, shutdown_trigger=stop)
+        )
+        try:
+            yield address
+        finally:
+            stop.set()
+
+
+async def test_admin_reload_swaps_the_plan_and_a_bad_file_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with backend() as users:
+            path = tmp_path / "gateway.toml"
+            path.write_text(gateway_file(users.url))
+            gateway = Gateway(str(path))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address: BoundAddress = await nursery.start(
+                    functools.partial(gateway.run, port=0, stop=stop)
+                )
+                auth = {"Authorization": f"Bearer {TOKEN}"}
+                async with httpx.AsyncClient(base_url=address.url) as client:
+                    first = await client.get("/users/7")
+                    assert first.status_code == 200
+                    assert first.json() == {"id": "7", "name": "user-7", "via": "pipework"}
+                    assert (await client.get("/hello")).status_code == 404
+
+                    path.write_text("[routes.broken]\nchain = ['nope']\n")
+                    bad = await client.post("/admin/reload", headers=auth)
+                    assert bad.status_code == 400
+                    assert bad.json()["type"] == "urn:pipework:problem:config-invalid"
+                    assert "unknown pipe 'nope'" in bad.json()["detail"]
+                    assert (await client.get("/users/8")).json()["id"] == "8"  # still serving
+
+                    path.write_text(gateway_file(users.url, extra_route=True, limit=2))
+                    good = await client.post("/admin/reload", headers=auth)
+                    assert good.status_code == 200, good.text
+                    assert good.json()["plan_generation"] == 2
+                    assert (await client.get("/hello")).json() == {"hello": "world"}
+                    pool = (await client.get("/admin/pool", headers=auth)).json()
+                    assert pool["keys"]["users"]["limit"] == 2
+                    metrics = (await client.get("/metrics")).text
+                    assert 'pipework_backend_calls_total{outcome="ok",service="users"} 3.0' in (
+                        metrics
+                    )
+                stop.set()
+
+
+async def test_sighup_reloads_the_file(tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with backend() as users:
+            path = tmp_path / "gateway.toml"
+            path.write_text(gateway_file(users.url))
+            command = [sys.executable, "-m", "pipework", "serve", str(path), "--port", "0"]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(
+                    functools.partial(
+                        trio.run_process, command, stderr=subprocess.PIPE, check=False, env=env
+                    )
+                )
+                assert process.stderr is not None
+                log = Lines(process.stderr)
+                line = await log.wait_for("pipework serving on ")
+                url = line.split("pipework serving on ", 1)[1].strip()
+                async with httpx.AsyncClient(base_url=url) as client:
+                    assert (await client.get("/hello")).status_code == 404
+                    path.write_text(gateway_file(users.url, extra_route=True))
+                    process.send_signal(signal.SIGHUP)
+                    await log.wait_for("SIGHUP: reloaded (plan 2)")
+                    assert (await client.get("/hello")).json() == {"hello": "world"}
+                process.send_signal(signal.SIGTERM)
+                nursery.start_soon(log.drain)  # until it exits: logs must not fill the pipe
+            assert process.returncode == 0
+
+
+class Lines:
+    """The server's stderr, line by line."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buffer = b""
+
+    async def wait_for(self, marker: str) -> str:
+        """The next line containing ``marker`` (bounded by the caller's hang guard)."""
+        while True:
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if marker in text:
+                    return text
+            chunk = await self._stream.receive_some()
+            assert chunk, f"the server exited before {marker!r}"
+            self._buffer += chunk
+
+    async def drain(self) -> None:
+        while await self._stream.receive_some():
+            pass
+
+
+def test_cli_check_routes_and_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipework.__main__ import main
+
+    path = tmp_path / "gateway.toml"
+    path.write_text(gateway_file("http://127.0.0.1:9", extra_route=True))
+    assert main(["check", str(path)]) == 0
+    assert main(["routes", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "/users/{user_id}" in out
+    assert "get_user" in out
+    assert main(["graph", str(path), "--out", str(tmp_path / "diagrams")]) == 0
+    drawn = sorted(p.name for p in (tmp_path / "diagrams").iterdir())
+    assert len(drawn) == 2
+    assert "mermaid" in (tmp_path / "diagrams" / drawn[0]).read_text()
+    (tmp_path / "bad.toml").write_text("[routes.x]\nchain = ['nope']\n")
+    assert main(["check", str(tmp_path / "bad.toml")]) == 1
+    assert "unknown pipe 'nope'" in capsys.readouterr().err
