@@ -201,3 +201,18 @@ def test_cli_check_routes_and_graph(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "bad.toml").write_text("[routes.x]\nchain = ['nope']\n")
     assert main(["check", str(tmp_path / "bad.toml")]) == 1
     assert "unknown pipe 'nope'" in capsys.readouterr().err
+
+
+def test_the_readme_tour_is_a_valid_gateway_file(tmp_path: Path) -> None:
+    import re
+
+    from pipework import load_config
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    tour = re.search(r"```toml\n(.*?)```", readme, re.S)
+    assert tour is not None
+    path = tmp_path / "gateway.toml"
+    path.write_text(tour.group(1))
+    config = load_config(path)
+    assert set(config.routes) == {"order"}
+    assert config.warnings == ()
