@@ -35,6 +35,7 @@ from ._store import JobStore
 __all__ = ["Dispatcher"]
 
 _log = logging.getLogger("pipework.dispatcher")
+_RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
 
 
 class Dispatcher:
@@ -116,26 +117,41 @@ class Dispatcher:
         """Move the cursor to the next pipe or parallel stage (entering and leaving serial
         stages); None when the job's sequence is complete."""
         frames = job.frames
-        while frames:
+        if not frames:
+            return None
+        node: Any = self._top_node(job, chain)
+        while True:
             top = frames[-1]
-            path = (*job.root, *(f.index for f in frames[:-1]))
-            children = chain.node_at(path).children  # type: ignore[union-attr]
+            children = node.children
             if top.index >= len(children):
                 frames.pop()
-                if frames:
-                    frames[-1].index += 1
+                if not frames:
+                    return None
+                frames[-1].index += 1
+                node = self._top_node(job, chain)
                 continue
             child = children[top.index]
-            if isinstance(child, Pipe | Parallel):
+            if isinstance(child, _RUNNABLE):
                 return child
             deadline = top.deadline
             if child.timeout is not None:
                 deadline = min(deadline, trio.current_time() + child.timeout)
             frames.append(Frame(0, deadline))
-        return None
+            node = child
+
+    @staticmethod
+    def _top_node(job: Job, chain: Chain) -> Any:
+        """The serial sequence the top frame walks."""
+        node: Any = chain.node_at(job.root)
+        for frame in job.frames[:-1]:
+            node = node.children[frame.index]
+        return node
 
     def path_of(self, job: Job) -> tuple[int, ...]:
-        return (*job.root, *(f.index for f in job.frames[:-1]))
+        frames = job.frames
+        if len(frames) <= 1:
+            return job.root  # the common case: a flat chain
+        return (*job.root, *(f.index for f in frames[:-1]))
 
     # -- a step --------------------------------------------------------------------------
 
