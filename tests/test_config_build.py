@@ -197,7 +197,7 @@ def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
 
 def test_data_that_is_not_a_table_is_a_config_error() -> None:
     with pytest.raises(ConfigError) as info:
-        config_from_dict([1, 2])  # type: ignore[arg-type]
+        config_from_dict([1, 2])  # type: ignore[arg-type]  # the point: not a table
     assert [str(p) for p in info.value.problems] == ["error: expected a table, got an array"]
 
 

@@ -27,7 +27,7 @@ class Refused(Exception):
 
 
 def make_engine(**kwargs: object) -> pw.Engine:
-    engine = pw.Engine(**kwargs)  # type: ignore[arg-type]
+    engine = pw.Engine(**kwargs)  # type: ignore[arg-type]  # options vary by test
 
     @engine.pipe
     async def echo(ctx: pw.Context) -> None:
@@ -108,7 +108,7 @@ async def test_bad_input(
 ) -> None:
     with trio.fail_after(HANG_GUARD):
         async with serving(make_engine()) as served:
-            response = await served.client.request(method, path, **kwargs)  # type: ignore[arg-type]
+            response = await served.client.request(method, path, **kwargs)  # type: ignore[arg-type]  # per-case options
     body = assert_problem(response, status, slug)
     assert body["instance"] == path
     if status == 405:

@@ -61,7 +61,7 @@ def make_engine(gate: Gate, **kwargs: Any) -> pw.Engine:
     @engine.pipe
     async def chunk_then_hold(ctx: pw.Context) -> None:
         await ctx.emit({"row": 0})
-        await held.fn(ctx)  # type: ignore[misc]
+        await held.fn(ctx)  # type: ignore[misc]  # an async pipe: PipeFunction also allows sync
 
     @engine.pipe
     async def chunk_then_fail(ctx: pw.Context) -> None:

@@ -41,7 +41,7 @@ def make_engine(held: Held, parked_target: int = 1) -> pw.Engine:
     @engine.pipe
     async def chunk_then_hold(ctx: pw.Context) -> None:
         await ctx.emit("first")
-        await hold.fn(ctx)  # type: ignore[misc]
+        await hold.fn(ctx)  # type: ignore[misc]  # an async pipe: PipeFunction also allows sync
 
     engine.chain("hold", hold)
     engine.chain("stream", chunk_then_hold)

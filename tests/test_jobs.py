@@ -17,7 +17,7 @@ from pipework.pipes._state import check_state
 
 
 def make_job(**kwargs: object) -> Job:
-    return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]
+    return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]  # fields vary by test
 
 
 def test_job_ids_are_unguessable_and_unique() -> None:

@@ -227,7 +227,7 @@ def test_misuse_is_refused() -> None:
     with pytest.raises(RuntimeError, match="never started"):
         join.branch_done(1, "ok")
     with pytest.raises(ValueError, match="unknown outcome 'fine'"):
-        join.branch_done(0, "fine")  # type: ignore[arg-type]
+        join.branch_done(0, "fine")  # type: ignore[arg-type]  # the point: a bad outcome label
     with pytest.raises(IndexError):
         join.branch_done(2, "ok")
     with pytest.raises(RegistrationError, match="at least one branch"):

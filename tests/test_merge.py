@@ -345,7 +345,7 @@ def test_a_function_sees_the_parent_value_and_every_change() -> None:
 
 def test_policy_refuses_unknown_rules_and_accepts_shorthands() -> None:
     with pytest.raises(RegistrationError, match="unknown merge rule 'concat' for 'items'"):
-        MergePolicy(keys={"items": "concat"})  # type: ignore[dict-item]
+        MergePolicy(keys={"items": "concat"})  # type: ignore[dict-item]  # the point: unknown rule
     assert MergePolicy.of(None) == MergePolicy()
     assert MergePolicy.of("last") == MergePolicy(default="last")
     policy = MergePolicy(keys={"a": "sum"})

@@ -206,7 +206,10 @@ async def test_one_correlation_id_finds_every_stage_of_a_request(
         await engine.wait(other)
 
     mine = [r for r in caplog.records if getattr(r, "correlation_id", None) == "req-42"]
-    events = [(r.event, getattr(r, "pipe", None), getattr(r, "outcome", None)) for r in mine]  # type: ignore[attr-defined]
+    events = [
+        (getattr(r, "event", None), getattr(r, "pipe", None), getattr(r, "outcome", None))
+        for r in mine
+    ]
     assert ("job accepted", None, None) in events
     for pipe in ("load_user", "load_quote", "confirm"):
         assert ("pipe ended", pipe, "ok") in events

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..pipes._join import Outcome
+
 __all__ = ["BranchDone", "Event", "Expire", "Resume", "RunJob"]
 
 
@@ -43,7 +45,7 @@ class BranchDone:
     parent_id: str
     branch_id: str
     index: int
-    outcome: str
+    outcome: Outcome
     delta: Any = None
 
 

@@ -122,7 +122,7 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     if parent.status in TERMINAL or join_record is None or join_record["id"] != child.join_id:
         return  # the stage is over: a late branch changes nothing
     join: Join = join_record["join"]
-    decision = join.branch_done(event.index, event.outcome)  # type: ignore[arg-type]
+    decision = join.branch_done(event.index, event.outcome)
     if event.outcome == "ok" and event.delta is not None:
         join_record["deltas"][str(event.index)] = event.delta
     for index in decision.start:
