@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 import pipework as pw
 
@@ -102,3 +103,39 @@ async def test_weights_changed_live_govern_the_next_admission(
         # 1 s for the first, then the other three together: 2 s in all.
         assert trio.current_time() - start == pytest.approx(2)
         assert peak == 3
+
+
+async def test_accepted_work_waits_out_the_load_new_work_is_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = pw.WeightedPool(4, keys={"s": pw.Weights(limit=1, wait_timeout=1, max_waiting=1)})
+    engine = pw.Engine(pool=pool)
+
+    @engine.pipe(key="s")
+    async def hold(ctx: pw.Context) -> None:
+        await trio.sleep(5)
+
+    @engine.pipe
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("go")
+
+    @engine.pipe(key="s")
+    async def after(ctx: pw.Context) -> None:
+        ctx.state["done"] = trio.current_time()
+
+    engine.chain("hold", hold)
+    engine.chain("resume", park, after)
+    async with engine:
+        start = trio.current_time()
+        holder = await engine.submit("hold")
+        resumed = await engine.submit("resume")
+        await trio.testing.wait_all_tasks_blocked()
+        await engine.signal(resumed, "go")  # its next step needs "s", held for 5 s
+        await trio.testing.wait_all_tasks_blocked()
+        new = await engine.submit("hold")  # new work: "s" already has a waiter
+        with pytest.raises(pw.Rejected) as refused:
+            await engine.wait(new)
+        assert refused.value.reason == "queue_full"
+        result = await engine.wait(resumed)  # waited 5 s, past the 1 s wait timeout
+        assert result["done"] - start == pytest.approx(5)
+        await engine.wait(holder)

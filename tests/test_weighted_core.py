@@ -564,3 +564,26 @@ class AdmissionMachine(RuleBasedStateMachine):
 TestAdmissionMachine = AdmissionMachine.TestCase
 # Fewer, longer runs than the profile's default keep this file at a few seconds.
 TestAdmissionMachine.settings = settings(max_examples=60, stateful_step_count=40)
+
+
+def test_continuing_steps_are_never_refused_for_load() -> None:
+    core = AdmissionCore(
+        PoolConfig(
+            max_workers=2,
+            keys={"s": Weights(limit=1, max_waiting=1, wait_timeout=1), "p": Weights(limit=0)},
+        )
+    )
+    held = core.acquire("s", 0.0)
+    assert held.state is TicketState.GRANTED
+    core.acquire("s", 0.0)  # fills s's queue of one
+    with pytest.raises(Rejected) as info:
+        core.acquire("s", 0.0)
+    assert info.value.reason == "queue_full"
+    late = core.acquire("s", 0.0, deadline=100.0, continuing=True)
+    assert late.state is TicketState.WAITING
+    assert late.expires_at == 100.0  # its deadline, not the 1 s wait timeout
+    paused = core.acquire("p", 0.0, deadline=50.0, continuing=True)
+    assert paused.state is TicketState.WAITING  # waits for an unpause, up to its deadline
+    with pytest.raises(Rejected) as info:
+        core.acquire("s", 5.0, deadline=5.0, continuing=True)
+    assert info.value.reason == "deadline"

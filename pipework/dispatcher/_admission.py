@@ -19,8 +19,12 @@ __all__ = ["Admission"]
 class Admission(Protocol):
     """What the dispatcher needs from a worker pool."""
 
-    def slot(self, key: str, *, deadline: float = math.inf) -> AbstractAsyncContextManager[None]:
-        """Hold one worker slot under ``key`` for the body of the ``async with``."""
+    def slot(
+        self, key: str, *, deadline: float = math.inf, continuing: bool = False
+    ) -> AbstractAsyncContextManager[None]:
+        """Hold one worker slot under ``key`` for the body of the ``async with``.
+        ``continuing``: the step continues an accepted job, which must not be refused for
+        load (only its deadline bounds the wait)."""
         ...
 
     def record(self, key: str, *, ok: bool, latency: float) -> None:

@@ -168,7 +168,12 @@ class Dispatcher:
                 self._scopes[job.id] = scope
                 waited = trio.current_time()
                 try:
-                    async with self.pool.slot(job.key, deadline=job.deadline):
+                    # A resumed job carries an outside fact (a payment, an approval): it waits
+                    # out the load up to its deadline rather than be refused. Every other
+                    # step fails fast under load, as the pool's bounds intend.
+                    continuing = isinstance(event, Resume)
+                    slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
+                    async with slot:
                         self.queue.ack(event)
                         acked = True
                         self._waited(job.key, waited)

@@ -16,7 +16,8 @@ __all__ = ["BranchDone", "Event", "Expire", "Resume", "RunJob"]
 
 @dataclass(frozen=True, slots=True)
 class RunJob:
-    """Run the job from its cursor (a new submission, or a hand-off to another key)."""
+    """Run the job from its cursor (a new submission, a hand-off to another key, a branch,
+    or a parent after its join)."""
 
     job_id: str
 

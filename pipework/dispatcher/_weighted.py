@@ -82,13 +82,17 @@ class WeightedPool:
     def config_generation(self) -> int:
         return self._core.config_generation
 
-    def slot(self, key: str, *, deadline: float = math.inf) -> AbstractAsyncContextManager[None]:
+    def slot(
+        self, key: str, *, deadline: float = math.inf, continuing: bool = False
+    ) -> AbstractAsyncContextManager[None]:
         """Hold one slot under ``key`` for the body of ``async with``.
 
         ``deadline`` is an absolute ``trio.current_time()``; the wait ends at the earlier of it
         and the key's wait timeout, with ``Rejected(reason="deadline" | "wait_timeout")``.
+        ``continuing`` marks a step of an accepted job: it waits up to ``deadline`` and is
+        never refused for a full queue, a pause or the wait timeout.
         """
-        return _Slot(self, key, deadline)
+        return _Slot(self, key, deadline, continuing)
 
     @enable_ki_protection
     def reconfigure(self, config: PoolConfig) -> int:
@@ -113,8 +117,10 @@ class WeightedPool:
     # The private helpers run under the KI protection of their callers (``_Slot`` and
     # ``_wait``): a KeyboardInterrupt between two bookkeeping steps would leak a slot.
 
-    def _acquire(self, key: str, deadline: float) -> Ticket:
-        ticket = self._core.acquire(key, trio.current_time(), deadline=deadline)
+    def _acquire(self, key: str, deadline: float, continuing: bool) -> Ticket:
+        ticket = self._core.acquire(
+            key, trio.current_time(), deadline=deadline, continuing=continuing
+        )
         ticket.tag = current_task()  # set before any grant can need it
         return ticket
 
@@ -166,12 +172,13 @@ class _Slot:
     """One use of ``WeightedPool.slot``: a plain class rather than ``@asynccontextmanager``,
     because the uncontended path is the hot one."""
 
-    __slots__ = ("_deadline", "_key", "_pool", "_ticket")
+    __slots__ = ("_continuing", "_deadline", "_key", "_pool", "_ticket")
 
-    def __init__(self, pool: WeightedPool, key: str, deadline: float) -> None:
+    def __init__(self, pool: WeightedPool, key: str, deadline: float, continuing: bool) -> None:
         self._pool = pool
         self._key = key
         self._deadline = deadline
+        self._continuing = continuing
         self._ticket: Ticket | None = None
 
     @enable_ki_protection
@@ -180,7 +187,7 @@ class _Slot:
             raise RuntimeError("a slot context can be entered only once; call pool.slot() again")
         await checkpoint_if_cancelled()
         try:
-            ticket = self._pool._acquire(self._key, self._deadline)
+            ticket = self._pool._acquire(self._key, self._deadline, self._continuing)
         except BaseException:
             await cancel_shielded_checkpoint()  # a refusal is still a schedule point
             raise

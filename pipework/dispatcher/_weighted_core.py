@@ -331,8 +331,15 @@ class AdmissionCore:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def acquire(self, key: str, now: float, *, deadline: float = math.inf) -> Ticket:
-        """A granted ticket, or a waiting one; raises :class:`Rejected` if it cannot wait."""
+    def acquire(
+        self, key: str, now: float, *, deadline: float = math.inf, continuing: bool = False
+    ) -> Ticket:
+        """A granted ticket, or a waiting one; raises :class:`Rejected` if it cannot wait.
+
+        ``continuing`` marks a step of work already accepted (a hand-off, a resume, a
+        branch): it is never refused for a full queue, a pause or a predicted wait, and waits
+        up to ``deadline`` whatever the wait timeout, since refusing it would drop accepted
+        work; the bounds are for new work."""
         k = self._keys.get(key) or self._add_key(key)
         self._seq += 1
         ticket = Ticket(k, self._seq, now)
@@ -341,7 +348,10 @@ class AdmissionCore:
         if not k.queue and self._fits(k):
             self._grant(k, ticket, now)
             return ticket
-        self._enqueue(k, ticket, now, deadline)
+        if continuing:
+            self._enqueue_continuing(k, ticket, now, deadline)
+        else:
+            self._enqueue(k, ticket, now, deadline)
         return ticket
 
     def release(self, ticket: Ticket, now: float) -> list[Ticket]:
@@ -569,6 +579,20 @@ class AdmissionCore:
         if deadline <= ticket.expires_at:
             ticket.expires_at = deadline
             ticket.expiry_reason = "deadline"
+        if not k.queue:
+            self._queued[k] = None
+        k.queue.append(ticket)
+        self._waiting += 1
+
+    def _enqueue_continuing(self, k: _Key, ticket: Ticket, now: float, deadline: float) -> None:
+        if deadline <= now:
+            raise self._reject(
+                k,
+                "deadline",
+                f"the job's deadline passed before key {k.name!r} could have a worker slot",
+            )
+        ticket.expires_at = deadline
+        ticket.expiry_reason = "deadline"
         if not k.queue:
             self._queued[k] = None
         k.queue.append(ticket)
