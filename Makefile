@@ -31,6 +31,7 @@ pytest: $(STAMP)
 	$(BIN)/pytest
 
 bench: $(STAMP)
+	scripts/ensure-bench-tools
 	$(BIN)/python -m benchmarks
 
 clean:

@@ -51,7 +51,8 @@ def render(rows: dict[str, list[dict[str, Any]]], quick: bool) -> str:
         "",
         "Written by `make bench` (`python -m benchmarks`); do not edit by hand. Every row "
         "measures pipework and its baseline in the same run; **ratio** is pipework's cost "
-        "divided by the baseline's (lower is better, 1.0× is parity).",
+        "divided by the baseline's (lower is better, 1.0× is parity). Values are µs unless "
+        "a unit is shown.",
         "",
         "## Machine",
         "",
@@ -67,9 +68,10 @@ def render(rows: dict[str, list[dict[str, Any]]], quick: bool) -> str:
             "|---|---:|---|---:|---:|---|---|",
         ]
         for r in module_rows:
+            unit = "" if r.get("unit", "µs") == "µs" else f" {r['unit']}"  # µs unless said
             lines.append(
-                f"| {r['scenario']} | {r['subject_us']:,.1f} | {r['baseline']} | "
-                f"{r['baseline_us']:,.1f} | {r['ratio']:.2f}× | {r.get('goal', '')} | "
+                f"| {r['scenario']} | {r['subject_us']:,.1f}{unit} | {r['baseline']} | "
+                f"{r['baseline_us']:,.1f}{unit} | {r['ratio']:.2f}× | {r.get('goal', '')} | "
                 f"{r.get('note', '')} |"
             )
         lines.append("")

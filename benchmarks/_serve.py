@@ -1,0 +1,138 @@
+"""One benchmark server in its own process, so it does not share a GIL with the load.
+
+``python -m benchmarks._serve KIND`` serves on a free port of 127.0.0.1, prints its base URL
+on stdout once it listens, and serves until killed. KIND is:
+
+- ``pipework``: an engine and its container (hypercorn's trio worker), with a 1-pipe sync
+  route ``POST /echo`` and a sync route ``POST /park`` whose first pipe suspends for signal
+  ``go`` (the request parks holding no worker) and whose second answers;
+- ``bare``: the bare quart-trio app of :mod:`benchmarks._bare_app` on the same server
+  function with the same options;
+- ``raw``: a raw trio-socket HTTP responder (the load generator's ceiling).
+
+Every kind answers ``n * 2`` to a body ``{"n": n}``. The pipework and bare servers also
+serve ``GET /_bench/parked`` and ``POST /_bench/release`` for the parking scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import resource
+import sys
+
+import trio
+from quart import Response
+
+import pipework as pw
+from pipework.container._server import BoundAddress, serve
+
+from ._bare_app import create_bare_app, raw_responder
+
+#: Enough for every connection of the parking scenario to wait in the accept queue.
+HYPERCORN_OPTIONS = {"backlog": 4096}
+#: Far beyond the scenario's own length: the parked jobs must not reach their deadline.
+PARK_TIMEOUT = 900.0
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def _pipework_container(parked_capacity: int) -> pw.Container:
+    # Releasing the parked jobs resumes them all at once: they queue for the 64 workers,
+    # for longer than the pool's default wait timeout (10 s) when there are thousands.
+    weights = pw.Weights(max_waiting=parked_capacity, wait_timeout=PARK_TIMEOUT)
+    engine = pw.Engine(
+        pool=pw.WeightedPool(64, default=weights),
+        queue_capacity=2 * parked_capacity,
+    )
+
+    @engine.pipe
+    async def echo(ctx: pw.Context) -> None:
+        await trio.lowlevel.checkpoint()
+        ctx.state["answer"] = ctx.state["n"] * 2
+
+    @engine.pipe
+    async def wait_for_go(ctx: pw.Context) -> None:
+        await ctx.suspend("go")
+
+    @engine.pipe
+    async def answer(ctx: pw.Context) -> None:
+        ctx.state["answer"] = ctx.state["n"] * 2
+
+    engine.chain("echo", echo, result="answer")
+    engine.chain("park", wait_for_go, answer, result="answer")
+    engine.registry.route("echo", path="/echo", chain="echo")
+    engine.registry.route("park", path="/park", chain="park", timeout=PARK_TIMEOUT)
+    container = pw.Container(engine)
+
+    async def parked() -> Response:
+        suspended = await engine.store.list(pw.Status.SUSPENDED)
+        body = {"parked": container.parking.parked, "suspended": len(suspended)}
+        return Response(json.dumps(body), content_type="application/json")
+
+    async def release() -> Response:
+        suspended = await engine.store.list(pw.Status.SUSPENDED)
+        for job in suspended:
+            await engine.signal(job.id, "go")
+        return Response(json.dumps({"released": len(suspended)}), content_type="application/json")
+
+    container.app.add_url_rule("/_bench/parked", "bench_parked", parked, methods=["GET"])
+    container.app.add_url_rule("/_bench/release", "bench_release", release, methods=["POST"])
+    return container
+
+
+def _announce(address: BoundAddress) -> None:
+    print(address.url, flush=True)
+
+
+async def _serve_pipework(parked_capacity: int) -> None:
+    container = _pipework_container(parked_capacity)
+    async with container.engine, trio.open_nursery() as nursery:
+        address = await nursery.start(
+            functools.partial(container.serve, hypercorn_options=HYPERCORN_OPTIONS)
+        )
+        _announce(address)
+
+
+async def _serve_bare() -> None:
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(
+            functools.partial(serve, create_bare_app(), hypercorn_options=HYPERCORN_OPTIONS)
+        )
+        _announce(address)
+
+
+async def _serve_raw() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
+    host, port = listeners[0].socket.getsockname()[:2]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, raw_responder(), listeners)
+        _announce(BoundAddress(host, port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._serve", description=__doc__)
+    parser.add_argument("kind", choices=["pipework", "bare", "raw"])
+    parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
+    args = parser.parse_args(argv)
+    raise_open_files_limit()
+    if args.kind == "pipework":
+        trio.run(_serve_pipework, args.parked)
+    elif args.kind == "bare":
+        trio.run(_serve_bare)
+    else:
+        trio.run(_serve_raw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
