@@ -391,3 +391,22 @@ async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
         assert back.join["join"].outcomes == parent.join["join"].outcomes
         await engine.signal(job_id, "go", 1)
         assert await engine.wait(job_id) == {"a": 0, "go": 1}
+
+
+async def test_branches_never_depend_on_retention(autojump_clock: trio.abc.Clock) -> None:
+    """Branch records are internal: a tiny retention cannot lose a join, nor can branches
+    push finished top-level jobs out of it."""
+    engine = pw.Engine(store=pw.MemoryJobStore(retain_count=20))
+    engine.chain(
+        "c",
+        pw.all_of(sleeper("a", 1), sleeper("b", 2), failing("c", 3, KeyError("x")), settle=True),
+    )
+    async with engine:
+        with trio.fail_after(60):
+            ids = [await engine.submit("c") for _ in range(20)]
+            results = [await engine.wait(job_id) for job_id in ids]
+        assert all(r["a"] == 1 and r["b"] == 2 for r in results)
+        assert all(r["outcomes"]["c"]["outcome"] == "error" for r in results)
+        store = engine.store
+        assert isinstance(store, pw.MemoryJobStore)
+        assert len(await store.list()) == 20  # the parents, and no branch left behind

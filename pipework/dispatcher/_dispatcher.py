@@ -17,7 +17,14 @@ from typing import Any
 
 import trio
 
-from .._errors import DeadlineExceeded, JobCancelled, PipeworkError, Rejected, StateError
+from .._errors import (
+    DeadlineExceeded,
+    JobCancelled,
+    JobNotFound,
+    PipeworkError,
+    Rejected,
+    StateError,
+)
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe, Suspend
@@ -61,6 +68,8 @@ class Dispatcher:
         self._timers: dict[str, trio.CancelScope] = {}
         self._waiters: dict[str, trio.Event] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
+        #: Exception objects of ended branches, until their join takes them (in-process only).
+        self.branch_errors: dict[str, BaseException] = {}
         #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
         self.callback_factory: Callable[[str, str, float], str] | None = None
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
@@ -379,7 +388,10 @@ class Dispatcher:
         if job.join is None:
             return None
         for child_id in job.join["children"].values():
-            child = await self.store.get(child_id)
+            try:
+                child = await self.store.get(child_id)
+            except JobNotFound:
+                continue  # ended and reported
             if child.status not in TERMINAL:
                 found = await self.find_waiting(child, signal)
                 if found is not None:

@@ -41,13 +41,20 @@ class Expire:
 
 @dataclass(frozen=True, slots=True)
 class BranchDone:
-    """A branch of a parallel stage ended; ``outcome`` is ok, error, cancelled or timed_out."""
+    """A branch of a parallel stage ended; ``outcome`` is ok, error, cancelled or timed_out.
+
+    It carries everything the join needs — which join, the stage's path, the delta of an ok
+    branch, the error of a failed one (type, message, where, status) — because the branch's
+    own record is dropped once it has reported."""
 
     parent_id: str
     branch_id: str
     index: int
     outcome: Outcome
     delta: Any = None
+    join_id: str = ""
+    stage: tuple[int, ...] = ()
+    error: tuple[str, str, str, int] | None = None
 
 
 Event = RunJob | Resume | Expire | BranchDone

@@ -158,9 +158,7 @@ class Job:
             "parent": self.parent,
             "branch": self.branch,
             "join_id": self.join_id,
-            "join": None
-            if self.join is None
-            else {**self.join, "join": self.join["join"].to_wire()},
+            "join": None if self.join is None else _join_wire(self.join),
             "version": self.version,
         }
 
@@ -177,6 +175,13 @@ class Job:
         if fields["join"] is not None:
             fields["join"] = {**fields["join"], "join": Join.from_wire(fields["join"]["join"])}
         return cls(**fields)
+
+
+def _join_wire(join: dict[str, Any]) -> dict[str, Any]:
+    # The state machine as data; the branches' exception objects stay in this process.
+    wire = {k: v for k, v in join.items() if k != "exceptions"}
+    wire["join"] = join["join"].to_wire()
+    return wire
 
 
 def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None]:

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._errors import DeadlineExceeded, JobCancelled, JobFailed, MergeConflict, Rejected
+from .._errors import (
+    DeadlineExceeded,
+    JobCancelled,
+    JobFailed,
+    JobNotFound,
+    MergeConflict,
+    Rejected,
+)
 from ..pipes._join import Join, Outcome
 from ..pipes._merge import Delta, delta, merge, snapshot
 from ..pipes._stages import BranchEnd, Callback, Chain, Parallel
@@ -49,6 +56,7 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
         "deadline": deadline,
         "children": {},
         "deltas": {},
+        "errors": {},
     }
     for index in decision.start:
         await _start_branch(d, job, chain, index)
@@ -90,7 +98,9 @@ def branch_outcome(job: Job) -> Outcome:
 
 
 async def report_branch(d: Dispatcher, child: Job) -> None:
-    """Called when a child job ends: send its outcome and delta to the parent's join."""
+    """Called when a child job ends: send its outcome and delta (or error) to the parent's
+    join, then drop the child's record: it is internal, and the event carries what the
+    join needs (the exception object itself stays in this process until the join uses it)."""
     assert child.parent is not None
     assert child.branch is not None
     outcome = branch_outcome(child)
@@ -98,7 +108,25 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
     if outcome == "ok":
         parent = await d.store.get(child.parent)
         change = delta(parent.state, child.state).to_wire()
-    d.queue.put_nowait(BranchDone(child.parent, child.id, child.branch, outcome, change))
+    error = None
+    if child.error is not None:
+        e = child.error
+        error = (e.type, e.message, e.where, e.status)
+    if child.exception is not None:
+        d.branch_errors[child.id] = child.exception
+    d.queue.put_nowait(
+        BranchDone(
+            child.parent,
+            child.id,
+            child.branch,
+            outcome,
+            change,
+            join_id=child.join_id or "",
+            stage=child.root[:-1],
+            error=error,
+        )
+    )
+    await d.store.delete(child.id)
 
 
 async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
@@ -109,33 +137,39 @@ async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
 
 
 async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
-    child = await d.store.get(event.branch_id)
-    parent = await d.store.get(event.parent_id)
+    exception = d.branch_errors.pop(event.branch_id, None)
+    try:
+        parent = await d.store.get(event.parent_id)
+    except JobNotFound:
+        return  # the parent ended and was dropped: nothing waits for this branch
     chain = d.chain_of(parent)
-    path = child.root[:-1]
-    stage = chain.node_at(path)
+    stage = chain.node_at(event.stage)
     assert isinstance(stage, Parallel)
-    _callback(d, stage, event, child)
+    _callback(d, stage, event, exception)
     if stage.detach and stage.detach[event.index] and event.outcome in ("error", "timed_out"):
         d.metrics.detached_failures.labels(parent.chain).inc()
     join_record = parent.join
-    if parent.status in TERMINAL or join_record is None or join_record["id"] != child.join_id:
+    if parent.status in TERMINAL or join_record is None or join_record["id"] != event.join_id:
         return  # the stage is over: a late branch changes nothing
     join: Join = join_record["join"]
     decision = join.branch_done(event.index, event.outcome)
     if event.outcome == "ok" and event.delta is not None:
         join_record["deltas"][str(event.index)] = event.delta
+    if event.error is not None:
+        join_record["errors"][str(event.index)] = list(event.error)
+    if exception is not None:
+        join_record.setdefault("exceptions", {})[str(event.index)] = exception
     for index in decision.start:
         await _start_branch(d, parent, chain, index)
     for index in decision.cancel:
         await _cancel_branch(d, join_record["children"][str(index)])
-    where = chain.describe(path)
+    where = chain.describe(event.stage)
     if decision.resolved is None:
         await d.store.update(parent)
     elif decision.resolved == "ok" or stage.settle:
         await _continue(d, parent, chain, stage, join, decision.merge, where)
     else:
-        errors = [await _error_of(d, join_record["children"][str(i)]) for i in decision.failures]
+        errors = [_error_of(join_record, i) for i in decision.failures]
         exc = _stage_error(stage, errors, where, parent)
         d.note(exc, parent, where)
         parent.join = None
@@ -166,7 +200,7 @@ async def _continue(
         return
     if stage.settle:
         state["outcomes"] = {
-            stage.names[i]: await _describe_outcome(d, parent.join["children"].get(str(i)), o)
+            stage.names[i]: _describe_outcome(parent.join, i, o)
             for i, o in enumerate(join.outcomes)
         }
     parent.state = state
@@ -175,17 +209,19 @@ async def _continue(
     await d.continue_later(parent, chain)
 
 
-async def _describe_outcome(d: Dispatcher, child_id: str | None, outcome: str) -> dict[str, Any]:
+def _describe_outcome(join_record: dict[str, Any], index: int, outcome: str) -> dict[str, Any]:
     info: dict[str, Any] = {"outcome": outcome}
-    if child_id is not None and outcome not in ("ok", "not_started"):
-        child = await d.store.get(child_id)
-        if child.error is not None:
-            info["error"] = {"type": child.error.type, "message": child.error.message}
+    error = join_record["errors"].get(str(index))
+    if error is not None and outcome not in ("ok", "not_started"):
+        info["error"] = {"type": error[0], "message": error[1]}
     return info
 
 
 async def _cancel_branch(d: Dispatcher, child_id: str) -> None:
-    child = await d.store.get(child_id)
+    try:
+        child = await d.store.get(child_id)
+    except JobNotFound:
+        return  # it ended and reported already
     if child.status not in TERMINAL:
         await d.cancel(child)
 
@@ -196,14 +232,15 @@ async def cancel_branches(d: Dispatcher, parent: Job) -> None:
             await _cancel_branch(d, child_id)
 
 
-async def _error_of(d: Dispatcher, child_id: str) -> BaseException:
-    child = await d.store.get(child_id)
-    if child.exception is not None:
-        return child.exception
-    error = child.error
-    if child.status is Status.CANCELLED or error is None:
-        return JobCancelled(f"branch job {child_id} was cancelled")
-    return JobFailed(error.message, error_type=error.type, where=error.where)
+def _error_of(join_record: dict[str, Any], index: int) -> BaseException:
+    """The branch's own exception when it failed in this process, else its record."""
+    exception = join_record.get("exceptions", {}).get(str(index))
+    if exception is not None:
+        return exception  # type: ignore[no-any-return]  # stored from a BaseException
+    error = join_record["errors"].get(str(index))
+    if error is None:
+        return JobCancelled(f"branch {index} was cancelled")
+    return JobFailed(error[1], error_type=error[0], where=error[2])
 
 
 def _stage_error(
@@ -243,7 +280,9 @@ def _is_job_deadline(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
 
-def _callback(d: Dispatcher, stage: Parallel, event: BranchDone, child: Job) -> None:
+def _callback(
+    d: Dispatcher, stage: Parallel, event: BranchDone, exception: BaseException | None
+) -> None:
     """Graph nodes' on_success / on_error: once per node, since a child ends only once. Run
     in their own task so a slow callback never holds up the dispatcher."""
     if stage.kind != "graph" or event.outcome not in ("ok", "error"):
@@ -251,7 +290,7 @@ def _callback(d: Dispatcher, stage: Parallel, event: BranchDone, child: Job) -> 
     callbacks = stage.on_success if event.outcome == "ok" else stage.on_error
     callback = callbacks[event.index]
     if callback is not None:
-        end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, child.exception)
+        end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, exception)
         d.spawn(_run_callback, callback, end)
 
 
