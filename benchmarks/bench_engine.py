@@ -41,7 +41,9 @@ def _bare(jobs: int, awaits: int, workers: int | None) -> float:
 
 def _engine(jobs: int, pipes: int, workers: int) -> float:
     engine = pw.Engine(
-        pool=pw.WeightedPool(workers, default=pw.Weights(max_waiting=jobs)), queue_capacity=jobs + 1
+        pool=pw.WeightedPool(workers, default=pw.Weights(max_waiting=jobs)),
+        queue_capacity=jobs + 1,
+        store=pw.MemoryJobStore(retain_count=jobs + 1),
     )
     names = []
     for n in range(pipes):

@@ -43,7 +43,11 @@ def _bare(jobs: int) -> float:
 
 
 def _engine(jobs: int) -> float:
-    engine = pw.Engine(pool=pw.WeightedPool(jobs * (BRANCHES + 1)), queue_capacity=jobs + 1)
+    engine = pw.Engine(
+        pool=pw.WeightedPool(jobs * (BRANCHES + 1)),
+        queue_capacity=jobs + 1,
+        store=pw.MemoryJobStore(retain_count=jobs + 1),
+    )
     engine.chain("c", pw.all_of(*(pw.Pipe(_branch, f"b{n}") for n in range(BRANCHES))))
 
     async def main() -> float:
