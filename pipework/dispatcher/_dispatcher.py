@@ -500,7 +500,8 @@ class Dispatcher:
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
-        await self.store.update(job)
+        if job.parent is None:
+            await self.store.update(job)  # a branch's record is dropped once it reports
         duration = trio.current_time() - job.accepted_at
         if job.parent is None:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
