@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python examples/engine_demo.py
+	$(BIN)/python -m examples.gateway.run
 
 test: tools lint typecheck pytest
 

@@ -1,0 +1,1 @@
+"""The demo gateway that `make run` starts: backends, a gateway file, and a launcher."""
