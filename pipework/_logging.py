@@ -33,6 +33,8 @@ FIELDS = (
 )
 
 job_logger = logging.getLogger("pipework.job")
+# A library logs; the application decides where to: no output until it configures logging.
+logging.getLogger("pipework").addHandler(logging.NullHandler())
 
 
 def log_job(
