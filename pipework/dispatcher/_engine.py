@@ -7,7 +7,7 @@ import hmac
 import math
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import trio
 
@@ -28,6 +28,23 @@ from ._store import JobGone, JobStore, MemoryJobStore
 from ._weighted import WeightedPool
 
 __all__ = ["Engine"]
+
+
+class _PipeDecorator(Protocol):
+    @overload
+    def __call__(self, fn: PipeFunction, /) -> Pipe: ...
+
+    @overload
+    def __call__(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        key: str | None = None,
+        timeout: float | None = None,
+        blocking: bool = False,
+    ) -> Callable[[PipeFunction], Pipe]: ...
 
 
 class Engine:
@@ -93,35 +110,11 @@ class Engine:
 
     # -- registration --------------------------------------------------------------------
 
-    @overload
-    def pipe(self, fn: PipeFunction, /) -> Pipe: ...
-
-    @overload
-    def pipe(
-        self,
-        fn: None = None,
-        /,
-        *,
-        name: str | None = None,
-        key: str | None = None,
-        timeout: float | None = None,
-        blocking: bool = False,
-    ) -> Callable[[PipeFunction], Pipe]: ...
-
-    def pipe(
-        self,
-        fn: PipeFunction | None = None,
-        /,
-        *,
-        name: str | None = None,
-        key: str | None = None,
-        timeout: float | None = None,
-        blocking: bool = False,
-    ) -> Pipe | Callable[[PipeFunction], Pipe]:
-        """Register a pipe: ``@engine.pipe`` or ``@engine.pipe(key="users", timeout=0.5)``."""
-        if fn is not None:
-            return self.registry.pipe(fn)
-        return self.registry.pipe(name=name, key=key, timeout=timeout, blocking=blocking)
+    @property
+    def pipe(self) -> _PipeDecorator:
+        """Register a pipe: ``@engine.pipe`` or ``@engine.pipe(key="users", timeout=0.5)``
+        (the registry's decorator, so a swapped registry gets the next ones)."""
+        return self.registry.pipe
 
     def chain(
         self,
