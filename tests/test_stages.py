@@ -410,3 +410,33 @@ async def test_branches_never_depend_on_retention(autojump_clock: trio.abc.Clock
         store = engine.store
         assert isinstance(store, pw.MemoryJobStore)
         assert len(await store.list()) == 20  # the parents, and no branch left behind
+
+
+async def test_a_graph_node_reads_what_its_ancestors_wrote(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+
+    def node_pipe(name: str, reads: tuple[str, ...]) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(1)
+            ctx.state[name] = [ctx.state.get(r) for r in reads]
+            ctx.state["log"] = [*ctx.state["log"], name]
+
+        return pw.Pipe(run, name)
+
+    engine.chain(
+        "g",
+        pw.graph(
+            pw.node("A", node_pipe("A", ())),
+            pw.node("B", node_pipe("B", ())),
+            pw.node("D", node_pipe("D", ("A",)), after=["A"]),
+            pw.node("E", node_pipe("E", ("A", "B", "D")), after=["B", "D"]),
+            merge=pw.MergePolicy(keys={"log": "extend"}),
+        ),
+    )
+    async with engine:
+        result = await engine.run("g", {"log": []})
+    assert result["D"] == [[]]  # D saw A's output
+    assert result["E"] == [[], [], [[]]]  # E saw A (through D), B and D
+    # Each node's addition exactly once: E's result holds its ancestors', merged B then D
+    # (declaration order), and A's through D.
+    assert result["log"] == ["B", "A", "D", "E"]

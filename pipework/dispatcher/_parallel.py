@@ -63,12 +63,55 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
     await d.store.update(job)
 
 
+def _frontier(stage: Parallel, nodes: set[int]) -> list[int]:
+    """The nodes of ``nodes`` none of whose descendants is in ``nodes``, in declaration
+    order. A graph node starts from its ancestors' results, so its delta (taken against
+    the parent's state) already holds theirs: merging only the frontier counts each
+    change once, also under reducers such as extend or sum."""
+    covered: set[int] = set()
+    for node in nodes:
+        pending = list(stage.parents[node])
+        while pending:
+            ancestor = pending.pop()
+            if ancestor not in covered:
+                covered.add(ancestor)
+                pending.extend(stage.parents[ancestor])
+    return sorted(nodes - covered)
+
+
+def _ancestors(stage: Parallel, index: int) -> set[int]:
+    found: set[int] = set()
+    pending = list(stage.parents[index])
+    while pending:
+        node = pending.pop()
+        if node not in found:
+            found.add(node)
+            pending.extend(stage.parents[node])
+    return found
+
+
+def _start_state(parent: Job, stage: Parallel, index: int) -> dict[str, Any]:
+    """What a branch starts from: a snapshot of the parent's state and, for a graph node,
+    what the nodes it depends on (directly or not) produced, merged under the stage's
+    policy, so that a node reads its parents' results."""
+    state = snapshot(parent.state)
+    if stage.kind != "graph" or not stage.parents[index]:
+        return state
+    assert parent.join is not None
+    deltas = parent.join["deltas"]
+    frontier = _frontier(stage, _ancestors(stage, index))
+    pairs = [(stage.names[i], Delta.from_wire(deltas[str(i)])) for i in frontier]
+    return merge(state, pairs, stage.merge, where=f"graph node {stage.names[index]!r}")
+
+
 async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) -> None:
     assert parent.join is not None
+    stage = chain.node_at(parent.join["path"])
+    assert isinstance(stage, Parallel)
     child = Job(
         id=new_job_id(),
         chain=parent.chain,
-        state=snapshot(parent.state),
+        state=_start_state(parent, stage, index),
         correlation_id=parent.correlation_id,
         deadline=parent.join["deadline"],
         root=(*parent.join["path"], index),
@@ -159,11 +202,16 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
         join_record["errors"][str(event.index)] = list(event.error)
     if exception is not None:
         join_record.setdefault("exceptions", {})[str(event.index)] = exception
-    for index in decision.start:
-        await _start_branch(d, parent, chain, index)
+    where = chain.describe(event.stage)
+    try:
+        for index in decision.start:
+            await _start_branch(d, parent, chain, index)
+    except MergeConflict as conflict:  # two of a graph node's parents disagree
+        d.note(conflict, parent, where)
+        await d.finish(parent, Status.FAILED, exc=conflict, where=where)  # cancels the rest
+        return
     for index in decision.cancel:
         await _cancel_branch(d, join_record["children"][str(index)])
-    where = chain.describe(event.stage)
     if decision.resolved is None:
         await d.store.update(parent)
     elif decision.resolved == "ok" or stage.settle:
@@ -190,6 +238,8 @@ async def _continue(
     deltas = parent.join["deltas"]
     if stage.settle:  # merge whatever succeeded and say how each branch ended
         merged = tuple(i for i, o in enumerate(join.outcomes) if o == "ok" and not join.detached[i])
+    if stage.kind == "graph":
+        merged = tuple(_frontier(stage, set(merged)))
     pairs = [(stage.names[i], Delta.from_wire(deltas[str(i)])) for i in sorted(merged)]
     try:
         state = merge(parent.state, pairs, stage.merge, where=where)
