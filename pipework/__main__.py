@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Final
 
 import trio
@@ -62,21 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shutdown-grace",
         type=float,
-        default=_DEFAULTS.shutdown_grace,
+        default=None,
         metavar="SECONDS",
-        help="how long parked requests may finish at shutdown (%(default)s)",
+        help=f"how long parked requests may finish at shutdown (the file's, else "
+        f"{_DEFAULTS.shutdown_grace:g})",
     )
     serve.add_argument(
         "--max-body",
         type=int,
-        default=_DEFAULTS.max_body,
+        default=None,
         metavar="BYTES",
-        help="request body limit (%(default)s)",
+        help=f"request body limit (the file's, else {_DEFAULTS.max_body})",
     )
     serve.add_argument(
         "--public-url",
         default=None,
-        help="base URL backends use to reach this server, for callback URLs",
+        help="base URL backends use to reach this server, for callback URLs (over the file's)",
     )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument(
@@ -124,20 +126,28 @@ def load_engine(target: str) -> Engine:
 def _serve(args: argparse.Namespace) -> int:
     if args.target.endswith(".toml") or os.path.isfile(args.target):
         try:
-            gateway = Gateway(args.target)
+            gateway = Gateway(args.target, overrides=_overrides(args))
         except ConfigError as exc:
             print(exc, file=sys.stderr)
             return 1
         trio.run(_run_gateway, gateway, args.host, args.port)
         return 0
     engine = load_engine(args.target)
-    config = ContainerConfig(
-        shutdown_grace=args.shutdown_grace, max_body=args.max_body, public_url=args.public_url
-    )
+    config = replace(ContainerConfig(), **_overrides(args))
     host = args.host or "127.0.0.1"
     port = 8000 if args.port is None else args.port
     trio.run(functools.partial(_run, engine, config, host, port))
     return 0
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The container settings given on the command line (they win over the file's)."""
+    given = {
+        "shutdown_grace": args.shutdown_grace,
+        "max_body": args.max_body,
+        "public_url": args.public_url,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 async def _run(engine: Engine, config: ContainerConfig, host: str, port: int) -> None:

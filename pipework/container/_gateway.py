@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -46,8 +48,10 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
 class Gateway:
     """Serves the gateway the file at ``path`` declares, until ``stop`` is set."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, overrides: Mapping[str, Any] | None = None) -> None:
         self.path = path
+        #: Container settings that win over the file's (the command line's).
+        self.overrides = dict(overrides or {})
         self.config = load_config(path)  # ConfigError, before anything starts
         self.engine: Engine | None = None
         self.container: Container | None = None
@@ -79,7 +83,9 @@ class Gateway:
             backends.metrics = engine.metrics
             async with engine:
                 container = self.container = Container(
-                    engine, config=_container_config(config), reload=self.reload
+                    engine,
+                    config=replace(_container_config(config), **self.overrides),
+                    reload=self.reload,
                 )
                 await container.serve(
                     host=host or config.server.host,

@@ -124,7 +124,8 @@ class _Drawing:
 
     def graph(self, node: Parallel, fork: str) -> list[str]:
         parents = {i: list(p) for i, p in enumerate(node.parents)}
-        has_children = {p for ps in node.parents for p in ps}
+        # A node whose only children are detached still ends the graph's joined part.
+        has_children = {p for i, ps in enumerate(node.parents) if not node.detach[i] for p in ps}
         exits: dict[int, list[str]] = {}
         ends: list[str] = []
         for i in topological_order(parents):
