@@ -10,7 +10,7 @@ import trio
 
 import pipework as pw
 
-from ._timing import median_of
+from ._timing import median_of, time_jobs
 
 
 async def _checkpoint_pipe(ctx: pw.Context) -> None:
@@ -51,15 +51,7 @@ def _engine(jobs: int, pipes: int, workers: int) -> float:
         names.append(f"p{n}")
     engine.chain("c", *names)
 
-    async def main() -> float:
-        async with engine:
-            start = time.perf_counter()
-            ids = [await engine.submit("c") for _ in range(jobs)]
-            for job_id in ids:
-                await engine.wait(job_id)
-            return time.perf_counter() - start
-
-    return trio.run(main)
+    return time_jobs(engine, "c", {}, jobs)
 
 
 def run(quick: bool) -> list[dict[str, Any]]:

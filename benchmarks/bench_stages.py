@@ -11,7 +11,7 @@ import trio
 
 import pipework as pw
 
-from ._timing import median_of
+from ._timing import median_of, time_jobs
 
 BRANCHES = 4
 
@@ -50,15 +50,7 @@ def _engine(jobs: int) -> float:
     )
     engine.chain("c", pw.all_of(*(pw.Pipe(_branch, f"b{n}") for n in range(BRANCHES))))
 
-    async def main() -> float:
-        async with engine:
-            start = time.perf_counter()
-            ids = [await engine.submit("c", {"user_id": 7}) for _ in range(jobs)]
-            for job_id in ids:
-                await engine.wait(job_id)
-            return time.perf_counter() - start
-
-    return trio.run(main)
+    return time_jobs(engine, "c", {"user_id": 7}, jobs)
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
