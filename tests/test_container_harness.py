@@ -96,6 +96,27 @@ def sse_events(text: str) -> list[tuple[str, Any]]:
     return events
 
 
+async def receive_response(
+    conn: h11.Connection, stream: trio.abc.ReceiveStream
+) -> tuple[h11.Response, bytes]:
+    """One whole response read off ``stream`` through ``conn``."""
+    response: h11.Response | None = None
+    body = bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some()))
+        elif isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            assert response is not None
+            return response, bytes(body)
+        else:
+            raise AssertionError(f"unexpected h11 event {event!r}")
+
+
 class RawClient:
     """HTTP/1.1 over a bare trio socket, parsed with h11: a test controls the connection
     (and can cut it) and can open thousands without a client library's pool."""
@@ -119,21 +140,7 @@ class RawClient:
         await self.stream.send_all(data)
 
     async def receive(self) -> tuple[h11.Response, bytes]:
-        response: h11.Response | None = None
-        body = bytearray()
-        while True:
-            event = self.conn.next_event()
-            if event is h11.NEED_DATA:
-                self.conn.receive_data(await self.stream.receive_some())
-            elif isinstance(event, h11.Response):
-                response = event
-            elif isinstance(event, h11.Data):
-                body += event.data
-            elif isinstance(event, h11.EndOfMessage):
-                assert response is not None
-                return response, bytes(body)
-            else:
-                raise AssertionError(f"unexpected h11 event {event!r}")
+        return await receive_response(self.conn, self.stream)
 
     async def receive_until(self, marker: bytes) -> bytes:
         """Raw bytes up to and including ``marker`` (for a response still streaming)."""

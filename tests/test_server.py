@@ -25,6 +25,8 @@ from quart_trio import QuartTrio
 from pipework.container import _hypercorn_fix
 from pipework.container._server import BoundAddress, serve
 
+from .test_container_harness import receive_response
+
 # Every test that waits on the network is bounded by this: the failure mode of the bugs
 # under test is a hang, and a hang must fail the test, not stall the run.
 HANG_GUARD = 10.0
@@ -104,21 +106,7 @@ class RawClient:
         await self.stream.send_all(self.conn.send(request) + self.conn.send(h11.EndOfMessage()))
 
     async def receive_response(self) -> tuple[h11.Response, bytes]:
-        response: h11.Response | None = None
-        body = bytearray()
-        while True:
-            event = self.conn.next_event()
-            if event is h11.NEED_DATA:
-                self.conn.receive_data(await self.stream.receive_some())
-            elif isinstance(event, h11.Response):
-                response = event
-            elif isinstance(event, h11.Data):
-                body += event.data
-            elif isinstance(event, h11.EndOfMessage):
-                assert response is not None
-                return response, bytes(body)
-            else:
-                raise AssertionError(f"unexpected h11 event {event!r}")
+        return await receive_response(self.conn, self.stream)
 
     async def receive_rest(self) -> bytes:
         """Everything the server sends until it closes the connection."""
