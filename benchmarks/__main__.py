@@ -32,7 +32,7 @@ def machine() -> list[str]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo: keep the platform's name
     packages = ", ".join(
         f"{name} {version(name)}" for name in ("trio", "hypercorn", "quart-trio", "msgpack")
     )

@@ -181,7 +181,7 @@ class Lines:
 
     async def drain(self) -> None:
         while await self._stream.receive_some():
-            pass
+            pass  # read and dropped: only the pipe must not fill
 
 
 def test_cli_check_routes_and_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

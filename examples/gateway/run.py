@@ -240,7 +240,7 @@ async def _wait_ready(url: str) -> None:
                 if (await client.get("/readyz")).status_code == 200:
                     return
             except httpx.TransportError:
-                pass
+                pass  # not listening yet
             await trio.sleep(0.1)  # nothing to wait on but the gateway's own start-up
 
 
