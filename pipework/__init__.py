@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from ._errors import BackendError as BackendError
 from ._errors import DeadlineExceeded as DeadlineExceeded
+from ._errors import InternalError as InternalError
 from ._errors import InvalidTransition as InvalidTransition
 from ._errors import JobCancelled as JobCancelled
 from ._errors import JobFailed as JobFailed
 from ._errors import JobNotFound as JobNotFound
 from ._errors import MergeConflict as MergeConflict
 from ._errors import Overloaded as Overloaded
+from ._errors import PipeContractError as PipeContractError
 from ._errors import PipeworkError as PipeworkError
 from ._errors import RegistrationError as RegistrationError
 from ._errors import Rejected as Rejected
@@ -92,6 +94,7 @@ __all__ = [
     "GatewayConfig",
     "GraphNode",
     "HttpCall",
+    "InternalError",
     "InvalidTransition",
     "JobCancelled",
     "JobFailed",
@@ -108,6 +111,7 @@ __all__ = [
     "Overloaded",
     "Parallel",
     "Pipe",
+    "PipeContractError",
     "PipeworkError",
     "PoolConfig",
     "PoolConfigError",

@@ -10,6 +10,9 @@
     ├── JobFailed                     a job failed in another process (only its record is here)
     ├── SignalError                   a signal that cannot be delivered (wrong status or name)
     ├── InvalidTransition             a job status change the transition table forbids (a bug)
+    ├── InternalError                 the engine's own bookkeeping failed for one job (a bug)
+    ├── PipeContractError             a pipe broke the pipe contract (suspended from a child
+    │                                 task, swallowed a cancellation, returned no awaitable)
     ├── StateError (TypeError)        a state value that cannot be serialized, with its key path
     ├── MergeConflict                 two branches changed one key differently
     ├── RegistrationError (ValueError) a pipe, chain or stage declared wrongly
@@ -29,12 +32,14 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "DeadlineExceeded",
+    "InternalError",
     "InvalidTransition",
     "JobCancelled",
     "JobFailed",
     "JobNotFound",
     "MergeConflict",
     "Overloaded",
+    "PipeContractError",
     "PipeworkError",
     "RegistrationError",
     "Rejected",
@@ -171,3 +176,14 @@ class MergeConflict(PipeworkError):
 
 class RegistrationError(PipeworkError, ValueError):
     """A pipe, chain or stage was declared wrongly (unknown name, cycle, bad option)."""
+
+
+class InternalError(PipeworkError):
+    """The engine's own bookkeeping failed for one job (a bug in pipework or in a store): that
+    job fails with this, the traceback is logged, and every other job runs on."""
+
+
+class PipeContractError(PipeworkError):
+    """A pipe broke the contract every pipe keeps: it called ``ctx.suspend()`` from a child
+    task, swallowed a cancellation, raised a BaseException that is not an error, or returned
+    something that is not awaitable. The original exceptions are kept as ``__cause__``."""

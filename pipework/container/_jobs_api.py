@@ -19,7 +19,7 @@ from quart import Response, request
 
 from .._errors import JobNotFound
 from ..dispatcher._engine import Engine
-from ..dispatcher._job import JobView
+from ..dispatcher._job import JobView, Progress
 from ..dispatcher._status import TERMINAL, Status
 from ..dispatcher._store import JobGone
 from ._bodies import choose_media_type, decode, encode, read_body
@@ -58,6 +58,17 @@ def job_links(view: JobView) -> dict[str, str]:
     return links
 
 
+def _progress_document(progress: Progress) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "done": progress.done,
+        "total": progress.total,
+        "message": progress.message,
+    }
+    if progress.branch is not None:  # reported from inside a parallel branch
+        document["branch"] = progress.branch
+    return document
+
+
 def job_document(view: JobView, *, expose: bool = False) -> dict[str, Any]:
     """What ``GET /jobs/{id}`` answers: the job's status, without its result."""
     progress = view.progress
@@ -78,9 +89,7 @@ def job_document(view: JobView, *, expose: bool = False) -> dict[str, Any]:
         "chain": view.chain,
         "status": view.status.value,
         "correlation_id": view.correlation_id,
-        "progress": None
-        if progress is None
-        else {"done": progress.done, "total": progress.total, "message": progress.message},
+        "progress": None if progress is None else _progress_document(progress),
         "waiting_for": view.waiting_for,
         "error": error,
         "created_at": _iso(view.created_at),

@@ -9,24 +9,30 @@ the job record, so any worker can take the next one (see docs/design.md).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from types import CoroutineType
 from typing import Any
 
 import trio
 
 from .._errors import (
+    BackendError,
     DeadlineExceeded,
+    InternalError,
     JobCancelled,
     JobNotFound,
+    PipeContractError,
     PipeworkError,
     Rejected,
     StateError,
 )
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
+from ..pipes._merge import snapshot
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel, Serial
 from ..pipes._state import check_state
@@ -65,6 +71,8 @@ class Dispatcher:
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[str, trio.CancelScope] = {}
+        #: The record each running step works on: the job's own pipes report to it.
+        self._running: dict[str, Job] = {}
         self._timers: dict[str, trio.CancelScope] = {}
         self._waiters: dict[str, trio.Event] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
@@ -96,9 +104,34 @@ class Dispatcher:
                 for event in await self.queue.get_batch():
                     try:
                         await handlers[type(event)](event)
-                    except Exception:
-                        # A bug in one event's bookkeeping must not stop every other job.
-                        _log.exception("dispatching %r failed", event)
+                    except Exception as exc:
+                        # A bug in one event's bookkeeping must not stop every other job:
+                        # the job it was about fails, with the traceback logged.
+                        await self._event_failed(event, exc)
+
+    async def _event_failed(self, event: Any, exc: Exception) -> None:
+        _log.error("pipework: handling %r failed inside the engine", event, exc_info=exc)
+        job_id = getattr(event, "parent_id", None) or getattr(event, "job_id", None)
+        try:
+            job = await self.store.get(job_id) if job_id is not None else None
+        except Exception:  # the store itself is what failed: the log line above is all
+            return
+        if job is not None and job.status not in TERMINAL:
+            await self._fail_inside(job, exc)
+
+    async def _fail_inside(self, job: Job, bug: BaseException) -> None:
+        """Fail ``job`` because the engine's own bookkeeping failed for it."""
+        exc = InternalError(
+            f"job {job.id} failed inside the engine ({type(bug).__name__}: {bug}); "
+            "the traceback is in the log"
+        )
+        exc.__cause__ = bug
+        where = chain_where(self, job)
+        self.note(exc, job, where)
+        try:
+            await self.finish(job, Status.FAILED, exc=exc, where=where)
+        except Exception:  # the job is marked final here; its record may be stale
+            _log.exception("pipework: recording the failure of job %s failed", job.id)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         assert self._nursery is not None, "the dispatcher is not running"
@@ -112,23 +145,32 @@ class Dispatcher:
     def start_frames(self, job: Job, chain: Chain) -> None:
         """Give a new job its root frame and the key of its first step."""
         root = chain.node_at(job.root)
-        deadline = job.deadline
+        frame = Frame(0, job.deadline)
         if isinstance(root, Serial) and root.timeout is not None:
-            deadline = min(deadline, trio.current_time() + root.timeout)
-        job.frames = [Frame(0, deadline)]
+            limit = trio.current_time() + root.timeout
+            if limit < frame.deadline:
+                frame = Frame(0, limit, 0)
+        job.frames = [frame]
         job.key = self._next_key(job, chain)
 
     def _next_key(self, job: Job, chain: Chain) -> str:
-        step = self._advance(job, chain)
+        """The admission key of the job's next step, found without entering any stage: a
+        stage's timer starts when a worker's cursor enters it, not when it is looked at."""
+        frames = [Frame(f.index, f.deadline, f.bound) for f in job.frames]
+        step = self._walk(frames, job.root, chain, math.inf)
         return step.key or chain.key if isinstance(step, Pipe) else chain.key
 
     def _advance(self, job: Job, chain: Chain) -> Pipe | Parallel | None:
-        """Move the cursor to the next pipe or parallel stage (entering and leaving serial
-        stages); None when the job's sequence is complete."""
-        frames = job.frames
+        """Move the cursor to the next pipe or parallel stage, entering and leaving serial
+        stages (an entered stage's timer starts now); None when the sequence is complete."""
+        return self._walk(job.frames, job.root, chain, trio.current_time())
+
+    def _walk(
+        self, frames: list[Frame], root: tuple[int, ...], chain: Chain, now: float
+    ) -> Pipe | Parallel | None:
         if not frames:
             return None
-        node: Any = self._top_node(job, chain)
+        node: Any = _top_node(frames, root, chain)
         while True:
             top = frames[-1]
             children = node.children
@@ -137,24 +179,16 @@ class Dispatcher:
                 if not frames:
                     return None
                 frames[-1].index += 1
-                node = self._top_node(job, chain)
+                node = _top_node(frames, root, chain)
                 continue
             child = children[top.index]
             if isinstance(child, _RUNNABLE):
                 return child
-            deadline = top.deadline
-            if child.timeout is not None:
-                deadline = min(deadline, trio.current_time() + child.timeout)
-            frames.append(Frame(0, deadline))
+            frame = Frame(0, top.deadline, top.bound)
+            if child.timeout is not None and now + child.timeout < top.deadline:
+                frame = Frame(0, now + child.timeout, len(frames))
+            frames.append(frame)
             node = child
-
-    @staticmethod
-    def _top_node(job: Job, chain: Chain) -> Any:
-        """The serial sequence the top frame walks."""
-        node: Any = chain.node_at(job.root)
-        for frame in job.frames[:-1]:
-            node = node.children[frame.index]
-        return node
 
     def path_of(self, job: Job) -> tuple[int, ...]:
         frames = job.frames
@@ -162,9 +196,19 @@ class Dispatcher:
             return job.root  # the common case: a flat chain
         return (*job.root, *(f.index for f in frames[:-1]))
 
+    @staticmethod
+    def _stage_path(job: Job, depth: int) -> tuple[int, ...]:
+        """The path of the serial stage the frame at ``depth`` walks."""
+        return (*job.root, *(f.index for f in job.frames[:depth]))
+
     # -- a step --------------------------------------------------------------------------
 
     async def _step(self, event: RunJob | Resume) -> None:
+        """One step of one job: the boundary that always leaves its job final or waiting.
+
+        Whatever a pipe or the bookkeeping raises — errors, exception groups, cancellations
+        from inside a library's nursery — ends here as this job's outcome; only the engine's
+        own shutdown (a cancellation from outside the step) travels on."""
         acked = False
         try:
             try:
@@ -173,36 +217,68 @@ class Dispatcher:
                 return
             if job.status is not Status.QUEUED:
                 return  # cancelled or finished while the event waited: nothing to run
-            with trio.CancelScope() as scope:
-                self._scopes[job.id] = scope
-                waited = trio.current_time()
-                try:
+            scope = trio.CancelScope()
+            self._scopes[job.id] = scope
+            self._running[job.id] = job
+            settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
+            escaped: BaseException | None = None
+            waited = trio.current_time()
+            try:
+                with scope:
                     # A resumed job carries an outside fact (a payment, an approval): it waits
                     # out the load up to its deadline rather than be refused. Every other
                     # step fails fast under load, as the pool's bounds intend.
                     continuing = isinstance(event, Resume)
                     slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
-                    async with slot:
-                        self.queue.ack(event)
-                        acked = True
+                    try:
+                        async with slot:
+                            self.queue.ack(event)
+                            acked = True
+                            self._waited(job.key, waited)
+                            await self._run_held(job)
+                            settled = True
+                    except Rejected as exc:
                         self._waited(job.key, waited)
-                        await self._run_held(job)
-                except Rejected as exc:
-                    self._waited(job.key, waited)
-                    self.note(exc, job, f"admission key {job.key!r}")
-                    await self.finish(job, Status.FAILED, exc=exc)
-                except trio.Cancelled:
-                    with trio.CancelScope(shield=True):
-                        await self.finish(
-                            job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
-                        )
-                    raise
-                finally:
-                    if self._scopes.get(job.id) is scope:
-                        del self._scopes[job.id]
+                        self.note(exc, job, f"admission key {job.key!r}")
+                        await self.finish(job, Status.FAILED, exc=exc)
+            except BaseException as exc:  # the step boundary: what belongs outside is re-raised
+                escaped = exc
+            finally:
+                if self._scopes.get(job.id) is scope:
+                    del self._scopes[job.id]
+                if self._running.get(job.id) is job:
+                    del self._running[job.id]
+            if job.status not in TERMINAL and not settled:
+                with trio.CancelScope(shield=True):
+                    await self._end_unsettled(job, scope, escaped)
+            if escaped is not None:
+                outside = _outside_of_step(escaped)
+                if outside is not None:
+                    raise outside
         finally:
             if not acked:
                 self.queue.ack(event)
+
+    async def _end_unsettled(
+        self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
+    ) -> None:
+        """Finish a job its step left neither final nor waiting on purpose."""
+        bugs = None if escaped is None else _errors_in(escaped)
+        if bugs is not None:
+            # The bookkeeping (a store, metrics, the dispatcher itself) failed for this job.
+            _log.error(
+                "pipework: the step of job %s failed inside the engine", job.id, exc_info=bugs
+            )
+            await self._fail_inside(job, bugs)
+            return
+        if scope.cancel_called or job.cancel_requested:
+            exc = JobCancelled(f"job {job.id} was cancelled")
+        else:  # the engine is stopping: the step was cancelled from outside
+            exc = JobCancelled(f"job {job.id} was cancelled: the engine stopped")
+        try:
+            await self.finish(job, Status.CANCELLED, exc=exc)
+        except Exception as bug:
+            await self._fail_inside(job, bug)
 
     def _waited(self, key: str, since: float) -> None:
         self.metrics.observe(
@@ -247,7 +323,8 @@ class Dispatcher:
                 return
 
     async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe) -> bool:
-        """Run one pipe; True to go on, False when the step ended (failure or suspension)."""
+        """Run one pipe; True to go on, False when the step ended (failure or suspension).
+        Cancellation of the step travels on; every other outcome of the pipe ends here."""
         position = self.path_of(job)
 
         def describe() -> str:  # formatted only when asked for: errors, logs, ctx.path
@@ -257,8 +334,10 @@ class Dispatcher:
         started = trio.current_time()
         pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
         deadline = min(pipe_deadline, top.deadline)
+        # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
+        # adopted only if it ends in time and uncancelled.
         ctx = Context(
-            state=job.state,
+            state=snapshot(job.state) if pipe.blocking else job.state,
             job_id=job.id,
             correlation_id=job.correlation_id,
             chain=chain.name,
@@ -269,37 +348,54 @@ class Dispatcher:
             ops=self,
         )
         try:
-            await self._call(pipe, ctx, job, top.deadline)
+            await self._call(pipe, ctx)
+            check_state(ctx.state)
         except Suspend as suspend:
             self._pipe_ended(job, pipe, started, "suspended")
             top.index += 1
             return await self._suspend(job, chain, suspend, describe())
-        except Exception as exc:
-            outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
-            if isinstance(exc, StateError):
-                exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
-            self._pipe_ended(job, pipe, started, outcome, exc)
-            path = describe()
-            self.note(exc, job, path)
-            status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
-            await self.finish(job, status, exc=exc, where=path)
-            return False
-        except trio.Cancelled:
-            self._pipe_ended(job, pipe, started, "cancelled")
-            raise
+        except _Timeout:
+            timeout = self._timeout(job, chain, pipe_deadline, top, describe())
+            return await self._pipe_failed(job, pipe, started, timeout, describe())
+        except BaseException as raised:  # sorted out by _pipe_outcome
+            exc = _pipe_outcome(raised, describe())
+            if exc is None:  # the step's cancellation: the step boundary finishes the job
+                self._pipe_ended(job, pipe, started, "cancelled")
+                raise
+            if exc is not raised and isinstance(raised, BaseExceptionGroup | Exception):
+                exc.__cause__ = raised
+            return await self._pipe_failed(job, pipe, started, exc, describe())
+        if pipe.blocking:
+            job.state = ctx.state
         self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
         await self.store.update(job)
         return True
+
+    async def _pipe_failed(
+        self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str
+    ) -> bool:
+        outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
+        if isinstance(exc, StateError):
+            exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
+        self._pipe_ended(job, pipe, started, outcome, exc)
+        where = exc.where if isinstance(exc, DeadlineExceeded) and exc.where else path
+        self.note(exc, job, path)
+        status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
+        await self.finish(job, status, exc=exc, where=where)
+        return False
 
     def _pipe_ended(
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
     ) -> None:
         duration = trio.current_time() - started
         self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
-        if outcome != "cancelled":
-            # Only the backend's trouble (errors, timeouts) should shrink an adaptive limit.
-            self.pool.record(job.key, ok=outcome in ("ok", "suspended"), latency=duration)
+        # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
+        # bug in a pipe says nothing about the backend's capacity; a cancel says nothing.
+        if outcome in ("ok", "suspended"):
+            self.pool.record(job.key, ok=True, latency=duration)
+        elif outcome == "timeout" or (exc is not None and backend_trouble(exc)):
+            self.pool.record(job.key, ok=False, latency=duration)
         level = logging.WARNING if exc is not None else logging.INFO
         if not job_logger.isEnabledFor(level):
             return  # the common case: skip building the record's fields
@@ -317,26 +413,50 @@ class Dispatcher:
             error=None if exc is None else f"{type(exc).__name__}: {exc}",
         )
 
-    async def _call(self, pipe: Pipe, ctx: Context, job: Job, stage_deadline: float) -> None:
-        # Async pipes are awaited directly: one coroutine frame fewer on every resume.
-        call = pipe.run if pipe.blocking else pipe.fn
+    async def _call(self, pipe: Pipe, ctx: Context) -> None:
+        """Run the pipe within ``ctx.deadline``; raise _Timeout if that limit ran out."""
         if ctx.deadline == math.inf:
-            await call(ctx)  # type: ignore[misc]  # no limit anywhere: skip the scope's cost
-        else:
-            with trio.CancelScope(deadline=ctx.deadline) as scope:
-                await call(ctx)  # type: ignore[misc]  # async: checked at registration
-            if scope.cancelled_caught:
-                raise self._timeout(job, ctx.deadline, stage_deadline, ctx.path)
-        check_state(job.state)
+            await _invoke(pipe, ctx)  # no limit anywhere: skip the scope's cost
+            # A pipe that swallowed the step's cancellation (or a thread that could not see
+            # it) must not carry on as if it had not come.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return
+        with trio.CancelScope(deadline=ctx.deadline) as scope:
+            await _invoke(pipe, ctx)
+            await trio.lowlevel.checkpoint_if_cancelled()
+        if scope.cancelled_caught:
+            raise _Timeout
 
-    def _timeout(self, job: Job, deadline: float, stage: float, path: str) -> DeadlineExceeded:
-        if deadline == job.deadline:
-            scope, what = "job", f"job {job.id} passed its deadline"
-        elif deadline == stage:
-            scope, what = "stage", "a stage timeout ran out"
-        else:
-            scope, what = "pipe", "the pipe's timeout ran out"
-        return DeadlineExceeded(f"{what} in {path}", scope=scope, where=path, deadline=deadline)
+    def _timeout(
+        self, job: Job, chain: Chain, pipe_deadline: float, top: Frame, path: str
+    ) -> DeadlineExceeded:
+        """The DeadlineExceeded of the limit that fired: the pipe's, a stage's or the job's."""
+        if pipe_deadline < top.deadline:
+            return DeadlineExceeded(
+                f"the pipe's timeout ran out in {path}",
+                scope="pipe",
+                where=path,
+                deadline=pipe_deadline,
+            )
+        return self._frame_timeout(job, chain, top, path)
+
+    def _frame_timeout(
+        self, job: Job, chain: Chain, top: Frame, path: str, while_: str = ""
+    ) -> DeadlineExceeded:
+        if top.bound < 0:
+            return DeadlineExceeded(
+                f"job {job.id} passed its deadline{while_} in {path}",
+                scope="job",
+                where=path,
+                deadline=top.deadline,
+            )
+        stage = chain.describe(self._stage_path(job, top.bound))
+        return DeadlineExceeded(
+            f"the stage timeout of {stage} ran out{while_} (in {path})",
+            scope="stage",
+            where=stage,
+            deadline=top.deadline,
+        )
 
     # -- suspend, resume, expire ---------------------------------------------------------
 
@@ -438,25 +558,23 @@ class Dispatcher:
                 return  # resumed or finished meanwhile: the timer lost the race
             assert job.suspend_deadline is not None
             chain = self.chain_of(job)
-            where = chain.describe(self.path_of(job))
-            deadline = job.suspend_deadline
-            if deadline == job.deadline:
-                exc = DeadlineExceeded(
-                    f"job {job.id} passed its deadline while suspended for {job.waiting_for!r}",
-                    scope="job",
-                    where=where,
-                    deadline=deadline,
-                )
-            else:
+            top = job.frames[-1]
+            # The cursor is already past the suspended pipe, in the same frame.
+            pipe = _top_node(job.frames, job.root, chain).children[top.index - 1]
+            where = chain.describe(self.path_of(job), pipe)
+            waiting = f" while suspended for {job.waiting_for!r}"
+            if job.suspend_deadline < top.deadline:
                 exc = DeadlineExceeded(
                     f"no signal {job.waiting_for!r} before the suspend timeout at {where}",
                     scope="suspend",
                     where=where,
-                    deadline=deadline,
+                    deadline=job.suspend_deadline,
                 )
+            else:
+                exc = self._frame_timeout(job, chain, top, where, waiting)
             self.note(exc, job, where)
             status = Status.EXPIRED if exc.scope == "job" else Status.FAILED
-            await self.finish(job, status, exc=exc, where=where)
+            await self.finish(job, status, exc=exc, where=exc.where)
         finally:
             self.queue.ack(event)
 
@@ -490,6 +608,20 @@ class Dispatcher:
     ) -> None:
         if job.status in TERMINAL:
             return
+        try:
+            await self._record_end(job, status, result, exc, where)
+        finally:
+            # Whoever waits hears of the end even if recording it failed.
+            stream = self._streams.pop(job.id, None)
+            if stream is not None:
+                stream.close()
+            waiter = self._waiters.pop(job.id, None)
+            if waiter is not None:
+                waiter.set()
+
+    async def _record_end(
+        self, job: Job, status: Status, result: Any, exc: BaseException | None, where: str
+    ) -> None:
         job.transition(status)
         job.finished_at = time.time()
         job.waiting_for = None
@@ -523,12 +655,6 @@ class Dispatcher:
             await cancel_branches(self, job)
         if job.parent is not None:
             await report_branch(self, job)
-        stream = self._streams.pop(job.id, None)
-        if stream is not None:
-            stream.close()
-        waiter = self._waiters.pop(job.id, None)
-        if waiter is not None:
-            waiter.set()
 
     async def wait_finished(self, job_id: str) -> None:
         waiter = self._waiters.setdefault(job_id, trio.Event())
@@ -550,9 +676,22 @@ class Dispatcher:
     async def report_progress(
         self, ctx: Context, done: float, total: float | None, message: str | None
     ) -> None:
-        job = await self.store.get(ctx.job_id)
-        job.progress = Progress(done, total, message)
-        await self.store.update(job)
+        job = self._running.get(ctx.job_id)
+        if job is not None and job.parent is None:  # the job's own pipe, in this step
+            job.progress = Progress(done, total, message)
+            await self.store.update(job)
+            return
+        # A pipe inside a parallel branch reports on the job its caller follows.
+        root = await self._root_of(ctx.job_id)
+        root.progress = Progress(done, total, message, branch=ctx.path)
+        await self.store.update(root)
+
+    async def _root_of(self, job_id: str) -> Job:
+        """The top-level job a branch (at any depth) belongs to."""
+        job = self._running.get(job_id) or await self.store.get(job_id)
+        while job.parent is not None:
+            job = await self.store.get(job.parent)
+        return job
 
     def callback_url(self, ctx: Context, signal: str, ttl: float) -> str:
         if self.callback_factory is None:
@@ -563,13 +702,130 @@ class Dispatcher:
         return self.callback_factory(ctx.job_id, signal, ttl)
 
     async def emit(self, ctx: Context, chunk: Any) -> None:
-        stream = self._streams.get(ctx.job_id)
+        job = self._running.get(ctx.job_id)
+        if job is None or job.parent is not None:
+            job = await self._root_of(ctx.job_id)
+            own = False
+        else:
+            own = True
+        stream = self._streams.get(job.id)
         if stream is not None:
             await stream.send(chunk)
-        else:
-            job = await self.store.get(ctx.job_id)
-            job.output.append(chunk)
+            return
+        job.output.append(chunk)
+        if not own:  # the step writes its own job back; a branch's parent is written here
+            await self.store.update(job)
+
+    async def keep_signal(self, job: Job, name: str, payload: Any) -> None:
+        """Keep an early signal on an active job until it suspends for it. A job in a step
+        here keeps it on the step's own record, which the step writes back."""
+        running = self._running.get(job.id)
+        if running is not None:
+            running.signals[name] = payload
+            return
+        job.signals[name] = payload
+        await self.store.update(job)
 
 
 def _is_job_timeout(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
+
+
+def _top_node(frames: list[Frame], root: tuple[int, ...], chain: Chain) -> Any:
+    """The serial sequence the top frame walks."""
+    node: Any = chain.node_at(root)
+    for frame in frames[:-1]:
+        node = node.children[frame.index]
+    return node
+
+
+def chain_where(d: Dispatcher, job: Job) -> str:
+    try:
+        return d.chain_of(job).describe(d.path_of(job))
+    except Exception:  # only a description, for an error already raised
+        return f"chain {job.chain!r}"
+
+
+class _Timeout(Exception):
+    """The pipe's deadline (its own, a stage's or the job's) ran out."""
+
+
+async def _invoke(pipe: Pipe, ctx: Context) -> None:
+    if pipe.blocking:
+        await pipe.run(ctx)
+        return
+    # Async pipes are awaited directly: one coroutine frame fewer on every resume.
+    awaitable = pipe.fn(ctx)
+    if type(awaitable) is not CoroutineType and not inspect.isawaitable(awaitable):
+        raise PipeContractError(
+            f"pipe {pipe.name!r} returned {type(awaitable).__name__}, not an awaitable; "
+            "a pipe is an `async def` (or declared blocking=True)"
+        )
+    await awaitable
+
+
+def _pipe_outcome(raised: BaseException, path: str) -> BaseException | None:
+    """What a pipe's exception means for its job: None when it is the step's cancellation
+    (travels on), else the exception to fail the job with."""
+    if isinstance(raised, trio.Cancelled):
+        return None
+    if isinstance(raised, BaseExceptionGroup):
+        suspends, _ = raised.split(Suspend)
+        if suspends is not None:
+            return PipeContractError(
+                f"ctx.suspend() was called from a child task inside {path}; a pipe suspends "
+                "from its own task (close the nursery first, then suspend)"
+            )
+        cancelled, errors = raised.split(trio.Cancelled)
+        if cancelled is not None:
+            if errors is not None:  # the cancellation wins; the errors must not vanish
+                _log.warning("errors while %s was cancelled", path, exc_info=errors)
+            return None
+        if isinstance(raised, Exception):
+            return raised
+    elif isinstance(raised, Exception):
+        return raised
+    if isinstance(raised, KeyboardInterrupt):
+        return None  # not the pipe's to keep: it travels on like a cancellation
+    return PipeContractError(
+        f"{path} raised {type(raised).__name__}, which is not an error a job can end with; "
+        "raise an Exception subclass"
+    )
+
+
+def _outside_of_step(escaped: BaseException) -> BaseException | None:
+    """The part of what escaped a step that belongs to whoever stops the engine (its
+    cancellation, KeyboardInterrupt); bugs and errors were the job's and end there."""
+    if isinstance(escaped, trio.Cancelled | KeyboardInterrupt | SystemExit):
+        return escaped
+    if isinstance(escaped, BaseExceptionGroup):
+        outside, _ = escaped.split((trio.Cancelled, KeyboardInterrupt, SystemExit))
+        return outside
+    return None
+
+
+def _errors_in(escaped: BaseException) -> BaseException | None:
+    if isinstance(escaped, trio.Cancelled | KeyboardInterrupt | SystemExit):
+        return None
+    if isinstance(escaped, BaseExceptionGroup):
+        _, rest = escaped.split((trio.Cancelled, KeyboardInterrupt, SystemExit))
+        return rest
+    return escaped
+
+
+#: Names of transport errors raised by HTTP clients the dispatcher does not import.
+_TRANSPORT_ERRORS = frozenset({"httpx.TransportError", "httpcore.NetworkError"})
+
+
+def backend_trouble(exc: BaseException) -> bool:
+    """Whether ``exc`` points at the key's backend (it failed or could not be reached), as
+    opposed to a bug in the pipe: only such trouble may shrink an adaptive limit."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(backend_trouble(e) for e in exc.exceptions)
+    if isinstance(exc, BackendError):
+        return exc.status is None or exc.status >= 500
+    if isinstance(exc, TimeoutError | ConnectionError):
+        return True
+    if type(exc) is OSError:  # trio's "all attempts to connect failed", socket errors
+        return True
+    return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)

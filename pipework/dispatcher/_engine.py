@@ -264,8 +264,7 @@ class Engine:
             )
         if name in job.signals:
             raise SignalError(f"signal {name!r} is already pending for job {job_id}")
-        job.signals[name] = payload
-        await self.store.update(job)
+        await self._dispatcher.keep_signal(job, name, payload)
 
     async def stream(self, job_id: str) -> AsyncIterator[Any]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.

@@ -40,18 +40,26 @@ class Frame:
     """One level of the cursor: the position inside one serial sequence of the chain.
 
     ``index`` is the next child to run; ``deadline`` (absolute trio time) is the tightest of
-    this stage's timeout and every enclosing one, the job's deadline included.
+    this stage's timeout and every enclosing one, the job's deadline included, counted from
+    when the cursor entered the stage. ``bound`` says whose limit that is: the depth of the
+    frame whose own stage set it, or -1 for the job's deadline (so a timeout names the limit
+    that fired).
     """
 
     index: int
     deadline: float
+    bound: int = -1
 
 
 @dataclass(frozen=True, slots=True)
 class Progress:
+    """How far a job is. ``branch`` is the stage path of the pipe that reported it when that
+    pipe runs inside a parallel branch (None for the job's own pipes)."""
+
     done: float
     total: float | None = None
     message: str | None = None
+    branch: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +145,7 @@ class Job:
             "deadline": self.deadline,
             "key": self.key,
             "status": self.status.value,
-            "frames": [[f.index, f.deadline] for f in self.frames],
+            "frames": [[f.index, f.deadline, f.bound] for f in self.frames],
             "root": list(self.root),
             "progress": None if self.progress is None else list(_progress_tuple(self.progress)),
             "result": self.result,
@@ -166,7 +174,7 @@ class Job:
     def from_wire(cls, data: dict[str, Any]) -> Job:
         fields = dict(data)
         fields["status"] = Status(fields["status"])
-        fields["frames"] = [Frame(int(i), float(d)) for i, d in fields["frames"]]
+        fields["frames"] = [Frame(int(i), float(d), int(b)) for i, d, b in fields["frames"]]
         fields["root"] = tuple(fields["root"])
         if fields["progress"] is not None:
             fields["progress"] = Progress(*fields["progress"])
@@ -184,8 +192,8 @@ def _join_wire(join: dict[str, Any]) -> dict[str, Any]:
     return wire
 
 
-def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None]:
-    return (p.done, p.total, p.message)
+def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None, str | None]:
+    return (p.done, p.total, p.message, p.branch)
 
 
 def _error_tuple(e: ErrorInfo) -> list[Any]:

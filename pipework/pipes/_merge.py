@@ -170,7 +170,7 @@ class MergePolicy:
         # A private copy: a caller mutating its dict later must not bypass the check below.
         object.__setattr__(self, "keys", dict(self.keys))
         for key, rule in [("default", self.default), *self.keys.items()]:
-            if not callable(rule) and rule not in _NAMES:
+            if not callable(rule) and not (isinstance(rule, str) and rule in _NAMES):
                 raise RegistrationError(
                     f"unknown merge rule {rule!r} for {key!r}; use one of "
                     f"{', '.join(sorted(_NAMES))}, or a function"
@@ -184,6 +184,11 @@ class MergePolicy:
         """Accept a policy, a single rule for every key, or ``None`` for strict."""
         if policy is None:
             return cls()
+        if isinstance(policy, Mapping):
+            raise RegistrationError(
+                f"merge={policy!r}: expected a MergePolicy, a rule name or a function; "
+                "for rules per key write merge=MergePolicy(keys={...})"
+            )
         return policy if isinstance(policy, MergePolicy) else cls(default=policy)
 
 

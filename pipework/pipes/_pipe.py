@@ -55,10 +55,28 @@ class Pipe:
     kind = "pipe"
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise RegistrationError("a pipe needs a non-empty name")
-        if self.timeout is not None and not self.timeout > 0:
-            raise RegistrationError(f"pipe {self.name!r}: timeout must be positive")
+        if not isinstance(self.name, str) or not self.name:
+            raise RegistrationError(f"a pipe's name must be a non-empty string, got {self.name!r}")
+        if self.timeout is not None and not (
+            isinstance(self.timeout, int | float)
+            and not isinstance(self.timeout, bool)
+            and self.timeout > 0
+        ):
+            raise RegistrationError(
+                f"pipe {self.name!r}: timeout must be a positive number of seconds or None, "
+                f"got {self.timeout!r}"
+            )
+        if self.key is not None and not (isinstance(self.key, str) and self.key):
+            raise RegistrationError(
+                f"pipe {self.name!r}: key (its admission key) must be a non-empty string or "
+                f"None, got {self.key!r}"
+            )
+        if not isinstance(self.blocking, bool):
+            raise RegistrationError(
+                f"pipe {self.name!r}: blocking must be True or False, got {self.blocking!r}"
+            )
+        if not callable(self.fn):
+            raise RegistrationError(f"pipe {self.name!r}: {self.fn!r} is not a function")
         is_async = inspect.iscoroutinefunction(self.fn)
         if self.blocking and is_async:
             raise RegistrationError(

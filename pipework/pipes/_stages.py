@@ -108,18 +108,36 @@ def serial(*items: StageItem, timeout: float | None = None) -> Serial:
     """Run ``items`` in order. ``timeout`` bounds the whole stage (within the job's)."""
     if not items:
         raise RegistrationError("serial() needs at least one pipe or stage")
+    for index, item in enumerate(items):
+        _check_item("serial", f"item {index}", item)
     _check_timeout("serial", timeout)
     return Serial(tuple(items), timeout)
 
 
 def _check_timeout(kind: str, timeout: float | None) -> None:
-    if timeout is not None and not timeout > 0:
-        raise RegistrationError(f"{kind}(): timeout must be positive, got {timeout}")
+    if timeout is not None and not (_is_number(timeout) and timeout > 0):
+        raise RegistrationError(
+            f"{kind}(): timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
 
 
-def _branches(items: Sequence[StageItem]) -> tuple[tuple[Serial, ...], tuple[str, ...]]:
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_item(kind: str, what: str, item: object) -> None:
+    if isinstance(item, Pipe | Serial | Parallel | str) or callable(item):
+        return
+    raise RegistrationError(
+        f"{kind}(): {what} is {item!r}; expected a pipe, a stage, an async function or the "
+        "name of a registered pipe"
+    )
+
+
+def _branches(kind: str, items: Sequence[StageItem]) -> tuple[tuple[Serial, ...], tuple[str, ...]]:
     branches, names = [], []
     for index, item in enumerate(items):
+        _check_item(kind, f"branch {index}", item)
         branches.append(item if isinstance(item, Serial) else Serial((item,)))
         if isinstance(item, str):
             names.append(item)
@@ -144,7 +162,25 @@ def _parallel(
     if not items:
         raise RegistrationError(f"{kind}() needs at least one branch")
     _check_timeout(kind, timeout)
-    branches, names = _branches(items)
+    if max_concurrency is not None and not (
+        isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool)
+    ):
+        raise RegistrationError(
+            f"{kind}(): max_concurrency must be a whole number of branches or None, "
+            f"got {max_concurrency!r}"
+        )
+    for option in ("settle",):
+        if option in options and not isinstance(options[option], bool):
+            raise RegistrationError(
+                f"{kind}(): {option} must be True or False, got {options[option]!r}"
+            )
+    if "k" in options and not (
+        isinstance(options["k"], int) and not isinstance(options["k"], bool)
+    ):
+        raise RegistrationError(
+            f"{kind}(): k (the successes needed) must be a whole number, got {options['k']!r}"
+        )
+    branches, names = _branches(kind, items)
     stage = Parallel(
         kind,
         branches,
@@ -230,6 +266,21 @@ def node(
     """Declare a graph node. ``detach=True`` makes it fire-and-forget: its failure is logged
     and counted, never fatal, and no node may name it in ``after``. The callbacks run exactly
     once, when the node ends ok or with an error."""
+    if not isinstance(name, str) or not name:
+        raise RegistrationError(f"node(): name must be a non-empty string, got {name!r}")
+    _check_item(f"node {name!r}", "item", item)
+    if isinstance(after, str) or not all(isinstance(p, str) for p in after):
+        raise RegistrationError(
+            f"node {name!r}: after must be a list of node names, got {after!r} "
+            f"(for one parent write after=[{after!r}])"
+        )
+    if not isinstance(detach, bool):
+        raise RegistrationError(f"node {name!r}: detach must be True or False, got {detach!r}")
+    for option, callback in (("on_success", on_success), ("on_error", on_error)):
+        if callback is not None and not callable(callback):
+            raise RegistrationError(
+                f"node {name!r}: {option} must be a function taking a BranchEnd, got {callback!r}"
+            )
     return GraphNode(name, item, tuple(after), detach, on_success, on_error)
 
 
@@ -245,6 +296,12 @@ def graph(
     refused with the nodes named."""
     if not nodes:
         raise RegistrationError("graph() needs at least one node")
+    for position, declared in enumerate(nodes):
+        if not isinstance(declared, GraphNode):
+            raise RegistrationError(
+                f"graph {name!r}: node {position} is {declared!r}; declare each node with "
+                "pw.node(name, item, after=[...])"
+            )
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise RegistrationError(f"graph {name!r}: node names must be unique, got {names}")

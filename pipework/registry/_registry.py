@@ -75,14 +75,29 @@ class Registry:
         result: str | None = None,
     ) -> Chain:
         """Register a chain: ``items`` run in order (a single stage may be passed as is)."""
-        if not name:
-            raise RegistrationError("a chain needs a non-empty name")
+        if not isinstance(name, str) or not name:
+            raise RegistrationError(f"a chain's name must be a non-empty string, got {name!r}")
         if name in self._chains:
             raise RegistrationError(f"a chain named {name!r} is already registered")
         if not items:
             raise RegistrationError(f"chain {name!r} needs at least one pipe or stage")
-        if timeout is not None and not timeout > 0:
-            raise RegistrationError(f"chain {name!r}: timeout must be positive")
+        if timeout is not None and not (
+            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
+        ):
+            raise RegistrationError(
+                f"chain {name!r}: timeout must be a positive number of seconds or None, "
+                f"got {timeout!r}"
+            )
+        if not isinstance(key, str) or not key:
+            raise RegistrationError(
+                f"chain {name!r}: key (the admission key of its pipes without one) must be a "
+                f"non-empty string, got {key!r}"
+            )
+        if result is not None and not isinstance(result, str):
+            raise RegistrationError(
+                f"chain {name!r}: result must name a state key (a string) or be None, "
+                f"got {result!r}"
+            )
         root_item = items[0] if len(items) == 1 and isinstance(items[0], Serial) else Serial(items)
         root = resolve(root_item, self.get_pipe)
         assert isinstance(root, Serial)
