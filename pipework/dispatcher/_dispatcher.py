@@ -357,13 +357,13 @@ class Dispatcher:
         except _Timeout:
             timeout = self._timeout(job, chain, pipe_deadline, top, describe())
             return await self._pipe_failed(job, pipe, started, timeout, describe())
-        except BaseException as raised:  # sorted out by _pipe_outcome
-            exc = _pipe_outcome(raised, describe())
-            if exc is None:  # the step's cancellation: the step boundary finishes the job
+        except BaseException as raised:  # sorted out here: cancellation, or the job's error
+            cancellation = _cancellation_in(raised, describe)
+            if cancellation is not None:
+                # The step's (or the engine's) cancellation: the step boundary ends the job.
                 self._pipe_ended(job, pipe, started, "cancelled")
-                raise
-            if exc is not raised and isinstance(raised, BaseExceptionGroup | Exception):
-                exc.__cause__ = raised
+                raise cancellation from None
+            exc = _pipe_error(raised, describe())
             return await self._pipe_failed(job, pipe, started, exc, describe())
         if pipe.blocking:
             job.state = ctx.state
@@ -764,33 +764,39 @@ async def _invoke(pipe: Pipe, ctx: Context) -> None:
     await awaitable
 
 
-def _pipe_outcome(raised: BaseException, path: str) -> BaseException | None:
-    """What a pipe's exception means for its job: None when it is the step's cancellation
-    (travels on), else the exception to fail the job with."""
-    if isinstance(raised, trio.Cancelled):
+def _cancellation_in(raised: BaseException, describe: Callable[[], str]) -> BaseException | None:
+    """The part of a pipe's exception that is a cancellation from outside the pipe (the
+    step's or the engine's), to travel on; None when there is none. Errors raised alongside
+    a cancellation are logged: the cancellation decides the job's end."""
+    if isinstance(raised, trio.Cancelled | KeyboardInterrupt):
+        return raised
+    if not isinstance(raised, BaseExceptionGroup):
         return None
-    if isinstance(raised, BaseExceptionGroup):
-        suspends, _ = raised.split(Suspend)
-        if suspends is not None:
-            return PipeContractError(
-                f"ctx.suspend() was called from a child task inside {path}; a pipe suspends "
-                "from its own task (close the nursery first, then suspend)"
-            )
-        cancelled, errors = raised.split(trio.Cancelled)
-        if cancelled is not None:
-            if errors is not None:  # the cancellation wins; the errors must not vanish
-                _log.warning("errors while %s was cancelled", path, exc_info=errors)
-            return None
-        if isinstance(raised, Exception):
-            return raised
+    if raised.split(Suspend)[0] is not None:
+        return None  # a contract error, whatever else is in the group
+    cancelled, errors = raised.split((trio.Cancelled, KeyboardInterrupt))
+    if cancelled is not None and errors is not None:
+        _log.warning("errors while %s was being cancelled", describe(), exc_info=errors)
+    return cancelled
+
+
+def _pipe_error(raised: BaseException, path: str) -> BaseException:
+    """What a pipe's exception (not a cancellation) fails its job with: the exception
+    itself, or a PipeContractError caused by it when a job cannot end with it."""
+    if isinstance(raised, BaseExceptionGroup) and raised.split(Suspend)[0] is not None:
+        exc: BaseException = PipeContractError(
+            f"ctx.suspend() was called from a child task inside {path}; a pipe suspends "
+            "from its own task (close the nursery first, then suspend)"
+        )
     elif isinstance(raised, Exception):
         return raised
-    if isinstance(raised, KeyboardInterrupt):
-        return None  # not the pipe's to keep: it travels on like a cancellation
-    return PipeContractError(
-        f"{path} raised {type(raised).__name__}, which is not an error a job can end with; "
-        "raise an Exception subclass"
-    )
+    else:
+        exc = PipeContractError(
+            f"{path} raised {type(raised).__name__}, which is not an error a job can end "
+            "with; raise an Exception subclass"
+        )
+    exc.__cause__ = raised
+    return exc
 
 
 def _outside_of_step(escaped: BaseException) -> BaseException | None:
