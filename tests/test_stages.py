@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -440,3 +441,152 @@ async def test_a_graph_node_reads_what_its_ancestors_wrote(autojump_clock: trio.
     # Each node's addition exactly once: E's result holds its ancestors', merged B then D
     # (declaration order), and A's through D.
     assert result["log"] == ["B", "A", "D", "E"]
+
+
+# -- graph node callbacks: exactly once on every ending ------------------------------------------
+
+
+class Watched:
+    """Builds graph nodes whose callbacks record (callback, node, outcome, error type)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str, str | None]] = []
+
+    def node(
+        self, name: str, item: pw.Pipe, *, after: Sequence[str] = (), detach: bool = False
+    ) -> pw.GraphNode:
+        return pw.node(
+            name,
+            item,
+            after=after,
+            detach=detach,
+            on_success=self._recorder("on_success"),
+            on_error=self._recorder("on_error"),
+        )
+
+    def _recorder(self, which: str) -> Callable[[pw.BranchEnd], None]:
+        def record(end: pw.BranchEnd) -> None:
+            error = None if end.error is None else type(end.error).__name__
+            self.calls.append((which, end.node, end.outcome, error))
+
+        return record
+
+
+def napper(name: str, seconds: float, *, timeout: float | None = None) -> pw.Pipe:
+    async def run(ctx: pw.Context) -> None:
+        await trio.sleep(seconds)
+        ctx.state[name] = seconds
+
+    return pw.Pipe(run, name, timeout=timeout)
+
+
+async def settled(engine: pw.Engine, job_id: str) -> BaseException:
+    """Wait for a job that must fail; return its error once every task has settled."""
+    with trio.fail_after(60):
+        try:
+            await engine.wait(job_id)
+        except Exception as exc:
+            error: BaseException = exc
+        else:
+            raise AssertionError(f"job {job_id} did not fail")
+        await trio.sleep(30)  # long past every branch's end: a late second call would show
+        await trio.testing.wait_all_tasks_blocked()
+    return error
+
+
+async def test_a_node_that_hits_its_pipe_timeout_gets_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("fast", napper("fast", 1)),
+            watched.node("slow", napper("slow", 10, timeout=2)),
+        ),
+    )
+    async with engine:
+        error = await settled(engine, await engine.submit("g"))
+    assert isinstance(error, pw.DeadlineExceeded)
+    assert sorted(watched.calls) == [
+        ("on_error", "slow", "timed_out", "DeadlineExceeded"),
+        ("on_success", "fast", "ok", None),
+    ]
+
+
+async def test_nodes_cut_by_the_stage_timeout_get_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("a", napper("a", 1)),
+            watched.node("b", napper("b", 10), after=["a"]),
+            watched.node("c", napper("c", 1), after=["b"]),  # never starts: no callback
+            timeout=3,
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        error = await settled(engine, await engine.submit("g"))
+        assert isinstance(error, pw.DeadlineExceeded)
+        assert error.scope == "stage"
+        assert start + 3 == pytest.approx(error.deadline)
+    assert sorted(watched.calls) == [
+        ("on_error", "b", "timed_out", "DeadlineExceeded"),
+        ("on_success", "a", "ok", None),
+    ]
+
+
+async def test_a_node_cancelled_because_a_sibling_failed_gets_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    boom = RuntimeError("bad node")
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("bad", failing("bad", 1, boom)),
+            watched.node("slow", napper("slow", 10)),
+            watched.node("after", napper("after", 1), after=["slow"]),
+        ),
+    )
+    async with engine:
+        error = await settled(engine, await engine.submit("g"))
+    assert error is boom
+    assert sorted(watched.calls) == [
+        ("on_error", "bad", "error", "RuntimeError"),
+        ("on_error", "slow", "cancelled", "JobCancelled"),
+    ]
+
+
+async def test_nodes_of_a_cancelled_job_get_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("a", napper("a", 1)),
+            watched.node("b", napper("b", 10), after=["a"]),
+            watched.node("c", napper("c", 10)),
+            watched.node("d", napper("d", 10), detach=True),
+        ),
+    )
+    async with engine:
+        job_id = await engine.submit("g")
+        await trio.sleep(2)
+        await engine.cancel(job_id)
+        error = await settled(engine, job_id)
+    assert isinstance(error, pw.JobCancelled)
+    assert sorted(watched.calls) == [
+        ("on_error", "b", "cancelled", "JobCancelled"),
+        ("on_error", "c", "cancelled", "JobCancelled"),
+        ("on_error", "d", "cancelled", "JobCancelled"),
+        ("on_success", "a", "ok", None),
+    ]

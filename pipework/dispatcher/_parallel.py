@@ -157,6 +157,7 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
         error = (e.type, e.message, e.where, e.status)
     if child.exception is not None:
         d.branch_errors[child.id] = child.exception
+    _callback(d, child, outcome)
     d.queue.put_nowait(
         BranchDone(
             child.parent,
@@ -188,7 +189,6 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     chain = d.chain_of(parent)
     stage = chain.node_at(event.stage)
     assert isinstance(stage, Parallel)
-    _callback(d, stage, event, exception)
     if stage.detach and stage.detach[event.index] and event.outcome in ("error", "timed_out"):
         d.metrics.detached_failures.labels(parent.chain).inc()
     join_record = parent.join
@@ -330,17 +330,22 @@ def _is_job_deadline(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
 
-def _callback(
-    d: Dispatcher, stage: Parallel, event: BranchDone, exception: BaseException | None
-) -> None:
-    """Graph nodes' on_success / on_error: once per node, since a child ends only once. Run
-    in their own task so a slow callback never holds up the dispatcher."""
-    if stage.kind != "graph" or event.outcome not in ("ok", "error"):
+def _callback(d: Dispatcher, child: Job, outcome: Outcome) -> None:
+    """A graph node's callback: ``on_success`` when it ended ok, ``on_error`` when it ended
+    with an error, timed out or was cancelled (``BranchEnd.outcome`` says which). Called from
+    the child's end, which happens exactly once and whatever became of the parent, so every
+    started node gets exactly one call; a node never started gets none. Run in its own task
+    so a slow callback never holds up the dispatcher."""
+    assert child.branch is not None
+    stage = d.chain_of(child).node_at(child.root[:-1])
+    if not isinstance(stage, Parallel) or stage.kind != "graph":
         return
-    callbacks = stage.on_success if event.outcome == "ok" else stage.on_error
-    callback = callbacks[event.index]
+    callbacks = stage.on_success if outcome == "ok" else stage.on_error
+    callback = callbacks[child.branch]
     if callback is not None:
-        end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, exception)
+        assert child.parent is not None
+        error = None if outcome == "ok" else child.exception
+        end = BranchEnd(child.parent, stage.names[child.branch], outcome, error)
         d.spawn(_run_callback, callback, end)
 
 
