@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -12,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipework as pw
+from pipework.dispatcher._job import Job
 
 
 def sleeper(name: str, seconds: float, key: str | None = None) -> pw.Pipe:
@@ -389,7 +391,7 @@ async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
         back = Job.from_wire(wire)
         assert back.to_wire() == parent.to_wire()
         assert back.join is not None
-        assert back.join["join"].outcomes == parent.join["join"].outcomes
+        assert back.join.join.outcomes == parent.join.join.outcomes
         await engine.signal(job_id, "go", 1)
         assert await engine.wait(job_id) == {"a": 0, "go": 1}
 
@@ -590,3 +592,177 @@ async def test_nodes_of_a_cancelled_job_get_on_error_once(
         ("on_error", "d", "cancelled", "JobCancelled"),
         ("on_success", "a", "ok", None),
     ]
+
+
+# -- the join record is plain data: a store may hand back copies ---------------------------------
+
+
+class RoundTripStore(pw.MemoryJobStore):
+    """Every write of a parent waiting at a join goes through ``Job.to_wire`` and msgpack,
+    and the parent's join record is replaced by the decoded copy, as a shared store would
+    hand it back: nothing can rely on sharing the live record (or its Join) between events.
+    ``seen`` keeps each stored record's wire form, one per step of the join."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict[str, Any]] = []
+
+    async def update(self, job: Job) -> None:
+        await super().update(job)
+        if job.join is not None:
+            back = Job.from_wire(msgpack.unpackb(msgpack.packb(job.to_wire())))
+            assert back.to_wire() == job.to_wire()
+            assert back.join is not None
+            job.join = back.join
+            self.seen.append(back.join.to_wire())
+
+
+def outcomes_seen(store: RoundTripStore) -> list[list[str]]:
+    return [wire["join"]["status"] for wire in store.seen]
+
+
+async def test_a_graph_runs_on_join_records_copied_at_every_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = RoundTripStore()
+    engine = pw.Engine(store=store)
+    ended: list[tuple[str, str]] = []
+
+    def node_pipe(name: str, seconds: float, reads: tuple[str, ...]) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(seconds)
+            if name == "C":
+                raise KeyError("audit down")
+            ctx.state[name] = [ctx.state.get(r) for r in reads]
+            ctx.state["log"] = [*ctx.state["log"], name]
+
+        return pw.Pipe(run, name)
+
+    def note(end: pw.BranchEnd) -> None:
+        ended.append((end.node, end.outcome))
+
+    engine.chain(
+        "g",
+        pw.graph(
+            pw.node("A", node_pipe("A", 1, ())),
+            pw.node("B", node_pipe("B", 3, ())),
+            pw.node("C", node_pipe("C", 0.5, ()), detach=True, on_error=note),
+            pw.node("D", node_pipe("D", 1, ("A",)), after=["A"]),
+            pw.node("E", node_pipe("E", 1, ("A", "B", "D")), after=["B", "D"], on_success=note),
+            merge=pw.MergePolicy(keys={"log": "extend"}),
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        result = await engine.run("g", {"log": []})
+        assert trio.current_time() - start == pytest.approx(4)
+        await trio.testing.wait_all_tasks_blocked()
+    assert outcomes_seen(store) == [
+        ["running", "running", "running", "waiting", "waiting"],  # forked
+        ["running", "running", "error", "waiting", "waiting"],  # C failed (detached)
+        ["ok", "running", "error", "running", "waiting"],  # A done: D starts from it
+        ["ok", "running", "error", "ok", "waiting"],
+        ["ok", "ok", "error", "ok", "running"],  # B done: E starts from B and D
+    ]
+    last = store.seen[-1]
+    assert [i for i, _ in last["deltas"]] == [0, 1, 3]
+    assert [i for i, _ in last["errors"]] == [2]
+    assert last["errors"][0][1][:2] == ["KeyError", "'audit down'"]
+    assert result["D"] == [[]]
+    assert result["E"] == [[], [], [[]]]
+    assert result["log"] == ["B", "A", "D", "E"]  # every change once, from copied deltas
+    assert sorted(ended) == [("C", "error"), ("E", "ok")]
+
+
+async def test_a_settle_all_of_runs_on_join_records_copied_at_every_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = RoundTripStore()
+    engine = pw.Engine(store=store)
+    engine.chain(
+        "c",
+        pw.all_of(
+            sleeper("a", 1),
+            failing("b", 2, KeyError("nope")),
+            sleeper("c", 3),
+            failing("d", 9, RuntimeError("late")),
+            settle=True,
+            timeout=4,
+        ),
+    )
+    async with engine:
+        result = await engine.run("c", {"x": 0})
+    assert outcomes_seen(store) == [
+        ["running", "running", "running", "running"],
+        ["ok", "running", "running", "running"],
+        ["ok", "error", "running", "running"],
+        ["ok", "error", "ok", "running"],
+    ]
+    timed_out = result["outcomes"].pop("d")
+    assert timed_out["outcome"] == "timed_out"
+    assert timed_out["error"]["type"] == "DeadlineExceeded"
+    assert result == {
+        "x": 0,
+        "a": 1,
+        "c": 3,
+        "outcomes": {
+            "a": {"outcome": "ok"},
+            "b": {"outcome": "error", "error": {"type": "KeyError", "message": "'nope'"}},
+            "c": {"outcome": "ok"},
+        },
+    }
+
+
+class ForgetfulErrors(dict[str, BaseException]):
+    """A dispatcher's side table of branch exceptions that keeps nothing: as if every branch
+    had ended in another process."""
+
+    def __setitem__(self, key: str, value: BaseException) -> None:
+        pass
+
+
+async def test_a_branch_error_from_another_process_surfaces_as_its_record(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine(store=RoundTripStore())
+    engine._dispatcher.branch_errors = ForgetfulErrors()
+    engine.chain("order", pw.all_of(sleeper("slow", 10), failing("quote", 1, KeyError("x"))))
+    async with engine:
+        with pytest.raises(pw.JobFailed) as info:
+            await engine.run("order")
+    assert info.value.error_type == "KeyError"
+    assert str(info.value) == "'x'"
+    assert info.value.where == "chain 'order' > all_of[0] > branch 'quote' > pipe 'quote'"
+
+
+async def test_branch_exceptions_are_kept_only_while_their_join_needs_them(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    boom = RuntimeError("boom")
+
+    async def forever(ctx: pw.Context) -> None:
+        await trio.sleep_forever()
+
+    engine.chain("all", pw.all_of(sleeper("a", 5), failing("b", 1, boom)))
+    engine.chain("any", pw.any_of(failing("a", 1, boom), sleeper("b", 2)))
+    engine.chain("settle", pw.all_of(failing("a", 1, boom), sleeper("b", 2), settle=True))
+    engine.chain(
+        "detached",
+        pw.graph(pw.node("a", sleeper("a", 1)), pw.node("d", failing("d", 3, boom), detach=True)),
+    )
+    engine.chain("cancelled", pw.any_of(failing("a", 1, boom), pw.Pipe(forever, "forever")))
+    side_table = engine._dispatcher.branch_errors
+    async with engine:
+        with pytest.raises(RuntimeError):
+            await engine.run("all")
+        await engine.run("any")
+        await engine.run("settle")
+        await engine.run("detached")
+        job_id = await engine.submit("cancelled")
+        await trio.sleep(2)
+        assert side_table  # a's error waits for the join to resolve
+        await engine.cancel(job_id)
+        await trio.sleep(10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert side_table == {}
