@@ -11,8 +11,10 @@ import trio
 
 import pipework as pw
 from pipework.dispatcher._events import RunJob
-from pipework.dispatcher._job import Frame, Job, new_job_id
+from pipework.dispatcher._job import ErrorInfo, Frame, Job, JoinRecord, new_job_id
 from pipework.dispatcher._status import ACTIVE, TERMINAL, TRANSITIONS, Status, check_transition
+from pipework.pipes._join import Join
+from pipework.pipes._merge import Delta
 from pipework.pipes._state import check_state
 
 
@@ -69,6 +71,45 @@ def test_job_record_round_trips_through_msgpack() -> None:
     wire = msgpack.unpackb(msgpack.packb(job.to_wire()))
     back = Job.from_wire(wire)
     assert back.to_wire() == job.to_wire()
+
+
+def test_a_parent_waiting_at_a_join_round_trips_through_msgpack() -> None:
+    join = Join.graph([[], [], [0]], [False, True, False])
+    join.start()
+    join.branch_done(0, "ok")
+    join.branch_done(1, "error")
+    record = JoinRecord(
+        id=new_job_id(),
+        path=(0, 2),
+        join=join,
+        deadline=math.inf,
+        children={0: "c0", 1: "c1", 2: "c2"},
+        deltas={0: Delta(changed={"a": [1, {"b": None}]}, removed=("gone",))},
+        errors={1: ErrorInfo("KeyError", "'x'", "chain 'c' > graph[0] > branch 'n1'", 500)},
+    )
+    job = make_job(frames=[Frame(0, 12.5)], status=Status.RUNNING, join=record)
+    back = Job.from_wire(msgpack.unpackb(msgpack.packb(job.to_wire())))
+    assert back.to_wire() == job.to_wire()
+    assert back.join is not None
+    assert back.join.children == {0: "c0", 1: "c1", 2: "c2"}  # int keys again
+    assert back.join.deltas == record.deltas
+    assert back.join.errors == record.errors
+    assert back.join.path == (0, 2)
+    assert back.join.join.outcomes == ("ok", "error", "running")
+    assert back.join.join.start_from(2) == (0,)
+    assert back.join.settled_outcomes(["n0", "n1", "n2"]) == {
+        "n0": {"outcome": "ok"},
+        "n1": {"outcome": "error", "error": {"type": "KeyError", "message": "'x'"}},
+        "n2": {"outcome": "running"},
+    }
+
+
+def test_a_join_record_of_another_version_is_refused() -> None:
+    record = JoinRecord(id="j", path=(0,), join=Join.any_of(2))
+    wire = msgpack.unpackb(msgpack.packb(record.to_wire()))
+    assert JoinRecord.from_wire(wire).to_wire() == record.to_wire()
+    with pytest.raises(ValueError, match="unsupported join record version 2"):
+        JoinRecord.from_wire({**wire, "version": 2})
 
 
 @pytest.mark.parametrize(

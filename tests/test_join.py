@@ -324,3 +324,112 @@ def test_random_runs_decide_the_same_after_every_wire_round_trip(
     assert join.finished
     assert resolutions == [join.resolved]
     assert all(s not in ("waiting", "running") for s in join.outcomes)
+
+
+# -- what the parent merges, what a graph node starts from ---------------------------------------
+
+
+def test_graph_merges_only_the_frontier_and_nodes_start_from_their_ancestors() -> None:
+    join = Join.graph(SEED_PARENTS, SEED_DETACH)
+    assert join.ancestors(E) == {A, B, D}
+    assert join.start_from(A) == ()
+    assert join.start_from(D) == (A,)
+    assert join.start_from(E) == (B, D)  # A's changes reach E through D, counted once
+    assert join.frontier([A, B, D]) == (B, D)
+    assert join.frontier([]) == ()
+    join.start()
+    assert not join.continues
+    assert join.to_merge == ()
+    for node in (C, A, B, D, E):
+        join.branch_done(node, "ok")
+    assert join.merge == (A, B, D, E)
+    assert join.continues
+    assert join.to_merge == (E,)  # E's delta holds A's, B's and D's; C is detached
+
+
+def test_a_graph_that_resolves_before_a_node_ran_merges_the_nodes_that_did() -> None:
+    # Two chains 0 -> 1 and 2 -> 3: the frontier is 1 and 3, never 0 or 2.
+    join = Join.graph([[], [0], [], [2]])
+    join.start()
+    for node in (0, 2, 1, 3):
+        join.branch_done(node, "ok")
+    assert join.to_merge == (1, 3)
+
+
+def test_settle_merges_whatever_succeeded_even_when_it_resolved_failed() -> None:
+    join = Join.all_of(4, settle=True)
+    join.start()
+    join.branch_done(3, "ok")
+    join.branch_done(1, "error")
+    join.branch_done(0, "ok")
+    assert not join.continues
+    assert join.branch_done(2, "timed_out") == Decision(resolved="failed", failures=(1, 2))
+    assert join.continues  # settle goes on and records each outcome instead of failing
+    assert join.to_merge == (0, 3)
+    assert join.outcomes == ("ok", "error", "timed_out", "ok")
+
+
+def test_without_settle_a_failed_join_merges_nothing() -> None:
+    join = Join.all_of(2)
+    join.start()
+    join.branch_done(0, "ok")
+    join.branch_done(1, "error")
+    assert join.resolved == "failed"
+    assert not join.continues
+    assert join.to_merge == ()
+
+
+@pytest.mark.parametrize(
+    ("join", "reports", "merged"),
+    [
+        (Join.any_of(3), [(2, "error"), (1, "ok")], (1,)),
+        (Join.quorum(2, 4), [(3, "ok"), (0, "error"), (1, "ok")], (1, 3)),
+        (Join.all_of(3), [(2, "ok"), (0, "ok"), (1, "ok")], (0, 1, 2)),
+    ],
+)
+def test_other_kinds_merge_what_resolved_them(
+    join: Join, reports: list[tuple[int, Outcome]], merged: tuple[int, ...]
+) -> None:
+    join.start()
+    for i, outcome in reports:
+        join.branch_done(i, outcome)
+    assert join.continues
+    assert join.to_merge == merged == join.merge
+    assert all(join.start_from(i) == () for i in range(join.n))
+
+
+@given(joins(), st.data())
+def test_merged_and_start_deltas_count_every_change_exactly_once(
+    join: Join, data: st.DataObject
+) -> None:
+    """For any join and completion order: what a node starts from and what the parent
+    merges hold no node together with one of its ancestors (a change counted twice), and
+    leave no ok node out (a change lost)."""
+
+    def check_cover(chosen: tuple[int, ...], must_cover: set[int]) -> None:
+        assert list(chosen) == sorted(set(chosen))
+        for node in chosen:
+            assert not join.ancestors(node) & set(chosen)
+        covered = set(chosen).union(*(join.ancestors(node) for node in chosen))
+        assert covered == must_cover
+
+    def started(decision: Decision) -> None:
+        for i in decision.start:
+            ancestors = set(join.ancestors(i))
+            assert all(join.outcomes[a] == "ok" for a in ancestors)
+            check_cover(join.start_from(i), ancestors)
+
+    started(join.start())
+    while join.running:
+        i = data.draw(st.sampled_from(join.running))
+        started(join.branch_done(i, data.draw(st.sampled_from(OUTCOMES))))
+    if not join.continues:
+        assert join.to_merge == ()
+        return
+    ok_core = {i for i, s in enumerate(join.outcomes) if s == "ok" and not join.detached[i]}
+    if join.kind == "graph" or join.settle:
+        check_cover(join.to_merge, ok_core)
+    else:
+        assert set(join.to_merge) <= ok_core
+        assert len(join.to_merge) == join.need
+    assert join.to_merge == rewire(join).to_merge

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -11,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipework as pw
+from pipework.dispatcher._job import Job
 
 
 def sleeper(name: str, seconds: float, key: str | None = None) -> pw.Pipe:
@@ -388,7 +391,7 @@ async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
         back = Job.from_wire(wire)
         assert back.to_wire() == parent.to_wire()
         assert back.join is not None
-        assert back.join["join"].outcomes == parent.join["join"].outcomes
+        assert back.join.join.outcomes == parent.join.join.outcomes
         await engine.signal(job_id, "go", 1)
         assert await engine.wait(job_id) == {"a": 0, "go": 1}
 
@@ -440,3 +443,326 @@ async def test_a_graph_node_reads_what_its_ancestors_wrote(autojump_clock: trio.
     # Each node's addition exactly once: E's result holds its ancestors', merged B then D
     # (declaration order), and A's through D.
     assert result["log"] == ["B", "A", "D", "E"]
+
+
+# -- graph node callbacks: exactly once on every ending ------------------------------------------
+
+
+class Watched:
+    """Builds graph nodes whose callbacks record (callback, node, outcome, error type)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str, str | None]] = []
+
+    def node(
+        self, name: str, item: pw.Pipe, *, after: Sequence[str] = (), detach: bool = False
+    ) -> pw.GraphNode:
+        return pw.node(
+            name,
+            item,
+            after=after,
+            detach=detach,
+            on_success=self._recorder("on_success"),
+            on_error=self._recorder("on_error"),
+        )
+
+    def _recorder(self, which: str) -> Callable[[pw.BranchEnd], None]:
+        def record(end: pw.BranchEnd) -> None:
+            error = None if end.error is None else type(end.error).__name__
+            self.calls.append((which, end.node, end.outcome, error))
+
+        return record
+
+
+def napper(name: str, seconds: float, *, timeout: float | None = None) -> pw.Pipe:
+    async def run(ctx: pw.Context) -> None:
+        await trio.sleep(seconds)
+        ctx.state[name] = seconds
+
+    return pw.Pipe(run, name, timeout=timeout)
+
+
+async def settled(engine: pw.Engine, job_id: str) -> BaseException:
+    """Wait for a job that must fail; return its error once every task has settled."""
+    with trio.fail_after(60):
+        try:
+            await engine.wait(job_id)
+        except Exception as exc:
+            error: BaseException = exc
+        else:
+            raise AssertionError(f"job {job_id} did not fail")
+        await trio.sleep(30)  # long past every branch's end: a late second call would show
+        await trio.testing.wait_all_tasks_blocked()
+    return error
+
+
+async def test_a_node_that_hits_its_pipe_timeout_gets_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("fast", napper("fast", 1)),
+            watched.node("slow", napper("slow", 10, timeout=2)),
+        ),
+    )
+    async with engine:
+        error = await settled(engine, await engine.submit("g"))
+    assert isinstance(error, pw.DeadlineExceeded)
+    assert sorted(watched.calls) == [
+        ("on_error", "slow", "timed_out", "DeadlineExceeded"),
+        ("on_success", "fast", "ok", None),
+    ]
+
+
+async def test_nodes_cut_by_the_stage_timeout_get_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("a", napper("a", 1)),
+            watched.node("b", napper("b", 10), after=["a"]),
+            watched.node("c", napper("c", 1), after=["b"]),  # never starts: no callback
+            timeout=3,
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        error = await settled(engine, await engine.submit("g"))
+        assert isinstance(error, pw.DeadlineExceeded)
+        assert error.scope == "stage"
+        assert start + 3 == pytest.approx(error.deadline)
+    assert sorted(watched.calls) == [
+        ("on_error", "b", "timed_out", "DeadlineExceeded"),
+        ("on_success", "a", "ok", None),
+    ]
+
+
+async def test_a_node_cancelled_because_a_sibling_failed_gets_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    boom = RuntimeError("bad node")
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("bad", failing("bad", 1, boom)),
+            watched.node("slow", napper("slow", 10)),
+            watched.node("after", napper("after", 1), after=["slow"]),
+        ),
+    )
+    async with engine:
+        error = await settled(engine, await engine.submit("g"))
+    assert error is boom
+    assert sorted(watched.calls) == [
+        ("on_error", "bad", "error", "RuntimeError"),
+        ("on_error", "slow", "cancelled", "JobCancelled"),
+    ]
+
+
+async def test_nodes_of_a_cancelled_job_get_on_error_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    watched = Watched()
+    engine.chain(
+        "g",
+        pw.graph(
+            watched.node("a", napper("a", 1)),
+            watched.node("b", napper("b", 10), after=["a"]),
+            watched.node("c", napper("c", 10)),
+            watched.node("d", napper("d", 10), detach=True),
+        ),
+    )
+    async with engine:
+        job_id = await engine.submit("g")
+        await trio.sleep(2)
+        await engine.cancel(job_id)
+        error = await settled(engine, job_id)
+    assert isinstance(error, pw.JobCancelled)
+    assert sorted(watched.calls) == [
+        ("on_error", "b", "cancelled", "JobCancelled"),
+        ("on_error", "c", "cancelled", "JobCancelled"),
+        ("on_error", "d", "cancelled", "JobCancelled"),
+        ("on_success", "a", "ok", None),
+    ]
+
+
+# -- the join record is plain data: a store may hand back copies ---------------------------------
+
+
+class RoundTripStore(pw.MemoryJobStore):
+    """Every write of a parent waiting at a join goes through ``Job.to_wire`` and msgpack,
+    and the parent's join record is replaced by the decoded copy, as a shared store would
+    hand it back: nothing can rely on sharing the live record (or its Join) between events.
+    ``seen`` keeps each stored record's wire form, one per step of the join."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict[str, Any]] = []
+
+    async def update(self, job: Job) -> None:
+        await super().update(job)
+        if job.join is not None:
+            back = Job.from_wire(msgpack.unpackb(msgpack.packb(job.to_wire())))
+            assert back.to_wire() == job.to_wire()
+            assert back.join is not None
+            job.join = back.join
+            self.seen.append(back.join.to_wire())
+
+
+def outcomes_seen(store: RoundTripStore) -> list[list[str]]:
+    return [wire["join"]["status"] for wire in store.seen]
+
+
+async def test_a_graph_runs_on_join_records_copied_at_every_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = RoundTripStore()
+    engine = pw.Engine(store=store)
+    ended: list[tuple[str, str]] = []
+
+    def node_pipe(name: str, seconds: float, reads: tuple[str, ...]) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(seconds)
+            if name == "C":
+                raise KeyError("audit down")
+            ctx.state[name] = [ctx.state.get(r) for r in reads]
+            ctx.state["log"] = [*ctx.state["log"], name]
+
+        return pw.Pipe(run, name)
+
+    def note(end: pw.BranchEnd) -> None:
+        ended.append((end.node, end.outcome))
+
+    engine.chain(
+        "g",
+        pw.graph(
+            pw.node("A", node_pipe("A", 1, ())),
+            pw.node("B", node_pipe("B", 3, ())),
+            pw.node("C", node_pipe("C", 0.5, ()), detach=True, on_error=note),
+            pw.node("D", node_pipe("D", 1, ("A",)), after=["A"]),
+            pw.node("E", node_pipe("E", 1, ("A", "B", "D")), after=["B", "D"], on_success=note),
+            merge=pw.MergePolicy(keys={"log": "extend"}),
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        result = await engine.run("g", {"log": []})
+        assert trio.current_time() - start == pytest.approx(4)
+        await trio.testing.wait_all_tasks_blocked()
+    assert outcomes_seen(store) == [
+        ["running", "running", "running", "waiting", "waiting"],  # forked
+        ["running", "running", "error", "waiting", "waiting"],  # C failed (detached)
+        ["ok", "running", "error", "running", "waiting"],  # A done: D starts from it
+        ["ok", "running", "error", "ok", "waiting"],
+        ["ok", "ok", "error", "ok", "running"],  # B done: E starts from B and D
+    ]
+    last = store.seen[-1]
+    assert [i for i, _ in last["deltas"]] == [0, 1, 3]
+    assert [i for i, _ in last["errors"]] == [2]
+    assert last["errors"][0][1][:2] == ["KeyError", "'audit down'"]
+    assert result["D"] == [[]]
+    assert result["E"] == [[], [], [[]]]
+    assert result["log"] == ["B", "A", "D", "E"]  # every change once, from copied deltas
+    assert sorted(ended) == [("C", "error"), ("E", "ok")]
+
+
+async def test_a_settle_all_of_runs_on_join_records_copied_at_every_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    store = RoundTripStore()
+    engine = pw.Engine(store=store)
+    engine.chain(
+        "c",
+        pw.all_of(
+            sleeper("a", 1),
+            failing("b", 2, KeyError("nope")),
+            sleeper("c", 3),
+            failing("d", 9, RuntimeError("late")),
+            settle=True,
+            timeout=4,
+        ),
+    )
+    async with engine:
+        result = await engine.run("c", {"x": 0})
+    assert outcomes_seen(store) == [
+        ["running", "running", "running", "running"],
+        ["ok", "running", "running", "running"],
+        ["ok", "error", "running", "running"],
+        ["ok", "error", "ok", "running"],
+    ]
+    timed_out = result["outcomes"].pop("d")
+    assert timed_out["outcome"] == "timed_out"
+    assert timed_out["error"]["type"] == "DeadlineExceeded"
+    assert result == {
+        "x": 0,
+        "a": 1,
+        "c": 3,
+        "outcomes": {
+            "a": {"outcome": "ok"},
+            "b": {"outcome": "error", "error": {"type": "KeyError", "message": "'nope'"}},
+            "c": {"outcome": "ok"},
+        },
+    }
+
+
+class ForgetfulErrors(dict[str, BaseException]):
+    """A dispatcher's side table of branch exceptions that keeps nothing: as if every branch
+    had ended in another process."""
+
+    def __setitem__(self, key: str, value: BaseException) -> None:
+        pass
+
+
+async def test_a_branch_error_from_another_process_surfaces_as_its_record(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine(store=RoundTripStore())
+    engine._dispatcher.branch_errors = ForgetfulErrors()
+    engine.chain("order", pw.all_of(sleeper("slow", 10), failing("quote", 1, KeyError("x"))))
+    async with engine:
+        with pytest.raises(pw.JobFailed) as info:
+            await engine.run("order")
+    assert info.value.error_type == "KeyError"
+    assert str(info.value) == "'x'"
+    assert info.value.where == "chain 'order' > all_of[0] > branch 'quote' > pipe 'quote'"
+
+
+async def test_branch_exceptions_are_kept_only_while_their_join_needs_them(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    boom = RuntimeError("boom")
+
+    async def forever(ctx: pw.Context) -> None:
+        await trio.sleep_forever()
+
+    engine.chain("all", pw.all_of(sleeper("a", 5), failing("b", 1, boom)))
+    engine.chain("any", pw.any_of(failing("a", 1, boom), sleeper("b", 2)))
+    engine.chain("settle", pw.all_of(failing("a", 1, boom), sleeper("b", 2), settle=True))
+    engine.chain(
+        "detached",
+        pw.graph(pw.node("a", sleeper("a", 1)), pw.node("d", failing("d", 3, boom), detach=True)),
+    )
+    engine.chain("cancelled", pw.any_of(failing("a", 1, boom), pw.Pipe(forever, "forever")))
+    side_table = engine._dispatcher.branch_errors
+    async with engine:
+        with pytest.raises(RuntimeError):
+            await engine.run("all")
+        await engine.run("any")
+        await engine.run("settle")
+        await engine.run("detached")
+        job_id = await engine.submit("cancelled")
+        await trio.sleep(2)
+        assert side_table  # a's error waits for the join to resolve
+        await engine.cancel(job_id)
+        await trio.sleep(10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert side_table == {}

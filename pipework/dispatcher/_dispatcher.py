@@ -507,7 +507,7 @@ class Dispatcher:
             return job
         if job.join is None:
             return None
-        for child_id in job.join["children"].values():
+        for child_id in job.join.children.values():
             try:
                 child = await self.store.get(child_id)
             except JobNotFound:

@@ -4,7 +4,8 @@ A :class:`Job` is everything a stateless worker needs to continue a chain: which
 state, the cursor (a stack of frames), the admission key of its next step, its deadline and
 its status. Every field but ``exception`` and ``stream`` round-trips through msgpack
 (:meth:`Job.to_wire`), which is what a shared (Redis) store keeps; those two only live in the
-process that runs the job.
+process that runs the job. A parent waiting at a parallel stage holds a :class:`JoinRecord`,
+plain data too.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import hashlib
 import math
 import secrets
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from ..pipes._join import Join
+from ..pipes._merge import Delta
 from ._status import Status, check_transition
 
-__all__ = ["ErrorInfo", "Frame", "Job", "JobView", "Progress", "new_job_id"]
+__all__ = ["ErrorInfo", "Frame", "Job", "JobView", "JoinRecord", "Progress", "new_job_id"]
+
+_JOIN_RECORD_VERSION: Final = 1
 
 
 def new_job_id() -> str:
@@ -73,6 +78,70 @@ class ErrorInfo:
 
 
 @dataclass(slots=True, eq=False)
+class JoinRecord:
+    """A parent waiting at a parallel stage: what its join keeps between branch events.
+
+    ``id`` tells this join from an earlier run of the same stage (a late ``BranchDone``
+    names the join it was sent to); ``path`` is the stage's position in the chain and
+    ``deadline`` the absolute trio time bounding its branches. By branch index: ``children``
+    holds the child job of each started branch, ``deltas`` what each ok branch changed, and
+    ``errors`` what each failed branch's error was. The exception objects themselves cannot
+    be stored: they stay in the dispatcher of the process where the branch ended.
+
+    Everything round-trips through msgpack (:meth:`to_wire`), so a store may hand back a
+    fresh copy on every read; branch indices become ``[index, value]`` pairs on the wire,
+    since the wire's map keys are strings.
+    """
+
+    id: str
+    path: tuple[int, ...]
+    join: Join
+    deadline: float = math.inf
+    children: dict[int, str] = field(default_factory=dict)
+    deltas: dict[int, Delta] = field(default_factory=dict)
+    errors: dict[int, ErrorInfo] = field(default_factory=dict)
+
+    def settled_outcomes(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """How each branch ended, by name, with the error of each one that failed: what a
+        ``settle`` stage writes to ``state["outcomes"]``."""
+        outcomes: dict[str, dict[str, Any]] = {}
+        for i, outcome in enumerate(self.join.outcomes):
+            info: dict[str, Any] = {"outcome": outcome}
+            error = self.errors.get(i)
+            if error is not None and outcome not in ("ok", "not_started"):
+                info["error"] = {"type": error.type, "message": error.message}
+            outcomes[names[i]] = info
+        return outcomes
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain lists, str, int, float, bool and None: safe to store with msgpack."""
+        return {
+            "version": _JOIN_RECORD_VERSION,
+            "id": self.id,
+            "path": list(self.path),
+            "deadline": self.deadline,
+            "join": self.join.to_wire(),
+            "children": [[i, child] for i, child in sorted(self.children.items())],
+            "deltas": [[i, d.to_wire()] for i, d in sorted(self.deltas.items())],
+            "errors": [[i, _error_tuple(e)] for i, e in sorted(self.errors.items())],
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> JoinRecord:
+        if wire.get("version") != _JOIN_RECORD_VERSION:
+            raise ValueError(f"unsupported join record version {wire.get('version')!r}")
+        return cls(
+            id=wire["id"],
+            path=tuple(wire["path"]),
+            join=Join.from_wire(wire["join"]),
+            deadline=float(wire["deadline"]),
+            children={int(i): child for i, child in wire["children"]},
+            deltas={int(i): Delta.from_wire(d) for i, d in wire["deltas"]},
+            errors={int(i): ErrorInfo(*e) for i, e in wire["errors"]},
+        )
+
+
+@dataclass(slots=True, eq=False)
 class Job:
     id: str
     chain: str
@@ -107,8 +176,8 @@ class Job:
     parent: str | None = None
     branch: int | None = None
     join_id: str | None = None
-    #: A parent waiting at a parallel stage: the join's state (see _parallel.py).
-    join: dict[str, Any] | None = None
+    #: A parent waiting at a parallel stage: its join's record (see _parallel.py).
+    join: JoinRecord | None = None
     version: int = 0
     # In-process only, never stored remotely.
     exception: BaseException | None = None
@@ -166,7 +235,7 @@ class Job:
             "parent": self.parent,
             "branch": self.branch,
             "join_id": self.join_id,
-            "join": None if self.join is None else _join_wire(self.join),
+            "join": None if self.join is None else self.join.to_wire(),
             "version": self.version,
         }
 
@@ -181,15 +250,8 @@ class Job:
         if fields["error"] is not None:
             fields["error"] = ErrorInfo(*fields["error"])
         if fields["join"] is not None:
-            fields["join"] = {**fields["join"], "join": Join.from_wire(fields["join"]["join"])}
+            fields["join"] = JoinRecord.from_wire(fields["join"])
         return cls(**fields)
-
-
-def _join_wire(join: dict[str, Any]) -> dict[str, Any]:
-    # The state machine as data; the branches' exception objects stay in this process.
-    wire = {k: v for k, v in join.items() if k != "exceptions"}
-    wire["join"] = join["join"].to_wire()
-    return wire
 
 
 def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None, str | None]:

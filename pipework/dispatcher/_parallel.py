@@ -1,13 +1,25 @@
 """Parallel stages in the dispatcher: fork branches as child jobs, join on their events.
 
+This is the trio driver of the sans-IO :class:`~pipework.pipes._join.Join`: it creates child
+jobs, queues events, cancels branches and finishes or continues the parent, and decides
+nothing itself. Which branches start, which are cancelled, when the stage resolves, whose
+deltas a graph node starts from and whose the parent merges: all of that the join says.
+
 At a parallel stage the parent's step ends and its slot is released: the parent stays
-``running`` holding nothing, with a ``join`` record (the join state machine's wire form, the
-branches' child-job ids, the ok branches' deltas). Each branch is a child job on a snapshot of
-the parent's state, admitted under its own keys like any job, and able to suspend. When a
-child ends, a ``BranchDone`` event (with its delta) drives the join; once it resolves, the
-deltas are merged in declaration order and the parent continues at the next cursor through
-the queue. A late or duplicate ``BranchDone`` finds the join gone or already resolved and
-changes nothing.
+``running`` holding nothing, with a :class:`~._job.JoinRecord` (the join, the branches'
+child-job ids, the ok branches' deltas, the failed branches' errors), plain data a store may
+copy on every read. Each branch is a child job on a snapshot of the parent's state (a graph
+node's also holds what its ancestors produced), admitted under its own keys like any job, and
+able to suspend. When a child ends, a ``BranchDone`` event (with its delta or error) drives
+the join; once it resolves, the deltas it names are merged in declaration order and the
+parent continues at the next cursor through the queue. A late or duplicate ``BranchDone``
+finds the join gone or already resolved and changes nothing.
+
+A branch's exception object cannot be stored, so it waits in ``Dispatcher.branch_errors``
+(keyed by the child's id) until its join resolves or is over; when the join fails in the
+process where the branch ended, the original exception surfaces, traceback intact, and
+otherwise a :class:`~pipework.JobFailed` built from the recorded error does. A graph node's
+``on_success`` / ``on_error`` callback runs when its child job ends, however it ends.
 """
 
 from __future__ import annotations
@@ -26,11 +38,11 @@ from .._errors import (
     MergeConflict,
     Rejected,
 )
-from ..pipes._join import Join, Outcome
+from ..pipes._join import Outcome
 from ..pipes._merge import Delta, delta, merge, snapshot
 from ..pipes._stages import BranchEnd, Callback, Chain, Parallel
 from ._events import BranchDone, RunJob
-from ._job import Job, new_job_id
+from ._job import ErrorInfo, Job, JoinRecord, new_job_id
 from ._status import TERMINAL, Status
 
 if TYPE_CHECKING:
@@ -49,82 +61,48 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
         deadline = min(deadline, trio.current_time() + stage.timeout)
     join = stage.new_join()
     decision = join.start()
-    job.join = {
-        "id": new_job_id(),
-        "path": [*d.path_of(job), top.index],
-        "join": join,  # the live state machine; Job.to_wire() stores its wire form
-        "deadline": deadline,
-        "children": {},
-        "deltas": {},
-        "errors": {},
-    }
+    job.join = JoinRecord(
+        id=new_job_id(), path=(*d.path_of(job), top.index), join=join, deadline=deadline
+    )
     for index in decision.start:
         await _start_branch(d, job, chain, index)
     await d.store.update(job)
 
 
-def _frontier(stage: Parallel, nodes: set[int]) -> list[int]:
-    """The nodes of ``nodes`` none of whose descendants is in ``nodes``, in declaration
-    order. A graph node starts from its ancestors' results, so its delta (taken against
-    the parent's state) already holds theirs: merging only the frontier counts each
-    change once, also under reducers such as extend or sum."""
-    covered: set[int] = set()
-    for node in nodes:
-        pending = list(stage.parents[node])
-        while pending:
-            ancestor = pending.pop()
-            if ancestor not in covered:
-                covered.add(ancestor)
-                pending.extend(stage.parents[ancestor])
-    return sorted(nodes - covered)
-
-
-def _ancestors(stage: Parallel, index: int) -> set[int]:
-    found: set[int] = set()
-    pending = list(stage.parents[index])
-    while pending:
-        node = pending.pop()
-        if node not in found:
-            found.add(node)
-            pending.extend(stage.parents[node])
-    return found
-
-
-def _start_state(parent: Job, stage: Parallel, index: int) -> dict[str, Any]:
-    """What a branch starts from: a snapshot of the parent's state and, for a graph node,
-    what the nodes it depends on (directly or not) produced, merged under the stage's
-    policy, so that a node reads its parents' results."""
-    state = snapshot(parent.state)
-    if stage.kind != "graph" or not stage.parents[index]:
-        return state
-    assert parent.join is not None
-    deltas = parent.join["deltas"]
-    frontier = _frontier(stage, _ancestors(stage, index))
-    pairs = [(stage.names[i], Delta.from_wire(deltas[str(i)])) for i in frontier]
-    return merge(state, pairs, stage.merge, where=f"graph node {stage.names[index]!r}")
-
-
 async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) -> None:
-    assert parent.join is not None
-    stage = chain.node_at(parent.join["path"])
+    record = parent.join
+    assert record is not None
+    stage = chain.node_at(record.path)
     assert isinstance(stage, Parallel)
     child = Job(
         id=new_job_id(),
         chain=parent.chain,
-        state=_start_state(parent, stage, index),
+        state=_start_state(parent.state, record, stage, index),
         correlation_id=parent.correlation_id,
-        deadline=parent.join["deadline"],
-        root=(*parent.join["path"], index),
+        deadline=record.deadline,
+        root=(*record.path, index),
         parent=parent.id,
         branch=index,
-        join_id=parent.join["id"],
+        join_id=record.id,
         accepted_at=trio.current_time(),
         plan=parent.plan,
     )
     d.start_frames(child, chain)
-    parent.join["children"][str(index)] = child.id
+    record.children[index] = child.id
     await d.store.create(child)
     d.queue.put_nowait(RunJob(child.id))
+
+
+def _start_state(
+    state: dict[str, Any], record: JoinRecord, stage: Parallel, index: int
+) -> dict[str, Any]:
+    """A snapshot of the parent's state and, for a graph node, what the nodes it depends on
+    produced (the join says whose deltas), merged under the stage's policy."""
+    sources = record.join.start_from(index)
+    if not sources:
+        return snapshot(state)
+    pairs = [(stage.names[i], record.deltas[i]) for i in sources]
+    return merge(snapshot(state), pairs, stage.merge, where=f"graph node {stage.names[index]!r}")
 
 
 def branch_outcome(job: Job) -> Outcome:
@@ -157,6 +135,7 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
         error = (e.type, e.message, e.where, e.status)
     if child.exception is not None:
         d.branch_errors[child.id] = child.exception
+    _callback(d, child, outcome)
     d.queue.put_nowait(
         BranchDone(
             child.parent,
@@ -180,28 +159,26 @@ async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
 
 
 async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
-    exception = d.branch_errors.pop(event.branch_id, None)
     try:
         parent = await d.store.get(event.parent_id)
     except JobNotFound:
+        d.branch_errors.pop(event.branch_id, None)
         return  # the parent ended and was dropped: nothing waits for this branch
     chain = d.chain_of(parent)
     stage = chain.node_at(event.stage)
     assert isinstance(stage, Parallel)
-    _callback(d, stage, event, exception)
     if stage.detach and stage.detach[event.index] and event.outcome in ("error", "timed_out"):
         d.metrics.detached_failures.labels(parent.chain).inc()
-    join_record = parent.join
-    if parent.status in TERMINAL or join_record is None or join_record["id"] != event.join_id:
+    record = parent.join
+    if parent.status in TERMINAL or record is None or record.id != event.join_id:
+        d.branch_errors.pop(event.branch_id, None)
         return  # the stage is over: a late branch changes nothing
-    join: Join = join_record["join"]
+    join = record.join
     decision = join.branch_done(event.index, event.outcome)
     if event.outcome == "ok" and event.delta is not None:
-        join_record["deltas"][str(event.index)] = event.delta
+        record.deltas[event.index] = Delta.from_wire(event.delta)
     if event.error is not None:
-        join_record["errors"][str(event.index)] = list(event.error)
-    if exception is not None:
-        join_record.setdefault("exceptions", {})[str(event.index)] = exception
+        record.errors[event.index] = ErrorInfo(*event.error)
     where = chain.describe(event.stage)
     try:
         for index in decision.start:
@@ -211,13 +188,15 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
         await d.finish(parent, Status.FAILED, exc=conflict, where=where)  # cancels the rest
         return
     for index in decision.cancel:
-        await _cancel_branch(d, join_record["children"][str(index)])
+        await _cancel_branch(d, record.children[index])
     if decision.resolved is None:
         await d.store.update(parent)
-    elif decision.resolved == "ok" or stage.settle:
-        await _continue(d, parent, chain, stage, join, decision.merge, where)
+    elif join.continues:
+        _forget_errors(d, record)
+        await _continue(d, parent, chain, stage, record, where)
     else:
-        errors = [_error_of(join_record, i) for i in decision.failures]
+        errors = [_error_of(d, record, i) for i in decision.failures]
+        _forget_errors(d, record)
         exc = _stage_error(stage, errors, where, parent)
         d.note(exc, parent, where)
         parent.join = None
@@ -226,21 +205,10 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
 
 
 async def _continue(
-    d: Dispatcher,
-    parent: Job,
-    chain: Chain,
-    stage: Parallel,
-    join: Join,
-    merged: tuple[int, ...],
-    where: str,
+    d: Dispatcher, parent: Job, chain: Chain, stage: Parallel, record: JoinRecord, where: str
 ) -> None:
-    assert parent.join is not None
-    deltas = parent.join["deltas"]
-    if stage.settle:  # merge whatever succeeded and say how each branch ended
-        merged = tuple(i for i, o in enumerate(join.outcomes) if o == "ok" and not join.detached[i])
-    if stage.kind == "graph":
-        merged = tuple(_frontier(stage, set(merged)))
-    pairs = [(stage.names[i], Delta.from_wire(deltas[str(i)])) for i in sorted(merged)]
+    """Merge what the join says into the parent's state and send the parent on."""
+    pairs = [(stage.names[i], record.deltas[i]) for i in record.join.to_merge]
     try:
         state = merge(parent.state, pairs, stage.merge, where=where)
     except MergeConflict as exc:
@@ -249,22 +217,11 @@ async def _continue(
         await d.finish(parent, Status.FAILED, exc=exc, where=where)
         return
     if stage.settle:
-        state["outcomes"] = {
-            stage.names[i]: _describe_outcome(parent.join, i, o)
-            for i, o in enumerate(join.outcomes)
-        }
+        state["outcomes"] = record.settled_outcomes(stage.names)
     parent.state = state
     parent.join = None
     parent.frames[-1].index += 1
     await d.continue_later(parent, chain)
-
-
-def _describe_outcome(join_record: dict[str, Any], index: int, outcome: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"outcome": outcome}
-    error = join_record["errors"].get(str(index))
-    if error is not None and outcome not in ("ok", "not_started"):
-        info["error"] = {"type": error[0], "message": error[1]}
-    return info
 
 
 async def _cancel_branch(d: Dispatcher, child_id: str) -> None:
@@ -277,20 +234,31 @@ async def _cancel_branch(d: Dispatcher, child_id: str) -> None:
 
 
 async def cancel_branches(d: Dispatcher, parent: Job) -> None:
+    """The parent ended while waiting at its join: cancel every branch still going."""
     if parent.join is not None:
-        for child_id in list(parent.join["children"].values()):
+        _forget_errors(d, parent.join)
+        for child_id in list(parent.join.children.values()):
             await _cancel_branch(d, child_id)
 
 
-def _error_of(join_record: dict[str, Any], index: int) -> BaseException:
-    """The branch's own exception when it failed in this process, else its record."""
-    exception = join_record.get("exceptions", {}).get(str(index))
+def _error_of(d: Dispatcher, record: JoinRecord, index: int) -> BaseException:
+    """The branch's own exception when it ended in this process (traceback intact), else
+    what its record says."""
+    child_id = record.children.get(index)
+    exception = None if child_id is None else d.branch_errors.get(child_id)
     if exception is not None:
-        return exception  # type: ignore[no-any-return]  # stored from a BaseException
-    error = join_record["errors"].get(str(index))
+        return exception
+    error = record.errors.get(index)
     if error is None:
         return JobCancelled(f"branch {index} was cancelled")
-    return JobFailed(error[1], error_type=error[0], where=error[2])
+    return JobFailed(error.message, error_type=error.type, where=error.where)
+
+
+def _forget_errors(d: Dispatcher, record: JoinRecord) -> None:
+    """Drop the exception objects of the join's branches once it no longer needs them; a
+    branch that reports later finds the join over and drops its own."""
+    for child_id in record.children.values():
+        d.branch_errors.pop(child_id, None)
 
 
 def _stage_error(
@@ -330,17 +298,22 @@ def _is_job_deadline(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
 
-def _callback(
-    d: Dispatcher, stage: Parallel, event: BranchDone, exception: BaseException | None
-) -> None:
-    """Graph nodes' on_success / on_error: once per node, since a child ends only once. Run
-    in their own task so a slow callback never holds up the dispatcher."""
-    if stage.kind != "graph" or event.outcome not in ("ok", "error"):
+def _callback(d: Dispatcher, child: Job, outcome: Outcome) -> None:
+    """A graph node's callback: ``on_success`` when it ended ok, ``on_error`` when it ended
+    with an error, timed out or was cancelled (``BranchEnd.outcome`` says which). Called from
+    the child's end, which happens exactly once and whatever became of the parent, so every
+    started node gets exactly one call; a node never started gets none. Run in its own task
+    so a slow callback never holds up the dispatcher."""
+    assert child.branch is not None
+    stage = d.chain_of(child).node_at(child.root[:-1])
+    if not isinstance(stage, Parallel) or stage.kind != "graph":
         return
-    callbacks = stage.on_success if event.outcome == "ok" else stage.on_error
-    callback = callbacks[event.index]
+    callbacks = stage.on_success if outcome == "ok" else stage.on_error
+    callback = callbacks[child.branch]
     if callback is not None:
-        end = BranchEnd(event.parent_id, stage.names[event.index], event.outcome, exception)
+        assert child.parent is not None
+        error = None if outcome == "ok" else child.exception
+        end = BranchEnd(child.parent, stage.names[child.branch], outcome, error)
         d.spawn(_run_callback, callback, end)
 
 

@@ -30,6 +30,13 @@ started (past ``max_concurrency``: the stage is over, so its cap no longer appli
 failed leaves running detached nodes alone. A detached node's delta is never merged, since
 whether it finished before the join would depend on timing.
 
+The join also says what the parent's state takes (:attr:`Join.to_merge`, once it
+:attr:`~Join.continues`): the resolving branches' deltas; under ``settle``, every ok branch's
+(the stage goes on and records each outcome instead of failing); in a graph, only the
+*frontier* of the ok nodes. A graph node starts from its ancestors' results
+(:meth:`Join.start_from`), so its delta already holds theirs: merging the nodes none of whose
+descendants is merged counts each change exactly once, also under ``extend`` or ``sum``.
+
 After resolution a report is recorded in :attr:`Join.outcomes` (so the merge step and logs see
 how every branch ended) but changes nothing else and returns an empty decision; a second report
 for the same branch is ignored.
@@ -37,7 +44,7 @@ for the same branch is ignored.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias, get_args
 
@@ -206,6 +213,57 @@ class Join:
     def failures(self) -> tuple[int, ...]:
         """The failures that failed the join, once resolved failed."""
         return tuple(self._failures)
+
+    @property
+    def continues(self) -> bool:
+        """Whether the parent goes on past the stage: resolved ok, or resolved at all under
+        ``settle`` (which records each branch's outcome instead of failing)."""
+        return self._resolved == "ok" or (self._resolved is not None and self.settle)
+
+    @property
+    def to_merge(self) -> tuple[int, ...]:
+        """Whose deltas the parent's state merges when it goes on (see :attr:`continues`),
+        in declaration order; empty otherwise.
+
+        That is the resolving decision's ``merge``, except that ``settle`` merges every
+        branch that succeeded (also when the stage resolved failed), and that a graph merges
+        only the :meth:`frontier` of its ok nodes: a node starts from its ancestors' results
+        (:meth:`start_from`), so its delta already holds theirs, and merging an ancestor too
+        would count its changes twice (under ``extend`` or ``sum``, say)."""
+        if not self.continues:
+            return ()
+        if self.settle:
+            return tuple(i for i in self._core if self._status[i] == "ok")
+        if self.kind == "graph":
+            return self.frontier(self._merge)
+        return tuple(sorted(self._merge))
+
+    def start_from(self, i: int) -> tuple[int, ...]:
+        """Whose deltas branch ``i``'s start state merges onto the parent's snapshot, in
+        declaration order: for a graph node, the :meth:`frontier` of its ancestors (all of
+        which succeeded before it could start), so that it reads what they wrote, each change
+        once. Empty for a root and for every other kind of stage."""
+        return self.frontier(self.ancestors(i))
+
+    def ancestors(self, i: int) -> frozenset[int]:
+        """The nodes branch ``i`` waits for, directly or through others."""
+        found: set[int] = set()
+        pending = list(self._parents[i])
+        while pending:
+            node = pending.pop()
+            if node not in found:
+                found.add(node)
+                pending.extend(self._parents[node])
+        return frozenset(found)
+
+    def frontier(self, nodes: Iterable[int]) -> tuple[int, ...]:
+        """The nodes of ``nodes`` that are no ancestor of another of them, in declaration
+        order. Every node of ``nodes`` is one of them or an ancestor of one."""
+        wanted = set(nodes)
+        covered: set[int] = set()
+        for node in wanted:
+            covered |= self.ancestors(node)
+        return tuple(sorted(wanted - covered))
 
     @property
     def running(self) -> tuple[int, ...]:

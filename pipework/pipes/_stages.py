@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from .._errors import RegistrationError
 from ._graph import validate_graph
-from ._join import Join
+from ._join import Join, Outcome
 from ._merge import MergePolicy, MergeRule
 from ._pipe import Pipe, PipeFunction, as_pipe
 
@@ -54,11 +54,13 @@ class Serial:
 
 @dataclass(frozen=True, slots=True)
 class BranchEnd:
-    """What a graph node's ``on_success`` / ``on_error`` callback receives."""
+    """What a graph node's ``on_success`` / ``on_error`` callback receives: the parent job's
+    id, the node's name, how it ended (``ok``, ``error``, ``timed_out`` or ``cancelled``) and,
+    unless it ended ok, its exception when this process has it."""
 
     job_id: str
     node: str
-    outcome: str
+    outcome: Outcome
     error: BaseException | None
 
 
@@ -264,8 +266,11 @@ def node(
     on_error: Callback | None = None,
 ) -> GraphNode:
     """Declare a graph node. ``detach=True`` makes it fire-and-forget: its failure is logged
-    and counted, never fatal, and no node may name it in ``after``. The callbacks run exactly
-    once, when the node ends ok or with an error."""
+    and counted, never fatal, and no node may name it in ``after``. Once a node has started,
+    exactly one of its callbacks runs when it ends, however it ends: ``on_success`` when it
+    ended ok, ``on_error`` when it failed, timed out or was cancelled (a sibling's failure,
+    the stage's timeout, the job cancelled); :attr:`BranchEnd.outcome` says which. A node
+    the stage never started gets no call."""
     if not isinstance(name, str) or not name:
         raise RegistrationError(f"node(): name must be a non-empty string, got {name!r}")
     _check_item(f"node {name!r}", "item", item)
