@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from ._errors import BackendError as BackendError
+from ._errors import ConfigError as ConfigError
+from ._errors import ConfigProblem as ConfigProblem
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import InvalidTransition as InvalidTransition
 from ._errors import JobCancelled as JobCancelled
 from ._errors import JobFailed as JobFailed
+from ._errors import JobGone as JobGone
 from ._errors import JobNotFound as JobNotFound
 from ._errors import MergeConflict as MergeConflict
 from ._errors import Overloaded as Overloaded
 from ._errors import PipeworkError as PipeworkError
+from ._errors import PoolConfigError as PoolConfigError
 from ._errors import RegistrationError as RegistrationError
 from ._errors import Rejected as Rejected
 from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
+from ._errors import TemplateError as TemplateError
 from ._logging import JsonFormatter as JsonFormatter
 from ._metrics import Metrics as Metrics
 from .container._app import Container as Container
@@ -30,20 +35,17 @@ from .dispatcher._job import Progress as Progress
 from .dispatcher._queue import MemoryEventQueue as MemoryEventQueue
 from .dispatcher._queue import QueueStatistics as QueueStatistics
 from .dispatcher._status import Status as Status
-from .dispatcher._store import JobGone as JobGone
 from .dispatcher._store import MemoryJobStore as MemoryJobStore
 from .dispatcher._weighted import WeightedPool as WeightedPool
 from .dispatcher._weighted_core import Adaptive as Adaptive
 from .dispatcher._weighted_core import KeyStatistics as KeyStatistics
 from .dispatcher._weighted_core import PoolConfig as PoolConfig
-from .dispatcher._weighted_core import PoolConfigError as PoolConfigError
 from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
 from .dispatcher._weighted_core import Weights as Weights
 from .pipes._http import Backends as Backends
 from .pipes._http import http_pipe as http_pipe
 from .pipes._http_spec import HttpCall as HttpCall
 from .pipes._http_spec import Service as Service
-from .pipes._http_template import TemplateError as TemplateError
 from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
@@ -64,8 +66,6 @@ from .registry._config import build_registry as build_registry
 from .registry._config import config_from_dict as config_from_dict
 from .registry._config import load_config as load_config
 from .registry._config import loads_config as loads_config
-from .registry._config_problems import ConfigError as ConfigError
-from .registry._config_problems import Problem as ConfigProblem
 from .registry._registry import Registry as Registry
 from .registry._routes import Route as Route
 
