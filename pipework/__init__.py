@@ -26,7 +26,7 @@ from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
-from .container._gateway import Gateway as Gateway
+from .container._routes import Route as Route
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._engine import Engine as Engine
 from .dispatcher._job import ErrorInfo as ErrorInfo
@@ -42,6 +42,7 @@ from .dispatcher._weighted_core import KeyStatistics as KeyStatistics
 from .dispatcher._weighted_core import PoolConfig as PoolConfig
 from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
 from .dispatcher._weighted_core import Weights as Weights
+from .pipes._catalogue import Catalogue as Catalogue
 from .pipes._http import Backends as Backends
 from .pipes._http import http_pipe as http_pipe
 from .pipes._http_spec import HttpCall as HttpCall
@@ -66,8 +67,8 @@ from .registry._config import build_registry as build_registry
 from .registry._config import config_from_dict as config_from_dict
 from .registry._config import load_config as load_config
 from .registry._config import loads_config as loads_config
+from .registry._gateway import Gateway as Gateway
 from .registry._registry import Registry as Registry
-from .registry._routes import Route as Route
 
 __version__ = "0.1.0"
 
@@ -79,6 +80,7 @@ __all__ = [
     "Backends",
     "BranchEnd",
     "CallbackSigner",
+    "Catalogue",
     "Chain",
     "ConfigError",
     "ConfigProblem",
