@@ -22,6 +22,10 @@ from ._errors import StateError as StateError
 from ._errors import TemplateError as TemplateError
 from ._logging import JsonFormatter as JsonFormatter
 from ._metrics import Metrics as Metrics
+from .backends._http import Backends as Backends
+from .backends._http import http_pipe as http_pipe
+from .backends._http_spec import HttpCall as HttpCall
+from .backends._http_spec import Service as Service
 from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
@@ -43,10 +47,6 @@ from .dispatcher._weighted_core import PoolConfig as PoolConfig
 from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
 from .dispatcher._weighted_core import Weights as Weights
 from .pipes._catalogue import Catalogue as Catalogue
-from .pipes._http import Backends as Backends
-from .pipes._http import http_pipe as http_pipe
-from .pipes._http_spec import HttpCall as HttpCall
-from .pipes._http_spec import Service as Service
 from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
