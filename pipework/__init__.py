@@ -140,3 +140,19 @@ __all__ = [
     "quorum",
     "serial",
 ]
+
+
+def _fix_module_names() -> None:
+    """Make the public classes and functions say they live here (``pipework.Engine``, not
+    ``pipework.dispatcher._engine.Engine``) in reprs, tracebacks and docs, as trio does; the
+    private module layout stays free to change."""
+    for name in __all__:
+        value = globals()[name]
+        if isinstance(value, type) or callable(value):
+            module = getattr(value, "__module__", None)
+            if isinstance(module, str) and module.startswith(__name__ + "."):
+                value.__module__ = __name__
+
+
+_fix_module_names()
+del _fix_module_names
