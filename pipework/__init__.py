@@ -115,6 +115,8 @@ __all__ = [
     "PoolConfigError",
     "PoolStatistics",
     "Progress",
+    "QueueStatistics",
+    "RegistrationError",
     "Registry",
     "Rejected",
     "Route",

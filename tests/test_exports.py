@@ -53,6 +53,8 @@ PUBLIC = [
     "PoolConfigError",
     "PoolStatistics",
     "Progress",
+    "QueueStatistics",
+    "RegistrationError",
     "Registry",
     "Rejected",
     "Route",
@@ -82,6 +84,10 @@ PUBLIC = [
 
 def test_all_is_pinned_and_sorted() -> None:
     assert pw.__all__ == PUBLIC
+    # Every name re-exported with `import X as X` is public, so listed too.
+    source = (ROOT / "pipework" / "__init__.py").read_text(encoding="utf-8")
+    reexported = set(re.findall(r"import (\w+) as \1$", source, re.MULTILINE))
+    assert reexported <= set(pw.__all__)
     assert sorted(pw.__all__, key=lambda n: (not n.isupper(), n)) == pw.__all__
     for name in pw.__all__:
         assert hasattr(pw, name), name
