@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test tools lint typecheck pytest bench clean
+.PHONY: run test tools lint imports deps typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m examples.gateway.run
 
-test: tools lint typecheck pytest
+test: tools lint imports deps typecheck pytest
 
 tools:
 	scripts/ensure-tools
@@ -23,6 +23,12 @@ tools:
 lint: $(STAMP)
 	$(BIN)/ruff check pipework tests benchmarks examples
 	$(BIN)/ruff format --check pipework tests benchmarks examples
+
+imports: $(STAMP)
+	$(BIN)/lint-imports
+
+deps: $(STAMP)
+	$(BIN)/deptry .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -50,7 +50,9 @@ def _pipework_container(parked_capacity: int) -> pw.Container:
     # Releasing the parked jobs resumes them all at once: they queue for the 64 workers,
     # for longer than the pool's default wait timeout (10 s) when there are thousands.
     weights = pw.Weights(max_waiting=parked_capacity, wait_timeout=PARK_TIMEOUT)
+    registry = pw.Registry()
     engine = pw.Engine(
+        registry=registry,
         pool=pw.WeightedPool(64, default=weights),
         queue_capacity=2 * parked_capacity,
     )
@@ -70,8 +72,8 @@ def _pipework_container(parked_capacity: int) -> pw.Container:
 
     engine.chain("echo", echo, result="answer")
     engine.chain("park", wait_for_go, answer, result="answer")
-    engine.registry.route("echo", path="/echo", chain="echo")
-    engine.registry.route("park", path="/park", chain="park", timeout=PARK_TIMEOUT)
+    registry.route("echo", path="/echo", chain="echo")
+    registry.route("park", path="/park", chain="park", timeout=PARK_TIMEOUT)
     container = pw.Container(engine)
 
     async def parked() -> Response:

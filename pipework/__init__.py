@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 from ._errors import BackendError as BackendError
+from ._errors import ConfigError as ConfigError
+from ._errors import ConfigProblem as ConfigProblem
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import InternalError as InternalError
 from ._errors import InvalidTransition as InvalidTransition
 from ._errors import JobCancelled as JobCancelled
 from ._errors import JobFailed as JobFailed
+from ._errors import JobGone as JobGone
 from ._errors import JobNotFound as JobNotFound
 from ._errors import MergeConflict as MergeConflict
 from ._errors import Overloaded as Overloaded
 from ._errors import PipeContractError as PipeContractError
 from ._errors import PipeworkError as PipeworkError
+from ._errors import PoolConfigError as PoolConfigError
 from ._errors import RegistrationError as RegistrationError
 from ._errors import Rejected as Rejected
 from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
+from ._errors import TemplateError as TemplateError
 from ._logging import JsonFormatter as JsonFormatter
 from ._metrics import Metrics as Metrics
+from .backends._http import Backends as Backends
+from .backends._http import http_pipe as http_pipe
+from .backends._http_spec import HttpCall as HttpCall
+from .backends._http_spec import Service as Service
 from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
-from .container._gateway import Gateway as Gateway
+from .container._routes import Route as Route
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._engine import Engine as Engine
 from .dispatcher._job import ErrorInfo as ErrorInfo
@@ -32,20 +41,14 @@ from .dispatcher._job import Progress as Progress
 from .dispatcher._queue import MemoryEventQueue as MemoryEventQueue
 from .dispatcher._queue import QueueStatistics as QueueStatistics
 from .dispatcher._status import Status as Status
-from .dispatcher._store import JobGone as JobGone
 from .dispatcher._store import MemoryJobStore as MemoryJobStore
 from .dispatcher._weighted import WeightedPool as WeightedPool
 from .dispatcher._weighted_core import Adaptive as Adaptive
 from .dispatcher._weighted_core import KeyStatistics as KeyStatistics
 from .dispatcher._weighted_core import PoolConfig as PoolConfig
-from .dispatcher._weighted_core import PoolConfigError as PoolConfigError
 from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
 from .dispatcher._weighted_core import Weights as Weights
-from .pipes._http import Backends as Backends
-from .pipes._http import http_pipe as http_pipe
-from .pipes._http_spec import HttpCall as HttpCall
-from .pipes._http_spec import Service as Service
-from .pipes._http_template import TemplateError as TemplateError
+from .pipes._catalogue import Catalogue as Catalogue
 from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
@@ -66,10 +69,8 @@ from .registry._config import build_registry as build_registry
 from .registry._config import config_from_dict as config_from_dict
 from .registry._config import load_config as load_config
 from .registry._config import loads_config as loads_config
-from .registry._config_problems import ConfigError as ConfigError
-from .registry._config_problems import Problem as ConfigProblem
+from .registry._gateway import Gateway as Gateway
 from .registry._registry import Registry as Registry
-from .registry._routes import Route as Route
 
 __version__ = "0.1.0"
 
@@ -81,6 +82,7 @@ __all__ = [
     "Backends",
     "BranchEnd",
     "CallbackSigner",
+    "Catalogue",
     "Chain",
     "ConfigError",
     "ConfigProblem",
@@ -117,6 +119,8 @@ __all__ = [
     "PoolConfigError",
     "PoolStatistics",
     "Progress",
+    "QueueStatistics",
+    "RegistrationError",
     "Registry",
     "Rejected",
     "Route",
@@ -142,3 +146,19 @@ __all__ = [
     "quorum",
     "serial",
 ]
+
+
+def _fix_module_names() -> None:
+    """Make the public classes and functions say they live here (``pipework.Engine``, not
+    ``pipework.dispatcher._engine.Engine``) in reprs, tracebacks and docs, as trio does; the
+    private module layout stays free to change."""
+    for name in __all__:
+        value = globals()[name]
+        if isinstance(value, type) or callable(value):
+            module = getattr(value, "__module__", None)
+            if isinstance(module, str) and module.startswith(__name__ + "."):
+                value.__module__ = __name__
+
+
+_fix_module_names()
+del _fix_module_names

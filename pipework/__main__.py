@@ -33,9 +33,9 @@ from ._cli_config import check, graph, routes
 from ._errors import PipeworkError
 from ._logging import JsonFormatter
 from .container._app import Container, ContainerConfig
-from .container._gateway import Gateway
 from .dispatcher._engine import Engine
 from .registry._config_problems import ConfigError
+from .registry._gateway import Gateway
 
 __all__ = ["build_parser", "main"]
 

@@ -1,50 +1,67 @@
-"""The errors pipework raises, as one small tree.
+"""The errors pipework raises, as one small tree: every error class is defined here, once.
 
-    PipeworkError                     base of everything pipework raises itself
-    ├── Overloaded                    refused at once: nothing was accepted (HTTP 503)
-    │   └── Rejected                  refused by the worker pool, with a reason (HTTP 503)
+    PipeworkError                       base of everything pipework raises itself
+    ├── Overloaded                      refused at once: nothing was accepted (HTTP 503)
+    │   └── Rejected                    refused by the worker pool, with a reason (HTTP 503)
     ├── DeadlineExceeded (TimeoutError) a pipe, stage, suspend or job ran out of time (504)
-    ├── BackendError                  a backend answered badly or not at all (HTTP 502)
-    ├── JobNotFound                   no such job, or it is past retention (HTTP 404 / 410)
-    ├── JobCancelled                  the job was cancelled before it finished
-    ├── JobFailed                     a job failed in another process (only its record is here)
-    ├── SignalError                   a signal that cannot be delivered (wrong status or name)
-    ├── InvalidTransition             a job status change the transition table forbids (a bug)
-    ├── InternalError                 the engine's own bookkeeping failed for one job (a bug)
-    ├── PipeContractError             a pipe broke the pipe contract (suspended from a child
-    │                                 task, swallowed a cancellation, returned no awaitable)
-    ├── StateError (TypeError)        a state value that cannot be serialized, with its key path
-    ├── MergeConflict                 two branches changed one key differently
-    ├── RegistrationError (ValueError) a pipe, chain or stage declared wrongly
-    ├── ConfigError (ValueError)      a gateway file with problems, each with key path and line
-    │                                 (pipework.registry._config_problems)
-    ├── TemplateError                 job state cannot fill a backend call's template (HTTP 400)
-    │                                 (pipework.pipes._http_template)
-    └── PoolConfigError (ValueError)  a worker pool config that cannot work
-                                      (pipework.dispatcher._weighted_core)
+    ├── BackendError                    a backend answered badly or not at all (HTTP 502)
+    ├── JobNotFound (LookupError)       no such job (HTTP 404)
+    │   └── JobGone                     the job existed but is past retention (HTTP 410)
+    ├── JobCancelled                    the job was cancelled before it finished (HTTP 409)
+    ├── JobFailed                       a job failed in another process (only its record is here)
+    ├── SignalError                     a signal that cannot be delivered (wrong status or name)
+    ├── InvalidTransition               a job status change the transition table forbids (a bug)
+    ├── InternalError                   the engine's own bookkeeping failed for one job (a bug)
+    ├── PipeContractError               a pipe broke the pipe contract (suspended from a child
+    │                                   task, swallowed a cancellation, returned no awaitable)
+    ├── StateError (TypeError)          a state value that cannot be serialized, with its key path
+    ├── MergeConflict                   two branches changed one key differently
+    ├── RegistrationError (ValueError)  a pipe, chain, stage or route declared wrongly
+    ├── PoolConfigError (ValueError)    a worker pool config that cannot work
+    ├── TemplateSyntaxError (ValueError) a backend call template that cannot be parsed
+    ├── TemplateError (ValueError)      job state cannot fill a backend call's template (HTTP 400)
+    └── ConfigError (ValueError)        a gateway file with problems, each a ConfigProblem
+                                        (key path, line, message, severity)
 
 Errors raised *by pipes* are never wrapped: they reach the caller as the same exception
 object, with notes naming the stage path, job id and correlation id.
+
+Two exception classes live elsewhere on purpose, because they are not errors: a pipe's
+``Suspend`` (``pipework.pipes._pipe``, a ``BaseException`` the dispatcher catches to park a
+job, as trio's ``Cancelled`` is), and the container's ``Problem`` (an HTTP error *answer*
+raised inside a request handler and rendered there; it never leaves the container).
+
+This module imports nothing from pipework, so every layer may import it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
 __all__ = [
     "BackendError",
+    "ConfigError",
+    "ConfigProblem",
     "DeadlineExceeded",
     "InternalError",
     "InvalidTransition",
     "JobCancelled",
     "JobFailed",
+    "JobGone",
     "JobNotFound",
     "MergeConflict",
     "Overloaded",
     "PipeContractError",
     "PipeworkError",
+    "PoolConfigError",
     "RegistrationError",
     "Rejected",
     "SignalError",
     "StateError",
+    "TemplateError",
+    "TemplateSyntaxError",
 ]
 
 
@@ -111,6 +128,17 @@ class JobNotFound(PipeworkError, LookupError):
     """No job has this id (it never existed, or it was dropped after retention)."""
 
     http_status = 404
+
+
+class JobGone(JobNotFound):
+    """The job existed but was dropped after its retention time. ``token_hash`` is its owner
+    token's hash, so an API can reveal "gone" only to the owner (others get "not found")."""
+
+    http_status = 410
+
+    def __init__(self, message: str, *, token_hash: str | None = None) -> None:
+        super().__init__(message)
+        self.token_hash = token_hash
 
 
 class JobCancelled(PipeworkError):
@@ -187,3 +215,71 @@ class PipeContractError(PipeworkError):
     """A pipe broke the contract every pipe keeps: it called ``ctx.suspend()`` from a child
     task, swallowed a cancellation, raised a BaseException that is not an error, or returned
     something that is not awaitable. The original exceptions are kept as ``__cause__``."""
+
+
+class PoolConfigError(PipeworkError, ValueError):
+    """A worker pool configuration that cannot work; the message names the numbers."""
+
+
+class TemplateSyntaxError(PipeworkError, ValueError):
+    """A template that cannot be parsed; the message says where and how to fix it."""
+
+
+class TemplateError(PipeworkError, ValueError):
+    """The job state cannot fill a template: a key is missing or a value is unsafe there.
+
+    Raised while a call is being prepared, before anything is sent (HTTP 400)."""
+
+    http_status = 400
+
+
+Severity: TypeAlias = Literal["error", "warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem in a gateway configuration: where (``path``, ``line`` when known), what,
+    and how bad."""
+
+    path: str
+    message: str
+    line: int | None = None
+    severity: Severity = "error"
+
+    def format(self, source: str = "") -> str:
+        """As a compiler would print it: ``gateway.toml:12: error: path: message``
+        (``line 12: error: ...`` without a source)."""
+        if source:
+            where = source if self.line is None else f"{source}:{self.line}"
+        else:
+            where = "" if self.line is None else f"line {self.line}"
+        what = f"{self.path}: {self.message}" if self.path else self.message
+        return f"{where}: {self.severity}: {what}" if where else f"{self.severity}: {what}"
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+class ConfigError(PipeworkError, ValueError):
+    """A configuration that cannot be served: ``problems`` lists every error (and the
+    warnings found with them), in file order; ``source`` names the file."""
+
+    def __init__(self, problems: Iterable[ConfigProblem], source: str = "") -> None:
+        self.problems = tuple(problems)
+        self.source = source
+        errors = sum(p.severity == "error" for p in self.problems)
+        warnings = len(self.problems) - errors
+        counts = _plural(errors, "error") + (
+            f", {_plural(warnings, 'warning')}" if warnings else ""
+        )
+        lines = [f"{source or 'configuration'}: {counts}"]
+        lines.extend(f"  {p.format(source)}" for p in self.problems)
+        super().__init__("\n".join(lines))
+
+    @property
+    def errors(self) -> tuple[ConfigProblem, ...]:
+        return tuple(p for p in self.problems if p.severity == "error")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

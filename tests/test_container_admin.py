@@ -20,7 +20,8 @@ def config(token: str | None = TOKEN) -> ContainerConfig:
 
 def gated_engine() -> tuple[pw.Engine, trio.Event, list[int]]:
     pool = pw.WeightedPool(8, keys={"search": pw.Weights(limit=1)})
-    engine = pw.Engine(pool=pool)
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, pool=pool)
     release = trio.Event()
     running: list[int] = [0, 0]  # now, peak
 
@@ -32,7 +33,7 @@ def gated_engine() -> tuple[pw.Engine, trio.Event, list[int]]:
         running[0] -= 1
 
     engine.chain("search", search)
-    engine.registry.route("search", path="/search", chain="search", method="POST", mode="async")
+    registry.route("search", path="/search", chain="search", method="POST", mode="async")
     return engine, release, running
 
 

@@ -22,14 +22,15 @@ NOT_AN_ENGINE = 42
 
 def build_engine() -> pw.Engine:
     """The factory the ``serve`` test names on the command line."""
-    engine = pw.Engine()
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry)
 
     @engine.pipe
     async def hello(ctx: pw.Context) -> None:
         ctx.state["greeting"] = f"hello {ctx.state['name']}"
 
     engine.chain("hello", hello, result="greeting")
-    engine.registry.route("hello", path="/hello/{name}", chain="hello")
+    registry.route("hello", path="/hello/{name}", chain="hello")
     return engine
 
 
@@ -65,7 +66,9 @@ def test_bad_targets_say_what_is_wrong(target: str, message: str) -> None:
 
 
 def test_target_is_a_factory_or_an_engine() -> None:
-    assert "hello" in load_engine(f"{__name__}:build_engine").registry.routes
+    registry = load_engine(f"{__name__}:build_engine").registry
+    assert isinstance(registry, pw.Registry)
+    assert "hello" in registry.routes
     assert load_engine(f"{__name__}:ENGINE") is ENGINE
 
 

@@ -27,7 +27,8 @@ class Refused(Exception):
 
 
 def make_engine(**kwargs: object) -> pw.Engine:
-    engine = pw.Engine(**kwargs)  # type: ignore[arg-type]  # options vary by test
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, **kwargs)  # type: ignore[arg-type]  # options vary by test
 
     @engine.pipe
     async def echo(ctx: pw.Context) -> None:
@@ -55,8 +56,8 @@ def make_engine(**kwargs: object) -> pw.Engine:
     engine.chain("refuse", refuse)
     engine.chain("store_set", store_set)
     for name in ("echo", "crash", "backend", "refuse", "store_set"):
-        engine.registry.route(name, path=f"/{name}/{{id}}", chain=name)
-    engine.registry.route("tiny", path="/tiny", chain="echo", max_body=8)
+        registry.route(name, path=f"/{name}/{{id}}", chain=name)
+    registry.route("tiny", path="/tiny", chain="echo", max_body=8)
     return engine
 
 
@@ -196,7 +197,8 @@ async def test_a_pipe_can_refuse_input_with_a_4xx() -> None:
 
 
 async def test_overload_is_503_with_retry_after_and_accepted_jobs_finish() -> None:
-    engine = pw.Engine(pool=pw.WeightedPool(1), queue_capacity=2)
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, pool=pw.WeightedPool(1), queue_capacity=2)
     release = trio.Event()
 
     @engine.pipe
@@ -204,7 +206,7 @@ async def test_overload_is_503_with_retry_after_and_accepted_jobs_finish() -> No
         await release.wait()
 
     engine.chain("work", work)
-    engine.registry.route("work", path="/work", chain="work", mode="async")
+    registry.route("work", path="/work", chain="work", mode="async")
     with trio.fail_after(HANG_GUARD):
         async with serving(engine) as served:
             accepted = []
@@ -225,7 +227,10 @@ async def test_overload_is_503_with_retry_after_and_accepted_jobs_finish() -> No
 
 
 async def test_pool_rejection_is_503_with_reason() -> None:
-    engine = pw.Engine(pool=pw.WeightedPool(1, default=pw.Weights(max_waiting=0)))
+    registry = pw.Registry()
+    engine = pw.Engine(
+        registry=registry, pool=pw.WeightedPool(1, default=pw.Weights(max_waiting=0))
+    )
     release = trio.Event()
 
     @engine.pipe
@@ -233,7 +238,7 @@ async def test_pool_rejection_is_503_with_reason() -> None:
         await release.wait()
 
     engine.chain("work", work)
-    engine.registry.route("work", path="/work", chain="work")
+    registry.route("work", path="/work", chain="work")
     with trio.fail_after(HANG_GUARD):
         async with serving(engine) as served, trio.open_nursery() as nursery:
             nursery.start_soon(served.client.post, "/work")

@@ -26,7 +26,8 @@ class Backend:
 
 
 def make_engine(backend: Backend, **kwargs: Any) -> pw.Engine:
-    engine = pw.Engine(**kwargs)
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, **kwargs)
 
     @engine.pipe
     async def export(ctx: pw.Context) -> None:
@@ -58,8 +59,8 @@ def make_engine(backend: Backend, **kwargs: Any) -> pw.Engine:
     engine.chain("quick", quick)
     engine.chain("crash", crash)
     for name in ("export", "order", "callback", "quick", "crash"):
-        engine.registry.route(name, path=f"/{name}", chain=name, mode="async")
-    engine.registry.route("quick_sync", path="/quick-sync", chain="quick")
+        registry.route(name, path=f"/{name}", chain=name, mode="async")
+    registry.route("quick_sync", path="/quick-sync", chain="quick")
     return engine
 
 

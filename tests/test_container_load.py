@@ -20,7 +20,10 @@ PARKED = 2000
 
 async def test_thousands_of_parked_sync_requests_are_all_answered() -> None:
     # Every resumed job queues for a worker at once: let them all wait rather than refuse.
-    engine = pw.Engine(pool=pw.WeightedPool(64, default=pw.Weights(max_waiting=PARKED)))
+    registry = pw.Registry()
+    engine = pw.Engine(
+        registry=registry, pool=pw.WeightedPool(64, default=pw.Weights(max_waiting=PARKED))
+    )
     all_suspended = trio.Event()
     suspended = 0
 
@@ -37,7 +40,7 @@ async def test_thousands_of_parked_sync_requests_are_all_answered() -> None:
         ctx.state["answer"] = ctx.state["n"] * 2
 
     engine.chain("park", wait_for_go, answer, result="answer")
-    engine.registry.route("park", path="/park", chain="park")
+    registry.route("park", path="/park", chain="park")
     answers: dict[int, tuple[int, object]] = {}
 
     async with serving(engine, hypercorn_options={"backlog": 4096}) as served:

@@ -20,7 +20,8 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 async def test_metrics_endpoint_counts_parked_requests() -> None:
-    engine = pw.Engine()
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry)
     release = trio.Event()
     all_started = trio.Event()
     started = 0
@@ -35,7 +36,7 @@ async def test_metrics_endpoint_counts_parked_requests() -> None:
         ctx.state["done"] = True
 
     engine.chain("slow", slow)
-    engine.registry.route("slow", path="/slow", chain="slow", method="POST", mode="sync")
+    registry.route("slow", path="/slow", chain="slow", method="POST", mode="sync")
     with trio.fail_after(HANG_GUARD):
         async with serving(engine) as served:
             statuses: list[int] = []

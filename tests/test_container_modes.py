@@ -36,7 +36,8 @@ class Gate:
 
 
 def make_engine(gate: Gate, **kwargs: Any) -> pw.Engine:
-    engine = pw.Engine(**kwargs)
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, **kwargs)
 
     @engine.pipe
     async def echo(ctx: pw.Context) -> None:
@@ -78,7 +79,7 @@ def make_engine(gate: Gate, **kwargs: Any) -> pw.Engine:
     engine.chain("chunk_then_hold", chunk_then_hold)
     engine.chain("chunk_then_fail", chunk_then_fail)
     engine.chain("fail", fail)
-    route = engine.registry.route
+    route = registry.route
     route("echo", path="/echo/{item}", chain="echo")
     route("get_echo", method="GET", path="/echo", chain="echo")
     route("held", path="/held", chain="held")

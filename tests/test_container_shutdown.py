@@ -25,7 +25,8 @@ class Held:
 
 
 def make_engine(held: Held, parked_target: int = 1) -> pw.Engine:
-    engine = pw.Engine()
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry)
 
     @engine.pipe
     async def hold(ctx: pw.Context) -> None:
@@ -45,9 +46,9 @@ def make_engine(held: Held, parked_target: int = 1) -> pw.Engine:
 
     engine.chain("hold", hold)
     engine.chain("stream", chunk_then_hold)
-    engine.registry.route("hold", path="/hold", chain="hold")
-    engine.registry.route("auto", path="/auto", chain="hold", mode="auto", sync_wait=60)
-    engine.registry.route("stream", path="/stream", chain="stream", mode="stream")
+    registry.route("hold", path="/hold", chain="hold")
+    registry.route("auto", path="/auto", chain="hold", mode="auto", sync_wait=60)
+    registry.route("stream", path="/stream", chain="stream", mode="stream")
     return engine
 
 

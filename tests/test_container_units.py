@@ -85,6 +85,23 @@ def test_registry_routes_need_their_chain_and_a_unique_shape() -> None:
     assert list(registry.routes) == ["r", "r3"]
 
 
+def test_a_container_serves_the_routes_its_engines_registry_keeps() -> None:
+    async def noop(ctx: pw.Context) -> None:
+        return None
+
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry)
+    engine.chain("c", engine.pipe(noop))
+    route = registry.route("r", path="/r", chain="c")
+    assert isinstance(registry, pw.Catalogue)
+    assert pw.Container(engine).routes == (route,)
+    bare = pw.Engine()  # a plain catalogue of pipes and chains keeps no routes
+    assert type(bare.registry) is pw.Catalogue
+    bare.chain("c", bare.pipe(noop))
+    assert pw.Container(bare).routes == ()
+    assert pw.Container(bare, routes=[route]).routes == (route,)
+
+
 # -- Prefer and request state --------------------------------------------------------------
 
 

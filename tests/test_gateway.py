@@ -19,8 +19,8 @@ from quart import request
 from quart_trio import QuartTrio
 
 from pipework.container import BoundAddress
-from pipework.container._gateway import Gateway
 from pipework.container._server import serve
+from pipework.registry._gateway import Gateway
 
 HANG_GUARD = 15.0
 TOKEN = "gateway-admin-token"

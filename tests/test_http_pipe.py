@@ -1,5 +1,7 @@
-"""The built-in HTTP pipe, end to end: a gateway file, a real Engine, and a real backend
-server on a free port. Templates are also tested on their own, without I/O."""
+"""The built-in HTTP pipe, end to end: a gateway file and a real Engine, calling either an
+``httpx.MockTransport`` that records each request (for how requests are built) or a real
+backend server on a free port (for timeouts, refused connections and answers on the wire).
+Templates are also tested on their own, without I/O."""
 
 from __future__ import annotations
 
@@ -12,17 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import httpx
 import pytest
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 import pipework as pw
+from pipework.backends._http import Backends, http_pipe
+from pipework.backends._http_spec import HttpCall, Service
+from pipework.backends._http_template import Template, TemplateError, TemplateSyntaxError
 from pipework.container._server import serve
 from pipework.dispatcher._weighted import WeightedPool
-from pipework.pipes._http import Backends, http_pipe
-from pipework.pipes._http_spec import HttpCall, Service
-from pipework.pipes._http_template import Template, TemplateError, TemplateSyntaxError
 from pipework.registry._config import build_registry, loads_config
 
 HANG_GUARD = 10.0
@@ -34,6 +37,7 @@ class Backend:
     url: str
     hostport: str
     seen: list[dict[str, Any]]
+    transport: httpx.AsyncBaseTransport | None = None  # None: a real server at url
 
 
 def make_backend(release: trio.Event, seen: list[dict[str, Any]]) -> QuartTrio:
@@ -106,6 +110,33 @@ async def backend(nursery: trio.Nursery) -> AsyncIterator[Backend]:
     stop.set()
 
 
+def echo_transport(seen: list[dict[str, Any]]) -> httpx.MockTransport:
+    """Answers every request with a record of it, as the real backend's echo route does."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        data = await request.aread()
+        raw_path, _, query = request.url.raw_path.partition(b"?")
+        params = request.url.params
+        record = {
+            "method": request.method,
+            "raw_path": raw_path.decode("ascii"),
+            "query": query.decode("ascii"),
+            "args": {k: params.get_list(k) for k in params},
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+            "body": json.loads(data) if data else None,
+        }
+        seen.append(record)
+        return httpx.Response(200, json=record)
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.fixture
+def mock_backend() -> Backend:
+    seen: list[dict[str, Any]] = []
+    return Backend("http://api.test:8080", "api.test:8080", seen, echo_transport(seen))
+
+
 def gateway(url: str, pipes: str, *, service: str = "", chain: str = '["call"]') -> str:
     return f"""
 [pool]
@@ -124,9 +155,15 @@ chain = {chain}
 """
 
 
-async def run(text: str, state: dict[str, Any], **kwargs: Any) -> Any:
+async def run(
+    text: str,
+    state: dict[str, Any],
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    **kwargs: Any,
+) -> Any:
     config = loads_config(text)
-    backends = config.backends()
+    backends = config.backends(transport=transport)
     engine = pw.Engine(
         registry=build_registry(config, backends),
         pool=WeightedPool.from_config(config.pool_config()),
@@ -143,9 +180,9 @@ async def run(text: str, state: dict[str, Any], **kwargs: Any) -> Any:
 # -- a call, end to end ----------------------------------------------------------------
 
 
-async def test_path_query_headers_and_body_are_filled_from_state(backend: Backend) -> None:
+async def test_path_query_headers_and_body_are_filled_from_state(mock_backend: Backend) -> None:
     text = gateway(
-        backend.url + "/base",
+        mock_backend.url + "/base",
         """
 [pipes.call]
 service = "api"
@@ -165,7 +202,7 @@ into = "echo"
         "cursor": None,
         "user": {"name": "ada"},
     }
-    result = await run(text, state)
+    result = await run(text, state, transport=mock_backend.transport)
     echo = result["echo"]
     assert echo["method"] == "POST"
     assert echo["raw_path"] == "/base/items/42/notes/a%20b%2Fc%3Fd%23e"
@@ -173,7 +210,7 @@ into = "echo"
     assert echo["headers"]["x-user"] == "ada"
     assert echo["headers"]["x-fixed"] == "v"
     assert echo["headers"]["content-type"] == "application/json"
-    assert echo["headers"]["host"] == backend.hostport
+    assert echo["headers"]["host"] == mock_backend.hostport
     assert echo["body"] == {
         "item": {"id": 42, "name": "lamp"},
         "label": "note: a b/c?d#e",
@@ -252,7 +289,7 @@ async def test_a_pipe_timeout_caps_the_call(backend: Backend) -> None:
     assert "chain 'go' > pipe 'call'" in str(info.value)
 
 
-async def test_hop_by_hop_headers_are_never_forwarded(backend: Backend) -> None:
+async def test_hop_by_hop_headers_are_never_forwarded(mock_backend: Backend) -> None:
     pipes = """
 [pipes.call]
 service = "api"
@@ -275,11 +312,17 @@ into = "echo"
         "Content-Length": "999",
     }
     service = 'headers = { X-Gateway = "pw" }'
-    echo = (await run(gateway(backend.url, pipes, service=service), {"incoming": incoming}))["echo"]
+    echo = (
+        await run(
+            gateway(mock_backend.url, pipes, service=service),
+            {"incoming": incoming},
+            transport=mock_backend.transport,
+        )
+    )["echo"]
     headers = echo["headers"]
     assert headers["x-trace"] == "t-1"
     assert headers["x-gateway"] == "pw"
-    assert headers["host"] == backend.hostport
+    assert headers["host"] == mock_backend.hostport
     assert headers.get("connection") != "close, X-Secret"  # httpx's own keep-alive only
     for name in (
         "x-secret",
@@ -299,11 +342,17 @@ into = "echo"
     ["//evil.example/x", "http://evil.example/", "@evil.example", "../../admin", "%2e%2e", "a\\b"],
 )
 async def test_state_values_cannot_change_the_host_or_escape_the_segment(
-    backend: Backend, value: str
+    mock_backend: Backend, value: str
 ) -> None:
     pipes = '[pipes.call]\nservice = "api"\npath = "/users/{id}/profile"\ninto = "echo"'
-    echo = (await run(gateway(backend.url + "/api", pipes), {"id": value}))["echo"]
-    assert echo["headers"]["host"] == backend.hostport
+    echo = (
+        await run(
+            gateway(mock_backend.url + "/api", pipes),
+            {"id": value},
+            transport=mock_backend.transport,
+        )
+    )["echo"]
+    assert echo["headers"]["host"] == mock_backend.hostport
     assert echo["raw_path"] == f"/api/users/{quote(value, safe='')}/profile"
     assert "/" not in quote(value, safe="")
 
@@ -319,21 +368,25 @@ async def test_state_values_cannot_change_the_host_or_escape_the_segment(
     ],
 )
 async def test_unsafe_or_missing_path_values_are_refused_before_sending(
-    backend: Backend, state: dict[str, Any], message: str
+    mock_backend: Backend, state: dict[str, Any], message: str
 ) -> None:
     pipes = '[pipes.call]\nservice = "api"\npath = "/users/{id}"'
     with pytest.raises(TemplateError) as info:
-        await run(gateway(backend.url, pipes), state)
+        await run(gateway(mock_backend.url, pipes), state, transport=mock_backend.transport)
     assert str(info.value).startswith(message)
     assert info.value.http_status == 400
-    assert backend.seen == []
+    assert mock_backend.seen == []
 
 
-async def test_header_injection_is_refused(backend: Backend) -> None:
+async def test_header_injection_is_refused(mock_backend: Backend) -> None:
     pipes = '[pipes.call]\nservice = "api"\npath = "/"\nheaders = { X-Name = "{name}" }'
     with pytest.raises(TemplateError, match="may not hold control characters"):
-        await run(gateway(backend.url, pipes), {"name": "ada\r\nX-Admin: yes"})
-    assert backend.seen == []
+        await run(
+            gateway(mock_backend.url, pipes),
+            {"name": "ada\r\nX-Admin: yes"},
+            transport=mock_backend.transport,
+        )
+    assert mock_backend.seen == []
 
 
 @pytest.mark.parametrize("path", ["/big", "/big-gzip", "/big-chunked"])

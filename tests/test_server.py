@@ -391,6 +391,27 @@ def test_fix_refuses_changed_hypercorn_internals(
 
 
 @pytest.mark.parametrize(
+    ("installed", "advice"),
+    [
+        ("0.19.0", "install the series pipework declares (pip install 'hypercorn>=0.18,<0.19')"),
+        ("0.18.0", "reinstall it (pip install --force-reinstall 'hypercorn==0.18.0')"),
+    ],
+)
+def test_a_refused_fix_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, installed: str, advice: str
+) -> None:
+    monkeypatch.setattr(_hypercorn_fix, "_installed_version", lambda: installed)
+    unpatch(monkeypatch)
+    monkeypatch.setattr(TCPServer, "_close", None)
+    with pytest.raises(RuntimeError) as info:
+        _hypercorn_fix.apply()
+    message = str(info.value)
+    assert message.startswith(f"pipework cannot apply its connection fix to hypercorn {installed}")
+    assert "written for hypercorn 0.18.0" in message
+    assert advice in message
+
+
+@pytest.mark.parametrize(
     ("options", "problem"),
     [
         pytest.param({"bind": ["0.0.0.0:80"]}, "pass host and port", id="reserved"),

@@ -36,7 +36,7 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from pipework.container._server import BoundAddress, serve
+from pipework.container import BoundAddress, serve
 
 __all__ = ["CONFIG", "SERVICES", "Hang", "configured_ports", "serve_backends"]
 

@@ -34,7 +34,6 @@ from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..dispatcher._engine import Engine
 from ..dispatcher._job import new_correlation_id
 from ..pipes._pipe import Context, Pipe
-from ..registry._routes import Route
 from ._admin import AdminApi, Reload, admin_token
 from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
@@ -42,6 +41,7 @@ from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._modes import Parking, Submissions, shutting_down
 from ._problems import Problem, problem_for_exception, problem_for_http, render_problem
+from ._routes import Route, routes_of
 from ._server import BoundAddress, serve
 
 __all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
@@ -114,7 +114,7 @@ class Container:
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
-        self.set_routes(engine.registry.routes.values() if routes is None else routes)
+        self.set_routes(routes_of(engine.registry) if routes is None else routes)
         _register_canary(engine, config.readiness_timeout)
         self.signer = signer or CallbackSigner.from_config(
             config.callback_secret, base_url=config.public_url or ""

@@ -46,6 +46,7 @@ changed, rather than patching something it no longer understands.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
@@ -56,8 +57,10 @@ from hypercorn.trio.worker_context import TrioSingleTask
 
 __all__ = ["TESTED_HYPERCORN_VERSION", "apply", "is_applied"]
 
-#: The hypercorn release whose internals this patch was written against.
+#: The hypercorn release whose internals this patch was written against; pyproject.toml pins
+#: hypercorn to its minor series (``>=0.18,<0.19``).
 TESTED_HYPERCORN_VERSION: Final = "0.18.0"
+_PIN: Final = "hypercorn>=0.18,<0.19"
 
 # Each shielded call takes microseconds; the bound only matters if one ever starts
 # waiting on the peer, and then a stuck peer must not pin the connection task.
@@ -138,10 +141,28 @@ def _check_internals() -> list[_AsyncMethod]:
     return methods
 
 
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("hypercorn")
+    except importlib.metadata.PackageNotFoundError:  # imported, yet not installed: vendored
+        return "unknown"
+
+
 def _incompatible(problem: str) -> RuntimeError:
+    installed = _installed_version()
+    if installed == TESTED_HYPERCORN_VERSION:
+        todo = (
+            "the installed hypercorn has the tested version but was changed: reinstall it "
+            f"(pip install --force-reinstall 'hypercorn=={TESTED_HYPERCORN_VERSION}')"
+        )
+    else:
+        todo = (
+            f"install the series pipework declares (pip install '{_PIN}'), or, to move to "
+            f"hypercorn {installed}, re-check the bug described in "
+            "pipework/container/_hypercorn_fix.py against it, update the fix, "
+            "TESTED_HYPERCORN_VERSION and the pin in pyproject.toml together"
+        )
     return RuntimeError(
-        f"pipework cannot apply its connection fix to hypercorn: {problem}. "
-        f"The fix was written for hypercorn {TESTED_HYPERCORN_VERSION}; pin that version, "
-        "or re-check the bug described in pipework/container/_hypercorn_fix.py against the "
-        "installed hypercorn and update the fix."
+        f"pipework cannot apply its connection fix to hypercorn {installed}: {problem}. "
+        f"The fix was written for hypercorn {TESTED_HYPERCORN_VERSION}; {todo}."
     )

@@ -25,7 +25,6 @@ from quart import Response, g, request
 from .._errors import JobNotFound, PipeworkError
 from ..dispatcher._engine import Engine
 from ..dispatcher._status import Status
-from ..registry._routes import Route
 from ._bodies import (
     build_state,
     choose_media_type,
@@ -39,6 +38,7 @@ from ._bodies import (
 from ._idempotency import IdempotencyTable, check_key, fingerprint
 from ._jobs_api import job_document
 from ._problems import Problem, problem_for_exception
+from ._routes import Route
 
 __all__ = ["EventStream", "Parking", "Submissions", "shutting_down"]
 

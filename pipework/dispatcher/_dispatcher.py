@@ -36,10 +36,10 @@ from ..pipes._merge import snapshot
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel, Serial
 from ..pipes._state import check_state
-from ..registry._registry import Registry
 from ._admission import Admission
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._job import ErrorInfo, Frame, Job, Progress
+from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
 from ._status import TERMINAL, Status
@@ -54,7 +54,7 @@ _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest
 class Dispatcher:
     def __init__(
         self,
-        registry: Registry,
+        registry: ChainLookup,
         store: JobStore,
         queue: EventQueue,
         pool: Admission,
@@ -63,7 +63,7 @@ class Dispatcher:
     ) -> None:
         #: Every plan (registry) jobs may still run on, by generation: a reload adds one,
         #: and a job keeps the plan it was accepted under (its cursor means nothing elsewhere).
-        self.plans: dict[int, Registry] = {1: registry}
+        self.plans: dict[int, ChainLookup] = {1: registry}
         self.store = store
         self.queue = queue
         self.pool = pool

@@ -14,10 +14,10 @@ import trio
 from .._errors import JobCancelled, JobFailed, JobNotFound, Overloaded, SignalError
 from .._logging import log_job
 from .._metrics import Metrics
+from ..pipes._catalogue import Catalogue
 from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
-from ..registry._registry import Registry
 from ._admission import Admission
 from ._dispatcher import Dispatcher
 from ._events import RunJob
@@ -50,7 +50,9 @@ class _PipeDecorator(Protocol):
 class Engine:
     """Register pipes and chains, then ``async with engine:`` to run jobs.
 
-    ``pool`` governs concurrency (default: a WeightedPool of 64 slots, no weights);
+    ``registry`` is where pipes and chains are registered (default: a new
+    :class:`~pipework.Catalogue`; pass a :class:`~pipework.Registry` to keep HTTP routes
+    with them); ``pool`` governs concurrency (default: a WeightedPool of 64 slots, no weights);
     ``store`` and ``queue`` default to in-memory ones; ``default_timeout`` bounds jobs whose
     chain sets none. Leaving the ``async with`` cancels whatever is still running.
     """
@@ -59,7 +61,7 @@ class Engine:
         self,
         *,
         pool: Admission | None = None,
-        registry: Registry | None = None,
+        registry: Catalogue | None = None,
         store: JobStore | None = None,
         queue: EventQueue | None = None,
         queue_capacity: int = 10_000,
@@ -67,7 +69,7 @@ class Engine:
         stream_buffer: int = 16,
         metrics: Metrics | None = None,
     ) -> None:
-        self.registry = registry or Registry()
+        self.registry: Catalogue = registry if registry is not None else Catalogue()
         self.store: JobStore = store or MemoryJobStore()
         self.queue: EventQueue = queue or MemoryEventQueue(queue_capacity)
         self.pool: Admission = pool if pool is not None else WeightedPool(64)
@@ -89,7 +91,7 @@ class Engine:
         """Which plan (registry) new jobs run on: 1 at start, one more per swap."""
         return max(self._dispatcher.plans)
 
-    def swap_registry(self, registry: Registry) -> int:
+    def swap_registry(self, registry: Catalogue) -> int:
         """Run new jobs on ``registry`` from now on, in one step; jobs already accepted
         finish on the plan they started with. Returns the new plan generation."""
         generation = self.plan_generation + 1

@@ -16,22 +16,11 @@ from typing import Protocol
 import cachetools
 import trio
 
-from .._errors import JobNotFound
+from .._errors import JobGone, JobNotFound
 from ._job import Job
 from ._status import TERMINAL, Status
 
 __all__ = ["JobGone", "JobStore", "MemoryJobStore"]
-
-
-class JobGone(JobNotFound):
-    """The job existed but was dropped after its retention time. ``token_hash`` is its owner
-    token's hash, so an API can reveal "gone" only to the owner (others get "not found")."""
-
-    http_status = 410
-
-    def __init__(self, message: str, *, token_hash: str | None = None) -> None:
-        super().__init__(message)
-        self.token_hash = token_hash
 
 
 class JobStore(Protocol):

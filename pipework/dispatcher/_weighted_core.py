@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from types import MappingProxyType
 
-from .._errors import PipeworkError, Rejected
+from .._errors import PoolConfigError, Rejected
 
 __all__ = [
     "Adaptive",
@@ -50,10 +50,6 @@ _HOLD_ALPHA = 0.2  # hold-time EWMA: about the last ten holds
 _FAST_ALPHA = 0.3  # adaptive: recent latency
 _SLOW_ALPHA = 0.02  # adaptive: baseline latency, about the last fifty successes
 _WARMUP = 10  # successes before latency can count as congestion
-
-
-class PoolConfigError(PipeworkError, ValueError):
-    """A worker pool configuration that cannot work; the message names the numbers."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,1 +1,2 @@
-"""The pipe register centre: names to pipes, names to chains."""
+"""The composition layer: the register centre (pipes, chains and routes) and the TOML
+gateway file that builds it, with its engine, container and backends."""

@@ -23,9 +23,11 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Final
 
+import httpx
+
+from ..backends._http import Backends
+from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
-from ..pipes._http import Backends
-from ..pipes._http_spec import Service
 from ._config_lines import scan_lines
 from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
 from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
@@ -71,9 +73,10 @@ class GatewayConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
         return self.pool.pool_config()
 
-    def backends(self) -> Backends:
-        """The (not yet open) HTTP clients of every service: ``async with`` it."""
-        return Backends(self.services)
+    def backends(self, *, transport: httpx.AsyncBaseTransport | None = None) -> Backends:
+        """The (not yet open) HTTP clients of every service: ``async with`` it.
+        ``transport`` replaces the network for all of them (see :class:`Backends`)."""
+        return Backends(self.services, transport=transport)
 
     def summary(self) -> dict[str, Any]:
         """What the file declares, in a few numbers (for logs, ``check`` and reloads)."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import count
 
+from ..container._routes import Route
 from ..pipes._graph import topological_order
 from ..pipes._pipe import Pipe
 from ..pipes._stages import Chain, Node, Parallel, Serial
-from ._routes import Route
 
 __all__ = ["chain_text", "mermaid"]
 

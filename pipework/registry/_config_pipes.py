@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from .._errors import RegistrationError
-from ..pipes._http import Backends, http_pipe
-from ..pipes._http_spec import DEFAULT_ACCEPT, METHODS, HttpCall, check_header_name
-from ..pipes._http_template import Template, TemplateSyntaxError
+from ..backends._http import Backends, http_pipe
+from ..backends._http_spec import DEFAULT_ACCEPT, METHODS, HttpCall, check_header_name
+from ..backends._http_template import Template, TemplateSyntaxError
 from ..pipes._pipe import Pipe, PipeFunction
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table

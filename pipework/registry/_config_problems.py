@@ -11,12 +11,13 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
 from datetime import date, datetime, time
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, TypeAlias
 
-from .._errors import PipeworkError
+from .._errors import ConfigError as ConfigError
+from .._errors import ConfigProblem as Problem
+from .._errors import Severity as Severity
 
 __all__ = [
     "ConfigError",
@@ -28,7 +29,6 @@ __all__ = [
     "format_path",
 ]
 
-Severity: TypeAlias = Literal["error", "warning"]
 KeyPath: TypeAlias = tuple[str | int, ...]
 
 _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+\Z")
@@ -45,54 +45,6 @@ def format_path(path: KeyPath) -> str:
             key = part if _BARE_KEY.match(part) else json.dumps(part, ensure_ascii=False)
             out += f".{key}" if out else key
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One problem: where (``path``, ``line`` when known), what, and how bad."""
-
-    path: str
-    message: str
-    line: int | None = None
-    severity: Severity = "error"
-
-    def format(self, source: str = "") -> str:
-        """As a compiler would print it: ``gateway.toml:12: error: path: message``
-        (``line 12: error: ...`` without a source)."""
-        if source:
-            where = source if self.line is None else f"{source}:{self.line}"
-        else:
-            where = "" if self.line is None else f"line {self.line}"
-        what = f"{self.path}: {self.message}" if self.path else self.message
-        return f"{where}: {self.severity}: {what}" if where else f"{self.severity}: {what}"
-
-    def __str__(self) -> str:
-        return self.format()
-
-
-class ConfigError(PipeworkError, ValueError):
-    """A configuration that cannot be served: ``problems`` lists every error (and the
-    warnings found with them), in file order; ``source`` names the file."""
-
-    def __init__(self, problems: Iterable[Problem], source: str = "") -> None:
-        self.problems = tuple(problems)
-        self.source = source
-        errors = sum(p.severity == "error" for p in self.problems)
-        warnings = len(self.problems) - errors
-        counts = _plural(errors, "error") + (
-            f", {_plural(warnings, 'warning')}" if warnings else ""
-        )
-        lines = [f"{source or 'configuration'}: {counts}"]
-        lines.extend(f"  {p.format(source)}" for p in self.problems)
-        super().__init__("\n".join(lines))
-
-    @property
-    def errors(self) -> tuple[Problem, ...]:
-        return tuple(p for p in self.problems if p.severity == "error")
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 class Collector:

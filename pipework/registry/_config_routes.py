@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast, get_args
 
 from .._errors import RegistrationError
+from ..container._routes import Mode, OnDisconnect, Route, RouteTable
 from ..pipes._merge import MergePolicy, MergeRule, ReducerName
 from ..pipes._stages import (
     GraphNode,
@@ -28,7 +29,6 @@ from ..pipes._stages import (
 )
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table, report_unknown
-from ._routes import Mode, OnDisconnect, Route, RouteTable
 
 __all__ = ["RouteConfig", "read_routes"]
 

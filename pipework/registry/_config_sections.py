@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
+from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
-from ..pipes._http_spec import Service, check_base_url, check_header_name
 from ._config_problems import Collector, KeyPath
 from ._config_read import Table, check_name, open_table
 

@@ -1,124 +1,22 @@
-"""The pipe register centre: pipes and chains by name, checked when they are registered."""
+"""The register centre: a catalogue of pipes and chains, plus the HTTP routes that start
+them. The gateway file builds one; an :class:`~pipework.Engine` runs on it and a
+:class:`~pipework.Container` serves its routes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import overload
-
 from .._errors import RegistrationError
-from ..pipes._pipe import Pipe, PipeFunction
-from ..pipes._stages import Chain, Serial, StageItem, resolve
-from ._routes import Mode, OnDisconnect, Route, RouteTable
+from ..container._routes import Mode, OnDisconnect, Route, RouteTable
+from ..pipes._catalogue import Catalogue
 
 __all__ = ["Registry"]
 
 
-class Registry:
+class Registry(Catalogue):
+    """Pipes and chains by name (see :class:`~pipework.Catalogue`) and routes to them."""
+
     def __init__(self) -> None:
-        self._pipes: dict[str, Pipe] = {}
-        self._chains: dict[str, Chain] = {}
+        super().__init__()
         self._routes = RouteTable()
-
-    @overload
-    def pipe(self, fn: PipeFunction, /) -> Pipe: ...
-
-    @overload
-    def pipe(
-        self,
-        fn: None = None,
-        /,
-        *,
-        name: str | None = None,
-        key: str | None = None,
-        timeout: float | None = None,
-        blocking: bool = False,
-    ) -> Callable[[PipeFunction], Pipe]: ...
-
-    def pipe(
-        self,
-        fn: PipeFunction | None = None,
-        /,
-        *,
-        name: str | None = None,
-        key: str | None = None,
-        timeout: float | None = None,
-        blocking: bool = False,
-    ) -> Pipe | Callable[[PipeFunction], Pipe]:
-        """Register a pipe; usable as ``@registry.pipe`` or ``@registry.pipe(key=...)``."""
-
-        def register(function: PipeFunction) -> Pipe:
-            pipe = Pipe(function, name or function.__name__, key, timeout, blocking)
-            self.add_pipe(pipe)
-            return pipe
-
-        return register(fn) if fn is not None else register
-
-    def add_pipe(self, pipe: Pipe) -> Pipe:
-        if pipe.name in self._pipes and self._pipes[pipe.name] is not pipe:
-            raise RegistrationError(f"a pipe named {pipe.name!r} is already registered")
-        self._pipes[pipe.name] = pipe
-        return pipe
-
-    def get_pipe(self, name: str) -> Pipe:
-        try:
-            return self._pipes[name]
-        except KeyError:
-            known = ", ".join(sorted(self._pipes)) or "none"
-            raise RegistrationError(f"unknown pipe {name!r} (registered: {known})") from None
-
-    def chain(
-        self,
-        name: str,
-        *items: StageItem,
-        timeout: float | None = None,
-        key: str = "default",
-        result: str | None = None,
-    ) -> Chain:
-        """Register a chain: ``items`` run in order (a single stage may be passed as is)."""
-        if not isinstance(name, str) or not name:
-            raise RegistrationError(f"a chain's name must be a non-empty string, got {name!r}")
-        if name in self._chains:
-            raise RegistrationError(f"a chain named {name!r} is already registered")
-        if not items:
-            raise RegistrationError(f"chain {name!r} needs at least one pipe or stage")
-        if timeout is not None and not (
-            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
-        ):
-            raise RegistrationError(
-                f"chain {name!r}: timeout must be a positive number of seconds or None, "
-                f"got {timeout!r}"
-            )
-        if not isinstance(key, str) or not key:
-            raise RegistrationError(
-                f"chain {name!r}: key (the admission key of its pipes without one) must be a "
-                f"non-empty string, got {key!r}"
-            )
-        if result is not None and not isinstance(result, str):
-            raise RegistrationError(
-                f"chain {name!r}: result must name a state key (a string) or be None, "
-                f"got {result!r}"
-            )
-        root_item = items[0] if len(items) == 1 and isinstance(items[0], Serial) else Serial(items)
-        root = resolve(root_item, self.get_pipe)
-        assert isinstance(root, Serial)
-        chain = Chain(name, root, timeout, key, result)
-        self._chains[name] = chain
-        return chain
-
-    def get_chain(self, name: str) -> Chain:
-        try:
-            return self._chains[name]
-        except KeyError:
-            known = ", ".join(sorted(self._chains)) or "none"
-            raise RegistrationError(f"unknown chain {name!r} (registered: {known})") from None
-
-    @property
-    def chains(self) -> dict[str, Chain]:
-        return dict(self._chains)
-
-    @property
-    def pipes(self) -> dict[str, Pipe]:
-        return dict(self._pipes)
 
     def route(
         self,

@@ -20,11 +20,11 @@ from typing import Any
 
 import trio
 
+from ..container._app import Container, ContainerConfig
+from ..container._server import BoundAddress
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
-from ..registry._config import GatewayConfig, build_registry, load_config
-from ._app import Container, ContainerConfig
-from ._server import BoundAddress
+from ._config import GatewayConfig, build_registry, load_config
 
 __all__ = ["Gateway"]
 

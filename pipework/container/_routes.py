@@ -2,19 +2,27 @@
 
 A :class:`Route` is plain, frozen data checked when it is made, so a bad declaration fails
 at start-up with its name in the message, never on the first request. The container turns
-each one into a URL rule; nothing here knows about HTTP serving.
+each one into a URL rule, and serves the paths under :data:`RESERVED_PREFIXES` itself.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
+from typing import Final, Literal, Protocol, get_args, runtime_checkable
 
 from .._errors import RegistrationError
 
-__all__ = ["RESERVED_PREFIXES", "Mode", "OnDisconnect", "Route", "RouteTable"]
+__all__ = [
+    "RESERVED_PREFIXES",
+    "Mode",
+    "OnDisconnect",
+    "Route",
+    "RouteSource",
+    "RouteTable",
+    "routes_of",
+]
 
 Mode = Literal["sync", "async", "stream", "auto"]
 OnDisconnect = Literal["cancel", "continue"]
@@ -165,3 +173,17 @@ class RouteTable:
 
     def as_dict(self) -> dict[str, Route]:
         return dict(self._routes)
+
+
+@runtime_checkable
+class RouteSource(Protocol):
+    """Anything that keeps routes by name, as :class:`pipework.Registry` does."""
+
+    @property
+    def routes(self) -> Mapping[str, Route]: ...
+
+
+def routes_of(registry: object) -> tuple[Route, ...]:
+    """The routes ``registry`` keeps, in declaration order (none if it keeps no routes, as a
+    plain :class:`~pipework.Catalogue`)."""
+    return tuple(registry.routes.values()) if isinstance(registry, RouteSource) else ()

@@ -30,9 +30,9 @@ import trio
 
 from .._errors import BackendError, DeadlineExceeded, RegistrationError
 from .._metrics import Metrics
+from ..pipes._pipe import Context, Pipe
 from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service
 from ._http_template import TemplateError, render_body
-from ._pipe import Context, Pipe
 
 __all__ = ["Backends", "http_pipe"]
 
@@ -42,15 +42,25 @@ _USER_AGENT: Final = "pipework"
 class Backends:
     """The HTTP clients of a set of services: ``async with backends:`` opens one client per
     service (connection limits and timeouts from its :class:`Service`) and closes them all
-    on the way out. Pipes made by :func:`http_pipe` call through it while it is open."""
+    on the way out. Pipes made by :func:`http_pipe` call through it while it is open.
 
-    def __init__(self, services: Iterable[Service] | Mapping[str, Service]) -> None:
+    ``transport`` replaces the network for every client (``httpx.MockTransport(handler)``
+    in tests); the services' connection limits then do not apply, everything else does.
+    """
+
+    def __init__(
+        self,
+        services: Iterable[Service] | Mapping[str, Service],
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         items = services.values() if isinstance(services, Mapping) else services
         self.services: dict[str, Service] = {}
         for service in items:
             if service.name in self.services:
                 raise RegistrationError(f"service {service.name!r} is declared twice")
             self.services[service.name] = service
+        self.transport = transport
         self._clients: dict[str, httpx.AsyncClient] | None = None
         self._stack: AsyncExitStack | None = None
         #: Where calls are counted (the engine's metrics); set before serving.
@@ -69,6 +79,7 @@ class Backends:
                     follow_redirects=False,
                     trust_env=False,
                     headers={"User-Agent": _USER_AGENT},
+                    transport=self.transport,
                 )
                 clients[name] = await stack.enter_async_context(client)
             self._stack = stack.pop_all()

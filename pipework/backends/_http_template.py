@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 from urllib.parse import quote
 
-from .._errors import PipeworkError
+from .._errors import TemplateError, TemplateSyntaxError
 
 __all__ = [
     "BodyTemplate",
@@ -36,18 +36,6 @@ _FIELD: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.(?:[A-Za-z_][A-Za-z0-9_]
 # RFC 3986 path characters (unreserved, sub-delims, ':' and '@'), '/' and escapes.
 _PATH_LITERAL: Final = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*\Z")
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
-
-
-class TemplateSyntaxError(ValueError):
-    """A template that cannot be parsed; the message says where and how to fix it."""
-
-
-class TemplateError(PipeworkError, ValueError):
-    """The job state cannot fill a template: a key is missing or a value is unsafe there.
-
-    Raised while a call is being prepared, before anything is sent (HTTP 400)."""
-
-    http_status = 400
 
 
 Field: TypeAlias = tuple[str, ...]

@@ -1,0 +1,130 @@
+"""The public surface: exactly these names, each reporting ``pipework`` as its module, and
+docs and examples that use nothing else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pipework as pw
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PUBLIC = [
+    "MISSING",
+    "Adaptive",
+    "Admission",
+    "BackendError",
+    "Backends",
+    "BranchEnd",
+    "CallbackSigner",
+    "Catalogue",
+    "Chain",
+    "ConfigError",
+    "ConfigProblem",
+    "Container",
+    "ContainerConfig",
+    "Context",
+    "DeadlineExceeded",
+    "Engine",
+    "ErrorInfo",
+    "Gateway",
+    "GatewayConfig",
+    "GraphNode",
+    "HttpCall",
+    "InternalError",
+    "InvalidTransition",
+    "JobCancelled",
+    "JobFailed",
+    "JobGone",
+    "JobNotFound",
+    "JobView",
+    "JsonFormatter",
+    "KeyStatistics",
+    "MemoryEventQueue",
+    "MemoryJobStore",
+    "MergeConflict",
+    "MergePolicy",
+    "Metrics",
+    "Overloaded",
+    "Parallel",
+    "Pipe",
+    "PipeContractError",
+    "PipeworkError",
+    "PoolConfig",
+    "PoolConfigError",
+    "PoolStatistics",
+    "Progress",
+    "QueueStatistics",
+    "RegistrationError",
+    "Registry",
+    "Rejected",
+    "Route",
+    "Serial",
+    "Service",
+    "SignalError",
+    "StateError",
+    "Status",
+    "TemplateError",
+    "WeightedPool",
+    "Weights",
+    "__version__",
+    "all_of",
+    "any_of",
+    "build_registry",
+    "config_from_dict",
+    "create_app",
+    "graph",
+    "http_pipe",
+    "load_config",
+    "loads_config",
+    "node",
+    "quorum",
+    "serial",
+]
+
+
+def test_all_is_pinned_and_sorted() -> None:
+    assert pw.__all__ == PUBLIC
+    # Every name re-exported with `import X as X` is public, so listed too.
+    source = (ROOT / "pipework" / "__init__.py").read_text(encoding="utf-8")
+    reexported = set(re.findall(r"import (\w+) as \1$", source, re.MULTILINE))
+    assert reexported <= set(pw.__all__)
+    assert sorted(pw.__all__, key=lambda n: (not n.isupper(), n)) == pw.__all__
+    for name in pw.__all__:
+        assert hasattr(pw, name), name
+
+
+def test_public_classes_and_functions_live_in_pipework() -> None:
+    for name in pw.__all__:
+        value = getattr(pw, name)
+        if isinstance(value, type) or callable(value):
+            assert value.__module__ == "pipework", name
+            assert value.__name__ == name, name
+
+
+def test_every_error_is_a_pipework_error() -> None:
+    errors = [getattr(pw, n) for n in pw.__all__ if isinstance(getattr(pw, n), type)]
+    errors = [e for e in errors if issubclass(e, BaseException)]
+    assert len(errors) >= 15
+    for error in errors:
+        assert issubclass(error, pw.PipeworkError), error
+
+
+# `pipework._x` and `pipework.<sub>._x` are private: docs and examples show only what a user
+# may rely on.
+_PRIVATE = re.compile(r"\bpipework(?:\.[a-z]+)*\._[a-z]\w*")
+
+
+def _documents() -> list[Path]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return docs + sorted((ROOT / "examples").rglob("*.py"))
+
+
+def test_docs_and_examples_import_only_public_names() -> None:
+    found = []
+    for path in _documents():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if ("import" in line or "from " in line) and _PRIVATE.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == []
