@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Protocol, overload
 
@@ -80,7 +81,7 @@ class Engine:
         self.metrics.watch(
             queue=self.queue, jobs=self._job_counts, pool=self.pool, key_label=self.key_label
         )
-        self._nursery_manager: Any = None
+        self._running: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
 
@@ -130,11 +131,13 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
-        if self._nursery is not None:
+        if self._running is not None:
             raise RuntimeError("this engine is already running")
-        self._nursery_manager = trio.open_nursery()
-        self._nursery = await self._nursery_manager.__aenter__()
-        await self._nursery.start(self._dispatcher.run)
+        async with AsyncExitStack() as stack:
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            await nursery.start(self._dispatcher.run)
+            self._running = stack.pop_all()  # started: the nursery stays open until __aexit__
+        self._nursery = nursery
         return self
 
     async def __aexit__(
@@ -142,13 +145,19 @@ class Engine:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()
+    ) -> None:
+        running, nursery = self._running, self._nursery
+        if running is None or nursery is None:
+            raise RuntimeError("this engine is not running")
+        nursery.cancel_scope.cancel()  # leaving the block ends whatever still runs
         try:
-            return bool(await self._nursery_manager.__aexit__(exc_type, exc, tb))
+            await running.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            if exc is None or group.exceptions != (exc,):
+                raise
+            # Nothing inside failed: the block's own exception goes on as it is.
         finally:
-            self._nursery = None
+            self._running = self._nursery = None
 
     # -- jobs ----------------------------------------------------------------------------
 
