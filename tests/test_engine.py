@@ -599,3 +599,34 @@ async def test_an_engine_runs_once_at_a_time() -> None:
             async with engine:
                 pass  # pragma: no cover
         assert engine.plan_generation == 1  # still running, untouched
+
+
+# -- the readiness probe ---------------------------------------------------------------
+
+
+async def test_probe_survives_a_registry_swap_and_leaves_no_trace() -> None:
+    engine = make_engine()
+    async with engine:
+        await engine.probe(1.0)
+        engine.swap_registry(pw.Registry())
+        await engine.probe(1.0)
+        assert await engine.store.list() == []  # finished probes drop their records
+    assert engine.registry.chains == {}
+    assert b"canary" not in engine.metrics.exposition()
+
+
+async def test_probe_fails_in_time_when_no_worker_is_free(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine(pool=pw.WeightedPool(1))
+
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        await trio.sleep_forever()
+
+    engine.chain("hold", hold)
+    async with engine:
+        await engine.submit("hold")
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        with pytest.raises((trio.TooSlowError, pw.Overloaded)):
+            await engine.probe(2.0)
+        assert trio.current_time() - start == pytest.approx(2.0)
