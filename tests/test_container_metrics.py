@@ -61,3 +61,36 @@ async def test_metrics_endpoint_counts_parked_requests() -> None:
     assert values[("pipework_event_queue_depth", ())] == 0
     done = ("pipework_job_duration_seconds_count", (("outcome", "done"), ("route", "slow")))
     assert values[done] == 5
+
+
+async def test_readiness_probes_leave_no_route_or_pipe_series_and_no_trace_in_the_registry() -> (
+    None
+):
+    engine = pw.Engine(registry=pw.Registry())
+
+    @engine.pipe
+    async def hello(ctx: pw.Context) -> None:
+        ctx.state["hello"] = "world"
+
+    engine.chain("hello", hello, result="hello")
+    registry = engine.registry
+    assert isinstance(registry, pw.Registry)
+    registry.route("hello", path="/hello", chain="hello", method="GET")
+    with trio.fail_after(HANG_GUARD):
+        async with serving(engine) as served:
+            assert (await served.client.get("/hello")).status_code == 200
+            for _ in range(3):
+                ready = await served.client.get("/readyz")
+                assert ready.status_code == 200, ready.text
+            text = (await served.client.get("/metrics")).text
+            jobs = await engine.store.list()
+    labelled = {
+        (key, value)
+        for (_, labels), _ in samples(text).items()
+        for key, value in labels
+        if key in ("route", "pipe")
+    }
+    assert labelled == {("route", "hello"), ("pipe", "hello")}
+    assert set(engine.registry.chains) == {"hello"}  # the container added nothing
+    assert set(engine.registry.pipes) == {"hello"}
+    assert [job.chain for job in jobs] == ["hello"]  # probes leave no job records

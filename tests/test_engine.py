@@ -525,3 +525,108 @@ async def test_a_swapped_plan_runs_new_jobs_and_old_ones_keep_theirs() -> None:
         await engine.signal(old, "go")
         await engine.wait(old)
     assert calls == ["a", "wait", "x", "y", "b"]
+
+
+# -- lifecycle -------------------------------------------------------------------------
+
+
+async def test_leaving_the_block_cancels_running_jobs_and_the_engine_can_start_again() -> None:
+    engine = make_engine()
+    started = trio.Event()
+    cleaned_up: list[str] = []
+
+    @engine.pipe
+    async def forever(ctx: pw.Context) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cleaned_up.append(ctx.job_id)
+
+    @engine.pipe
+    async def quick(ctx: pw.Context) -> None:
+        ctx.state["ok"] = True
+
+    engine.chain("forever", forever)
+    engine.chain("quick", quick, result="ok")
+    async with engine:
+        job_id = await engine.submit("forever")
+        await started.wait()
+    assert cleaned_up == [job_id]
+    with pytest.raises(RuntimeError, match="not running"):
+        await engine.submit("quick")
+    async with engine:
+        assert await engine.run("quick") is True
+
+
+async def test_the_blocks_own_exception_leaves_it_unchanged() -> None:
+    engine = make_engine()
+    error = ValueError("the caller's own")
+    with pytest.raises(ValueError, match="the caller's own") as info:
+        async with engine:
+            raise error
+    assert info.value is error
+
+
+async def test_a_crash_inside_the_engine_is_not_swallowed() -> None:
+    class BrokenQueue(pw.MemoryEventQueue):
+        async def get_batch(self, limit: int = 256) -> list[Any]:
+            raise RuntimeError("the queue broke")
+
+    engine = make_engine(queue=BrokenQueue(10))
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(RuntimeError, match="the queue broke"), flatten_subgroups=True
+    ):
+        async with engine:
+            await trio.sleep_forever()  # cancelled by the crash
+
+
+async def test_outer_cancellation_goes_through_the_engine(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = make_engine()
+    with trio.move_on_after(5) as scope:
+        async with engine:
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    assert trio.current_time() == 5
+
+
+async def test_an_engine_runs_once_at_a_time() -> None:
+    engine = make_engine()
+    async with engine:
+        with pytest.raises(RuntimeError, match="already running"):
+            async with engine:
+                pass  # pragma: no cover
+        assert engine.plan_generation == 1  # still running, untouched
+
+
+# -- the readiness probe ---------------------------------------------------------------
+
+
+async def test_probe_survives_a_registry_swap_and_leaves_no_trace() -> None:
+    engine = make_engine()
+    async with engine:
+        await engine.probe(1.0)
+        engine.swap_registry(pw.Registry())
+        await engine.probe(1.0)
+        assert await engine.store.list() == []  # finished probes drop their records
+    assert engine.registry.chains == {}
+    assert b"canary" not in engine.metrics.exposition()
+
+
+async def test_probe_fails_in_time_when_no_worker_is_free(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine(pool=pw.WeightedPool(1))
+
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        await trio.sleep_forever()
+
+    engine.chain("hold", hold)
+    async with engine:
+        await engine.submit("hold")
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        with pytest.raises((trio.TooSlowError, pw.Overloaded)):
+            await engine.probe(2.0)
+        assert trio.current_time() - start == pytest.approx(2.0)

@@ -71,6 +71,16 @@ async def test_a_stage_entered_after_a_resume_still_times_out_on_its_own_clock(
 # -- 2. blocking pipes: a timeout or cancel takes effect when the thread returns ---------
 
 
+async def _until_the_thread_returns(engine: pw.Engine, job_id: str) -> None:
+    """Spin (never idle) until the job ends: under the autojump clock an idle run would
+    jump virtual time ahead while the pipe's thread still runs in real time."""
+    while (await engine.status(job_id)).status not in FINAL:
+        await trio.lowlevel.checkpoint()
+
+
+FINAL = {pw.Status.DONE, pw.Status.FAILED, pw.Status.CANCELLED, pw.Status.EXPIRED}
+
+
 def _blocking_pipe(engine: pw.Engine, release: threading.Event, **options: Any) -> pw.Pipe:
     def crunch(ctx: pw.Context) -> None:
         release.wait()
@@ -91,6 +101,7 @@ async def test_blocking_pipe_timeout_takes_effect_when_the_thread_returns(
         await trio.sleep(5)
         assert (await engine.status(job_id)).status is pw.Status.RUNNING
         release.set()
+        await _until_the_thread_returns(engine, job_id)
         with pytest.raises(pw.DeadlineExceeded) as info:
             await engine.wait(job_id)
         assert info.value.scope == "pipe"
@@ -111,6 +122,7 @@ async def test_blocking_pipe_job_deadline_expires_the_job(
         job_id = await engine.submit("c")
         await trio.sleep(5)
         release.set()
+        await _until_the_thread_returns(engine, job_id)
         with pytest.raises(pw.DeadlineExceeded) as info:
             await engine.wait(job_id)
         assert info.value.scope == "job"
@@ -129,6 +141,7 @@ async def test_blocking_pipe_cancel_takes_effect_when_the_thread_returns(
         await trio.sleep(1)
         await engine.cancel(job_id)
         release.set()
+        await _until_the_thread_returns(engine, job_id)
         with pytest.raises(pw.JobCancelled):
             await engine.wait(job_id)
         job = await engine.store.get(job_id)

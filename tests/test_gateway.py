@@ -160,6 +160,70 @@ async def test_sighup_reloads_the_file(tmp_path: Path) -> None:
             assert process.returncode == 0
 
 
+async def test_readyz_survives_an_admin_reload_and_stays_out_of_the_metrics(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with backend() as users:
+            path = tmp_path / "gateway.toml"
+            path.write_text(gateway_file(users.url))
+            gateway = Gateway(str(path))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address: BoundAddress = await nursery.start(
+                    functools.partial(gateway.run, port=0, stop=stop)
+                )
+                auth = {"Authorization": f"Bearer {TOKEN}"}
+                async with httpx.AsyncClient(base_url=address.url) as client:
+                    before = await client.get("/readyz")
+                    assert before.status_code == 200, before.text
+                    path.write_text(gateway_file(users.url, extra_route=True))
+                    reloaded = await client.post("/admin/reload", headers=auth)
+                    assert reloaded.status_code == 200, reloaded.text
+                    for _ in range(3):
+                        after = await client.get("/readyz")
+                        assert after.status_code == 200, after.text
+                        assert after.json() == {"status": "ready"}
+                    metrics = (await client.get("/metrics")).text
+                stop.set()
+    assert "canary" not in metrics
+    routes = {
+        line.split('route="', 1)[1].split('"', 1)[0]
+        for line in metrics.splitlines()
+        if 'route="' in line
+    }
+    assert routes <= {"user", "hello"}
+
+
+async def test_readyz_survives_sighup(tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with backend() as users:
+            path = tmp_path / "gateway.toml"
+            path.write_text(gateway_file(users.url))
+            command = [sys.executable, "-m", "pipework", "serve", str(path), "--port", "0"]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(
+                    functools.partial(
+                        trio.run_process, command, stderr=subprocess.PIPE, check=False, env=env
+                    )
+                )
+                assert process.stderr is not None
+                log = Lines(process.stderr)
+                line = await log.wait_for("pipework serving on ")
+                url = line.split("pipework serving on ", 1)[1].strip()
+                async with httpx.AsyncClient(base_url=url) as client:
+                    assert (await client.get("/readyz")).status_code == 200
+                    path.write_text(gateway_file(users.url, extra_route=True))
+                    process.send_signal(signal.SIGHUP)
+                    await log.wait_for("SIGHUP: reloaded (plan 2)")
+                    ready = await client.get("/readyz")
+                    assert ready.status_code == 200, ready.text
+                process.send_signal(signal.SIGTERM)
+                nursery.start_soon(log.drain)  # until it exits: logs must not fill the pipe
+            assert process.returncode == 0
+
+
 class Lines:
     """The server's stderr, line by line."""
 

@@ -29,11 +29,10 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, MapAdapter, Rule
 
-from .._errors import DeadlineExceeded, Overloaded, PipeworkError
+from .._errors import Overloaded, PipeworkError
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..dispatcher._engine import Engine
+from ..dispatcher._engine import PROBE_CHAIN, Engine
 from ..dispatcher._job import new_correlation_id
-from ..pipes._pipe import Context, Pipe
 from ._admin import AdminApi, Reload, admin_token
 from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
@@ -48,8 +47,9 @@ __all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
 
 _log = logging.getLogger("pipework.container")
 
-#: The internal chain ``/readyz`` runs to prove a job gets through the queue and a worker.
-CANARY_CHAIN: Final = "_pipework_canary"
+#: The chain ``/readyz`` runs to prove a job gets through the queue and a worker: the
+#: engine's own (:meth:`Engine.probe`), in no registry, so reloads leave it in place.
+CANARY_CHAIN: Final = PROBE_CHAIN
 
 # Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
@@ -115,7 +115,6 @@ class Container:
         self.engine = engine
         self.config = config = config or ContainerConfig()
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
-        _register_canary(engine, config.readiness_timeout)
         self.signer = signer or CallbackSigner.from_config(
             config.callback_secret, base_url=config.public_url or ""
         )
@@ -276,11 +275,10 @@ class Container:
             raise shutting_down()
         limit = self.config.readiness_timeout
         try:
-            with trio.fail_after(limit):
-                await self.engine.run(CANARY_CHAIN, timeout=limit)
+            await self.engine.probe(limit)
         except Overloaded as exc:
             raise problem_for_exception(exc) from None
-        except (trio.TooSlowError, DeadlineExceeded):
+        except trio.TooSlowError:
             raise Problem(
                 503,
                 "Not ready",
@@ -342,17 +340,6 @@ async def _take_correlation_id() -> None:
 async def _give_correlation_id(response: Response) -> Response:
     response.headers["X-Request-ID"] = _correlation_id()
     return response
-
-
-async def _canary(ctx: Context) -> None:
-    ctx.state["ok"] = True
-
-
-def _register_canary(engine: Engine, timeout: float) -> None:
-    registry = engine.registry
-    if CANARY_CHAIN not in registry.chains:  # an earlier container may have registered it
-        registry.add_pipe(Pipe(_canary, CANARY_CHAIN))
-        registry.chain(CANARY_CHAIN, CANARY_CHAIN, timeout=timeout)
 
 
 def create_app(

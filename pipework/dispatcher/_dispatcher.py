@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from types import CoroutineType
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -45,10 +45,14 @@ from ._queue import EventQueue
 from ._status import TERMINAL, Status
 from ._store import JobStore
 
-__all__ = ["Dispatcher"]
+__all__ = ["INTERNAL_PLAN", "Dispatcher"]
 
 _log = logging.getLogger("pipework.dispatcher")
 _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
+
+#: The plan generation of the engine's own chains (the readiness probe): below every user
+#: plan, never swapped, and kept out of the per-route and per-pipe metrics.
+INTERNAL_PLAN: Final = 0
 
 
 class Dispatcher:
@@ -388,6 +392,8 @@ class Dispatcher:
     def _pipe_ended(
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
     ) -> None:
+        if job.plan == INTERNAL_PLAN:
+            return  # the engine's own probe: no user pipe to measure, nothing to learn
         duration = trio.current_time() - started
         self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
         # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
@@ -635,7 +641,7 @@ class Dispatcher:
         if job.parent is None:
             await self.store.update(job)  # a branch's record is dropped once it reports
         duration = trio.current_time() - job.accepted_at
-        if job.parent is None:
+        if job.parent is None and job.plan != INTERNAL_PLAN:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
         log_job(
             "job finished" if job.parent is None else "branch finished",

@@ -6,20 +6,28 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any, Protocol, overload
+from typing import Any, Final, Protocol, overload
 
 import trio
 
-from .._errors import JobCancelled, JobFailed, JobNotFound, Overloaded, SignalError
+from .._errors import (
+    DeadlineExceeded,
+    JobCancelled,
+    JobFailed,
+    JobNotFound,
+    Overloaded,
+    SignalError,
+)
 from .._logging import log_job
 from .._metrics import Metrics
 from ..pipes._catalogue import Catalogue
-from ..pipes._pipe import Pipe, PipeFunction
+from ..pipes._pipe import Context, Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
 from ._admission import Admission
-from ._dispatcher import Dispatcher
+from ._dispatcher import INTERNAL_PLAN, Dispatcher
 from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_correlation_id, new_job_id
 from ._queue import EventQueue, MemoryEventQueue
@@ -27,7 +35,10 @@ from ._status import TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
 from ._weighted import WeightedPool
 
-__all__ = ["Engine"]
+__all__ = ["PROBE_CHAIN", "Engine"]
+
+#: The engine's own chain that :meth:`Engine.probe` runs (in plan 0, not in any registry).
+PROBE_CHAIN: Final = "_pipework_canary"
 
 
 class _PipeDecorator(Protocol):
@@ -79,10 +90,12 @@ class Engine:
         self._dispatcher = Dispatcher(
             self.registry, self.store, self.queue, self.pool, self.metrics, self.key_label
         )
+        # The engine's own chains live in a plan of their own, which no swap replaces.
+        self._dispatcher.plans[INTERNAL_PLAN] = _internal_registry()
         self.metrics.watch(
             queue=self.queue, jobs=self._job_counts, pool=self.pool, key_label=self.key_label
         )
-        self._nursery_manager: Any = None
+        self._running: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
 
@@ -132,11 +145,13 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
-        if self._nursery is not None:
+        if self._running is not None:
             raise RuntimeError("this engine is already running")
-        self._nursery_manager = trio.open_nursery()
-        self._nursery = await self._nursery_manager.__aenter__()
-        await self._nursery.start(self._dispatcher.run)
+        async with AsyncExitStack() as stack:
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            await nursery.start(self._dispatcher.run)
+            self._running = stack.pop_all()  # started: the nursery stays open until __aexit__
+        self._nursery = nursery
         return self
 
     async def __aexit__(
@@ -144,13 +159,19 @@ class Engine:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()
+    ) -> None:
+        running, nursery = self._running, self._nursery
+        if running is None or nursery is None:
+            raise RuntimeError("this engine is not running")
+        nursery.cancel_scope.cancel()  # leaving the block ends whatever still runs
         try:
-            return bool(await self._nursery_manager.__aexit__(exc_type, exc, tb))
+            await running.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            if exc is None or group.exceptions != (exc,):
+                raise
+            # Nothing inside failed: the block's own exception goes on as it is.
         finally:
-            self._nursery = None
+            self._running = self._nursery = None
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -169,9 +190,29 @@ class Engine:
         ``timeout`` overrides the chain's; ``token`` is the owner secret (only its hash is
         kept); ``stream=True`` keeps emitted chunks for :meth:`stream` instead of the record.
         """
+        return await self._accept(
+            self.plan_generation,
+            chain,
+            state,
+            timeout=timeout,
+            correlation_id=correlation_id,
+            token=token,
+            stream=stream,
+        )
+
+    async def _accept(
+        self,
+        generation: int,
+        chain: str,
+        state: dict[str, Any] | None,
+        *,
+        timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
+        correlation_id: str | None = None,
+        token: str | None = None,
+        stream: bool = False,
+    ) -> str:
         if self._nursery is None:
             raise RuntimeError("the engine is not running; use `async with engine:` first")
-        generation = self.plan_generation
         plan = self._dispatcher.plans[generation].get_chain(chain)
         state = check_state({} if state is None else state)
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
@@ -217,6 +258,29 @@ class Engine:
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
         return await self.wait(await self.submit(chain, state, **kwargs))
+
+    async def probe(self, timeout: float) -> None:  # noqa: ASYNC109 - also the job's limit
+        """Prove that work gets through: one job on the engine's own probe chain, through
+        the queue and a worker slot, within ``timeout`` seconds.
+
+        Raises :class:`Overloaded` if it is refused (queue or pool), ``trio.TooSlowError``
+        if it does not finish in time. The probe chain is the engine's, not the registry's,
+        so a reload (:meth:`swap_registry`) leaves it in place; its jobs add no route or
+        pipe series to the metrics, and a finished probe's record is dropped.
+        """
+        job_id = await self._accept(INTERNAL_PLAN, PROBE_CHAIN, None, timeout=timeout)
+        try:
+            with trio.fail_after(timeout):
+                await self.wait(job_id)
+        except DeadlineExceeded:
+            raise trio.TooSlowError(f"the probe job did not get through in {timeout:g}s") from None
+        finally:
+            with trio.move_on_after(timeout, shield=True):  # cleanup, bounded
+                job = await self.store.get(job_id)
+                if job.status in TERMINAL:
+                    await self.store.delete(job_id)
+                else:  # cancelled, or too slow: the step ends it and its record retires
+                    await self._dispatcher.cancel(job)
 
     async def status(self, job_id: str) -> JobView:
         return (await self.store.get(job_id)).view()
@@ -281,6 +345,17 @@ class Engine:
             async for chunk in receive:
                 yield chunk
         await self.wait(job_id)
+
+
+def _internal_registry() -> Catalogue:
+    registry = Catalogue()
+
+    async def probe(ctx: Context) -> None:
+        ctx.state["ok"] = True
+
+    registry.add_pipe(Pipe(probe, PROBE_CHAIN))
+    registry.chain(PROBE_CHAIN, PROBE_CHAIN)
+    return registry
 
 
 def _outcome(job: Job) -> Any:
