@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+import pipework as pw
+from pipework.dispatcher import _engine
+
+from ._copying_store import CopyingJobStore
 
 # Every test fails, instead of hanging the run, if it runs too long (see the module).
 pytest_plugins = ["tests._hang_guard"]
@@ -15,3 +23,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("pipework")
+
+
+@pytest.fixture(params=["memory", "copying"])
+def each_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> type[Any]:
+    """Run the test on both job stores: the memory store, and one that hands out copies
+    decoded from msgpack on every read, as a shared store does. Engines built without a
+    store get this one; the fixture's value is the store class, for tests that build their
+    own (``each_store(retain_count=3)``)."""
+    store: type[Any] = pw.MemoryJobStore if request.param == "memory" else CopyingJobStore
+    monkeypatch.setattr(_engine, "MemoryJobStore", store)
+    return store

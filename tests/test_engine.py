@@ -11,6 +11,9 @@ import trio.testing
 
 import pipework as pw
 
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
 
 def make_engine(**kwargs: Any) -> pw.Engine:
     return pw.Engine(**kwargs)

@@ -20,6 +20,9 @@ from quart_trio import QuartTrio
 import pipework as pw
 from pipework.container._server import serve
 
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
 
 async def _ok(ctx: pw.Context) -> None:
     ctx.state["ok"] = True

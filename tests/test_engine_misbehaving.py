@@ -8,12 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipework as pw
+
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
 
 BEHAVIOURS = (
     "ok",
@@ -147,10 +151,10 @@ def _declare(engine: pw.Engine, plan: Plan) -> list[str]:
     return names
 
 
-async def _scenario(plan: Plan) -> None:
+async def _scenario(plan: Plan, store: type[Any]) -> None:
     engine = pw.Engine(
         pool=pw.WeightedPool(4, keys={"k1": pw.Weights(limit=1)}),
-        store=pw.MemoryJobStore(retain_seconds=1e9),  # kept while the checks below poll
+        store=store(retain_seconds=1e9),  # kept while the checks below poll
     )
     chains = _declare(engine, plan)
     async with engine:
@@ -214,6 +218,8 @@ def plans(draw: st.DrawFn) -> Plan:
     )
 
 
-@given(plans())
-def test_misbehaving_pipes_never_stop_the_engine(plan: Plan) -> None:
-    trio.run(_scenario, plan, clock=trio.testing.MockClock(autojump_threshold=0))
+# The store class is the same for every example: the fixture need not be reset.
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans())
+def test_misbehaving_pipes_never_stop_the_engine(plan: Plan, each_store: type[Any]) -> None:
+    trio.run(_scenario, plan, each_store, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -14,6 +14,9 @@ import trio.testing
 
 import pipework as pw
 
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
 # -- 1. a stage's timer starts when the stage is entered ---------------------------------
 
 

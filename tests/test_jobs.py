@@ -17,6 +17,11 @@ from pipework.pipes._join import Join
 from pipework.pipes._merge import Delta
 from pipework.pipes._state import check_state
 
+from ._copying_store import CopyingJobStore
+
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
 
 def make_job(**kwargs: object) -> Job:
     return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]  # fields vary by test
@@ -213,3 +218,16 @@ def test_state_diagram_matches_the_transition_table() -> None:
             drawn.add((Status(parts[0].strip()), Status(parts[1].strip())))
     table = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
     assert drawn == table
+
+
+async def test_the_copying_store_hands_out_a_fresh_copy_on_every_read() -> None:
+    store = CopyingJobStore()
+    job = Job(id="j1", chain="c", state={"a": [1, 2]}, correlation_id="x")
+    await store.create(job)
+    first, second = await store.get("j1"), await store.get("j1")
+    assert first is not second and first is not job
+    first.state["a"].append(3)  # a write to a copy is not a write to the store...
+    assert (await store.get("j1")).state == {"a": [1, 2]}
+    await store.update(first)  # ...until it is written back
+    assert (await store.get("j1")).state == {"a": [1, 2, 3]}
+    assert first.version == 1

@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 import pipework as pw
 from pipework.dispatcher._job import Job
 
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
 
 def sleeper(name: str, seconds: float, key: str | None = None) -> pw.Pipe:
     async def run(ctx: pw.Context) -> None:
@@ -396,10 +399,12 @@ async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
         assert await engine.wait(job_id) == {"a": 0, "go": 1}
 
 
-async def test_branches_never_depend_on_retention(autojump_clock: trio.abc.Clock) -> None:
+async def test_branches_never_depend_on_retention(
+    autojump_clock: trio.abc.Clock, each_store: type[Any]
+) -> None:
     """Branch records are internal: a tiny retention cannot lose a join, nor can branches
     push finished top-level jobs out of it."""
-    engine = pw.Engine(store=pw.MemoryJobStore(retain_count=20))
+    engine = pw.Engine(store=each_store(retain_count=20))
     engine.chain(
         "c",
         pw.all_of(sleeper("a", 1), sleeper("b", 2), failing("c", 3, KeyError("x")), settle=True),

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from types import CoroutineType
 from typing import Any, Final
 
+import cachetools
 import trio
 
 from .._errors import (
@@ -35,7 +36,7 @@ from .._metrics import Metrics
 from ..pipes._merge import snapshot
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel, Serial
-from ..pipes._state import check_state
+from ..pipes._state import check_state, storable_part
 from ._admission import Admission
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._job import ErrorInfo, Frame, Job, Progress
@@ -80,6 +81,14 @@ class Dispatcher:
         self._timers: dict[str, trio.CancelScope] = {}
         self._waiters: dict[str, trio.Event] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
+        #: The exception objects of failed jobs, for ``Engine.wait`` to raise as they are: a
+        #: record read back from a store has only their type, message and stage path. Kept
+        #: as long as finished records are, and only in the process that ran the job.
+        self.exceptions: cachetools.TTLCache[str, BaseException] = cachetools.TTLCache(
+            maxsize=getattr(store, "retain_count", 10_000),
+            ttl=getattr(store, "retain_seconds", 3600.0),
+            timer=trio.current_time,
+        )
         #: Exception objects of ended branches, until their join takes them (in-process only).
         self.branch_errors: dict[str, BaseException] = {}
         #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
@@ -132,6 +141,7 @@ class Dispatcher:
         exc.__cause__ = bug
         where = chain_where(self, job)
         self.note(exc, job, where)
+        job.state = storable_part(job.state)  # what a pipe left unstorable cannot stay
         try:
             await self.finish(job, Status.FAILED, exc=exc, where=where)
         except Exception:  # the job is marked final here; its record may be stale
@@ -294,6 +304,7 @@ class Dispatcher:
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
+        await self.store.update(job)  # readers see it running at once
         while True:
             pipe = self._advance(job, chain)
             if pipe is None:
@@ -382,6 +393,7 @@ class Dispatcher:
         outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
         if isinstance(exc, StateError):
             exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
+            job.state = storable_part(job.state)  # the record must still be storable
         self._pipe_ended(job, pipe, started, outcome, exc)
         where = exc.where if isinstance(exc, DeadlineExceeded) and exc.where else path
         self.note(exc, job, path)
@@ -628,6 +640,7 @@ class Dispatcher:
     async def _record_end(
         self, job: Job, status: Status, result: Any, exc: BaseException | None, where: str
     ) -> None:
+        previous = job.status
         job.transition(status)
         job.finished_at = time.time()
         job.waiting_for = None
@@ -635,11 +648,17 @@ class Dispatcher:
             job.result = result
         elif exc is not None:
             job.exception = exc
+            if job.parent is None:
+                self.exceptions[job.id] = exc
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
-        if job.parent is None:
-            await self.store.update(job)  # a branch's record is dropped once it reports
+        if job.parent is None:  # a branch's record is dropped once it reports
+            try:
+                await self.store.update(job)
+            except BaseException:
+                job.status = previous  # not recorded: ending it may be tried again
+                raise
         duration = trio.current_time() - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)

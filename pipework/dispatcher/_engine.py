@@ -253,7 +253,7 @@ class Engine:
         while job.status not in TERMINAL:
             await self._dispatcher.wait_finished(job_id)
             job = await self.store.get(job_id)
-        return _outcome(job)
+        return _outcome(job, self._dispatcher.exceptions.get(job_id))
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
@@ -358,11 +358,12 @@ def _internal_registry() -> Catalogue:
     return registry
 
 
-def _outcome(job: Job) -> Any:
+def _outcome(job: Job, exception: BaseException | None) -> Any:
     if job.status is Status.DONE:
         return job.result
-    if job.exception is not None:
-        raise job.exception
+    exception = job.exception or exception
+    if exception is not None:
+        raise exception
     error = job.error
     if job.status is Status.CANCELLED:
         raise JobCancelled(error.message if error else f"job {job.id} was cancelled")

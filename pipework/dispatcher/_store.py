@@ -73,6 +73,7 @@ class MemoryJobStore:
         if retain_seconds <= 0 or retain_count < 1:
             raise ValueError("retain_seconds must be positive and retain_count at least 1")
         self.retain_seconds = retain_seconds
+        self.retain_count = retain_count
         self._active: dict[str, Job] = {}
         self._gone: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=tombstones)
         self._finished = _Retained(retain_count, retain_seconds, self._gone)

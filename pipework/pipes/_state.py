@@ -8,7 +8,7 @@ import msgpack
 
 from .._errors import StateError
 
-__all__ = ["check_state", "check_value"]
+__all__ = ["check_state", "check_value", "storable_part"]
 
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
@@ -68,3 +68,19 @@ def _find(value: object, path: str) -> tuple[str, object]:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def storable_part(state: dict[str, Any]) -> dict[str, Any]:
+    """The top-level entries of ``state`` that job state can store: what is kept of a job
+    whose pipe wrote something unstorable (the job fails, and its record must still be
+    written)."""
+    kept = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            continue
+        try:
+            check_value(value)
+        except StateError:
+            continue
+        kept[key] = value
+    return kept
