@@ -225,7 +225,8 @@ async def test_the_copying_store_hands_out_a_fresh_copy_on_every_read() -> None:
     job = Job(id="j1", chain="c", state={"a": [1, 2]}, correlation_id="x")
     await store.create(job)
     first, second = await store.get("j1"), await store.get("j1")
-    assert first is not second and first is not job
+    assert first is not second
+    assert first is not job
     first.state["a"].append(3)  # a write to a copy is not a write to the store...
     assert (await store.get("j1")).state == {"a": [1, 2]}
     await store.update(first)  # ...until it is written back
