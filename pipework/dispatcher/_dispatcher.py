@@ -170,6 +170,11 @@ class Dispatcher:
     def _next_key(self, job: Job, chain: Chain) -> str:
         """The admission key of the job's next step, found without entering any stage: a
         stage's timer starts when a worker's cursor enters it, not when it is looked at."""
+        if len(job.frames) == 1:  # a flat chain: no stage to look into
+            root: Any = chain.node_at(job.root)  # a serial sequence: a chain's or a branch's
+            index = job.frames[0].index
+            if index < len(root.children) and isinstance(root.children[index], Pipe):
+                return root.children[index].key or chain.key
         frames = [Frame(f.index, f.deadline, f.bound) for f in job.frames]
         step = self._walk(frames, job.root, chain, math.inf)
         return step.key or chain.key if isinstance(step, Pipe) else chain.key
@@ -177,11 +182,12 @@ class Dispatcher:
     def _advance(self, job: Job, chain: Chain) -> Pipe | Parallel | None:
         """Move the cursor to the next pipe or parallel stage, entering and leaving serial
         stages (an entered stage's timer starts now); None when the sequence is complete."""
-        return self._walk(job.frames, job.root, chain, trio.current_time())
+        return self._walk(job.frames, job.root, chain, None)
 
     def _walk(
-        self, frames: list[Frame], root: tuple[int, ...], chain: Chain, now: float
+        self, frames: list[Frame], root: tuple[int, ...], chain: Chain, now: float | None
     ) -> Pipe | Parallel | None:
+        """``now`` None: read the clock only if a stage with a timeout is entered."""
         if not frames:
             return None
         node: Any = _top_node(frames, root, chain)
@@ -199,8 +205,11 @@ class Dispatcher:
             if isinstance(child, _RUNNABLE):
                 return child
             frame = Frame(0, top.deadline, top.bound)
-            if child.timeout is not None and now + child.timeout < top.deadline:
-                frame = Frame(0, now + child.timeout, len(frames))
+            if child.timeout is not None:
+                if now is None:
+                    now = trio.current_time()
+                if now + child.timeout < top.deadline:
+                    frame = Frame(0, now + child.timeout, len(frames))
             frames.append(frame)
             node = child
 
@@ -363,7 +372,7 @@ class Dispatcher:
             ops=self,
         )
         try:
-            await self._call(pipe, ctx)
+            await self._call(pipe, ctx, job)
             check_state(ctx.state)
         except Suspend as suspend:
             self._pipe_ended(job, pipe, started, "suspended")
@@ -371,7 +380,9 @@ class Dispatcher:
             return await self._suspend(job, chain, suspend, describe())
         except _Timeout:
             timeout = self._timeout(job, chain, pipe_deadline, top, describe())
-            return await self._pipe_failed(job, pipe, started, timeout, describe())
+            # The step's scope stays cancelled once a deadline passed: record the end shielded.
+            with trio.CancelScope(shield=True):
+                return await self._pipe_failed(job, pipe, started, timeout, describe())
         except BaseException as raised:  # sorted out here: cancellation, or the job's error
             cancellation = _cancellation_in(raised, describe)
             if cancellation is not None:
@@ -431,19 +442,33 @@ class Dispatcher:
             error=None if exc is None else f"{type(exc).__name__}: {exc}",
         )
 
-    async def _call(self, pipe: Pipe, ctx: Context) -> None:
+    async def _call(self, pipe: Pipe, ctx: Context, job: Job) -> None:
         """Run the pipe within ``ctx.deadline``; raise _Timeout if that limit ran out."""
         if ctx.deadline == math.inf:
-            await _invoke(pipe, ctx)  # no limit anywhere: skip the scope's cost
+            await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
             # A pipe that swallowed the step's cancellation (or a thread that could not see
             # it) must not carry on as if it had not come.
             await trio.lowlevel.checkpoint_if_cancelled()
             return
-        with trio.CancelScope(deadline=ctx.deadline) as scope:
+        # The step's own scope carries the pipe's limit: one scope per step, not one more
+        # per pipe. A cancel marks the record first, which is how the two are told apart.
+        scope = self._scopes[job.id]
+        scope.deadline = ctx.deadline
+        try:
             await _invoke(pipe, ctx)
             await trio.lowlevel.checkpoint_if_cancelled()
-        if scope.cancelled_caught:
-            raise _Timeout
+        except BaseException as exc:
+            if (
+                scope.cancel_called
+                and not job.cancel_requested
+                and trio.current_time() >= ctx.deadline
+                and _cancellation_in(exc, lambda: ctx.path) is not None
+            ):
+                raise _Timeout from None
+            raise
+        finally:
+            if not scope.cancel_called:
+                scope.deadline = math.inf  # the bookkeeping that follows is not the pipe's
 
     def _timeout(
         self, job: Job, chain: Chain, pipe_deadline: float, top: Frame, path: str
@@ -609,6 +634,9 @@ class Dispatcher:
         job.cancel_requested = True
         scope = self._scopes.get(job.id)
         if scope is not None:
+            # The step's own record: its scope also carries pipe deadlines, and this is how
+            # the step tells a cancel from a timeout.
+            self._running[job.id].cancel_requested = True
             scope.cancel()  # the step finishes it once the pipe's cleanup has run
         else:
             await self.finish(

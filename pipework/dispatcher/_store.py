@@ -2,8 +2,8 @@
 
 :class:`JobStore` is the interface; :class:`MemoryJobStore` is the embedded default and a
 Redis store implements the same methods. Active jobs are never evicted. A job that reaches a
-terminal status is moved to a retention cache bounded by count and by time (cachetools, on
-the trio clock so tests can use virtual time); its ``retain_until`` says when it goes. After
+terminal status is moved to a retention list bounded by count and by time (on the trio
+clock, so tests can use virtual time); its ``retain_until`` says when it goes. After
 that, ``get`` raises :class:`JobGone` for as long as the id is remembered (so the HTTP side
 can answer 410 rather than 404).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-import cachetools
 import trio
 
 from .._errors import JobGone, JobNotFound
@@ -39,26 +38,6 @@ class JobStore(Protocol):
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]: ...
 
 
-class _Retained(cachetools.TTLCache[str, Job]):
-    """A TTL cache that remembers what it dropped (id -> owner token hash, "" for none), so a
-    lookup can tell gone from unknown."""
-
-    def __init__(self, maxsize: int, ttl: float, tombstones: cachetools.LRUCache[str, str]):
-        super().__init__(maxsize=maxsize, ttl=ttl, timer=trio.current_time)
-        self._tombstones = tombstones
-
-    def popitem(self) -> tuple[str, Job]:
-        key, job = super().popitem()
-        self._tombstones[key] = job.token_hash or ""
-        return key, job
-
-    def expire(self, time: float | None = None) -> list[tuple[str, Job]]:
-        dropped = super().expire(time)
-        for key, job in dropped:
-            self._tombstones[key] = job.token_hash or ""
-        return dropped
-
-
 class MemoryJobStore:
     """Jobs in this process's memory. ``retain_count`` finished jobs at most, each for at
     most ``retain_seconds``; ``tombstones`` dropped ids are remembered to answer "gone"."""
@@ -75,8 +54,13 @@ class MemoryJobStore:
         self.retain_seconds = retain_seconds
         self.retain_count = retain_count
         self._active: dict[str, Job] = {}
-        self._gone: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=tombstones)
-        self._finished = _Retained(retain_count, retain_seconds, self._gone)
+        # Finished jobs in the order they finished, which is the order they expire in (every
+        # one is kept for the same time): the oldest is always first, so dropping the
+        # expired ones looks at the head only. Dropped ids become tombstones (id -> owner
+        # token hash, "" for none), oldest dropped first, so a lookup tells gone from unknown.
+        self._finished: dict[str, Job] = {}
+        self._gone: dict[str, str] = {}
+        self._tombstones = tombstones
 
     async def create(self, job: Job) -> None:
         # Ids are 128 random bits: only a caller reusing a record can collide, and it would
@@ -92,7 +76,7 @@ class MemoryJobStore:
         job = self._active.get(job_id)
         if job is not None:
             return job
-        self._finished.expire()
+        self._expire(trio.current_time())
         job = self._finished.get(job_id)
         if job is not None:
             return job
@@ -108,8 +92,10 @@ class MemoryJobStore:
         job.version += 1
         if job.status in TERMINAL:
             if self._active.pop(job.id, None) is not None:
-                job.retain_until = trio.current_time() + self.retain_seconds
+                now = trio.current_time()
+                job.retain_until = now + self.retain_seconds
                 self._finished[job.id] = job
+                self._expire(now)
         elif job.id not in self._active:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
 
@@ -124,7 +110,7 @@ class MemoryJobStore:
             wanted = {status}
         else:
             wanted = set(status)
-        self._finished.expire()
+        self._expire(trio.current_time())
         jobs = [j for j in self._active.values() if j.status in wanted]
         if wanted & TERMINAL:
             jobs.extend(j for j in self._finished.values() if j.status in wanted)
@@ -132,9 +118,26 @@ class MemoryJobStore:
 
     def counts(self) -> dict[Status, int]:
         """Jobs per status, for metrics."""
+        self._expire(trio.current_time())
         counts = dict.fromkeys(Status, 0)
         for job in self._active.values():
             counts[job.status] += 1
         for job in self._finished.values():
             counts[job.status] += 1
         return counts
+
+    def _expire(self, now: float) -> None:
+        """Drop finished jobs past their time, and the oldest beyond the count."""
+        finished = self._finished
+        while finished:
+            oldest = next(iter(finished.values()))
+            assert oldest.retain_until is not None
+            if oldest.retain_until > now and len(finished) <= self.retain_count:
+                return
+            del finished[oldest.id]
+            self._bury(oldest)
+
+    def _bury(self, job: Job) -> None:
+        self._gone[job.id] = job.token_hash or ""
+        if len(self._gone) > self._tombstones:
+            del self._gone[next(iter(self._gone))]
