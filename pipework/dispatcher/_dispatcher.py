@@ -9,6 +9,7 @@ the job record, so any worker can take the next one (see docs/design.md).
 from __future__ import annotations
 
 import functools
+import heapq
 import inspect
 import logging
 import math
@@ -78,7 +79,11 @@ class Dispatcher:
         self._scopes: dict[str, trio.CancelScope] = {}
         #: The record each running step works on: the job's own pipes report to it.
         self._running: dict[str, Job] = {}
-        self._timers: dict[str, trio.CancelScope] = {}
+        # Suspended jobs' deadlines in one heap, served by one task (not a task per job):
+        # (deadline, job id, version at suspension). An entry left by a job that resumed
+        # early fires an Expire that finds a newer version and does nothing.
+        self._deadlines: list[tuple[float, str, int]] = []
+        self._deadline_moved = trio.Event()
         self._waiters: dict[str, trio.Event] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
         #: The exception objects of failed jobs, for ``Engine.wait`` to raise as they are: a
@@ -111,6 +116,7 @@ class Dispatcher:
         """Dispatch events until cancelled; steps run in this task's nursery."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._expire_when_due)
             task_status.started()
             handlers = self._handlers
             while True:
@@ -522,7 +528,7 @@ class Dispatcher:
         job.transition(Status.SUSPENDED)
         await self.store.update(job)
         if job.suspend_deadline < math.inf:
-            self.spawn(self._timer, job.id, job.version, job.suspend_deadline)
+            self._expire_at(job.suspend_deadline, job.id, job.version)
         log_job(
             "job suspended",
             correlation_id=job.correlation_id,
@@ -568,7 +574,6 @@ class Dispatcher:
         job.waiting_for = job.suspend_into = job.suspend_deadline = None
         job.transition(Status.QUEUED)
         await self.store.update(job)
-        self._cancel_timer(job.id)
         self.queue.put_nowait(Resume(job.id, signal))
         log_job(
             "job resumed",
@@ -579,24 +584,29 @@ class Dispatcher:
             status=job.status.value,
         )
 
-    async def _timer(self, job_id: str, version: int, deadline: float) -> None:
-        with trio.CancelScope() as scope:
-            self._timers[job_id] = scope
-            try:
-                await trio.sleep_until(deadline)
-                self.queue.put_nowait(Expire(job_id, version))
-            finally:
-                if self._timers.get(job_id) is scope:
-                    del self._timers[job_id]
+    def _expire_at(self, deadline: float, job_id: str, version: int) -> None:
+        if not self._deadlines or deadline < self._deadlines[0][0]:
+            self._deadline_moved.set()  # the serving task sleeps until a later one
+        heapq.heappush(self._deadlines, (deadline, job_id, version))
 
-    def _cancel_timer(self, job_id: str) -> None:
-        scope = self._timers.pop(job_id, None)
-        if scope is not None:
-            scope.cancel()
+    async def _expire_when_due(self) -> None:
+        """Put an Expire event for every suspension whose deadline has come."""
+        heap = self._deadlines
+        while True:
+            moved = self._deadline_moved = trio.Event()
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await moved.wait()
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                _, job_id, version = heapq.heappop(heap)
+                self.queue.put_nowait(Expire(job_id, version))
 
     async def _expire(self, event: Expire) -> None:
         try:
-            job = await self.store.get(event.job_id)
+            try:
+                job = await self.store.get(event.job_id)
+            except JobNotFound:
+                return  # finished and dropped since: a deadline left in the heap
             if job.status is not Status.SUSPENDED or job.version != event.version:
                 return  # resumed or finished meanwhile: the timer lost the race
             assert job.suspend_deadline is not None
@@ -703,7 +713,6 @@ class Dispatcher:
             stage=where or None,
             error=None if job.error is None else f"{job.error.type}: {job.error.message}",
         )
-        self._cancel_timer(job.id)
         if job.join is not None:
             await cancel_branches(self, job)
         if job.parent is not None:
