@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import unquote_to_bytes
 
 import trio
 from quart import Response, g, request
@@ -207,6 +208,7 @@ class Container:
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
         app.before_request(_take_correlation_id)
         app.before_request(self._check_headers)
+        app.before_request(_check_target)
         app.after_request(_give_correlation_id)
         app.register_error_handler(Problem, self._on_problem)
         app.register_error_handler(HTTPException, self._on_http_error)
@@ -315,6 +317,30 @@ class Container:
         )
         detail = "the server failed; its log has the details under this correlation id"
         return await self._on_problem(Problem(500, "Internal Server Error", detail))
+
+
+async def _check_target() -> None:
+    """One rule for the request target: its path and its query, once percent-decoded, are
+    UTF-8, or the request is a 400. (The server would turn ``%FF`` in a path into U+FFFD
+    and the query parser would keep it as ``%FF``: neither is what the client meant.)"""
+    scope = request.scope
+    raw_path = scope.get("raw_path")
+    path = (
+        raw_path
+        if isinstance(raw_path, bytes)
+        else scope.get("path", "").encode("utf-8", "surrogatepass")
+    )
+    query = scope.get("query_string", b"")
+    for part, what in ((path, "path"), (query.replace(b"+", b" "), "query")):
+        try:
+            unquote_to_bytes(part).decode("utf-8")
+        except UnicodeDecodeError:
+            raise Problem(
+                400,
+                "Bad request target",
+                f"the request's {what} is not UTF-8 once percent-decoded",
+                slug="bad-encoding",
+            ) from None
 
 
 async def _healthz() -> Response:
