@@ -14,6 +14,8 @@ import trio.testing
 
 import pipework as pw
 from pipework.container import ContainerConfig
+from pipework.dispatcher._events import Event
+from pipework.dispatcher._queue import MemoryEventQueue
 
 from .test_container_harness import HANG_GUARD, assert_problem, bearer, raw_client, serving
 
@@ -250,8 +252,24 @@ async def test_pool_rejection_is_503_with_reason() -> None:
     assert "retry-after" in refused.headers
 
 
+class GatedQueue(MemoryEventQueue):
+    """An event queue whose dispatcher can be held: a batch taken while ``gate`` is closed
+    is handed over only once it opens (a stuck dispatcher, as far as jobs can tell)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = trio.Event()
+        self.gate.set()
+
+    async def get_batch(self, limit: int = 256) -> list[Event]:
+        batch = await super().get_batch(limit)
+        await self.gate.wait()
+        return batch
+
+
 async def test_healthz_and_readyz() -> None:
-    engine = pw.Engine(pool=pw.WeightedPool(1))
+    queue = GatedQueue()
+    engine = pw.Engine(pool=pw.WeightedPool(1), queue=queue)
     release = trio.Event()
     entered = trio.Event()
 
@@ -267,12 +285,17 @@ async def test_healthz_and_readyz() -> None:
             assert (await served.client.get("/readyz")).json() == {"status": "ready"}
             hog_job = await served.engine.submit("hog")
             await entered.wait()
-            # The only worker is busy: the canary cannot get through, so not ready.
+            # The only worker is busy: the canary has a lane of its own, so still ready.
+            busy = await served.client.get("/readyz")
+            # The dispatcher takes no events: the canary cannot get through, so not ready.
+            queue.gate = trio.Event()
             not_ready = await served.client.get("/readyz")
             alive = await served.client.get("/healthz")
+            queue.gate.set()
             release.set()
             await served.engine.wait(hog_job)
             ready_again = await served.client.get("/readyz")
+    assert busy.json() == {"status": "ready"}
     assert_problem(not_ready, 503, "not-ready")
     assert alive.json() == {"status": "ok"}
     assert ready_again.status_code == 200

@@ -10,6 +10,8 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework.dispatcher._events import Event
+from pipework.dispatcher._queue import MemoryEventQueue
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
@@ -618,7 +620,8 @@ async def test_probe_survives_a_registry_swap_and_leaves_no_trace() -> None:
     assert b"canary" not in engine.metrics.exposition()
 
 
-async def test_probe_fails_in_time_when_no_worker_is_free(autojump_clock: trio.abc.Clock) -> None:
+async def test_probe_passes_when_every_worker_is_busy(autojump_clock: trio.abc.Clock) -> None:
+    # Readiness has a lane of its own: a full pool is busy, not unready.
     engine = make_engine(pool=pw.WeightedPool(1))
 
     @engine.pipe
@@ -628,7 +631,25 @@ async def test_probe_fails_in_time_when_no_worker_is_free(autojump_clock: trio.a
     engine.chain("hold", hold)
     async with engine:
         await engine.submit("hold")
+        await engine.submit("hold")  # and one waiting for the slot
         await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        await engine.probe(2.0)
+        assert trio.current_time() - start < 2.0
+
+
+class _StuckQueue(MemoryEventQueue):
+    """A dispatcher that takes one batch and then never hands it over."""
+
+    async def get_batch(self, limit: int = 256) -> list[Event]:
+        await super().get_batch(limit)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_probe_fails_in_time_when_no_worker_is_free(autojump_clock: trio.abc.Clock) -> None:
+    engine = make_engine(queue=_StuckQueue())
+    async with engine:
         start = trio.current_time()
         with pytest.raises((trio.TooSlowError, pw.Overloaded)):
             await engine.probe(2.0)

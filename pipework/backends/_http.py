@@ -31,7 +31,7 @@ import trio
 from .._errors import BackendError, DeadlineExceeded, RegistrationError
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
-from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service
+from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service, check_header_value, is_token
 from ._http_template import TemplateError, render_body
 
 __all__ = ["Backends", "http_pipe"]
@@ -207,6 +207,9 @@ def _build_request(
     for name, template in call.headers:
         rendered = template.render_header(state, name)
         if rendered is not None:
+            problem = check_header_value(name, rendered)
+            if problem is not None:  # refused here, not by httpx as if the backend failed
+                raise TemplateError(problem)
             headers[name] = rendered
     content: bytes | None = None
     if call.body is not None:
@@ -245,11 +248,16 @@ def _forwarded(state: Mapping[str, Any], key: str) -> dict[str, str]:
     }
     kept: dict[str, str] = {}
     for name, value in given.items():
+        # Checked here, before anything is sent: a header httpx or h11 would refuse is the
+        # client's mistake (400), never a failure of the backend (which it would count).
+        if not is_token(name):
+            raise TemplateError(f"forwarded header name {name!r} is not a valid header name")
         lowered = name.lower()
         if lowered in FORBIDDEN_HEADERS or lowered.startswith("proxy-") or lowered in named:
             continue
-        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-            raise TemplateError(f"forwarded header {name!r} may not hold control characters")
+        problem = check_header_value(name, value)
+        if problem is not None:
+            raise TemplateError(f"forwarded {problem}")
         kept[name] = value
     return kept
 

@@ -49,6 +49,9 @@ METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 DEFAULT_ACCEPT: Final = frozenset(range(200, 300))
 
 _TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+# RFC 9110 field-value, in ASCII (httpx encodes header values as ASCII): visible characters
+# with single spaces or tabs between them, none at either end.
+_FIELD_VALUE: Final = re.compile(r"(?:[\x21-\x7e](?:[ \t]*[\x21-\x7e])*)?\Z")
 
 
 def check_header_name(name: str) -> str | None:
@@ -63,6 +66,22 @@ def check_header_name(name: str) -> str | None:
     if lowered == "content-length":
         return "'Content-Length' cannot be set: it is computed from the body"
     return None
+
+
+def is_token(name: str) -> bool:
+    """Whether ``name`` is an RFC 9110 token (what a header name must be)."""
+    return _TOKEN.match(name) is not None
+
+
+def check_header_value(name: str, value: str) -> str | None:
+    """Why ``value`` cannot be sent as header ``name`` (RFC 9110), or None if it can."""
+    if _FIELD_VALUE.match(value):
+        return None
+    if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in value):
+        return f"header {name!r} may not hold control characters"
+    if value != value.strip(" \t"):
+        return f"header {name!r} may not start or end with whitespace"
+    return f"header {name!r} may hold only visible ASCII characters, spaces and tabs"
 
 
 def check_base_url(url: str) -> str | None:

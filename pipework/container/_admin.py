@@ -15,10 +15,12 @@ default. Every call needs ``Authorization: Bearer <token>``; a missing or wrong 
 from __future__ import annotations
 
 import hmac
+import math
 import os
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Final
 
 from quart import Response, request
 
@@ -26,7 +28,7 @@ from .._errors import PipeworkError
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..dispatcher._weighted_core import PoolConfigError, PoolStatistics, Weights
-from ._bodies import JSON, decode, dumps_json, read_body
+from ._bodies import JSON, decode_object, dumps_json, read_body
 from ._problems import Problem
 
 __all__ = ["AdminApi", "Reload", "admin_token"]
@@ -36,6 +38,10 @@ __all__ = ["AdminApi", "Reload", "admin_token"]
 Reload = Callable[[], Awaitable[dict[str, Any]]]
 
 _FIELDS = ("reserve", "limit", "max_waiting", "wait_timeout")
+# A key is named as in the config file's [pool.keys] tables.
+_KEY_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+# Counts above this are typing mistakes, not weights (no pool has a billion workers).
+_MAX_COUNT: Final = 1_000_000_000
 
 
 def admin_token(configured: str | None) -> str | None:
@@ -62,7 +68,11 @@ class AdminApi:
     def _authorize(self) -> None:
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), self._token):
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters, and any
+        # credential that is not the token, however malformed, is the same 401.
+        expected = self._token.encode("utf-8")
+        offered = given.strip().encode("utf-8", "surrogatepass")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(offered, expected):
             raise Problem(
                 401,
                 "Unauthorized",
@@ -89,22 +99,26 @@ class AdminApi:
     async def set_key(self, key: str) -> Response:
         self._authorize()
         pool = self._pool()
-        data = await read_body(request, limit=self._max_body, time_limit=self._time_limit)
-        body = decode(data, request.mimetype or None)
-        if not isinstance(body, dict) or not body or set(body) - set(_FIELDS):
-            raise Problem(
-                400,
-                "Bad Request",
-                f"send a JSON object with any of {', '.join(_FIELDS)}; got {body!r}",
-                slug="admin-bad-weights",
+        if not _KEY_NAME.match(key):
+            raise _bad_weights(
+                f"{key!r} cannot name a key: use letters, digits, '_', '-' and '.' "
+                "(up to 128, not starting with '-' or '.')"
             )
+        data = await read_body(request, limit=self._max_body, time_limit=self._time_limit)
+        body = decode_object(data, request.headers.get("Content-Type"))
+        if not body or set(body) - set(_FIELDS):
+            unknown = sorted(set(body or {}) - set(_FIELDS))
+            got = f"unknown field(s) {', '.join(map(repr, unknown))}" if unknown else "none"
+            raise _bad_weights(f"send a JSON object with any of {', '.join(_FIELDS)}; got {got}")
+        for name, value in body.items():
+            _check_field(name, value)
         config = pool.config
         current = config.keys.get(key, config.default)
         try:
             weights = replace(current, **body)
             generation = pool.reconfigure(config.with_weights(key, Weights(**_as_fields(weights))))
-        except (PoolConfigError, TypeError, ValueError) as exc:
-            raise Problem(400, "Bad Request", str(exc), slug="admin-bad-weights") from None
+        except PoolConfigError as exc:
+            raise _bad_weights(str(exc)) from None
         document = pool_document(pool.statistics())
         return _json({"config_generation": generation, "key": document["keys"].get(key)})
 
@@ -124,6 +138,43 @@ class AdminApi:
                 400, "Bad Request", f"the config was not reloaded: {exc}", slug="config-invalid"
             ) from None
         return _json({"reloaded": True, **summary})
+
+
+def _bad_weights(detail: str) -> Problem:
+    return Problem(400, "Bad Request", detail, slug="admin-bad-weights")
+
+
+def _check_field(name: str, value: Any) -> None:
+    """Refuse a weight of the wrong type or size, naming the field (JSON has one number
+    type: 1.5, true and 1e23 must not pass for counts)."""
+    if value is None and name in ("limit", "wait_timeout"):
+        return
+    if name == "wait_timeout":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad_weights(
+                f"wait_timeout must be a number of seconds or null, got {_kind(value)}"
+            )
+        if not (math.isfinite(value) and 0 < value <= 86_400):
+            raise _bad_weights(f"wait_timeout must be above 0 and at most 86400, got {value!r}")
+        return
+    nullable = " or null" if name == "limit" else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad_weights(f"{name} must be a whole number{nullable}, got {_kind(value)}")
+    if not 0 <= value <= _MAX_COUNT:
+        raise _bad_weights(f"{name} must be between 0 and {_MAX_COUNT}, got {value}")
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    names = {
+        bool: "a boolean",
+        str: "a string",
+        float: "a decimal number",
+        list: "a list",
+        dict: "an object",
+    }
+    return f"{names.get(type(value), type(value).__name__)} ({shown})"
 
 
 def _as_fields(weights: Weights) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import unquote_to_bytes
 
 import trio
 from quart import Response, g, request
@@ -203,10 +204,12 @@ class Container:
 
     def _build_app(self) -> QuartTrio:
         app = QuartTrio(__name__, static_folder=None)
+        app.asgi_app = _RequestGuard(app.asgi_app)  # type: ignore[method-assign]
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
         app.before_request(_take_correlation_id)
         app.before_request(self._check_headers)
+        app.before_request(_check_target)
         app.after_request(_give_correlation_id)
         app.register_error_handler(Problem, self._on_problem)
         app.register_error_handler(HTTPException, self._on_http_error)
@@ -315,6 +318,82 @@ class Container:
         )
         detail = "the server failed; its log has the details under this correlation id"
         return await self._on_problem(Problem(500, "Internal Server Error", detail))
+
+
+# RFC 9110: a header name is a token; a value holds no control character but HTAB.
+_HEADER_NAME: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_HEADER_VALUE: Final = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*\Z")
+# The raw request target: visible ASCII (anything else must be percent-encoded).
+_TARGET: Final = re.compile(rb"[\x21-\x7e]*\Z")
+
+
+class _RequestGuard:
+    """In front of Quart: refuse a request whose header names, header values or raw
+    target could not have come through HTTP/1.1 (h11 refuses them; another server might
+    not), with a 400 problem, before Quart parses them (it would fail on them with a 500)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http":
+            why = _malformed_request(scope)
+            if why is not None:
+                await _send_problem(send, 400, "Bad Request", why, "malformed-request")
+                return
+        await self.app(scope, receive, send)
+
+
+def _malformed_request(scope: Mapping[str, Any]) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if not _HEADER_NAME.match(name):
+            return "a request header has a name that is not an HTTP token"
+        if not _HEADER_VALUE.match(value):
+            return "a request header's value holds a control character"
+    raw_path = scope.get("raw_path")
+    if isinstance(raw_path, bytes) and not _TARGET.match(raw_path):
+        return "the request's path holds characters that must be percent-encoded"
+    if not _TARGET.match(scope.get("query_string", b"")):
+        return "the request's query holds characters that must be percent-encoded"
+    return None
+
+
+async def _send_problem(send: Any, status: int, title: str, detail: str, slug: str) -> None:
+    correlation_id = new_correlation_id()
+    problem = Problem(status, title, detail, slug=slug)
+    body = dumps_json(problem.document(correlation_id=correlation_id, instance="/")).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        (b"x-request-id", correlation_id.encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _check_target() -> None:
+    """One rule for the request target: its path and its query, once percent-decoded, are
+    UTF-8, or the request is a 400. (The server would turn ``%FF`` in a path into U+FFFD
+    and the query parser would keep it as ``%FF``: neither is what the client meant.)"""
+    scope = request.scope
+    raw_path = scope.get("raw_path")
+    path = (
+        raw_path
+        if isinstance(raw_path, bytes)
+        else scope.get("path", "").encode("utf-8", "surrogatepass")
+    )
+    query = scope.get("query_string", b"")
+    for part, what in ((path, "path"), (query.replace(b"+", b" "), "query")):
+        try:
+            unquote_to_bytes(part).decode("utf-8")
+        except UnicodeDecodeError:
+            raise Problem(
+                400,
+                "Bad request target",
+                f"the request's {what} is not UTF-8 once percent-decoded",
+                slug="bad-encoding",
+            ) from None
 
 
 async def _healthz() -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
@@ -19,6 +20,7 @@ import msgpack
 import trio
 from quart import Request
 from werkzeug.datastructures import MultiDict
+from werkzeug.http import parse_options_header
 
 from ._problems import Problem
 
@@ -29,6 +31,7 @@ __all__ = [
     "build_state",
     "choose_media_type",
     "decode",
+    "decode_object",
     "encode",
     "parse_prefer",
     "read_body",
@@ -39,6 +42,13 @@ JSON: Final = "application/json"
 MSGPACK: Final = "application/msgpack"
 _MSGPACK_TYPES: Final = frozenset({MSGPACK, "application/x-msgpack", "application/vnd.msgpack"})
 _OFFERED: Final = [JSON, *sorted(_MSGPACK_TYPES)]
+# type "/" subtype, both RFC 9110 tokens.
+_TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_MEDIA_TYPE: Final = re.compile(f"{_TOKEN}/{_TOKEN}\\Z")
+#: How deep a request's body may nest (objects and arrays); deeper is a 400. Job state
+#: is walked recursively (checked, fingerprinted, merged), so the bound is the container's.
+MAX_DEPTH: Final = 100
+_WAIT: Final = re.compile(r"[0-9]{1,9}\Z")
 
 
 def is_msgpack(media_type: str) -> bool:
@@ -85,27 +95,85 @@ def _too_large(limit: int) -> NoReturn:
     )
 
 
-def decode(data: bytes, media_type: str | None, *, what: str = "request body") -> Any:
-    """Decode a JSON or msgpack body; an empty body is None."""
+def decode(data: bytes, content_type: str | None, *, what: str = "request body") -> Any:
+    """Decode a JSON or msgpack body by its ``Content-Type`` header (a bare media type
+    will do); an empty body is None. JSON is UTF-8 only (RFC 8259); a body nests at most
+    :data:`MAX_DEPTH` levels."""
     if not data:
         return None
-    if not media_type:
-        raise Problem(
-            415,
-            "Unsupported Media Type",
-            f"the {what} has no Content-Type; send application/json or application/msgpack",
-            slug="unsupported-media-type",
-        )
+    media_type, charset = _media_type(content_type, what)
     if media_type == JSON or media_type.endswith("+json"):
-        return _decode_json(data, what)
-    if is_msgpack(media_type):
-        return _decode_msgpack(data, what)
-    raise Problem(
-        415,
-        "Unsupported Media Type",
-        f"the {what} is {media_type}; send application/json or application/msgpack",
-        slug="unsupported-media-type",
-    )
+        if charset not in (None, "utf-8", "utf8"):
+            raise _unsupported(f"the {what} is JSON in {charset}; JSON is sent as UTF-8 (RFC 8259)")
+        value = _decode_json(data, what)
+    elif is_msgpack(media_type):
+        value = _decode_msgpack(data, what)
+    else:
+        raise _unsupported(
+            f"the {what} is {media_type}; send application/json or application/msgpack"
+        )
+    if _depth_over(value, MAX_DEPTH):
+        raise Problem(
+            400,
+            "Malformed body",
+            f"the {what} nests deeper than {MAX_DEPTH} levels",
+            slug="malformed",
+        )
+    return value
+
+
+def decode_object(data: bytes, content_type: str | None, *, what: str = "request body") -> Any:
+    """Like :func:`decode`, but a body that is there must be an object (a msgpack map):
+    its members become job state. None only when there is no body at all."""
+    value = decode(data, content_type, what=what)
+    if data and not isinstance(value, dict):
+        raise Problem(
+            400,
+            "Malformed body",
+            f"the {what} must be a JSON object or msgpack map, not "
+            f"{'null' if value is None else type(value).__name__}: its members become the "
+            "job's state",
+            slug="body-not-an-object",
+        )
+    return value
+
+
+def _media_type(content_type: str | None, what: str) -> tuple[str, str | None]:
+    if content_type is None or not content_type.strip():
+        raise _unsupported(
+            f"the {what} has no Content-Type; send application/json or application/msgpack"
+        )
+    media_type, options = parse_options_header(content_type)
+    media_type = media_type.lower()
+    if not _MEDIA_TYPE.match(media_type):
+        shown = content_type if len(content_type) <= 80 else content_type[:77] + "..."
+        raise _unsupported(
+            f"the {what}'s Content-Type {shown!r} is not a media type (type/subtype); "
+            "send application/json or application/msgpack"
+        )
+    charset = options.get("charset")
+    return media_type, None if charset is None else charset.lower()
+
+
+def _unsupported(detail: str) -> Problem:
+    return Problem(415, "Unsupported Media Type", detail, slug="unsupported-media-type")
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests deeper than ``limit`` containers (walked without recursion)."""
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        pending.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _malformed(what: str, kind: str, error: BaseException) -> Problem:
@@ -127,7 +195,9 @@ def _finite(text: str) -> float:
 
 def _decode_json(data: bytes, what: str) -> Any:
     try:
-        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite)
+        # Decoded here, strictly: json.loads would take UTF-16 and UTF-32 bodies as well.
+        text = data.decode("utf-8")
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise _malformed(what, "JSON", exc) from None
 
@@ -191,8 +261,8 @@ def parse_prefer(headers: Iterable[str]) -> Preferences:
             name, value = name.strip().lower(), value.strip().strip('"')
             if name == "respond-async":
                 respond_async = True
-            elif name == "wait" and wait is None and value.isdigit():
-                wait = float(value)
+            elif name == "wait" and wait is None and _WAIT.match(value):
+                wait = float(value)  # ASCII digits only: anything else is ignored (RFC 7240)
     return Preferences(respond_async, wait)
 
 

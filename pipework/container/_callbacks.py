@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import math
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -30,6 +31,9 @@ __all__ = ["SECRET_ENV", "CallbackSigner"]
 
 SECRET_ENV: Final = "PIPEWORK_CALLBACK_SECRET"
 _MIN_SECRET: Final = 16
+# Query values are parsed strictly: ASCII digits only (str.isdigit() takes "²" and "٣").
+_EXPIRES: Final = re.compile(r"[0-9]{1,12}\Z")
+_SIGNATURE: Final = re.compile(r"[A-Za-z0-9_-]{1,128}\Z")
 
 
 class CallbackSigner:
@@ -79,10 +83,10 @@ class CallbackSigner:
     def verify(self, job_id: str, signal: str, exp: str | None, sig: str | None) -> None:
         """Raise a 403 problem unless ``exp`` and ``sig`` sign this job and signal and the
         URL has not expired."""
-        if exp is None or sig is None or not exp.isdigit():
-            raise _refused("the callback URL lacks its exp and sig parameters")
+        if exp is None or sig is None or not _EXPIRES.match(exp) or not _SIGNATURE.match(sig):
+            raise _refused("the callback URL lacks its exp and sig parameters, or one is malformed")
         expected = self._sign("POST", self.path(job_id, signal), int(exp))
-        if not hmac.compare_digest(expected.encode(), sig.encode()):
+        if not hmac.compare_digest(expected.encode(), sig.encode("ascii")):
             raise _refused("the callback URL's signature does not match")
         if int(exp) <= self._clock():
             raise _refused("the callback URL has expired; ask the job for a new one")

@@ -198,7 +198,7 @@ class JobsApi:
 
     async def _payload(self) -> Any:
         data = await read_body(request, limit=self.max_body, time_limit=self.body_time_limit)
-        return decode(data, request.mimetype or None, what="signal payload")
+        return decode(data, request.headers.get("Content-Type"), what="signal payload")
 
 
 async def _quietly_wait(engine: Engine, job_id: str) -> None:

@@ -25,10 +25,11 @@ from quart import Response, g, request
 from .._errors import JobNotFound, PipeworkError
 from ..dispatcher._engine import Engine
 from ..dispatcher._status import Status
+from ..pipes._state import check_state
 from ._bodies import (
     build_state,
     choose_media_type,
-    decode,
+    decode_object,
     dumps_json,
     encode,
     parse_prefer,
@@ -175,11 +176,19 @@ class Submissions:
     async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
         if self.parking.draining:
             raise shutting_down()
+        # Everything the request says is read and checked before a job exists: a request
+        # answered 4xx has started nothing.
+        prefs = parse_prefer(request.headers.getlist("Prefer"))
+        header = request.headers.get("Idempotency-Key")
+        key = None if header is None else f"{route.name}\n{check_key(header)}"
         limit = self.max_body if route.max_body is None else route.max_body
         data = await read_body(request, limit=limit, time_limit=self.body_time_limit)
-        state = build_state(decode(data, request.mimetype or None), request.args, params)
-        ticket = await self._submit(route, state)
-        prefs = parse_prefer(request.headers.getlist("Prefer"))
+        body = decode_object(data, request.headers.get("Content-Type"))
+        state = check_state(build_state(body, request.args, params))
+        # An async answer promises the job will run: its admission is decided now (503 +
+        # Retry-After if the pool would refuse it), and it then waits for its slot.
+        admit = route.mode == "async"
+        ticket = await self._submit(route, state, key, admit=admit)
         if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
         if route.mode == "stream":
@@ -199,18 +208,19 @@ class Submissions:
 
     # -- submitting ----------------------------------------------------------------------
 
-    async def _submit(self, route: Route, state: dict[str, Any]) -> _Ticket:
-        header = request.headers.get("Idempotency-Key")
-        if header is None:
+    async def _submit(
+        self, route: Route, state: dict[str, Any], key: str | None, *, admit: bool
+    ) -> _Ticket:
+        if key is None:
             token = secrets.token_urlsafe(32)
-            return _Ticket(await self._new_job(route, state, token), token, replayed=False)
-        key = f"{route.name}\n{check_key(header)}"
+            job_id = await self._new_job(route, state, token, admit=admit)
+            return _Ticket(job_id, token, replayed=False)
         digest = fingerprint(route.method, request.path, state)
         with trio.move_on_after(_CLAIM_WAIT):
             while True:
                 claim = self.idempotency.get(key)
                 if claim is None:
-                    return await self._first_with_key(route, state, key, digest)
+                    return await self._first_with_key(route, state, key, digest, admit=admit)
                 if claim.fingerprint != digest:
                     raise Problem(
                         422,
@@ -239,12 +249,12 @@ class Submissions:
         )
 
     async def _first_with_key(
-        self, route: Route, state: dict[str, Any], key: str, digest: str
+        self, route: Route, state: dict[str, Any], key: str, digest: str, *, admit: bool
     ) -> _Ticket:
         token = secrets.token_urlsafe(32)
         claim = self.idempotency.claim(key, digest, token)
         try:
-            job_id = await self._new_job(route, state, token)
+            job_id = await self._new_job(route, state, token, admit=admit)
             view = await self.engine.status(job_id)
         except BaseException:
             self.idempotency.forget(key, claim)
@@ -252,7 +262,9 @@ class Submissions:
         self.idempotency.bind(key, claim, job_id, view.deadline + self.retain_seconds)
         return _Ticket(job_id, token, replayed=False)
 
-    async def _new_job(self, route: Route, state: dict[str, Any], token: str) -> str:
+    async def _new_job(
+        self, route: Route, state: dict[str, Any], token: str, *, admit: bool
+    ) -> str:
         timeout = route.timeout
         if timeout is None:
             timeout = self.engine.registry.get_chain(route.chain).timeout
@@ -267,6 +279,7 @@ class Submissions:
             correlation_id=g.correlation_id,
             token=token,
             stream=route.mode == "stream",
+            admit=admit,
         )
 
     # -- answering -----------------------------------------------------------------------

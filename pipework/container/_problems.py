@@ -55,6 +55,8 @@ _KINDS: Final[Mapping[str, tuple[str, str]]] = {
     "JobCancelled": ("job-cancelled", "Job cancelled"),
     "SignalError": ("signal-refused", "Signal refused"),
     "StateError": ("invalid-state", "Invalid job state"),
+    # The job's input cannot make a valid backend request (refused before sending).
+    "TemplateError": ("backend-request-refused", "Backend request refused"),
 }
 
 

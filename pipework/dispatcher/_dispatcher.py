@@ -98,6 +98,8 @@ class Dispatcher:
         self.branch_errors: dict[str, BaseException] = {}
         #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
         self.callback_factory: Callable[[str, str, float], str] | None = None
+        #: Called with each top-level job once it is final (the engine retires idle plans).
+        self.on_finished: Callable[[Job], None] | None = None
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -255,9 +257,10 @@ class Dispatcher:
             try:
                 with scope:
                     # A resumed job carries an outside fact (a payment, an approval): it waits
-                    # out the load up to its deadline rather than be refused. Every other
-                    # step fails fast under load, as the pool's bounds intend.
-                    continuing = isinstance(event, Resume)
+                    # out the load up to its deadline rather than be refused, as does a job
+                    # admitted when it was accepted (an async job's 202). Every other step
+                    # fails fast under load, as the pool's bounds intend.
+                    continuing = isinstance(event, Resume) or job.admitted
                     slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
                     try:
                         async with slot:
@@ -668,6 +671,8 @@ class Dispatcher:
             await self._record_end(job, status, result, exc, where)
         finally:
             # Whoever waits hears of the end even if recording it failed.
+            if self.on_finished is not None and job.parent is None:
+                self.on_finished(job)
             stream = self._streams.pop(job.id, None)
             if stream is not None:
                 stream.close()

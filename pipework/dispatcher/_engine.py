@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
 
@@ -35,10 +35,13 @@ from ._status import TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
 from ._weighted import WeightedPool
 
-__all__ = ["PROBE_CHAIN", "Engine"]
+__all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine"]
 
 #: The engine's own chain that :meth:`Engine.probe` runs (in plan 0, not in any registry).
 PROBE_CHAIN: Final = "_pipework_canary"
+#: The probe's admission key: a lane of one slot of its own, outside the pool's keys, so
+#: traffic can never starve readiness (see :class:`_ProbeLane`).
+PROBE_KEY: Final = "_pipework_probe"
 
 
 class _PipeDecorator(Protocol):
@@ -88,10 +91,20 @@ class Engine:
         self._stream_buffer = stream_buffer
         self.metrics = metrics or Metrics()
         self._dispatcher = Dispatcher(
-            self.registry, self.store, self.queue, self.pool, self.metrics, self.key_label
+            self.registry,
+            self.store,
+            self.queue,
+            _ProbeLane(self.pool),
+            self.metrics,
+            self.key_label,
         )
         # The engine's own chains live in a plan of their own, which no swap replaces.
         self._dispatcher.plans[INTERNAL_PLAN] = _internal_registry()
+        # The active top-level jobs of each user plan: a replaced plan with none left is
+        # retired (dropped, and whoever waits in wait_plan_retired is told).
+        self._plan_jobs: dict[int, set[str]] = {1: set()}
+        self._retired: dict[int, trio.Event] = {}
+        self._dispatcher.on_finished = self._job_finished
         self.metrics.watch(
             queue=self.queue, jobs=self._job_counts, pool=self.pool, key_label=self.key_label
         )
@@ -109,8 +122,35 @@ class Engine:
         finish on the plan they started with. Returns the new plan generation."""
         generation = self.plan_generation + 1
         self._dispatcher.plans[generation] = registry
+        self._plan_jobs[generation] = set()
         self.registry = registry
+        for older in list(self._plan_jobs):
+            self._retire_if_idle(older)
         return generation
+
+    async def wait_plan_retired(self, generation: int) -> None:
+        """Wait until plan ``generation`` has been replaced (:meth:`swap_registry`) and the
+        last job accepted on it has ended; the engine has then dropped it, and whatever
+        its pipes use (a gateway's HTTP clients) may be closed. Returns at once for a plan
+        already retired."""
+        if generation not in self._plan_jobs:
+            return
+        await self._retired.setdefault(generation, trio.Event()).wait()
+
+    def _job_finished(self, job: Job) -> None:
+        jobs = self._plan_jobs.get(job.plan)
+        if jobs is not None:
+            jobs.discard(job.id)
+            self._retire_if_idle(job.plan)
+
+    def _retire_if_idle(self, generation: int) -> None:
+        if generation == self.plan_generation or self._plan_jobs.get(generation):
+            return
+        self._plan_jobs.pop(generation, None)
+        self._dispatcher.plans.pop(generation, None)
+        event = self._retired.pop(generation, None)
+        if event is not None:
+            event.set()
 
     def key_label(self, key: str) -> str:
         """The metrics label for an admission key: configured keys by name, others
@@ -184,11 +224,16 @@ class Engine:
         correlation_id: str | None = None,
         token: str | None = None,
         stream: bool = False,
+        admit: bool = False,
     ) -> str:
         """Accept a job and return its id, or raise Overloaded at once if the queue is full.
 
         ``timeout`` overrides the chain's; ``token`` is the owner secret (only its hash is
         kept); ``stream=True`` keeps emitted chunks for :meth:`stream` instead of the record.
+        ``admit=True`` decides the job's admission now: :class:`~pipework.Rejected` if the
+        pool would refuse its first step (a pool without ``check_admission`` never does);
+        once accepted, its steps wait for their slots up to its deadline and are never
+        refused for load. For work promised before it runs, as an async route's 202.
         """
         return await self._accept(
             self.plan_generation,
@@ -198,6 +243,7 @@ class Engine:
             correlation_id=correlation_id,
             token=token,
             stream=stream,
+            admit=admit,
         )
 
     async def _accept(
@@ -210,6 +256,7 @@ class Engine:
         correlation_id: str | None = None,
         token: str | None = None,
         stream: bool = False,
+        admit: bool = False,
     ) -> str:
         if self._nursery is None:
             raise RuntimeError("the engine is not running; use `async with engine:` first")
@@ -227,13 +274,27 @@ class Engine:
             token_hash=None if token is None else hash_token(token),
             accepted_at=now,
             plan=generation,
+            admitted=admit,
         )
         self._dispatcher.start_frames(job, plan)
-        await self.store.create(job)
+        check_admission = getattr(self.pool, "check_admission", None)
+        if admit and check_admission is not None:
+            check_admission(job.key, deadline=deadline)
+        # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
+        jobs = self._plan_jobs.get(generation)
+        if jobs is not None:
+            jobs.add(job.id)
         try:
-            self.queue.submit_nowait(RunJob(job.id))
-        except Overloaded:
-            await self.store.delete(job.id)
+            await self.store.create(job)
+            try:
+                self.queue.submit_nowait(RunJob(job.id))
+            except Overloaded:
+                await self.store.delete(job.id)
+                raise
+        except BaseException:
+            if jobs is not None:
+                jobs.discard(job.id)
+                self._retire_if_idle(generation)
             raise
         if stream:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
@@ -354,8 +415,37 @@ def _internal_registry() -> Catalogue:
         ctx.state["ok"] = True
 
     registry.add_pipe(Pipe(probe, PROBE_CHAIN))
-    registry.chain(PROBE_CHAIN, PROBE_CHAIN)
+    registry.chain(PROBE_CHAIN, PROBE_CHAIN, key=PROBE_KEY)
     return registry
+
+
+class _ProbeLane:
+    """The pool as the dispatcher sees it: ``pool`` for every key but :data:`PROBE_KEY`,
+    whose steps take a lane of one slot of their own. Readiness so proves the queue and a
+    worker without competing with traffic for the pool's slots (a busy pool is not an
+    unready one), and no pool config or reload can take that slot away."""
+
+    def __init__(self, pool: Admission) -> None:
+        self.pool = pool
+        self._lane: trio.Lock | None = None
+
+    def slot(
+        self, key: str, *, deadline: float = math.inf, continuing: bool = False
+    ) -> AbstractAsyncContextManager[None]:
+        if key == PROBE_KEY:
+            return self._probe_slot()
+        return self.pool.slot(key, deadline=deadline, continuing=continuing)
+
+    @asynccontextmanager
+    async def _probe_slot(self) -> AsyncIterator[None]:
+        if self._lane is None:
+            self._lane = trio.Lock()
+        async with self._lane:  # the probe's deadline is enforced by Engine.probe
+            yield
+
+    def record(self, key: str, *, ok: bool, latency: float) -> None:
+        if key != PROBE_KEY:
+            self.pool.record(key, ok=ok, latency=latency)
 
 
 def _outcome(job: Job, exception: BaseException | None) -> Any:

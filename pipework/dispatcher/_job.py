@@ -170,6 +170,9 @@ class Job:
     plan: int = 1
     #: The trio clock when the job was accepted (durations and metrics).
     accepted_at: float = 0.0
+    #: Its admission was decided when it was accepted (an async job's 202): every step
+    #: then waits for its slot up to the deadline instead of being refused for load.
+    admitted: bool = False
     #: Absolute trio time after which a finished job is dropped (None while active).
     retain_until: float | None = None
     #: A branch of a parallel stage: its parent job, its index there, and which join.

@@ -86,6 +86,7 @@ async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) ->
         join_id=record.id,
         accepted_at=trio.current_time(),
         plan=parent.plan,
+        admitted=parent.admitted,
     )
     d.start_frames(child, chain)
     record.children[index] = child.id

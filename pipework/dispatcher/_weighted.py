@@ -94,6 +94,11 @@ class WeightedPool:
         """
         return _Slot(self, key, deadline, continuing)
 
+    def check_admission(self, key: str, *, deadline: float = math.inf) -> None:
+        """Raise :class:`~pipework.Rejected` if a new step under ``key`` would be refused
+        now; return if it would be granted or queued (nothing is held either way)."""
+        self._core.check_admission(key, trio.current_time(), deadline=deadline)
+
     @enable_ki_protection
     def reconfigure(self, config: PoolConfig) -> int:
         """Swap ``config`` in at once and wake the waiters it settles; returns the new

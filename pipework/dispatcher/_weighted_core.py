@@ -350,6 +350,36 @@ class AdmissionCore:
             self._enqueue(k, ticket, now, deadline)
         return ticket
 
+    def check_admission(self, key: str, now: float, *, deadline: float = math.inf) -> None:
+        """Raise the :class:`Rejected` a new step under ``key`` would get now (paused, queue
+        full, or a predicted wait past ``deadline``); return if it would be granted or queued.
+
+        For work that is promised before it runs (an async job's 202): its admission is
+        decided here, and its steps then ask with ``continuing=True``. Nothing is held."""
+        k = self._keys.get(key) or self._add_key(key)
+        if not k.queue and self._fits(k):
+            return
+        if k.weights.limit == 0:
+            raise self._paused(k)
+        position = len(k.queue) + 1
+        if position > k.weights.max_waiting:
+            raise self._reject(
+                k,
+                "queue_full",
+                f"key {k.name!r} already has {len(k.queue)} waiting steps (its max_waiting); "
+                "try again later, or raise its limit or max_waiting",
+            )
+        predicted = self._predict_wait(k, position)
+        if predicted is not None and deadline - now < predicted:
+            raise self._reject(
+                k,
+                "deadline",
+                f"the job would have {deadline - now:.3g} s but a worker slot for key "
+                f"{k.name!r} is predicted in about {predicted:.3g} s; try again later, or "
+                "give the job more time or the key more workers",
+                retry_after=predicted,
+            )
+
     def release(self, ticket: Ticket, now: float) -> list[Ticket]:
         """Give a granted slot back; returns the waiters granted in its place."""
         if ticket.state is not TicketState.GRANTED:

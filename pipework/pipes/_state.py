@@ -34,35 +34,62 @@ def check_value(value: object, *, root: str = "value") -> None:
         # The C packer is the fast path; only a failure pays for the walk that names the path.
         msgpack.packb(value)
     except (TypeError, ValueError, OverflowError) as exc:
-        path, bad = _find(value, root)
-        path = path or root
+        path, why = _find(value, root, 0)
+        if not path:  # the packer refused what the walk accepts: say what it said
+            path, why = root, f"a value msgpack cannot store ({exc})"
         raise StateError(
-            f"{path} holds {type(bad).__name__} {_short(bad)}, which job state cannot store "
+            f"{path} holds {why}, which job state cannot store "
             "(use str, bytes, int, float, bool, None, list or dict)",
             path=path,
         ) from exc
 
 
-def _find(value: object, path: str) -> tuple[str, object]:
+# The C packer's own nesting bound; the walk stops there too (and stays far from Python's).
+_MAX_DEPTH = 511
+
+
+def _find(value: object, path: str, depth: int) -> tuple[str, str]:
+    """The path of the first value msgpack cannot store and what it is; ("", "") if none."""
+    if depth > _MAX_DEPTH:
+        return path, f"a value nested deeper than {_MAX_DEPTH} levels"
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, _SCALARS):
-                return f"{path}[{key!r}]", key
-            found = _find(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]")
+            if not isinstance(key, _SCALARS) or _lone_surrogate(key):
+                return f"{path}[{_short(key)}]", _describe(key)
+            inner = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]"
+            found = _find(item, inner, depth + 1)
             if found[0]:
                 return found
-        return "", None
+        return "", ""
     if isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            found = _find(item, f"{path}[{index}]")
+            found = _find(item, f"{path}[{index}]", depth + 1)
             if found[0]:
                 return found
-        return "", None
+        return "", ""
     if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
-        return path, value
+        return path, f"an integer out of range ({_short(value)}; msgpack takes -2**63 to 2**64-1)"
+    if isinstance(value, str) and _lone_surrogate(value):
+        return path, _describe(value)
     if isinstance(value, _SCALARS):
-        return "", None
-    return path, value
+        return "", ""
+    return path, _describe(value)
+
+
+def _lone_surrogate(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _describe(value: object) -> str:
+    if _lone_surrogate(value):
+        return f"str {_short(value)}, which is not valid Unicode (it holds a lone surrogate)"
+    return f"{type(value).__name__} {_short(value)}"
 
 
 def _short(value: object) -> str:

@@ -5,8 +5,9 @@
 nothing and the caller gets every problem. A good one is built completely — its backends
 opened, its pipes and chains registered — and only then swapped in, in one step with no
 await: the engine's plan (new jobs run the new chains, accepted jobs keep theirs), the
-routes, and the pool's weights. Backends of earlier plans stay open until shutdown, since
-jobs still running on an earlier plan call through them.
+routes, and the pool's weights. A replaced plan's backends (its httpx clients and their
+connections) stay open while jobs accepted on it still run, and are closed once the last
+of them ends (:meth:`Engine.wait_plan_retired`); whatever is left closes at shutdown.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import trio
 
+from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
 from ..dispatcher._engine import Engine
@@ -57,6 +59,8 @@ class Gateway:
         self.container: Container | None = None
         self._pool: WeightedPool | None = None
         self._stack: AsyncExitStack | None = None
+        self._retiring: trio.Nursery | None = None
+        self._backends: Backends | None = None  # the current plan's
         self._lock = trio.Lock()
 
     async def run(
@@ -73,7 +77,7 @@ class Gateway:
         pool = self._pool = WeightedPool.from_config(config.pool_config())
         async with AsyncExitStack() as stack:
             self._stack = stack
-            backends = await stack.enter_async_context(config.backends())
+            backends = self._backends = await stack.enter_async_context(config.backends())
             engine = self.engine = Engine(
                 pool=pool,
                 registry=build_registry(config, backends),
@@ -81,7 +85,8 @@ class Gateway:
                 default_timeout=config.server.default_timeout,
             )
             backends.metrics = engine.metrics
-            async with engine:
+            async with engine, trio.open_nursery() as retiring:
+                self._retiring = retiring
                 container = self.container = Container(
                     engine,
                     config=replace(_container_config(config), **self.overrides),
@@ -93,11 +98,21 @@ class Gateway:
                     shutdown_trigger=stop,
                     task_status=task_status,
                 )
+                retiring.cancel_scope.cancel()  # the stack closes what is still open
+
+    @staticmethod
+    async def _retire(engine: Engine, generation: int, backends: Backends | None) -> None:
+        """Close plan ``generation``'s backends once its last job has ended."""
+        await engine.wait_plan_retired(generation)
+        if backends is not None:
+            await backends.__aexit__(None, None, None)  # the stack's own exit is then a no-op
+            _log.info("closed the backends of plan %d", generation)
 
     async def reload(self) -> dict[str, Any]:
         """Check the file again and swap it in; raises ConfigError (changing nothing)."""
         engine, container, pool, stack = self.engine, self.container, self._pool, self._stack
-        if engine is None or container is None or pool is None or stack is None:
+        retiring = self._retiring
+        if engine is None or container is None or pool is None or stack is None or not retiring:
             raise RuntimeError("the gateway is not serving yet")
         async with self._lock:  # one reload at a time: each builds on the plan in force
             config = await trio.to_thread.run_sync(load_config, self.path)
@@ -110,6 +125,8 @@ class Gateway:
             container.set_routes(registry.routes.values())
             weights = pool.reconfigure(pool_config)
             self.config = config
+            retiring.start_soon(self._retire, engine, generation - 1, self._backends)
+            self._backends = backends
         for warning in config.warnings:
             _log.warning("%s", warning.format(config.source))
         _log.info("reloaded %s: plan %d, pool config %d", self.path, generation, weights)
