@@ -8,6 +8,9 @@ import trio.testing
 
 import pipework as pw
 
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
 
 async def run_scenario(b_jobs: int) -> tuple[list[float], list[BaseException], int]:
     """Four clients each run ten 1-second "a" jobs back to back while ``b_jobs`` jobs for a
