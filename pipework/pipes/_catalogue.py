@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import overload
 
 from .._errors import RegistrationError
-from ._pipe import Pipe, PipeFunction
+from ._pipe import Pipe, PipeFunction, is_seconds
 from ._stages import Chain, Serial, StageItem, resolve
 
 __all__ = ["Catalogue"]
@@ -90,9 +90,7 @@ class Catalogue:
             raise RegistrationError(f"a chain named {name!r} is already registered")
         if not items:
             raise RegistrationError(f"chain {name!r} needs at least one pipe or stage")
-        if timeout is not None and not (
-            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
-        ):
+        if timeout is not None and not is_seconds(timeout):
             raise RegistrationError(
                 f"chain {name!r}: timeout must be a positive number of seconds or None, "
                 f"got {timeout!r}"

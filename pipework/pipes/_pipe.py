@@ -14,7 +14,7 @@ import trio
 from .._errors import RegistrationError
 from ._state import check_value
 
-__all__ = ["Context", "Pipe", "PipeFunction", "Suspend", "as_pipe"]
+__all__ = ["Context", "Pipe", "PipeFunction", "Suspend", "as_pipe", "is_seconds"]
 
 PipeFunction = Callable[["Context"], Awaitable[None]] | Callable[["Context"], None]
 
@@ -57,11 +57,7 @@ class Pipe:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise RegistrationError(f"a pipe's name must be a non-empty string, got {self.name!r}")
-        if self.timeout is not None and not (
-            isinstance(self.timeout, int | float)
-            and not isinstance(self.timeout, bool)
-            and self.timeout > 0
-        ):
+        if self.timeout is not None and not is_seconds(self.timeout):
             raise RegistrationError(
                 f"pipe {self.name!r}: timeout must be a positive number of seconds or None, "
                 f"got {self.timeout!r}"
@@ -96,6 +92,11 @@ class Pipe:
             await trio.to_thread.run_sync(self.fn, ctx)
         else:
             await self.fn(ctx)  # type: ignore[misc]  # async by the check in __post_init__
+
+
+def is_seconds(value: object) -> bool:
+    """Whether ``value`` is a positive number of seconds (a bool is not a number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def as_pipe(item: Pipe | PipeFunction) -> Pipe:

@@ -14,7 +14,7 @@ from .._errors import RegistrationError
 from ._graph import validate_graph
 from ._join import Join, Outcome
 from ._merge import MergePolicy, MergeRule
-from ._pipe import Pipe, PipeFunction, as_pipe
+from ._pipe import Pipe, PipeFunction, as_pipe, is_seconds
 
 __all__ = [
     "BranchEnd",
@@ -117,14 +117,10 @@ def serial(*items: StageItem, timeout: float | None = None) -> Serial:
 
 
 def _check_timeout(kind: str, timeout: float | None) -> None:
-    if timeout is not None and not (_is_number(timeout) and timeout > 0):
+    if timeout is not None and not is_seconds(timeout):
         raise RegistrationError(
             f"{kind}(): timeout must be a positive number of seconds or None, got {timeout!r}"
         )
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_item(kind: str, what: str, item: object) -> None:
