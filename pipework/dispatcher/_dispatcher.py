@@ -84,6 +84,8 @@ class Dispatcher:
         self.branch_errors: dict[str, BaseException] = {}
         #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
         self.callback_factory: Callable[[str, str, float], str] | None = None
+        #: Called with a job's record after each change of its status or progress.
+        self.changed: Callable[[Job], None] = lambda job: None
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -294,6 +296,7 @@ class Dispatcher:
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
+        self.changed(job)
         while True:
             pipe = self._advance(job, chain)
             if pipe is None:
@@ -313,6 +316,7 @@ class Dispatcher:
                 job.key = key
                 job.transition(Status.QUEUED)
                 await self.store.update(job)
+                self.changed(job)
                 self.queue.put_nowait(RunJob(job.id))
                 log_job(
                     "job handed off",
@@ -484,6 +488,7 @@ class Dispatcher:
         job.key = self._next_key(job, chain)
         job.transition(Status.SUSPENDED)
         await self.store.update(job)
+        self.changed(job)
         if job.suspend_deadline < math.inf:
             self.spawn(self._timer, job.id, job.version, job.suspend_deadline)
         log_job(
@@ -531,6 +536,7 @@ class Dispatcher:
         job.waiting_for = job.suspend_into = job.suspend_deadline = None
         job.transition(Status.QUEUED)
         await self.store.update(job)
+        self.changed(job)
         self._cancel_timer(job.id)
         self.queue.put_nowait(Resume(job.id, signal))
         log_job(
@@ -591,6 +597,7 @@ class Dispatcher:
         job.key = self._next_key(job, chain)
         job.transition(Status.QUEUED)
         await self.store.update(job)
+        self.changed(job)
         self.queue.put_nowait(RunJob(job.id))
 
     async def cancel(self, job: Job) -> None:
@@ -640,6 +647,7 @@ class Dispatcher:
             )
         if job.parent is None:
             await self.store.update(job)  # a branch's record is dropped once it reports
+        self.changed(job)
         duration = trio.current_time() - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
@@ -686,11 +694,13 @@ class Dispatcher:
         if job is not None and job.parent is None:  # the job's own pipe, in this step
             job.progress = Progress(done, total, message)
             await self.store.update(job)
+            self.changed(job)
             return
         # A pipe inside a parallel branch reports on the job its caller follows.
         root = await self._root_of(ctx.job_id)
         root.progress = Progress(done, total, message, branch=ctx.path)
         await self.store.update(root)
+        self.changed(root)
 
     async def _root_of(self, job_id: str) -> Job:
         """The top-level job a branch (at any depth) belongs to."""
