@@ -23,6 +23,8 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework.container._board import Boards, BoardSpec
+from pipework.container._board_metrics import BoardCollector
 from pipework.dispatcher._weighted import WeightedPool
 from pipework.dispatcher._weighted_core import Weights
 
@@ -104,6 +106,8 @@ async def _default_engine() -> str:
         ctx.state["greeting"] = "hello"
 
     engine.chain("hello", hello, result="greeting")
+    # What a serving container adds: its push boards' families.
+    engine.metrics.registry.register(BoardCollector(Boards([BoardSpec("news")])))
     with trio.fail_after(HANG_GUARD):
         async with engine:
             assert await engine.run("hello") == "hello"

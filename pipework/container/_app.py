@@ -35,6 +35,10 @@ from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..dispatcher._engine import PROBE_CHAIN, Engine
 from ..dispatcher._job import new_correlation_id
 from ._admin import AdminApi, Reload, admin_token
+from ._board import Boards, BoardSpec
+from ._board_http import BoardApi, add_board_rules
+from ._board_jobs import JobBoard
+from ._board_metrics import BoardCollector
 from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
 from ._idempotency import IdempotencyTable
@@ -112,6 +116,7 @@ class Container:
         *,
         signer: CallbackSigner | None = None,
         reload: Reload | None = None,
+        boards: Iterable[BoardSpec] = (),
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
@@ -139,6 +144,15 @@ class Container:
             body_time_limit=config.body_time_limit,
             cancel_wait=config.cancel_wait,
             expose_errors=config.expose_errors,
+        )
+        self.boards = Boards(boards)
+        self.job_board = JobBoard(self.boards, expose_errors=config.expose_errors)
+        self.board_api = BoardApi(
+            self.boards,
+            self.job_board,
+            self.jobs,
+            max_body=config.max_body,
+            body_time_limit=config.body_time_limit,
         )
         token = admin_token(config.admin_token)
         self.admin = (
@@ -227,6 +241,9 @@ class Container:
             "/jobs/<job_id>/signals/<name>", "job_signal", jobs.signal, methods=["POST"]
         )
         app.add_url_rule("/callbacks/<job_id>/<name>", "callback", jobs.callback, methods=["POST"])
+        add_board_rules(app, self.board_api)
+        app.before_serving(self._start_boards)
+        app.after_serving(self._stop_boards)
         app.add_url_rule("/healthz", "healthz", _healthz, methods=["GET"])
         app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
@@ -236,6 +253,23 @@ class Container:
             app.add_url_rule("/admin/pool/keys/<key>", "admin_key", admin.set_key, methods=["PUT"])
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
         return app
+
+    async def _start_boards(self) -> None:
+        self._boards_scope = scope = trio.CancelScope()
+        self._unobserve = self.engine.observe(self.job_board.observe)
+        self._board_metrics = BoardCollector(self.boards)
+        self.engine.metrics.registry.register(self._board_metrics)
+
+        async def run() -> None:
+            with scope:
+                await self.boards.run()
+
+        self.app.nursery.start_soon(run)
+
+    async def _stop_boards(self) -> None:
+        self._boards_scope.cancel()
+        self._unobserve()
+        self.engine.metrics.registry.unregister(self._board_metrics)
 
     async def _metrics(self) -> Response:
         return Response(self.engine.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)

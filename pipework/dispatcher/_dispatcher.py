@@ -100,6 +100,8 @@ class Dispatcher:
         self.callback_factory: Callable[[str, str, float], str] | None = None
         #: Called with each top-level job once it is final (the engine retires idle plans).
         self.on_finished: Callable[[Job], None] | None = None
+        #: Called with a job's record after each change of its status or progress.
+        self.changed: Callable[[Job], None] = lambda job: None
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -323,6 +325,7 @@ class Dispatcher:
         held = job.key
         job.transition(Status.RUNNING)
         await self.store.update(job)  # readers see it running at once
+        self.changed(job)
         while True:
             pipe = self._advance(job, chain)
             if pipe is None:
@@ -342,6 +345,7 @@ class Dispatcher:
                 job.key = key
                 job.transition(Status.QUEUED)
                 await self.store.update(job)
+                self.changed(job)
                 self.queue.put_nowait(RunJob(job.id))
                 log_job(
                     "job handed off",
@@ -530,6 +534,7 @@ class Dispatcher:
         job.key = self._next_key(job, chain)
         job.transition(Status.SUSPENDED)
         await self.store.update(job)
+        self.changed(job)
         if job.suspend_deadline < math.inf:
             self._expire_at(job.suspend_deadline, job.id, job.version)
         log_job(
@@ -577,6 +582,7 @@ class Dispatcher:
         job.waiting_for = job.suspend_into = job.suspend_deadline = None
         job.transition(Status.QUEUED)
         await self.store.update(job)
+        self.changed(job)
         self.queue.put_nowait(Resume(job.id, signal))
         log_job(
             "job resumed",
@@ -641,6 +647,7 @@ class Dispatcher:
         job.key = self._next_key(job, chain)
         job.transition(Status.QUEUED)
         await self.store.update(job)
+        self.changed(job)
         self.queue.put_nowait(RunJob(job.id))
 
     async def cancel(self, job: Job) -> None:
@@ -702,6 +709,7 @@ class Dispatcher:
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
+        self.changed(job)
         duration = trio.current_time() - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
@@ -747,11 +755,13 @@ class Dispatcher:
         if job is not None and job.parent is None:  # the job's own pipe, in this step
             job.progress = Progress(done, total, message)
             await self.store.update(job)
+            self.changed(job)
             return
         # A pipe inside a parallel branch reports on the job its caller follows.
         root = await self._root_of(ctx.job_id)
         root.progress = Progress(done, total, message, branch=ctx.path)
         await self.store.update(root)
+        self.changed(root)
 
     async def _root_of(self, job_id: str) -> Job:
         """The top-level job a branch (at any depth) belongs to."""

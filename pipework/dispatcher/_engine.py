@@ -4,6 +4,7 @@ worker pool and the dispatcher, and runs them in its own nursery while it is ope
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -35,7 +36,12 @@ from ._status import TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
 from ._weighted import WeightedPool
 
-__all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine"]
+__all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
+
+_log = logging.getLogger("pipework.engine")
+
+#: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
+JobObserver = Callable[[JobView, str | None], None]
 
 #: The engine's own chain that :meth:`Engine.probe` runs (in plan 0, not in any registry).
 PROBE_CHAIN: Final = "_pipework_canary"
@@ -111,6 +117,8 @@ class Engine:
         self._running: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
+        self._observers: list[JobObserver] = []
+        self._dispatcher.changed = self._changed
 
     @property
     def plan_generation(self) -> int:
@@ -296,6 +304,7 @@ class Engine:
                 jobs.discard(job.id)
                 self._retire_if_idle(generation)
             raise
+        self._changed(job)
         if stream:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
         log_job(
@@ -360,6 +369,25 @@ class Engine:
         if expected is None or not hmac.compare_digest(expected, given):
             raise JobNotFound(f"no job with id {job_id!r}")
         return job.view()
+
+    def observe(self, observer: JobObserver) -> Callable[[], None]:
+        """Call ``observer(view, token_hash)`` whenever a job's status or progress changes
+        (accepted, running, handed off, suspended, resumed, progress, finished), from the
+        engine's own tasks: it must not block. ``token_hash`` is the hash of the job's owner
+        token (None without one). Branches of parallel stages and the probe job are not
+        reported. An observer that raises is logged and kept. Returns the unsubscriber."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
+
+    def _changed(self, job: Job) -> None:
+        if not self._observers or job.parent is not None or job.plan == INTERNAL_PLAN:
+            return
+        view = job.view()
+        for observer in list(self._observers):
+            try:
+                observer(view, job.token_hash)
+            except Exception:
+                _log.exception("pipework: a job observer failed on job %s", job.id)
 
     def set_callback_factory(self, factory: Callable[[str, str, float], str] | None) -> None:
         """Let pipes hand out callback URLs: ``factory(job_id, signal, ttl) -> url``."""

@@ -19,7 +19,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -28,6 +28,7 @@ import httpx
 from ..backends._http import Backends
 from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
+from ._config_boards import BoardConfig, read_boards
 from ._config_lines import scan_lines
 from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
 from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
@@ -37,6 +38,7 @@ from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server
 from ._registry import Registry
 
 __all__ = [
+    "BoardConfig",
     "ConfigError",
     "GatewayConfig",
     "HttpPipeConfig",
@@ -52,7 +54,7 @@ __all__ = [
     "loads_config",
 ]
 
-SECTIONS: Final = ("server", "pool", "services", "pipes", "routes")
+SECTIONS: Final = ("server", "pool", "services", "pipes", "routes", "boards")
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
 
@@ -68,6 +70,7 @@ class GatewayConfig:
     pipes: Mapping[str, PipeConfig]
     routes: Mapping[str, RouteConfig]
     warnings: tuple[Problem, ...] = ()
+    boards: Mapping[str, BoardConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -85,6 +88,7 @@ class GatewayConfig:
             "services": len(self.services),
             "pipes": len(self.pipes),
             "routes": len(self.routes),
+            "boards": len(self.boards),
             "max_workers": self.pool.max_workers,
             "reserved": sum(w.reserve for w in self.pool.keys.values()),
             "warnings": [str(w) for w in self.warnings],
@@ -164,6 +168,7 @@ def config_from_dict(
     pipes = read_pipes(c, data.get("pipes"), declared_services)
     declared_pipes = _names(data.get("pipes"))
     routes, used = read_routes(c, data.get("routes"), declared_pipes)
+    boards = read_boards(c, data.get("boards"))
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,
@@ -172,6 +177,7 @@ def config_from_dict(
         MappingProxyType(services),
         MappingProxyType(dict(pipes)),
         MappingProxyType(routes),
+        boards=MappingProxyType(boards),
     )
     if not c.has_errors:
         try:

@@ -91,6 +91,7 @@ class Gateway:
                     engine,
                     config=replace(_container_config(config), **self.overrides),
                     reload=self.reload,
+                    boards=[b.spec(os.environ) for b in config.boards.values()],
                 )
                 await container.serve(
                     host=host or config.server.host,

@@ -1,0 +1,262 @@
+"""The push board's trio driver: one flush task for every board, and followers that wait.
+
+:class:`Boards` owns the :class:`~._board_core.BoardCore` of each board and drives them:
+writes go in synchronously (so an engine observer can publish from the dispatcher's tasks),
+one task flushes each board when its batch is due and wakes the followers the core names,
+and a :class:`Follower` waits for its events with :meth:`Follower.wait`. All decisions are
+the core's; this module only parks and wakes tasks.
+
+Where a Redis backplane plugs in: every write becomes a :class:`Change` handed to a
+:class:`Backplane`, and the backplane calls :meth:`Boards.apply` with each change -- in
+this process at once (:class:`LocalBackplane`, the default); with Redis, a pub/sub channel
+per gateway would carry the changes to every process, each applying them to its own cores,
+so a follower on any process hears a write made on any other. The HTTP side only ever calls
+:class:`Boards`, so it does not change.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol
+
+import trio
+
+from ._board_core import (
+    BoardCore,
+    BoardSettings,
+    BoardStatistics,
+    Taken,
+    Version,
+)
+
+__all__ = [
+    "Backplane",
+    "BoardSpec",
+    "Boards",
+    "Change",
+    "Follower",
+    "LocalBackplane",
+    "new_epoch",
+]
+
+
+def new_epoch() -> int:
+    """A board incarnation's epoch: random, so positions from an earlier process (or
+    another one) are told apart from this one's."""
+    return secrets.randbelow(2**40) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class BoardSpec:
+    """A board as configured: its batching and limits, and who may use it.
+
+    ``write_token``: the bearer token that may create, update and delete (None: nobody may,
+    over HTTP); ``read_token``: the token that may read and follow; ``public_read``: anyone
+    may read and follow. ``keepalive``: seconds between SSE keep-alive comments;
+    ``long_poll``: the longest a long-poll waits.
+    """
+
+    name: str
+    settings: BoardSettings = field(default_factory=BoardSettings)
+    write_token: str | None = None
+    read_token: str | None = None
+    public_read: bool = False
+    keepalive: float = 15.0
+    long_poll: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.keepalive > 0 or not self.long_poll > 0:
+            raise ValueError("keepalive and long_poll must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A write as it travels between processes: ``op`` is create, update or delete."""
+
+    board: str
+    op: str
+    resource: str
+    data: Any = None
+
+
+class Backplane(Protocol):
+    """Carries changes to every process's boards (see the module's docstring)."""
+
+    def publish(self, change: Change) -> None:
+        """Send the change on; must not block (a remote backplane buffers, bounded)."""
+        ...
+
+
+class LocalBackplane:
+    """One process: a change is applied here, at once."""
+
+    def __init__(self) -> None:
+        self.apply: Callable[[Change], Version] | None = None
+
+    def publish(self, change: Change) -> None:
+        assert self.apply is not None, "the backplane is not connected to its boards"
+        self.apply(change)
+
+
+class Boards:
+    """Every board of a container (and the job board), and their one flush task.
+
+    ``async with boards:`` or ``await nursery.start(boards.run)`` runs the flush task;
+    writes and follows work only while it runs (a write outside it is flushed once it
+    starts)."""
+
+    def __init__(
+        self,
+        specs: Iterable[BoardSpec] = (),
+        *,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.specs: dict[str, BoardSpec] = {}
+        self.cores: dict[str, BoardCore] = {}
+        self._clock = clock
+        self._kick = trio.Event()
+        self._wakers: dict[tuple[str, int], trio.Event] = {}
+        for spec in specs:
+            self.add(spec)
+        self.backplane = LocalBackplane()
+        self.backplane.apply = self.apply
+
+    def add(self, spec: BoardSpec) -> None:
+        if spec.name in self.specs:
+            raise ValueError(f"board {spec.name!r} is declared twice")
+        self.specs[spec.name] = spec
+        self.cores[spec.name] = BoardCore(spec.settings, epoch=new_epoch())
+
+    def statistics(self) -> Mapping[str, BoardStatistics]:
+        return {name: core.statistics() for name, core in self.cores.items()}
+
+    # -- writes --------------------------------------------------------------------------
+
+    def apply(self, change: Change) -> Version:
+        """Apply a change to this process's board (what a backplane calls)."""
+        core = self.cores[change.board]
+        now = self._clock()
+        if change.op == "create":
+            version = core.create(change.resource, change.data, now)
+        elif change.op == "update":
+            version = core.update(change.resource, change.data, now)
+        elif change.op == "delete":
+            version = core.delete(change.resource, now)
+        else:
+            raise ValueError(f"unknown change {change.op!r}")
+        self._kick.set()
+        return version
+
+    def create(self, board: str, resource: str, data: Any) -> Version:
+        return self.apply(Change(board, "create", resource, data))
+
+    def update(self, board: str, resource: str, data: Any) -> Version:
+        return self.apply(Change(board, "update", resource, data))
+
+    def delete(self, board: str, resource: str) -> Version:
+        return self.apply(Change(board, "delete", resource))
+
+    def read(self, board: str, resource: str) -> tuple[Version, Any]:
+        return self.cores[board].read(resource)
+
+    # -- following -----------------------------------------------------------------------
+
+    def follow(
+        self, board: str, resources: Iterable[str], since: Version | None = None
+    ) -> Follower:
+        """Follow ``resources`` from ``since``: raises BoardFull or ResourceNotFound at
+        once; ``with`` the result to leave when done."""
+        core = self.cores[board]
+        follower_id = core.join(resources, since)
+        waker = self._wakers[(board, follower_id)] = trio.Event()
+        return Follower(self, board, follower_id, waker)
+
+    def _leave(self, board: str, follower_id: int, dropped: bool) -> None:
+        self._wakers.pop((board, follower_id), None)
+        self.cores[board].leave(follower_id, dropped=dropped)
+
+    # -- the flush task ------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Flush each board's batches when they are due, until cancelled."""
+        task_status.started()
+        while True:
+            self._kick = trio.Event()
+            deadline = self._flush_due()
+            if deadline == math.inf:
+                await self._kick.wait()
+            else:
+                with trio.move_on_at(deadline):
+                    await self._kick.wait()
+
+    def _flush_due(self) -> float:
+        """Flush every due batch; the earliest deadline still ahead (inf: none)."""
+        now = self._clock()
+        earliest = math.inf
+        for name, core in self.cores.items():
+            due = core.deadline()
+            if due is None:
+                continue
+            if due <= now:
+                for follower_id in core.flush():
+                    waker = self._wakers.get((name, follower_id))
+                    if waker is not None:
+                        waker.set()
+            else:
+                earliest = min(earliest, due)
+        return earliest
+
+
+class Follower:
+    """One connection following resources of one board. Leave it with ``with`` (or
+    :meth:`close`); :meth:`drop` when a send to it failed."""
+
+    def __init__(self, boards: Boards, board: str, follower_id: int, waker: trio.Event) -> None:
+        self._boards = boards
+        self.board = board
+        self.id = follower_id
+        self._waker = waker
+        self._closed = False
+
+    @property
+    def ready(self) -> bool:
+        """Events are waiting: a long-poll answers at once."""
+        return self._boards.cores[self.board].pending_for(self.id)
+
+    def take(self) -> Taken:
+        """Whatever is waiting now (maybe nothing)."""
+        core = self._boards.cores[self.board]
+        if not core.pending_for(self.id):
+            return Taken((), False)
+        self._waker = self._boards._wakers[(self.board, self.id)] = trio.Event()
+        return core.take(self.id)
+
+    async def wait(self) -> Taken:
+        """Wait until events come, and take them."""
+        if not self.ready:
+            await self._waker.wait()
+        return self.take()
+
+    def close(self, *, dropped: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            self._boards._leave(self.board, self.id, dropped)
+
+    def drop(self) -> None:
+        """Leave because a send failed (counted as a drop)."""
+        self.close(dropped=True)
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,452 @@
+"""The push board's decisions, as a pure state machine: no I/O, no clock, no trio.
+
+A board holds resources (an id, a JSON-able state, a version). Writes change a resource at
+once (a read sees them) and queue a *change* for its followers; the trio driver
+(``_board.py``) flushes the queued batch when :meth:`BoardCore.deadline` comes -- the batch
+window after its first change, or at once when the batch holds ``max_batch`` events -- and
+wakes the followers :meth:`BoardCore.flush` names, which then :meth:`BoardCore.take` their
+events and send them.
+
+The rules, each tested in ``tests/test_board_core.py``:
+
+* **Coalescing.** Within one batch a resource's updates collapse to its latest version (a
+  board with ``keep_all`` keeps every change instead); a delete supersedes every pending
+  update of its resource, in both modes.
+* **Versions** are an epoch (one per board incarnation, so a position from an earlier
+  process is recognised as foreign) plus an offset counted across the whole board, so one
+  number is a follower's position on every resource it follows, and offsets grow per
+  resource too.
+* **No silent gaps.** Each resource keeps the last ``history`` events it published. A
+  follower joining at a position (``Last-Event-ID``, ``?since=``) gets every event after it
+  from that history, or -- when the history no longer reaches back that far, or the
+  position belongs to another epoch -- one explicit ``resync`` event with the current state.
+* **Bounded followers.** A follower's queue holds at most one event per resource on a
+  coalescing board; on a ``keep_all`` board, once it holds ``max_queue`` events it collapses
+  to one ``resync`` per resource carrying that resource's latest state. Either way a slow
+  follower costs memory in proportion to what it follows, not to how much happens.
+* **Limits.** ``max_followers`` in all and ``max_per_resource`` on one resource; past them
+  :meth:`BoardCore.join` raises :class:`BoardFull` and changes nothing.
+* **Delete** closes: a follower that takes a resource's delete stops following it, and is
+  :attr:`~Taken.closed` once it follows nothing.
+
+After any sequence of writes, joins, leaves and flushes, a follower that takes its events
+and applies them in order (update and resync set the state, delete removes it) holds every
+resource it follows at its latest published state (the hypothesis state machine in the
+tests checks exactly that).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Final
+
+__all__ = [
+    "BoardCore",
+    "BoardFull",
+    "BoardSettings",
+    "BoardStatistics",
+    "Event",
+    "Kind",
+    "ResourceExists",
+    "ResourceNotFound",
+    "Taken",
+    "Version",
+]
+
+_NEVER: Final = -1
+
+
+class Kind(Enum):
+    """What an event tells a follower."""
+
+    UPDATE = "update"  #: the resource's new state (also its first, on create)
+    DELETE = "delete"  #: the resource is gone; its followers are closed
+    RESYNC = "resync"  #: the current state, replacing whatever the follower missed
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Version:
+    """``epoch-offset``: the wire form is what SSE sends as ``id:``."""
+
+    epoch: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.epoch}-{self.offset}"
+
+    @classmethod
+    def parse(cls, text: str | None) -> Version | None:
+        """The version written as ``epoch-offset``; None for anything else."""
+        if not text:
+            return None
+        epoch, sep, offset = text.strip().partition("-")
+        if not sep or not epoch.isdigit() or not offset.isdigit():
+            return None
+        return cls(int(epoch), int(offset))
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One change as followers see it. ``data`` is None for a delete."""
+
+    resource: str
+    kind: Kind
+    version: Version
+    data: Any = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.resource,
+            "event": self.kind.value,
+            "version": str(self.version),
+            "data": self.data,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What :meth:`BoardCore.take` hands a follower: its events in version order, and
+    whether it is done (every resource it followed was deleted)."""
+
+    events: tuple[Event, ...]
+    closed: bool
+
+
+class BoardFull(Exception):
+    """A join past a follower limit; ``reason`` is ``board`` or ``resource``."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ResourceNotFound(KeyError):
+    """No such resource (never created, or deleted)."""
+
+
+class ResourceExists(KeyError):
+    """A create with an id already in use."""
+
+
+@dataclass(frozen=True, slots=True)
+class BoardSettings:
+    """How one board batches and bounds (``[boards.NAME]`` in the gateway file).
+
+    ``window``: seconds a batch collects changes after its first; ``max_batch``: events in
+    a batch that flush it at once; ``keep_all``: deliver every change, not only the latest
+    per batch; ``history``: published events kept per resource for reconnects;
+    ``max_queue``: events a slow follower may have waiting (``keep_all`` boards);
+    ``max_followers`` / ``max_per_resource``: follower limits; ``max_resources``: resources
+    one board holds at most.
+    """
+
+    window: float = 0.05
+    max_batch: int = 1000
+    keep_all: bool = False
+    history: int = 64
+    max_queue: int = 256
+    max_followers: int = 10_000
+    max_per_resource: int = 10_000
+    max_resources: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not self.window >= 0:
+            raise ValueError(f"window must not be negative, got {self.window!r}")
+        for name in (
+            "max_batch",
+            "history",
+            "max_queue",
+            "max_followers",
+            "max_per_resource",
+            "max_resources",
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BoardStatistics:
+    """Counters since the board started, and the followers now."""
+
+    followers: int
+    resources: int
+    changes: int  #: writes (create, update, delete)
+    published: int  #: events flushed to followers, after coalescing
+    coalesced: int  #: changes that a later one in the same batch superseded
+    delivered: int  #: events handed to followers
+    resyncs: int  #: resync events handed out (a position too old, or a slow queue)
+    dropped: int  #: followers dropped because a send to them failed
+
+
+@dataclass(slots=True, eq=False)
+class _Resource:
+    id: str
+    data: Any
+    version: Version
+    #: Published events, oldest first; ``evicted`` is the offset of the newest one dropped.
+    history: deque[Event]
+    evicted: int = _NEVER
+    followers: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True, eq=False)
+class _Follower:
+    resources: set[str]
+    #: Waiting events by resource, in the order resources were touched.
+    queue: dict[str, list[Event]] = field(default_factory=dict)
+    size: int = 0
+
+
+class BoardCore:
+    """One board's resources, pending batch, histories and followers."""
+
+    def __init__(self, settings: BoardSettings | None = None, *, epoch: int = 1) -> None:
+        self.settings = settings or BoardSettings()
+        self.epoch = epoch
+        self._offset = 0
+        self._resources: dict[str, _Resource] = {}
+        #: Deleted resources whose delete is still pending: their followers need it.
+        self._deleted: dict[str, _Resource] = {}
+        self._pending: dict[str, list[Event]] = {}
+        self._pending_count = 0
+        self._batch_started: float | None = None
+        self._followers: dict[int, _Follower] = {}
+        self._ids = itertools.count(1)
+        # counters
+        self._changes = self._published = self._coalesced = 0
+        self._delivered = self._resyncs = self._dropped = 0
+
+    # -- reads ---------------------------------------------------------------------------
+
+    @property
+    def position(self) -> Version:
+        """The newest version written on this board (the position of a follower that has
+        seen everything)."""
+        return Version(self.epoch, self._offset)
+
+    def read(self, resource: str) -> tuple[Version, Any]:
+        """The resource's current version and state (writes show at once)."""
+        found = self._resources.get(resource)
+        if found is None:
+            raise ResourceNotFound(resource)
+        return found.version, found.data
+
+    def __contains__(self, resource: object) -> bool:
+        return resource in self._resources
+
+    def resources(self) -> Iterator[str]:
+        return iter(self._resources)
+
+    def followers_of(self, resource: str) -> int:
+        found = self._resources.get(resource)
+        return 0 if found is None else len(found.followers)
+
+    def statistics(self) -> BoardStatistics:
+        return BoardStatistics(
+            followers=len(self._followers),
+            resources=len(self._resources),
+            changes=self._changes,
+            published=self._published,
+            coalesced=self._coalesced,
+            delivered=self._delivered,
+            resyncs=self._resyncs,
+            dropped=self._dropped,
+        )
+
+    # -- writes --------------------------------------------------------------------------
+
+    def create(self, resource: str, data: Any, now: float) -> Version:
+        if resource in self._resources or resource in self._deleted:
+            raise ResourceExists(resource)
+        if len(self._resources) >= self.settings.max_resources:
+            raise BoardFull(
+                f"the board holds {len(self._resources)} resources, its limit", "resources"
+            )
+        version = self._next_version()
+        self._resources[resource] = _Resource(
+            resource, data, version, deque(maxlen=self.settings.history)
+        )
+        self._queue_change(Event(resource, Kind.UPDATE, version, data), now)
+        return version
+
+    def update(self, resource: str, data: Any, now: float) -> Version:
+        found = self._resources.get(resource)
+        if found is None:
+            raise ResourceNotFound(resource)
+        version = self._next_version()
+        found.data, found.version = data, version
+        self._queue_change(Event(resource, Kind.UPDATE, version, data), now)
+        return version
+
+    def delete(self, resource: str, now: float) -> Version:
+        """Remove the resource now; its followers get the delete with the next batch."""
+        found = self._resources.get(resource)
+        if found is None:
+            raise ResourceNotFound(resource)
+        version = self._next_version()
+        found.version, found.data = version, None
+        del self._resources[resource]
+        # Whoever follows it still needs the delete: keep the record until the flush.
+        self._deleted[resource] = found
+        self._queue_change(Event(resource, Kind.DELETE, version), now)
+        return version
+
+    def _next_version(self) -> Version:
+        self._offset += 1
+        self._changes += 1
+        return Version(self.epoch, self._offset)
+
+    def _queue_change(self, event: Event, now: float) -> None:
+        pending = self._pending.get(event.resource)
+        if self._batch_started is None:
+            self._batch_started = now
+        if pending is None:
+            self._pending[event.resource] = [event]
+            self._pending_count += 1
+        elif event.kind is Kind.DELETE or not self.settings.keep_all:
+            self._coalesced += len(pending)
+            self._pending_count += 1 - len(pending)
+            pending[:] = [event]
+        else:
+            pending.append(event)
+            self._pending_count += 1
+
+    # -- batches -------------------------------------------------------------------------
+
+    def deadline(self) -> float | None:
+        """When the pending batch is due (None: nothing pending). A full batch is due at
+        once: its deadline is when it started."""
+        started = self._batch_started
+        if started is None:
+            return None
+        if self._pending_count >= self.settings.max_batch:
+            return started
+        return started + self.settings.window
+
+    def flush(self) -> list[int]:
+        """Publish the pending batch: append to histories, queue for followers. Returns the
+        followers that now have events to take."""
+        pending, self._pending = self._pending, {}
+        self._pending_count, self._batch_started = 0, None
+        woken: dict[int, None] = {}
+        keep_all = self.settings.keep_all
+        for resource_id, events in pending.items():
+            resource = self._resources.get(resource_id) or self._deleted.pop(resource_id)
+            for event in events:
+                self._published += 1
+                if len(resource.history) == resource.history.maxlen:
+                    resource.evicted = resource.history[0].version.offset
+                resource.history.append(event)
+                for follower_id in resource.followers:
+                    self._push(self._followers[follower_id], event, keep_all)
+                    woken[follower_id] = None
+            if events[-1].kind is Kind.DELETE:
+                for follower_id in resource.followers:
+                    self._followers[follower_id].resources.discard(resource_id)
+                resource.followers.clear()
+        return list(woken)
+
+    def _push(self, follower: _Follower, event: Event, keep_all: bool) -> None:
+        queued = follower.queue.pop(event.resource, None)
+        if queued is None:
+            follower.queue[event.resource] = [event]
+            follower.size += 1
+        elif keep_all and event.kind is not Kind.DELETE:
+            queued.append(event)
+            follower.queue[event.resource] = queued  # moved last: most recently touched
+            follower.size += 1
+            if follower.size > self.settings.max_queue:
+                self._collapse(follower)
+        else:  # the newest event supersedes what this follower has not taken yet
+            follower.size += 1 - len(queued)
+            follower.queue[event.resource] = [event]
+
+    def _collapse(self, follower: _Follower) -> None:
+        """A slow follower on a keep_all board: one resync per resource, at its latest."""
+        for resource_id, events in follower.queue.items():
+            last = events[-1]
+            if last.kind is not Kind.DELETE and len(events) > 1:
+                events[:] = [Event(resource_id, Kind.RESYNC, last.version, last.data)]
+        follower.size = len(follower.queue)
+
+    # -- followers -----------------------------------------------------------------------
+
+    def join(self, resources: Iterable[str], since: Version | None = None) -> int:
+        """Start following ``resources`` (each must exist); returns the follower's id.
+
+        Without ``since`` the follower first gets each resource's last published state (if
+        it has been published yet). With ``since`` it gets every published event after it,
+        or a ``resync`` where the history does not reach back that far. Raises BoardFull past
+        a limit, ResourceNotFound for an unknown resource; either way nothing changes."""
+        wanted = list(dict.fromkeys(resources))
+        found = []
+        for resource_id in wanted:
+            resource = self._resources.get(resource_id)
+            if resource is None:
+                raise ResourceNotFound(resource_id)
+            found.append(resource)
+        if len(self._followers) >= self.settings.max_followers:
+            raise BoardFull(f"the board has {len(self._followers)} followers, its limit", "board")
+        for resource in found:
+            if len(resource.followers) >= self.settings.max_per_resource:
+                raise BoardFull(
+                    f"resource {resource.id!r} has {len(resource.followers)} followers, its limit",
+                    "resource",
+                )
+        follower_id = next(self._ids)
+        follower = self._followers[follower_id] = _Follower(set(wanted))
+        foreign = since is not None and (since.epoch != self.epoch or since.offset > self._offset)
+        for resource in found:
+            resource.followers.add(follower_id)
+            if not resource.history:
+                continue  # not published yet: its first event is in the pending batch
+            last = resource.history[-1]
+            if since is None:
+                follower.queue[resource.id] = [last]
+            elif foreign or resource.evicted > since.offset:
+                follower.queue[resource.id] = [
+                    Event(resource.id, Kind.RESYNC, last.version, last.data)
+                ]
+            else:
+                missed = [e for e in resource.history if e.version.offset > since.offset]
+                if not missed:
+                    continue
+                follower.queue[resource.id] = missed
+            follower.size += len(follower.queue[resource.id])
+        if follower.size > self.settings.max_queue:
+            self._collapse(follower)
+        return follower_id
+
+    def pending_for(self, follower_id: int) -> bool:
+        """Whether the follower has events waiting (a long-poll answers at once if so)."""
+        return self._followers[follower_id].size > 0
+
+    def take(self, follower_id: int) -> Taken:
+        """Hand the follower everything waiting for it, oldest version first."""
+        follower = self._followers[follower_id]
+        queue, follower.queue, follower.size = follower.queue, {}, 0
+        events = sorted(itertools.chain.from_iterable(queue.values()), key=_offset)
+        self._delivered += len(events)
+        self._resyncs += sum(1 for e in events if e.kind is Kind.RESYNC)
+        return Taken(tuple(events), not follower.resources)
+
+    def leave(self, follower_id: int, *, dropped: bool = False) -> None:
+        """Stop following (``dropped``: because a send to it failed). Idempotent."""
+        follower = self._followers.pop(follower_id, None)
+        if follower is None:
+            return
+        if dropped:
+            self._dropped += 1
+        for resource_id in follower.resources:
+            resource = self._resources.get(resource_id) or self._deleted.get(resource_id)
+            if resource is not None:
+                resource.followers.discard(follower_id)
+
+
+def _offset(event: Event) -> int:
+    return event.version.offset

@@ -1,0 +1,84 @@
+"""Jobs on a board: every change of a job's status or progress, published as its document.
+
+The engine calls :meth:`JobBoard.observe` (through :meth:`Engine.observe`) whenever a job
+changes; the job's document (what ``GET /jobs/{id}`` answers) becomes the state of resource
+``{job id}`` on the board named :data:`JOB_BOARD`, which ``GET /jobs/{id}/events``, the
+multi-job stream behind the jobs page and their metrics use. Only the hash of each job's
+owner token is kept, beside the board (never in what followers receive), so a follower
+proves it holds the token before it follows.
+
+Finished jobs stay on the board so a late follower gets the final state at once; past
+``max_finished`` the oldest finished ones are dropped from it (``GET /jobs/{id}`` still
+answers from the job store for as long as the store keeps them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Final
+
+from ..dispatcher._job import JobView
+from ..dispatcher._status import TERMINAL
+from ._board import Boards, BoardSpec
+from ._board_core import BoardSettings, ResourceExists
+from ._jobs_api import job_document
+
+__all__ = ["JOB_BOARD", "JobBoard"]
+
+#: The board jobs are published on; no board in a gateway file may take its name.
+JOB_BOARD: Final = "jobs"
+
+
+class JobBoard:
+    """Publishes the engine's job changes on ``boards`` (adding the job board to it)."""
+
+    def __init__(
+        self,
+        boards: Boards,
+        *,
+        settings: BoardSettings | None = None,
+        max_finished: int = 10_000,
+        expose_errors: bool = False,
+        keepalive: float = 15.0,
+    ) -> None:
+        self.boards = boards
+        boards.add(
+            BoardSpec(
+                JOB_BOARD,
+                settings or BoardSettings(window=0.05, history=16),
+                keepalive=keepalive,
+            )
+        )
+        self.core = boards.cores[JOB_BOARD]
+        self.owners: dict[str, str | None] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self.max_finished = max_finished
+        self.expose_errors = expose_errors
+        self.keepalive = keepalive
+
+    def observe(self, view: JobView, token_hash: str | None) -> None:
+        """The engine observer: publish the job's new document."""
+        document = job_document(view, expose=self.expose_errors)
+        if view.id in self.core:
+            self.boards.update(JOB_BOARD, view.id, document)
+        elif view.id in self._finished:
+            return  # dropped from the board already; the store answers for it
+        else:
+            self.boards.create(JOB_BOARD, view.id, document)
+            self.owners[view.id] = token_hash
+        if view.status in TERMINAL:
+            self._finished[view.id] = None
+            while len(self._finished) > self.max_finished:
+                old, _ = self._finished.popitem(last=False)
+                self.owners.pop(old, None)
+                if old in self.core:
+                    self.boards.delete(JOB_BOARD, old)
+
+    def publish(self, view: JobView, token_hash: str | None) -> None:
+        """Put a job on the board that is not there yet (one accepted before the board
+        existed, or dropped from it): a follower then follows it like any other."""
+        if view.id not in self.core:
+            self._finished.pop(view.id, None)
+            with contextlib.suppress(ResourceExists):  # its drop is being flushed: no matter
+                self.observe(view, token_hash)

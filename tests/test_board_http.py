@@ -1,0 +1,416 @@
+"""The push board over real sockets: SSE, long-poll and websocket followers, reconnects with
+Last-Event-ID, deletes that close followers, who may write and read, follower limits, jobs
+followed by id, and memory after many follow/disconnect cycles."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import h11
+import httpx
+import pytest
+import trio
+import wsproto
+import wsproto.events
+
+import pipework as pw
+from pipework.container import BoundAddress, Container, ContainerConfig
+from pipework.container._board import BoardSpec
+from pipework.container._board_core import BoardSettings
+
+from .test_container_harness import HANG_GUARD, SECRET, Served, assert_problem, bearer
+
+WRITE = "write-token-0123456789"
+READ = "read-token-0123456789"
+
+
+def specs(**overrides: Any) -> list[BoardSpec]:
+    settings = BoardSettings(window=0.01, **overrides)
+    return [
+        BoardSpec("orders", settings, write_token=WRITE, read_token=READ, keepalive=0.2),
+        BoardSpec("news", settings, write_token=WRITE, public_read=True, keepalive=0.2),
+        BoardSpec("closed", settings, public_read=True),
+    ]
+
+
+@asynccontextmanager
+async def serving(
+    engine: pw.Engine | None = None, boards: Sequence[BoardSpec] | None = None
+) -> AsyncIterator[Served]:
+    engine = engine or pw.Engine(registry=pw.Registry())
+    config = ContainerConfig(callback_secret=SECRET, shutdown_grace=0.5)
+    stop = trio.Event()
+    async with engine:
+        container = Container(engine, None, config, boards=specs() if boards is None else boards)
+        async with trio.open_nursery() as nursery:
+            address: BoundAddress = await nursery.start(
+                functools.partial(container.serve, shutdown_trigger=stop)
+            )
+            try:
+                async with httpx.AsyncClient(base_url=address.url, timeout=HANG_GUARD) as client:
+                    yield Served(container, address, client, stop)
+            finally:
+                stop.set()
+
+
+async def create(served: Served, board: str, data: Any) -> str:
+    response = await served.client.post(f"/boards/{board}", json=data, headers=bearer(WRITE))
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert response.headers["location"] == f"/boards/{board}/{body['id']}"
+    assert body["data"] == data
+    return str(body["id"])
+
+
+async def put(served: Served, board: str, resource: str, data: Any) -> str:
+    response = await served.client.put(
+        f"/boards/{board}/{resource}", json=data, headers=bearer(WRITE)
+    )
+    assert response.status_code == 200, response.text
+    return str(response.json()["version"])
+
+
+class SseReader:
+    """An SSE response read off a bare socket through h11, event by event: (id, event,
+    payload) triples; comments are kept in ``comments``."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(our_role=h11.CLIENT)
+        self.buffer = ""
+        self.comments: list[str] = []
+        self.ended = False
+
+    async def open(self, path: str, headers: dict[str, str]) -> h11.Response:
+        fields = [("Host", "test"), *headers.items()]
+        await self.stream.send_all(
+            self.conn.send(h11.Request(method="GET", target=path, headers=fields))
+            + self.conn.send(h11.EndOfMessage())
+        )
+        while True:
+            event = await self._event()
+            if isinstance(event, h11.Response):
+                return event
+
+    async def _event(self) -> Any:
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.conn.receive_data(bytes(await self.stream.receive_some()))
+
+    async def block(self) -> str:
+        while "\n\n" not in self.buffer:
+            if self.ended:
+                raise EOFError("the stream ended")
+            event = await self._event()
+            if isinstance(event, h11.Data):
+                self.buffer += bytes(event.data).decode()
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                self.ended = True
+        block, _, self.buffer = self.buffer.partition("\n\n")
+        return block
+
+    async def next(self) -> tuple[str | None, str, Any]:
+        while True:
+            block = await self.block()
+            fields = {}
+            for line in block.split("\n"):
+                if line.startswith(":"):
+                    self.comments.append(line)
+                    continue
+                name, _, value = line.partition(": ")
+                fields[name] = value
+            if "event" in fields:
+                return fields.get("id"), fields["event"], json.loads(fields["data"])
+
+
+@asynccontextmanager
+async def follow_sse(
+    served: Served, path: str, headers: dict[str, str] | None = None
+) -> AsyncIterator[tuple[h11.Response, SseReader]]:
+    headers = {"Accept": "text/event-stream", **(headers or {})}
+    address = served.address
+    async with await trio.open_tcp_stream(address.host, address.port) as stream:
+        reader = SseReader(stream)
+        response = await reader.open(path, headers)
+        yield response, reader
+
+
+async def test_an_sse_follower_gets_the_state_then_every_change_then_the_delete() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "orders", {"n": 0})
+            await trio.sleep(0.05)  # published
+            path = f"/boards/orders/{resource}"
+            async with follow_sse(served, path, bearer(READ)) as (response, events):
+                assert response.status_code == 200
+                assert dict(response.headers)[b"content-type"].startswith(b"text/event-stream")
+                first = await events.next()
+                assert first[1:] == (
+                    "update",
+                    {"id": resource, "event": "update", "version": first[0], "data": {"n": 0}},
+                )
+                version = await put(served, "orders", resource, {"n": 1})
+                event_id, kind, body = await events.next()
+                assert (event_id, kind, body["data"]) == (version, "update", {"n": 1})
+                deleted = await served.client.delete(path, headers=bearer(WRITE))
+                assert deleted.status_code == 204
+                assert (await events.next())[1] == "delete"
+                with pytest.raises(EOFError):
+                    await events.next()  # a delete closes its followers
+            assert_problem(
+                await served.client.get(path, headers=bearer(READ)), 404, "resource-not-found"
+            )
+
+
+async def test_sse_sends_keep_alive_comments_while_idle() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", "hello")
+            async with follow_sse(served, f"/boards/news/{resource}") as (_, events):
+                await events.next()
+                assert [await events.block(), await events.block()] == [": keep-alive"] * 2
+
+
+async def test_a_reconnect_with_last_event_id_gets_exactly_what_it_missed() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", 0)
+            path = f"/boards/news/{resource}"
+            async with follow_sse(served, path) as (_, events):
+                last_id, _, _ = await events.next()
+            missed = []
+            for n in (1, 2, 3):
+                missed.append(await put(served, "news", resource, n))
+                await trio.sleep(0.05)  # each its own batch
+            headers = {"Last-Event-ID": str(last_id)}
+            async with follow_sse(served, path, headers) as (_, events):
+                got = [await events.next() for _ in missed]
+                assert [(i, k, b["data"]) for i, k, b in got] == [
+                    (v, "update", n) for v, n in zip(missed, (1, 2, 3), strict=True)
+                ]
+                with trio.move_on_after(0.3):
+                    extra = await events.next()
+                    raise AssertionError(f"got more than it missed: {extra}")
+            # A position from another process (epoch) is answered with a resync.
+            async with follow_sse(served, path, {"Last-Event-ID": "1-1"}) as (_, events):
+                _, kind, body = await events.next()
+                assert (kind, body["data"]) == ("resync", 3)
+
+
+async def test_long_poll_answers_at_once_when_behind_else_at_the_next_change() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", "a")
+            path = f"/boards/news/{resource}"
+            await trio.sleep(0.05)
+            start = (await served.client.get(path)).json()["version"]
+            for state in "bc":
+                await put(served, "news", resource, state)
+                await trio.sleep(0.05)
+            behind = (await served.client.get(path, params={"since": start})).json()
+            assert [e["data"] for e in behind["events"]] == ["b", "c"]  # several at once
+            position = behind["position"]
+
+            async def change_later() -> None:
+                await trio.sleep(0.2)
+                await put(served, "news", resource, "d")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(change_later)
+                waited = await served.client.get(path, params={"since": position, "wait": 5})
+            assert [e["data"] for e in waited.json()["events"]] == ["d"]
+            idle = await served.client.get(
+                path, params={"since": waited.json()["position"], "wait": 0.1}
+            )
+            assert idle.json()["events"] == []
+            assert_problem(await served.client.get(path, params={"since": "x"}), 400)
+
+
+async def test_a_websocket_follower_gets_changes_and_is_closed_by_the_delete() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", 1)
+            await trio.sleep(0.05)
+            address = served.address
+            stream = await trio.open_tcp_stream(address.host, address.port)
+            async with stream:
+                ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+                await stream.send_all(
+                    ws.send(wsproto.events.Request(host="test", target=f"/boards/news/{resource}"))
+                )
+                messages: list[Any] = []
+                send, receive = trio.open_memory_channel[Any](10)
+                closed = False
+
+                async def pump() -> None:
+                    nonlocal closed
+                    async with send:
+                        while not closed:
+                            data = await stream.receive_some()
+                            if not data:
+                                return
+                            ws.receive_data(data)
+                            for event in ws.events():
+                                if isinstance(event, wsproto.events.TextMessage):
+                                    await send.send(json.loads(event.data))
+                                elif isinstance(event, wsproto.events.CloseConnection):
+                                    await stream.send_all(ws.send(event.response()))
+                                    closed = True
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(pump)
+                    messages.append(await receive.receive())
+                    await put(served, "news", resource, 2)
+                    messages.append(await receive.receive())
+                    await served.client.delete(f"/boards/news/{resource}", headers=bearer(WRITE))
+                    messages.append(await receive.receive())
+                assert [(m["event"], m["data"]) for m in messages] == [
+                    ("update", 1),
+                    ("update", 2),
+                    ("delete", None),
+                ]
+                assert closed
+
+
+async def test_who_may_write_and_read() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            client = served.client
+            assert_problem(await client.post("/boards/orders", json=1), 401, "board-token")
+            assert_problem(
+                await client.post("/boards/orders", json=1, headers=bearer(READ)),
+                401,
+                "board-token",
+            )
+            # No write token configured: no anonymous writes, whatever is sent.
+            assert_problem(
+                await client.post("/boards/closed", json=1, headers=bearer(WRITE)),
+                403,
+                "board-read-only",
+            )
+            assert_problem(await client.post("/boards/nope", json=1), 404, "board-not-found")
+            assert_problem(await client.get("/boards/jobs/x"), 404, "board-not-found")
+            resource = await create(served, "orders", {"secret": True})
+            path = f"/boards/orders/{resource}"
+            assert_problem(await client.get(path), 401, "board-token")
+            assert (await client.get(path, headers=bearer(READ))).json()["data"] == {"secret": True}
+            assert (await client.get(path, params={"token": READ})).status_code == 200
+            news = await create(served, "news", "public")
+            assert (await client.get(f"/boards/news/{news}")).json()["data"] == "public"
+            assert_problem(await client.put(f"/boards/news/{news}", json=1), 401, "board-token")
+            assert_problem(
+                await client.put("/boards/news/nope", json=1, headers=bearer(WRITE)),
+                404,
+                "resource-not-found",
+            )
+
+
+async def test_past_the_follower_limit_a_follow_is_refused_with_503() -> None:
+    boards = [
+        BoardSpec(
+            "news",
+            BoardSettings(window=0.01, max_per_resource=1),
+            write_token=WRITE,
+            public_read=True,
+        )
+    ]
+    with trio.fail_after(HANG_GUARD):
+        async with serving(boards=boards) as served:
+            resource = await create(served, "news", 0)
+            path = f"/boards/news/{resource}"
+            async with follow_sse(served, path) as (_, events):
+                await events.next()
+                refused = await served.client.get(path, headers={"Accept": "text/event-stream"})
+                body = assert_problem(refused, 503, "followers-full")
+                assert body["reason"] == "resource"
+                assert refused.headers["retry-after"] == "5"
+            # The follower left with its connection: there is room again.
+            async with follow_sse(served, path) as (response, events):
+                assert response.status_code == 200
+                await events.next()
+
+
+async def test_board_metrics_are_exported() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", 0)
+            for n in range(5):
+                await put(served, "news", resource, n)
+            await trio.sleep(0.05)
+            async with follow_sse(served, f"/boards/news/{resource}") as (_, events):
+                await events.next()
+                text = (await served.client.get("/metrics")).text
+            assert 'pipework_board_followers{board="news"} 1.0' in text
+            assert 'pipework_board_followers{board="jobs"} 0.0' in text
+            values = {
+                line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("pipework_board_") and 'board="news"' in line
+            }
+            assert values["pipework_board_changes_total"] == 6
+            # Each change was either published or coalesced into a later one.
+            assert (
+                values["pipework_board_events_published_total"]
+                + values["pipework_board_events_coalesced_total"]
+                == 6
+            )
+            assert values["pipework_board_events_delivered_total"] == 1
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def follow_and_leave(address: BoundAddress, path: str) -> None:
+    async with await trio.open_tcp_stream(address.host, address.port) as stream:
+        reader = SseReader(stream)
+        await reader.open(path, {"Accept": "text/event-stream"})
+        await reader.next()  # following: the state arrived; now cut the connection
+
+
+async def test_memory_returns_to_its_level_after_many_follow_and_disconnect_cycles() -> None:
+    """2,000 SSE followers come and go (50 at a time): the RSS after all of them stays
+    within 10% of the level after the first 500, and no follower is left behind.
+    ``python -m benchmarks board`` runs the same with 5,000."""
+    with trio.fail_after(120):
+        async with serving() as served:
+            resource = await create(served, "news", {"n": 0})
+            await trio.sleep(0.05)
+            path = f"/boards/news/{resource}"
+            core = served.container.boards.cores["news"]
+
+            async def cycles(count: int) -> None:
+                limiter = trio.CapacityLimiter(50)
+
+                async def one() -> None:
+                    async with limiter:
+                        await follow_and_leave(served.address, path)
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(count):
+                        nursery.start_soon(one)
+
+            async def settled() -> None:
+                # No event tells when the last handler has seen its disconnect: poll.
+                while core.statistics().followers:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+                gc.collect()
+
+            await cycles(500)
+            await settled()
+            baseline = rss_bytes()
+            for _ in range(3):
+                await cycles(500)
+            await settled()
+            after = rss_bytes()
+            assert core.statistics().delivered >= 2000
+            assert after <= baseline * 1.10, (baseline, after)
