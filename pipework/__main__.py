@@ -1,7 +1,7 @@
 """The ``pipework`` command line.
 
     pipework serve FILE.toml | MODULE:FACTORY [--host HOST] [--port PORT] ...
-    pipework check FILE          validate a gateway file: every problem, with its line
+    pipework check FILE [--format text|json]   validate a gateway file: every problem
     pipework routes FILE         the routes and their resolved chains
     pipework graph FILE [--out DIR]   each route's chain as a Mermaid diagram
     pipework --version
@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "graph":
             command.add_argument(
                 "--out", metavar="DIR", default=None, help="write one .md file per route here"
+            )
+        if name == "check":
+            command.add_argument(
+                "--format",
+                default="text",
+                choices=["text", "json"],
+                help="json: one JSON document on stdout (valid, errors, warnings), for CI",
             )
     return parser
 
@@ -226,7 +233,7 @@ async def _reload(reload: Callable[[], Awaitable[Any]] | None) -> None:
 
 _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "serve": _serve,
-    "check": lambda args: check(args.file),
+    "check": lambda args: check(args.file, format=args.format),
     "routes": lambda args: routes(args.file),
     "graph": lambda args: graph(args.file, args.out),
 }
@@ -244,7 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), handlers=[handler])
-    return _COMMANDS[args.command](args)
+    try:
+        status = _COMMANDS[args.command](args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`pipework graph FILE | head`): stop quietly, as cat does.
+        # Python would flush stdout again at exit and fail on the same pipe: point it at
+        # /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status
 
 
 if __name__ == "__main__":
