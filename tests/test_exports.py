@@ -117,8 +117,11 @@ _PRIVATE = re.compile(r"\bpipework(?:\.[a-z]+)*\._[a-z]\w*")
 
 
 def _documents() -> list[Path]:
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return docs + sorted((ROOT / "examples").rglob("*.py"))
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    examples = ROOT / "examples"
+    return docs + sorted(
+        path for pattern in ("*.py", "*.md", "*.toml") for path in examples.rglob(pattern)
+    )
 
 
 def test_docs_and_examples_import_only_public_names() -> None:
@@ -127,4 +130,20 @@ def test_docs_and_examples_import_only_public_names() -> None:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if ("import" in line or "from " in line) and _PRIVATE.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == []
+
+
+def test_docs_and_examples_name_only_exported_attributes() -> None:
+    """``pw.Name`` in the docs and examples is a name ``pipework`` exports, and a
+    ``python = "module:attribute"`` import path names no private module of pipework."""
+    found = []
+    for path in _documents():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+            for name in re.findall(r"\bpw\.([A-Za-z_]\w*)", line):
+                if name not in pw.__all__:
+                    found.append(where)
+            for target in re.findall(r'python\s*=\s*"([^"]+)"', line):
+                if _PRIVATE.search(target):
+                    found.append(where)
     assert found == []
