@@ -115,6 +115,11 @@ class Backends:
         except DeadlineExceeded:
             self._observe(call.service, started, "timeout")
             raise
+        except trio.Cancelled:
+            # An any_of winner, a client that hung up, a job's deadline: the call ended
+            # without an answer and is counted as such, never left out.
+            self._observe(call.service, started, "cancelled")
+            raise
         self._observe(call.service, started, None)
         return answer
 
@@ -122,9 +127,15 @@ class Backends:
         metrics = self.metrics
         if metrics is None:
             return
-        metrics.backend_latency.labels(service).observe(trio.current_time() - started)
-        metrics.backend_calls.labels(service, "ok" if error is None else "error").inc()
-        if error is not None:
+        if error is None:
+            outcome = "ok"
+        elif error in ("timeout", "cancelled"):
+            outcome = error
+        else:
+            outcome = "error"
+        metrics.observe(metrics.backend_latency, (service, outcome), trio.current_time() - started)
+        metrics.backend_calls.labels(service, "error" if outcome == "timeout" else outcome).inc()
+        if outcome not in ("ok", "cancelled"):
             metrics.backend_errors.labels(service, error).inc()
 
     async def _call(self, call: HttpCall, ctx: Context) -> Any:

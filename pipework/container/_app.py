@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -46,6 +47,22 @@ from ._server import BoundAddress, serve
 __all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
 
 _log = logging.getLogger("pipework.container")
+#: One line per request: method, path, status, duration (to the response's headers; a
+#: stream's body goes on after it) and request id.
+_access_log = logging.getLogger("pipework.access")
+
+# The metrics' endpoint label for the container's own rules.
+_ENDPOINTS: Final = {
+    "job": "jobs",
+    "cancel_job": "jobs",
+    "job_result": "jobs",
+    "job_signal": "jobs",
+    "callback": "callbacks",
+    "admin_pool": "admin",
+    "admin_key": "admin",
+    "admin_key_clear": "admin",
+    "admin_reload": "admin",
+}
 
 #: The chain ``/readyz`` runs to prove a job gets through the queue and a worker: the
 #: engine's own (:meth:`Engine.probe`), in no registry, so reloads leave it in place.
@@ -75,6 +92,8 @@ class ContainerConfig:
     - ``expose_errors``: show every pipe exception's message to clients (development).
     - ``admin_token``: the admin API's bearer token (else ``PIPEWORK_ADMIN_TOKEN``; with
       neither, the admin API is off).
+    - ``access_log``: one line per request on the ``pipework.access`` logger (method,
+      path, status, duration, request id).
     """
 
     max_body: int = 1024 * 1024
@@ -89,6 +108,7 @@ class ContainerConfig:
     public_url: str | None = None
     expose_errors: bool = False
     admin_token: str | None = None
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -208,6 +228,7 @@ class Container:
         app.before_request(_take_correlation_id)
         app.before_request(self._check_headers)
         app.after_request(_give_correlation_id)
+        app.after_request(self._count_response)
         app.register_error_handler(Problem, self._on_problem)
         app.register_error_handler(HTTPException, self._on_http_error)
         app.register_error_handler(Exception, self._on_error)
@@ -256,7 +277,47 @@ class Container:
     async def _dispatch_route(self, _rest: str = "") -> Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
         name, params = self._matcher.match(request.path, method=request.method)
+        g.route = name
         return await self.submissions.handle(self._by_name[name], params)
+
+    async def _count_response(self, response: Response) -> Response:
+        """Count every response (refusals before any job too) by endpoint, route and
+        status class, and write the access log line."""
+        route = g.get("route") or ""
+        rule = request.url_rule
+        if route:
+            endpoint = "route"
+        elif rule is None or rule.endpoint in ("routes", "routes_root"):
+            endpoint = "unmatched"  # no route for this method and path (404, 405)
+        else:
+            endpoint = _ENDPOINTS.get(rule.endpoint, rule.endpoint)
+        status = response.status_code
+        metrics = self.engine.metrics
+        if route:
+            metrics.route_responses.labels(route, f"{status // 100}xx").inc()
+        else:
+            metrics.http_responses.labels(endpoint, f"{status // 100}xx").inc()
+        if self.config.access_log and _access_log.isEnabledFor(logging.INFO):
+            started = g.get("started")
+            duration = None if started is None else round(time.perf_counter() - started, 6)
+            _access_log.info(
+                "%s %s %d %.3fs request_id=%s",
+                request.method,
+                request.path,
+                status,
+                duration or 0.0,
+                _correlation_id(),
+                extra={
+                    "event": "request",
+                    "method": request.method,
+                    "path": request.path,
+                    "status": status,
+                    "duration": duration,
+                    "correlation_id": _correlation_id(),
+                    "route": route or None,
+                },
+            )
+        return response
 
     async def _check_headers(self) -> None:
         # hypercorn bounds only headers that arrive in pieces; this bounds them all.
@@ -333,6 +394,7 @@ def _correlation_id() -> str:
 
 
 async def _take_correlation_id() -> None:
+    g.started = time.perf_counter()
     given = request.headers.get("X-Request-ID", "")
     g.correlation_id = given if _REQUEST_ID.match(given) else new_correlation_id()
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from .._metrics import Metrics
 from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
 from ..dispatcher._engine import Engine
@@ -79,6 +80,8 @@ class Gateway:
                 registry=build_registry(config, backends),
                 queue_capacity=config.pool.queue_capacity,
                 default_timeout=config.server.default_timeout,
+                # Histogram buckets at the file's timeouts (a reload keeps these buckets).
+                metrics=Metrics(timeouts=config.timeouts()),
             )
             backends.metrics = engine.metrics
             async with engine:
