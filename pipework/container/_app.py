@@ -252,6 +252,9 @@ class Container:
             admin = self.admin
             app.add_url_rule("/admin/pool", "admin_pool", admin.pool, methods=["GET"])
             app.add_url_rule("/admin/pool/keys/<key>", "admin_key", admin.set_key, methods=["PUT"])
+            app.add_url_rule(
+                "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
+            )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
         return app
 

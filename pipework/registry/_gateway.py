@@ -111,9 +111,21 @@ class Gateway:
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
             container.set_routes(registry.routes.values())
-            weights = pool.reconfigure(pool_config)
+            # Weights set live stand unless the file changed them (LiveWeights says how).
+            live = container.admin.live if container.admin is not None else None
+            kept, dropped = live.rebase(pool_config) if live is not None else (pool_config, [])
+            weights = pool.reconfigure(kept)
             self.config = config
         for warning in config.warnings:
             _log.warning("%s", warning.format(config.source))
+        for sentence in dropped:
+            _log.warning("reload: live weight %s", sentence)
         _log.info("reloaded %s: plan %d, pool config %d", self.path, generation, weights)
-        return {**config.summary(), "plan_generation": generation, "config_generation": weights}
+        overrides = live.overrides() if live is not None else {}
+        return {
+            **config.summary(),
+            "plan_generation": generation,
+            "config_generation": weights,
+            "overrides": overrides,
+            "overrides_dropped": dropped,
+        }
