@@ -206,3 +206,58 @@ async def demo_under_a_hanging_backend(calls: int) -> str:
                     nursery.start_soon(one)
     assert len(failures) == calls
     return engine.metrics.exposition().decode()
+
+
+async def test_the_request_id_and_trace_context_reach_every_backend_call() -> None:
+    seen: list[httpx.Headers] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        return httpx.Response(200, json={"ok": True})
+
+    backends = Backends(
+        [
+            Service("users", "http://users.internal"),
+            Service("audit", "http://audit.internal", request_id_header="X-Correlation-ID"),
+            Service("quiet", "http://quiet.internal", request_id_header=None),
+        ],
+        transport=httpx.MockTransport(handler),
+    )
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry)
+    backends.metrics = engine.metrics
+    for name in ("users", "audit", "quiet"):
+        registry.add_pipe(http_pipe(name, HttpCall.of(name, "/", into=name), backends))
+    engine.chain("fan", pw.all_of("users", "audit"), "quiet", result="users")
+    registry.route("fan", path="/fan", chain="fan", method="GET")
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with trio.fail_after(HANG_GUARD):
+        async with backends, serving(engine) as served:
+            traced = await served.client.get(
+                "/fan", headers={"X-Request-ID": "req-42", "traceparent": trace}
+            )
+            plain = await served.client.get("/fan", headers={"traceparent": "garbage"})
+    assert traced.status_code == plain.status_code == 200
+    first, second = seen[:3], seen[3:]
+    by_host = {h["host"]: h for h in first}
+    assert by_host["users.internal"]["x-request-id"] == "req-42"
+    assert by_host["audit.internal"]["x-correlation-id"] == "req-42"
+    assert "x-request-id" not in by_host["audit.internal"]
+    assert "x-request-id" not in by_host["quiet.internal"]
+    assert all(h["traceparent"] == trace for h in first)
+    generated = plain.headers["X-Request-ID"]
+    assert {h.get("x-request-id") for h in second if h["host"] == "users.internal"} == {generated}
+    assert not any("traceparent" in h for h in second)  # a malformed one is not passed on
+
+
+def test_the_request_id_header_is_configurable_in_the_gateway_file() -> None:
+    from pipework.registry._config import loads_config
+
+    config = loads_config(
+        '[services.a]\nbase_url = "http://a.internal"\nrequest_id_header = "X-Correlation-ID"\n'
+        '[services.b]\nbase_url = "http://b.internal"\nrequest_id_header = false\n'
+        '[services.c]\nbase_url = "http://c.internal"\n'
+    )
+    assert config.services["a"].request_id_header == "X-Correlation-ID"
+    assert config.services["b"].request_id_header is None
+    assert config.services["c"].request_id_header == "X-Request-ID"

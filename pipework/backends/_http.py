@@ -215,6 +215,11 @@ def _build_request(
     headers = httpx.Headers(service.headers)
     if call.forward_headers is not None:
         headers.update(_forwarded(state, call.forward_headers))
+    # One id finds the request in the backends' logs too.
+    if service.request_id_header is not None:
+        headers[service.request_id_header] = ctx.correlation_id
+    if ctx.traceparent is not None:
+        headers["traceparent"] = ctx.traceparent
     for name, template in call.headers:
         rendered = template.render_header(state, name)
         if rendered is not None:

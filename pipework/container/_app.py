@@ -70,6 +70,9 @@ CANARY_CHAIN: Final = PROBE_CHAIN
 
 # Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
+# W3C Trace Context: version-trace_id-parent_id-flags; all-zero ids are invalid.
+_TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
+_ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 # Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
 _FLUSH_MARGIN: Final = 1.0
 
@@ -398,6 +401,9 @@ def _correlation_id() -> str:
 
 async def _take_correlation_id() -> None:
     g.started = time.perf_counter()
+    # W3C trace context: passed on to the backends as sent, when well-formed.
+    trace = request.headers.get("traceparent", "").strip().lower()
+    g.traceparent = trace if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace) else None
     given = request.headers.get("X-Request-ID", "")
     g.correlation_id = given if _REQUEST_ID.match(given) else new_correlation_id()
 

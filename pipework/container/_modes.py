@@ -266,6 +266,7 @@ class Submissions:
             timeout=timeout,
             correlation_id=g.correlation_id,
             token=token,
+            traceparent=g.get("traceparent"),
             stream=route.mode == "stream",
         )
 

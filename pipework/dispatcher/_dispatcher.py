@@ -350,6 +350,7 @@ class Dispatcher:
             key=job.key,
             deadline=deadline,
             ops=self,
+            traceparent=job.traceparent,
         )
         try:
             await self._call(pipe, ctx)

@@ -184,6 +184,7 @@ class Engine:
         correlation_id: str | None = None,
         token: str | None = None,
         stream: bool = False,
+        traceparent: str | None = None,
     ) -> str:
         """Accept a job and return its id, or raise Overloaded at once if the queue is full.
 
@@ -198,6 +199,7 @@ class Engine:
             correlation_id=correlation_id,
             token=token,
             stream=stream,
+            traceparent=traceparent,
         )
 
     async def _accept(
@@ -210,6 +212,7 @@ class Engine:
         correlation_id: str | None = None,
         token: str | None = None,
         stream: bool = False,
+        traceparent: str | None = None,
     ) -> str:
         if self._nursery is None:
             raise RuntimeError("the engine is not running; use `async with engine:` first")
@@ -227,6 +230,7 @@ class Engine:
             token_hash=None if token is None else hash_token(token),
             accepted_at=now,
             plan=generation,
+            traceparent=traceparent,
         )
         self._dispatcher.start_frames(job, plan)
         await self.store.create(job)
