@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no access log line per request (on by default: method, path, status, "
+        "duration, request id)",
+    )
+    serve.add_argument(
         "--log-format",
         default="text",
         choices=["text", "json"],
@@ -135,7 +142,10 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             gateway = Gateway(args.target, overrides=_overrides(args))
         except ConfigError as exc:
-            print(exc, file=sys.stderr)
+            if args.log_format == "json":
+                _log.error("%s", exc)
+            else:
+                print(exc, file=sys.stderr)
             return 1
         trio.run(_run_gateway, gateway, args.host, args.port)
         return 0
@@ -153,6 +163,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "shutdown_grace": args.shutdown_grace,
         "max_body": args.max_body,
         "public_url": args.public_url,
+        "access_log": None if args.access_log else False,
     }
     return {name: value for name, value in given.items() if value is not None}
 
@@ -192,8 +203,12 @@ async def _serve_until_signalled(
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
 
         address = await nursery.start(serving)
-        # One line on stderr that a supervisor (or a test) can wait for.
-        print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
+        # One line on stderr that a supervisor (or a test) can wait for: a log record when
+        # the log is JSON (every line then parses), else plain text.
+        if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+            _log.info("pipework serving on %s", address.url, extra={"event": "serving"})
+        else:
+            print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
 
 
 async def _watch_signals(

@@ -27,7 +27,7 @@ from typing import Any, Final
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
 from .._errors import Overloaded, PipeworkError
@@ -237,9 +237,16 @@ class Container:
         app.register_error_handler(Exception, self._on_error)
         # Routes are matched by our own map, behind one catch-all rule, so that a reload can
         # swap them in one step; the container's own paths are Quart rules and win.
-        methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-        app.add_url_rule("/", "routes_root", self._dispatch_route, methods=methods)
-        app.add_url_rule("/<path:_rest>", "routes", self._dispatch_route, methods=methods)
+        # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+        for rule, endpoint in (("/", "routes_root"), ("/<path:_rest>", "routes")):
+            app.add_url_rule(
+                rule,
+                endpoint,
+                self._dispatch_route,
+                methods=methods,
+                provide_automatic_options=False,
+            )
         jobs = self.jobs
         app.add_url_rule("/jobs/<job_id>", "job", jobs.status, methods=["GET"])
         app.add_url_rule("/jobs/<job_id>", "cancel_job", jobs.cancel, methods=["DELETE"])
@@ -282,6 +289,11 @@ class Container:
 
     async def _dispatch_route(self, _rest: str = "") -> Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
+        if request.method == "OPTIONS":
+            allowed = self._matcher.allowed_methods(request.path)
+            if not allowed:
+                raise NotFound()
+            return Response("", status=204, headers={"Allow": ", ".join(allowed)})
         name, params = self._matcher.match(request.path, method=request.method)
         g.route = name
         return await self.submissions.handle(self._by_name[name], params)
@@ -371,6 +383,14 @@ class Container:
 
     async def _on_error(self, exc: Exception) -> Response:
         if isinstance(exc, PipeworkError):
+            if isinstance(exc, Overloaded):  # its numbers are for the operator, not the client
+                _log.warning(
+                    "refused %s %s (correlation id %s): %s",
+                    request.method,
+                    request.path,
+                    _correlation_id(),
+                    exc,
+                )
             return await self._on_problem(problem_for_exception(exc))
         # A bug in the container or a hook, not a job's failure: log all of it, show none.
         _log.error(
