@@ -261,3 +261,37 @@ def test_the_request_id_header_is_configurable_in_the_gateway_file() -> None:
     assert config.services["a"].request_id_header == "X-Correlation-ID"
     assert config.services["b"].request_id_header is None
     assert config.services["c"].request_id_header == "X-Request-ID"
+
+
+async def test_a_call_cancelled_by_a_client_that_hung_up_is_counted() -> None:
+    entered = trio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        entered.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    backends = Backends(
+        [Service("slow", "http://slow.internal")], transport=httpx.MockTransport(handler)
+    )
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry)
+    backends.metrics = engine.metrics
+    registry.add_pipe(http_pipe("slow", HttpCall.of("slow", "/", into="x"), backends))
+    engine.chain("slow", "slow")
+    registry.route("slow", path="/slow", chain="slow", method="GET")
+    name = "pipework_backend_calls_total"
+    with trio.fail_after(HANG_GUARD):
+        async with backends, serving(engine) as served:
+            impatient = httpx.AsyncClient(base_url=served.address.url)
+            async with impatient, trio.open_nursery() as nursery:
+                nursery.start_soon(impatient.get, "/slow")
+                await entered.wait()
+                nursery.cancel_scope.cancel()  # the client hangs up mid-request
+            while True:
+                found = samples((await served.client.get("/metrics")).text)
+                if value(found, name, service="slow", outcome="cancelled"):
+                    break
+                await trio.sleep(0.01)
+    assert value(found, name, service="slow", outcome="cancelled") == 1
+    assert value(found, name, service="slow", outcome="error") == 0
