@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 .PHONY: run test tools lint imports deps typecheck pytest bench clean
 
@@ -12,7 +13,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-run: $(STAMP)
+# Running needs pipework and its runtime dependencies only, not the test tools.
+$(RUN_STAMP): pyproject.toml
+	@echo "make run: installing pipework and its runtime dependencies into $(VENV) (once)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade --progress-bar off pip
+	$(BIN)/python -m pip install --progress-bar off -e .
+	touch $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/python -m examples.gateway.run
 
 test: tools lint imports deps typecheck pytest
@@ -41,4 +50,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .tools build *.egg-info

@@ -1,7 +1,7 @@
 """The ``pipework`` command line.
 
     pipework serve FILE.toml | MODULE:FACTORY [--host HOST] [--port PORT] ...
-    pipework check FILE          validate a gateway file: every problem, with its line
+    pipework check FILE [--format text|json]   validate a gateway file: every problem
     pipework routes FILE         the routes and their resolved chains
     pipework graph FILE [--out DIR]   each route's chain as a Mermaid diagram
     pipework --version
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no access log line per request (on by default: method, path, status, "
+        "duration, request id)",
+    )
+    serve.add_argument(
         "--log-format",
         default="text",
         choices=["text", "json"],
@@ -97,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "graph":
             command.add_argument(
                 "--out", metavar="DIR", default=None, help="write one .md file per route here"
+            )
+        if name == "check":
+            command.add_argument(
+                "--format",
+                default="text",
+                choices=["text", "json"],
+                help="json: one JSON document on stdout (valid, errors, warnings), for CI",
             )
     return parser
 
@@ -128,7 +142,10 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             gateway = Gateway(args.target, overrides=_overrides(args))
         except ConfigError as exc:
-            print(exc, file=sys.stderr)
+            if args.log_format == "json":
+                _log.error("%s", exc)
+            else:
+                print(exc, file=sys.stderr)
             return 1
         trio.run(_run_gateway, gateway, args.host, args.port)
         return 0
@@ -146,6 +163,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "shutdown_grace": args.shutdown_grace,
         "max_body": args.max_body,
         "public_url": args.public_url,
+        "access_log": None if args.access_log else False,
     }
     return {name: value for name, value in given.items() if value is not None}
 
@@ -185,8 +203,12 @@ async def _serve_until_signalled(
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
 
         address = await nursery.start(serving)
-        # One line on stderr that a supervisor (or a test) can wait for.
-        print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
+        # One line on stderr that a supervisor (or a test) can wait for: a log record when
+        # the log is JSON (every line then parses), else plain text.
+        if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+            _log.info("pipework serving on %s", address.url, extra={"event": "serving"})
+        else:
+            print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
 
 
 async def _watch_signals(
@@ -226,7 +248,7 @@ async def _reload(reload: Callable[[], Awaitable[Any]] | None) -> None:
 
 _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "serve": _serve,
-    "check": lambda args: check(args.file),
+    "check": lambda args: check(args.file, format=args.format),
     "routes": lambda args: routes(args.file),
     "graph": lambda args: graph(args.file, args.out),
 }
@@ -244,7 +266,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), handlers=[handler])
-    return _COMMANDS[args.command](args)
+    try:
+        status = _COMMANDS[args.command](args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`pipework graph FILE | head`): stop quietly, as cat does.
+        # Python would flush stdout again at exit and fail on the same pipe: point it at
+        # /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status
 
 
 if __name__ == "__main__":

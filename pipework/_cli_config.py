@@ -6,10 +6,13 @@ the exit status: 0 when the file is valid, 1 when it is not (every problem print
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+from ._errors import ConfigProblem
 from .pipes._pipe import Pipe
 from .registry._config import GatewayConfig, build_registry, load_config
 from .registry._config_draw import chain_text, mermaid
@@ -19,20 +22,28 @@ from .registry._registry import Registry
 __all__ = ["check", "graph", "routes"]
 
 
-def _load(path: str | os.PathLike[str]) -> tuple[GatewayConfig, Registry] | None:
+def _load(
+    path: str | os.PathLike[str], *, quiet: bool = False
+) -> tuple[GatewayConfig, Registry] | None:
     try:
         config = load_config(path)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        if not quiet:
+            print(exc, file=sys.stderr)
         return None
-    for warning in config.warnings:
-        print(warning.format(config.source), file=sys.stderr)
+    if not quiet:
+        for warning in config.warnings:
+            print(warning.format(config.source), file=sys.stderr)
     return config, build_registry(config, config.backends())
 
 
-def check(path: str | os.PathLike[str]) -> int:
+def check(path: str | os.PathLike[str], *, format: str = "text") -> int:
     """Validate the file: a one-line summary (and any warnings) when it is valid, every
-    problem otherwise."""
+    problem otherwise. ``format="json"`` prints one JSON document on stdout instead (for
+    CI pipelines): ``valid``, ``source``, ``errors`` and ``warnings`` (each with ``path``,
+    ``line``, ``message``), and the summary's counts when the file is valid."""
+    if format == "json":
+        return _check_json(path)
     loaded = _load(path)
     if loaded is None:
         return 1
@@ -47,6 +58,28 @@ def check(path: str | os.PathLike[str]) -> int:
     return 0
 
 
+def _check_json(path: str | os.PathLike[str]) -> int:
+    source = os.fspath(path)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        problems: tuple[ConfigProblem, ...] = exc.problems
+        document: dict[str, Any] = {"source": exc.source or source, "valid": False}
+    else:
+        problems = config.warnings
+        summary = config.summary()
+        del summary["warnings"]
+        document = {**summary, "valid": True}
+    document["errors"] = [_problem(p) for p in problems if p.severity == "error"]
+    document["warnings"] = [_problem(p) for p in problems if p.severity == "warning"]
+    print(json.dumps(document, indent=2))
+    return 0 if document["valid"] else 1
+
+
+def _problem(problem: ConfigProblem) -> dict[str, Any]:
+    return {"path": problem.path, "line": problem.line, "message": problem.message}
+
+
 def routes(path: str | os.PathLike[str]) -> int:
     """List the routes with their resolved chains, as a table."""
     loaded = _load(path)
@@ -56,7 +89,12 @@ def routes(path: str | os.PathLike[str]) -> int:
     rows = [("ROUTE", "METHOD", "PATH", "MODE", "TIMEOUT", "CHAIN")]
     for name, rc in config.routes.items():
         route = rc.route
-        timeout = "-" if route.timeout is None else f"{route.timeout:g}s"
+        # The job's time limit as a request gets it: the route's, else the server's
+        # default_timeout.
+        if route.timeout is not None:
+            timeout = f"{route.timeout:g}s"
+        else:
+            timeout = f"{config.server.default_timeout:g}s (default)"
         chain = chain_text(registry.get_chain(name).root)
         rows.append((name, route.method, route.path, route.mode, timeout, chain))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

@@ -30,6 +30,10 @@ FIELDS = (
     "status",
     "signal",
     "error",
+    "service",
+    "kind",
+    "method",
+    "path",
 )
 
 job_logger = logging.getLogger("pipework.job")

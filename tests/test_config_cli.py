@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,13 +113,80 @@ def test_check_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_routes_lists_resolved_chains(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert routes(small) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "ROUTE  METHOD  PATH               MODE   TIMEOUT  CHAIN",
-        "order  POST    /orders/{user_id}  sync   5s       get_user > "
+        "ROUTE  METHOD  PATH               MODE   TIMEOUT        CHAIN",
+        "order  POST    /orders/{user_id}  sync   5s             get_user > "
         "any_of[timeout=1s](price_a, (price_b > get_user)) > "
         "graph(A: price_a; B: price_b after A; C: audit detached)",
-        "user   GET     /users/{user_id}   async  -        "
+        "user   GET     /users/{user_id}   async  30s (default)  "
         "quorum[k=2](get_user, get_user, get_user)",
     ]
+
+
+def test_routes_show_the_server_default_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(SMALL + "\n[server]\ndefault_timeout = 12\n", encoding="utf-8")
+    assert routes(path) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].startswith("user   GET     /users/{user_id}   async  12s (default)  quorum")
+
+
+def test_check_json_of_a_valid_file(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert check(small, format="json") == 0
+    out, err = capsys.readouterr()
+    document = json.loads(out)
+    assert document["valid"] is True
+    assert document["source"] == str(small)
+    assert (document["services"], document["pipes"], document["routes"]) == (2, 4, 2)
+    assert document["errors"] == []
+    assert document["warnings"] == []
+    assert err == ""
+
+
+def test_check_json_lists_every_problem(capsys: pytest.CaptureFixture[str]) -> None:
+    path = CONFIGS / "invalid" / "weights.toml"
+    assert check(path, format="json") == 1
+    out, err = capsys.readouterr()
+    document = json.loads(out)
+    assert document["valid"] is False
+    assert len(document["errors"]) == 7
+    assert document["errors"][0] == {
+        "path": "pool.max_workers",
+        "line": 2,
+        "message": "reserves add up to 14 (users=6, pricing=6, search=2) but max_workers is "
+        "10; lower a reserve or raise max_workers",
+    }
+    assert err == ""
+
+
+def test_check_json_carries_warnings(capsys: pytest.CaptureFixture[str]) -> None:
+    path = CONFIGS / "valid" / "warnings.toml"
+    assert check(path, format="json") == 0
+    document = json.loads(capsys.readouterr().out)
+    assert len(document["warnings"]) == 5
+    assert {"path": "pipes.get_user", "line": 12, "message": "no route uses this pipe"} in (
+        document["warnings"]
+    )
+
+
+def test_graph_into_a_closed_pipe_ends_quietly(small: Path) -> None:
+    """`pipework graph FILE | head -1`: the reader is gone, no BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pipework", "graph", str(small)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 1
 
 
 def test_routes_of_an_invalid_file(capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,3 +103,29 @@ async def test_reload_without_a_config_file_is_404() -> None:
         async with serving(engine, config=config()) as served:
             response = await served.client.post("/admin/reload", headers=bearer(TOKEN))
     assert_problem(response, 404, "admin-no-config")
+
+
+def test_live_weights_rebase_keeps_what_the_file_left_alone() -> None:
+    from pipework.container._admin import LiveWeights
+
+    file = pw.PoolConfig(8, keys={"a": pw.Weights(reserve=1, limit=4), "b": pw.Weights(limit=2)})
+    live = LiveWeights(file)
+    current = live.set(file, "a", {"limit": 2, "max_waiting": 5})
+    current = live.set(current, "b", {"limit": 6})
+    assert live.overrides() == {"a": {"limit": 2, "max_waiting": 5}, "b": {"limit": 6}}
+    # a's limit edited in the file (4 -> 3): the file wins for that field only; b is gone.
+    reloaded = pw.PoolConfig(8, keys={"a": pw.Weights(reserve=1, limit=3)})
+    config, dropped = live.rebase(reloaded)
+    assert (config.keys["a"].limit, config.keys["a"].max_waiting) == (3, 5)
+    assert "b" not in config.keys
+    assert live.overrides() == {"a": {"max_waiting": 5}}
+    assert [sentence.split(":")[0] for sentence in dropped] == ["a.limit", "b"]
+    # Live values that no longer fit the new file's totals are dropped, not an error.
+    live.set(config, "a", {"reserve": 2})
+    smaller = pw.PoolConfig(
+        3, keys={"a": pw.Weights(reserve=1, limit=3), "c": pw.Weights(reserve=2)}
+    )
+    config, dropped = live.rebase(smaller)
+    assert config.keys["a"].reserve == 1
+    assert live.overrides() == {}
+    assert "no longer fit" in dropped[0]

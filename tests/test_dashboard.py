@@ -21,12 +21,15 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
 
 import pipework as pw
 from pipework.container._board import Boards, BoardSpec
 from pipework.container._board_metrics import BoardCollector
 from pipework.dispatcher._weighted import WeightedPool
 from pipework.dispatcher._weighted_core import Weights
+
+from .test_metrics_honest import demo_under_a_hanging_backend
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DASHBOARD = DOCS / "grafana-dashboard.json"
@@ -579,15 +582,200 @@ ALERT_CASES: list[dict[str, Any]] = [
 ]
 
 
-def test_alerts_fire_on_the_series_they_are_meant_for(tmp_path: Path) -> None:
+def _fires(alertname: str, eval_time: str = "20m", **labels: str) -> dict[str, Any]:
+    return {
+        "eval_time": eval_time,
+        "alertname": alertname,
+        "exp_alerts": [{"exp_labels": {"job": "pipework", **labels}}],
+    }
+
+
+def _quiet(alertname: str, eval_time: str = "20m") -> dict[str, Any]:
+    return {"eval_time": eval_time, "alertname": alertname, "exp_alerts": []}
+
+
+def _histogram(name: str, labels: str, per_minute: dict[str, float]) -> list[dict[str, str]]:
+    """Cumulative bucket series (and _count) of a histogram observed at a steady rate:
+    ``per_minute`` maps each ``le`` to the observations at or below it each minute."""
+    series = [
+        {"series": f'{name}_bucket{{{INSTANCE}, {labels}, le="{le}"}}', "values": f"0+{n:g}x30"}
+        for le, n in per_minute.items()
+    ]
+    series.append(
+        {
+            "series": f"{name}_count{{{INSTANCE}, {labels}}}",
+            "values": f"0+{per_minute['+Inf']:g}x30",
+        }
+    )
+    return series
+
+
+# The alerts the cases above do not make fire.
+ALERT_CASES += [
+    {
+        "input_series": [
+            {"series": f"up{{{INSTANCE}}}", "values": "1x5 0x25"},
+            {"series": f"pipework_event_queue_refused_total{{{INSTANCE}}}", "values": "0+60x30"},
+        ],
+        "alert_rule_test": [
+            _quiet("PipeworkTargetDown", "6m"),
+            {
+                **_fires("PipeworkTargetDown", instance="gw-1:8000"),
+                "exp_alerts": [
+                    {"exp_labels": {"job": "pipework", "instance": "gw-1:8000", "severity": "page"}}
+                ],
+            },
+            {
+                **_fires("PipeworkSubmissionsRefused"),
+                "exp_alerts": [
+                    {"exp_labels": {"job": "pipework", "instance": "gw-1:8000", "severity": "page"}}
+                ],
+            },
+        ],
+    },
+    {
+        "input_series": [
+            {
+                "series": f'pipework_pool_oldest_wait_seconds{{{INSTANCE}, key="search"}}',
+                "values": "12x30",
+            },
+            {
+                "series": f'pipework_pool_oldest_wait_seconds{{{INSTANCE}, key="users"}}',
+                "values": "0x30",
+            },
+            {"series": f'pipework_pool_limit{{{INSTANCE}, key="search"}}', "values": "2x30"},
+            {"series": f'pipework_pool_limit{{{INSTANCE}, key="reports"}}', "values": "0x90"},
+        ],
+        "alert_rule_test": [
+            _fires(
+                "PipeworkKeyWaitingLong", instance="gw-1:8000", key="search", severity="warning"
+            ),
+            _quiet("PipeworkKeyPaused", "30m"),
+            _fires(
+                "PipeworkKeyPaused", "70m", instance="gw-1:8000", key="reports", severity="info"
+            ),
+        ],
+    },
+    {
+        # "render" answers in 2.5-3 s (slow); "quote" in 0.2 s; "lookup" is cut at its 1 s
+        # timeout every time, which is a failure, not slowness.
+        "input_series": [
+            *_histogram(
+                "pipework_pipe_duration_seconds",
+                'pipe="render", outcome="ok"',
+                {"2": 0, "2.5": 0, "3": 60, "+Inf": 60},
+            ),
+            *_histogram(
+                "pipework_pipe_duration_seconds",
+                'pipe="quote", outcome="ok"',
+                {"0.1": 0, "0.25": 60, "+Inf": 60},
+            ),
+            *_histogram(
+                "pipework_pipe_duration_seconds",
+                'pipe="lookup", outcome="timeout"',
+                {"1": 0, "1.05": 60, "+Inf": 60},
+            ),
+            *_histogram(
+                "pipework_backend_latency_seconds",
+                'service="search", outcome="ok"',
+                {"1": 0, "1.25": 30, "1.5": 60, "+Inf": 60},
+            ),
+            *_histogram(
+                "pipework_backend_latency_seconds",
+                'service="users", outcome="ok"',
+                {"0.25": 60, "+Inf": 60},
+            ),
+        ],
+        "alert_rule_test": [
+            _fires("PipeworkPipeSlow", pipe="render", severity="warning"),
+            _fires("PipeworkBackendSlow", service="search", severity="warning"),
+        ],
+    },
+    {
+        "input_series": [
+            {
+                "series": f'pipework_detached_failures_total{{{INSTANCE}, route="order"}}',
+                "values": "0+3x60",
+            },
+        ],
+        "alert_rule_test": [
+            _quiet("PipeworkDetachedNodesFailing", "20m"),
+            _fires("PipeworkDetachedNodesFailing", "50m", route="order", severity="warning"),
+        ],
+    },
+]
+
+
+def run_alert_tests(tmp_path: Path, cases: list[dict[str, Any]]) -> None:
     (tmp_path / "rules.yml").write_text(without_annotations(rule_file()))
     tests = {
         "rule_files": ["rules.yml"],
         "evaluation_interval": "1m",
-        "tests": [{"interval": "1m", **case} for case in ALERT_CASES],
+        "tests": [{"interval": "1m", **case} for case in cases],
     }
     (tmp_path / "tests.yml").write_text(json.dumps(tests, indent=1))
     promtool("test", "rules", str(tmp_path / "tests.yml"))
+
+
+def test_alerts_fire_on_the_series_they_are_meant_for(tmp_path: Path) -> None:
+    run_alert_tests(tmp_path, ALERT_CASES)
+
+
+def test_every_shipped_alert_is_tested_firing() -> None:
+    alerts = set(re.findall(r"^\s+- alert: (\w+)$", rule_file(), flags=re.MULTILINE))
+    fired = {
+        test["alertname"]
+        for case in ALERT_CASES
+        for test in case["alert_rule_test"]
+        if test["exp_alerts"]
+    }
+    assert alerts - fired == set(), "alerts no promtool case makes fire"
+
+
+def steady_series(exposition: str, families: tuple[str, ...]) -> list[dict[str, str]]:
+    """The exposition's counters and histogram series of ``families`` as promtool input:
+    the same calls again every minute, for 30 minutes."""
+    series = []
+    for family in text_string_to_metric_families(exposition):
+        if family.name not in families:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = ", ".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            series.append(
+                {
+                    "series": f"{sample.name}{{{INSTANCE}, {labels}}}",
+                    "values": f"0+{sample.value:g}x30",
+                }
+            )
+    return series
+
+
+async def test_a_hanging_backend_fires_errors_not_slowness(tmp_path: Path) -> None:
+    """The demo's service timeout (1 s) against a real backend that never answers: every
+    call is cut at 1 s. Nothing took longer than its timeout, so neither Slow alert may
+    fire; the calls failed, so PipeworkBackendErrors must."""
+    calls = 12
+    exposition = await demo_under_a_hanging_backend(calls)
+    series = steady_series(
+        exposition,
+        (
+            "pipework_backend_latency_seconds",
+            "pipework_pipe_duration_seconds",
+            "pipework_backend_calls",
+        ),
+    )
+    assert any('outcome="timeout"' in s["series"] for s in series), series
+    case = {
+        "input_series": series,
+        "alert_rule_test": [
+            _quiet("PipeworkBackendSlow"),
+            _quiet("PipeworkPipeSlow"),
+            _fires("PipeworkBackendErrors", service="users", severity="warning"),
+        ],
+    }
+    run_alert_tests(tmp_path, [case])
 
 
 # -- promtool ------------------------------------------------------------------------------

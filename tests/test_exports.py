@@ -3,6 +3,7 @@ docs and examples that use nothing else."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -117,8 +118,11 @@ _PRIVATE = re.compile(r"\bpipework(?:\.[a-z]+)*\._[a-z]\w*")
 
 
 def _documents() -> list[Path]:
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return docs + sorted((ROOT / "examples").rglob("*.py"))
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    examples = ROOT / "examples"
+    return docs + sorted(
+        path for pattern in ("*.py", "*.md", "*.toml") for path in examples.rglob(pattern)
+    )
 
 
 def test_docs_and_examples_import_only_public_names() -> None:
@@ -128,3 +132,40 @@ def test_docs_and_examples_import_only_public_names() -> None:
             if ("import" in line or "from " in line) and _PRIVATE.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_docs_and_examples_name_only_exported_attributes() -> None:
+    """``pw.Name`` in the docs and examples is a name ``pipework`` exports, and a
+    ``python = "module:attribute"`` import path names no private module of pipework."""
+    found = []
+    for path in _documents():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+            for name in re.findall(r"\bpw\.([A-Za-z_]\w*)", line):
+                if name not in pw.__all__:
+                    found.append(where)
+            for target in re.findall(r'python\s*=\s*"([^"]+)"', line):
+                if _PRIVATE.search(target):
+                    found.append(where)
+    assert found == []
+
+
+def test_the_cli_synopsis_in_the_http_docs_lists_every_form_and_flag() -> None:
+    from pipework.__main__ import build_parser
+
+    text = (ROOT / "docs" / "http-api.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
+    (synopsis,) = [body for language, body in blocks if "pipework serve" in body and not language]
+    parser = build_parser()
+    flags = {f for action in parser._actions for f in action.option_strings}
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in commands.choices.items():
+        assert f"pipework {name} " in synopsis, f"`pipework {name}` is not in the synopsis"
+        for action in command._actions:
+            flags.update(action.option_strings)
+            for choice in action.choices or ():
+                if action.option_strings:
+                    assert str(choice) in synopsis, f"{name} {action.option_strings}: {choice}"
+    flags -= {"-h"}
+    missing = sorted(flag for flag in flags if flag not in synopsis)
+    assert missing == [], "flags the synopsis leaves out"

@@ -280,3 +280,68 @@ def test_the_readme_tour_is_a_valid_gateway_file(tmp_path: Path) -> None:
     config = load_config(path)
     assert set(config.routes) == {"order"}
     assert config.warnings == ()
+
+
+async def test_live_weights_survive_a_reload_until_the_file_changes_them(
+    tmp_path: Path,
+) -> None:
+    """The rule: a weight set live stands until the file's value for that key and field
+    changes, or until DELETE clears it."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with trio.fail_after(HANG_GUARD):
+        async with backend() as users:
+            path = tmp_path / "gateway.toml"
+            path.write_text(gateway_file(users.url, limit=4))
+            gateway = Gateway(str(path))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address: BoundAddress = await nursery.start(
+                    functools.partial(gateway.run, port=0, stop=stop)
+                )
+                async with httpx.AsyncClient(base_url=address.url, headers=auth) as client:
+
+                    async def users_key() -> tuple[int | None, dict[str, object]]:
+                        document = (await client.get("/admin/pool")).json()
+                        row = document["keys"]["users"]
+                        assert document["overrides"].get("users", {}) == row["live"]
+                        return row["limit"], row["live"]
+
+                    put = await client.put("/admin/pool/keys/users", json={"limit": 2})
+                    assert put.status_code == 200, put.text
+                    assert await users_key() == (2, {"limit": 2})
+
+                    # The file unchanged (another route added): the live value stands.
+                    path.write_text(gateway_file(users.url, limit=4, extra_route=True))
+                    same = await client.post("/admin/reload")
+                    assert same.status_code == 200, same.text
+                    assert same.json()["overrides"] == {"users": {"limit": 2}}
+                    assert same.json()["overrides_dropped"] == []
+                    assert await users_key() == (2, {"limit": 2})
+
+                    # The file changes that field: the file wins, and the answer says so.
+                    path.write_text(gateway_file(users.url, limit=6, extra_route=True))
+                    changed = await client.post("/admin/reload")
+                    assert changed.status_code == 200, changed.text
+                    assert changed.json()["overrides"] == {}
+                    (sentence,) = changed.json()["overrides_dropped"]
+                    assert sentence.startswith("users.limit: the file changed it from 4 to 6")
+                    assert await users_key() == (6, {})
+
+                    # DELETE puts the file's value back.
+                    await client.put("/admin/pool/keys/users", json={"limit": 1})
+                    assert await users_key() == (1, {"limit": 1})
+                    cleared = await client.delete("/admin/pool/keys/users")
+                    assert cleared.status_code == 200, cleared.text
+                    assert cleared.json()["cleared"] == {"limit": 1}
+                    assert await users_key() == (6, {})
+
+                    unknown_key = await client.put("/admin/pool/keys/user", json={"limit": 1})
+                    unknown_field = await client.put("/admin/pool/keys/users", json={"limt": 1})
+                    after = (await client.get("/admin/pool")).json()
+                stop.set()
+    assert unknown_key.status_code == 404
+    assert unknown_key.json()["type"] == "urn:pipework:problem:admin-unknown-key"
+    assert "did you mean 'users'?" in unknown_key.json()["detail"]
+    assert "user" not in after["keys"]  # the PUT created nothing
+    assert unknown_field.status_code == 400
+    assert "'limt': did you mean 'limit'?" in unknown_field.json()["detail"]

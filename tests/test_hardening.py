@@ -309,8 +309,10 @@ async def test_percent_encoded_utf_8_reaches_the_job_decoded() -> None:
 async def test_admin_put_refuses_weights_of_the_wrong_type_or_name(
     key: str, body: dict[str, Any], words: str
 ) -> None:
+    # "users" is a declared key: PUT on an undeclared one is a 404 before any field is read.
+    pool = pw.WeightedPool(8, keys={"users": pw.Weights(limit=4)})
     with trio.fail_after(HANG_GUARD):
-        async with serving(make_engine([]), config=admin_config()) as served:
+        async with serving(make_engine([], pool=pool), config=admin_config()) as served:
             before = (await served.client.get("/admin/pool", headers=bearer(TOKEN))).json()
             response = await served.client.put(
                 f"/admin/pool/keys/{key}",

@@ -20,6 +20,7 @@ time a :class:`~pipework.DeadlineExceeded` (504).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -29,6 +30,7 @@ import httpx
 import trio
 
 from .._errors import BackendError, DeadlineExceeded, RegistrationError
+from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
 from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service, check_header_value, is_token
@@ -110,10 +112,18 @@ class Backends:
         try:
             answer = await self._call(call, ctx)
         except BackendError as exc:
-            self._observe(call.service, started, "connect" if exc.status is None else "status")
+            kind = "connect" if exc.status is None else "status"
+            self._observe(call.service, started, kind)
+            _log_failure(call.service, kind, ctx, started, exc)
             raise
-        except DeadlineExceeded:
+        except DeadlineExceeded as exc:
             self._observe(call.service, started, "timeout")
+            _log_failure(call.service, "timeout", ctx, started, exc)
+            raise
+        except trio.Cancelled:
+            # An any_of winner, a client that hung up, a job's deadline: the call ended
+            # without an answer and is counted as such, never left out.
+            self._observe(call.service, started, "cancelled")
             raise
         self._observe(call.service, started, None)
         return answer
@@ -122,9 +132,15 @@ class Backends:
         metrics = self.metrics
         if metrics is None:
             return
-        metrics.backend_latency.labels(service).observe(trio.current_time() - started)
-        metrics.backend_calls.labels(service, "ok" if error is None else "error").inc()
-        if error is not None:
+        if error is None:
+            outcome = "ok"
+        elif error in ("timeout", "cancelled"):
+            outcome = error
+        else:
+            outcome = "error"
+        metrics.observe(metrics.backend_latency, (service, outcome), trio.current_time() - started)
+        metrics.backend_calls.labels(service, "error" if outcome == "timeout" else outcome).inc()
+        if outcome not in ("ok", "cancelled"):
             metrics.backend_errors.labels(service, error).inc()
 
     async def _call(self, call: HttpCall, ctx: Context) -> Any:
@@ -154,6 +170,26 @@ class Backends:
             where=ctx.path,
             deadline=scope.deadline,
         )
+
+
+def _log_failure(
+    service: str, kind: str, ctx: Context, started: float, exc: BackendError | DeadlineExceeded
+) -> None:
+    """One WARNING line per failed call; the exception's traceback (httpx's chain of
+    causes) only when DEBUG is on."""
+    log_job(
+        "backend call failed",
+        logging.WARNING,
+        exc if job_logger.isEnabledFor(logging.DEBUG) else None,
+        service=service,
+        kind=kind,
+        status=exc.status if isinstance(exc, BackendError) else None,
+        pipe=ctx.pipe.name,
+        job_id=ctx.job_id,
+        correlation_id=ctx.correlation_id,
+        duration=round(trio.current_time() - started, 6),
+        error=str(exc),
+    )
 
 
 def http_pipe(
@@ -204,6 +240,11 @@ def _build_request(
     headers = httpx.Headers(service.headers)
     if call.forward_headers is not None:
         headers.update(_forwarded(state, call.forward_headers))
+    # One id finds the request in the backends' logs too.
+    if service.request_id_header is not None:
+        headers[service.request_id_header] = ctx.correlation_id
+    if ctx.traceparent is not None:
+        headers["traceparent"] = ctx.traceparent
     for name, template in call.headers:
         rendered = template.render_header(state, name)
         if rendered is not None:

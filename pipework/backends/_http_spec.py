@@ -110,6 +110,9 @@ class Service:
     connection pool, which should be at least the concurrency its pool weights allow;
     ``max_keepalive`` idle connections are kept for ``keepalive_expiry`` seconds.
     ``headers`` go with every call; ``max_response_bytes`` caps an answer's (decoded) body.
+    ``request_id_header`` carries the job's correlation id (the request's ``X-Request-ID``)
+    on every call (``None``: not sent); a W3C ``traceparent`` the request came with goes
+    along too.
     """
 
     name: str
@@ -121,6 +124,7 @@ class Service:
     keepalive_expiry: float = 5.0
     headers: Mapping[str, str] = field(default_factory=dict)
     max_response_bytes: int = 10 * 1024 * 1024
+    request_id_header: str | None = "X-Request-ID"
 
     def __post_init__(self) -> None:
         where = f"service {self.name!r}"
@@ -141,7 +145,8 @@ class Service:
             raise RegistrationError(f"{where}: keepalive_expiry must be 0 or more")
         if self.max_response_bytes < 0:
             raise RegistrationError(f"{where}: max_response_bytes must be 0 or more")
-        for name in self.headers:
+        extra = () if self.request_id_header is None else (self.request_id_header,)
+        for name in (*self.headers, *extra):
             problem = check_header_name(name)
             if problem is not None:
                 raise RegistrationError(f"{where}: {problem}")

@@ -8,17 +8,20 @@ default. Every call needs ``Authorization: Bearer <token>``; a missing or wrong 
 - ``PUT /admin/pool/keys/{key}``: set the key's ``reserve``, ``limit`` (``null``: none,
   ``0``: paused), ``max_waiting``, ``wait_timeout``; fields left out keep their values. The
   new config is validated and swapped in one step; admitted work is never revoked.
+- ``DELETE /admin/pool/keys/{key}``: clear the key's live values: the file's come back.
 - ``POST /admin/reload``: validate the config file again and, if it is good, swap it in;
-  a bad file changes nothing and the answer lists every problem.
+  a bad file changes nothing and the answer lists every problem. Live values survive it
+  unless the file changed that field of that key (see :class:`LiveWeights`).
 """
 
 from __future__ import annotations
 
+import difflib
 import hmac
 import math
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, Final
 
@@ -27,11 +30,11 @@ from quart import Response, request
 from .._errors import PipeworkError
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
-from ..dispatcher._weighted_core import PoolConfigError, PoolStatistics, Weights
+from ..dispatcher._weighted_core import PoolConfig, PoolConfigError, PoolStatistics, Weights
 from ._bodies import JSON, decode_object, dumps_json, read_body
 from ._problems import Problem
 
-__all__ = ["AdminApi", "Reload", "admin_token"]
+__all__ = ["AdminApi", "LiveWeights", "Reload", "admin_token"]
 
 #: What ``POST /admin/reload`` calls: returns a summary of the new config, or raises a
 #: PipeworkError (the config error) whose ``str`` lists every problem.
@@ -64,6 +67,9 @@ class AdminApi:
         self.reload_hook = reload
         self._max_body = max_body
         self._time_limit = body_time_limit
+        pool = engine.pool
+        #: The weights set live, kept across reloads (None: the pool has no weights).
+        self.live = LiveWeights(pool.config) if isinstance(pool, WeightedPool) else None
 
     def _authorize(self) -> None:
         header = request.headers.get("Authorization", "")
@@ -92,9 +98,29 @@ class AdminApi:
             )
         return pool
 
+    def _document(self, pool: WeightedPool) -> dict[str, Any]:
+        document = pool_document(pool.statistics())
+        overrides = self.live.overrides() if self.live is not None else {}
+        document["overrides"] = overrides
+        for name, row in document["keys"].items():
+            row["live"] = overrides.get(name, {})
+        return document
+
+    def _declared(self, pool: WeightedPool, key: str) -> None:
+        keys = pool.config.keys
+        if key not in keys:
+            close = difflib.get_close_matches(key, sorted(keys), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise Problem(
+                404,
+                "Not Found",
+                f"no pool key {key!r}{hint} (declared: {', '.join(sorted(keys)) or 'none'})",
+                slug="admin-unknown-key",
+            )
+
     async def pool(self) -> Response:
         self._authorize()
-        return _json(pool_document(self._pool().statistics()))
+        return _json(self._document(self._pool()))
 
     async def set_key(self, key: str) -> Response:
         self._authorize()
@@ -104,23 +130,37 @@ class AdminApi:
                 f"{key!r} cannot name a key: use letters, digits, '_', '-' and '.' "
                 "(up to 128, not starting with '-' or '.')"
             )
+        self._declared(pool, key)
         data = await read_body(request, limit=self._max_body, time_limit=self._time_limit)
         body = decode_object(data, request.headers.get("Content-Type"))
         if not body or set(body) - set(_FIELDS):
             unknown = sorted(set(body or {}) - set(_FIELDS))
             got = f"unknown field(s) {', '.join(map(repr, unknown))}" if unknown else "none"
-            raise _bad_weights(f"send a JSON object with any of {', '.join(_FIELDS)}; got {got}")
+            raise _bad_weights(
+                f"send a JSON object with any of {', '.join(_FIELDS)}; got {got}"
+                + _unknown_fields(body)
+            )
         for name, value in body.items():
             _check_field(name, value)
-        config = pool.config
-        current = config.keys.get(key, config.default)
+        assert self.live is not None  # a WeightedPool has its live weights
         try:
-            weights = replace(current, **body)
-            generation = pool.reconfigure(config.with_weights(key, Weights(**_as_fields(weights))))
-        except PoolConfigError as exc:
+            generation = pool.reconfigure(self.live.set(pool.config, key, body))
+        except (PoolConfigError, TypeError, ValueError) as exc:
             raise _bad_weights(str(exc)) from None
-        document = pool_document(pool.statistics())
+        document = self._document(pool)
         return _json({"config_generation": generation, "key": document["keys"].get(key)})
+
+    async def clear_key(self, key: str) -> Response:
+        self._authorize()
+        pool = self._pool()
+        self._declared(pool, key)
+        assert self.live is not None
+        config, cleared = self.live.clear(pool.config, key)
+        generation = pool.reconfigure(config)
+        document = self._document(pool)
+        return _json(
+            {"config_generation": generation, "cleared": cleared, "key": document["keys"][key]}
+        )
 
     async def reload(self) -> Response:
         self._authorize()
@@ -175,6 +215,95 @@ def _kind(value: Any) -> str:
         dict: "an object",
     }
     return f"{names.get(type(value), type(value).__name__)} ({shown})"
+
+
+class LiveWeights:
+    """Weights set live (``PUT /admin/pool/keys/{key}``) and how a reload treats them.
+
+    The rule: a live value stands until the file's value for that key and field changes
+    (the file then wins: someone edited it on purpose), or until ``DELETE
+    /admin/pool/keys/{key}`` clears the key's live values, which puts the file's back. A
+    reload that leaves a field alone in the file keeps the live value; a key the new file
+    no longer declares loses its live values. Sans-IO: it computes configs, the caller
+    swaps them in.
+    """
+
+    def __init__(self, file: PoolConfig) -> None:
+        #: The weights as the file (or the code) declares them, without live values.
+        self.file = file
+        # key -> field -> (the live value, the file's value when it was set)
+        self._live: dict[str, dict[str, tuple[Any, Any]]] = {}
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        """Every live value, by key and field."""
+        return {
+            key: {name: live for name, (live, _) in sorted(fields.items())}
+            for key, fields in sorted(self._live.items())
+        }
+
+    def set(self, current: PoolConfig, key: str, fields: Mapping[str, Any]) -> PoolConfig:
+        """The config with ``fields`` of ``key`` set live (raises PoolConfigError,
+        TypeError or ValueError for weights the pool refuses, changing nothing)."""
+        weights = replace(current.keys[key], **fields)
+        config = current.with_weights(key, Weights(**_as_fields(weights)))
+        file = self.file.keys.get(key, self.file.default)
+        live = self._live.setdefault(key, {})
+        for name, value in fields.items():
+            live[name] = (value, getattr(file, name))
+        return config
+
+    def clear(self, current: PoolConfig, key: str) -> tuple[PoolConfig, dict[str, Any]]:
+        """The config with ``key``'s file weights back, and the live values dropped."""
+        dropped = {name: live for name, (live, _) in self._live.pop(key, {}).items()}
+        return current.with_weights(key, self.file.keys.get(key, self.file.default)), dropped
+
+    def rebase(self, file: PoolConfig) -> tuple[PoolConfig, list[str]]:
+        """A reloaded file's config with the live values that still stand, and a sentence
+        for each one the file overrode (for the log and the reload's answer)."""
+        config = file
+        dropped: list[str] = []
+        for key in list(self._live):
+            fields = self._live[key]
+            if key not in file.keys:
+                dropped.append(f"{key}: the file no longer declares the key; live values dropped")
+                del self._live[key]
+                continue
+            declared = file.keys[key]
+            kept = {}
+            for name, (live, was) in list(fields.items()):
+                now = getattr(declared, name)
+                if now == was:
+                    kept[name] = live
+                else:
+                    dropped.append(
+                        f"{key}.{name}: the file changed it from {was!r} to {now!r}; "
+                        f"the live value {live!r} is dropped"
+                    )
+                    del fields[name]
+            if not fields:
+                del self._live[key]
+            if kept:
+                try:
+                    weights = Weights(**_as_fields(replace(declared, **kept)))
+                    config = config.with_weights(key, weights)
+                except (PoolConfigError, TypeError, ValueError) as exc:
+                    dropped.append(
+                        f"{key}: the live values no longer fit the file ({exc}); dropped"
+                    )
+                    self._live.pop(key, None)
+        self.file = file
+        return config, dropped
+
+
+def _unknown_fields(body: object) -> str:
+    if not isinstance(body, dict):
+        return ""
+    hints = []
+    for name in sorted(set(body) - set(_FIELDS), key=str):
+        close = difflib.get_close_matches(str(name), _FIELDS, n=1)
+        if close:
+            hints.append(f"{name!r}: did you mean {close[0]!r}?")
+    return "; " + "; ".join(hints) if hints else ""
 
 
 def _as_fields(weights: Weights) -> dict[str, Any]:

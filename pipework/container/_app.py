@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -27,7 +28,7 @@ from urllib.parse import unquote_to_bytes
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
 from .._errors import Overloaded, PipeworkError
@@ -51,6 +52,22 @@ from ._server import BoundAddress, serve
 __all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
 
 _log = logging.getLogger("pipework.container")
+#: One line per request: method, path, status, duration (to the response's headers; a
+#: stream's body goes on after it) and request id.
+_access_log = logging.getLogger("pipework.access")
+
+# The metrics' endpoint label for the container's own rules.
+_ENDPOINTS: Final = {
+    "job": "jobs",
+    "cancel_job": "jobs",
+    "job_result": "jobs",
+    "job_signal": "jobs",
+    "callback": "callbacks",
+    "admin_pool": "admin",
+    "admin_key": "admin",
+    "admin_key_clear": "admin",
+    "admin_reload": "admin",
+}
 
 #: The chain ``/readyz`` runs to prove a job gets through the queue and a worker: the
 #: engine's own (:meth:`Engine.probe`), in no registry, so reloads leave it in place.
@@ -58,6 +75,9 @@ CANARY_CHAIN: Final = PROBE_CHAIN
 
 # Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
+# W3C Trace Context: version-trace_id-parent_id-flags; all-zero ids are invalid.
+_TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
+_ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 # Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
 _FLUSH_MARGIN: Final = 1.0
 
@@ -80,6 +100,8 @@ class ContainerConfig:
     - ``expose_errors``: show every pipe exception's message to clients (development).
     - ``admin_token``: the admin API's bearer token (else ``PIPEWORK_ADMIN_TOKEN``; with
       neither, the admin API is off).
+    - ``access_log``: one line per request on the ``pipework.access`` logger (method,
+      path, status, duration, request id).
     """
 
     max_body: int = 1024 * 1024
@@ -94,6 +116,7 @@ class ContainerConfig:
     public_url: str | None = None
     expose_errors: bool = False
     admin_token: str | None = None
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -225,14 +248,22 @@ class Container:
         app.before_request(self._check_headers)
         app.before_request(_check_target)
         app.after_request(_give_correlation_id)
+        app.after_request(self._count_response)
         app.register_error_handler(Problem, self._on_problem)
         app.register_error_handler(HTTPException, self._on_http_error)
         app.register_error_handler(Exception, self._on_error)
         # Routes are matched by our own map, behind one catch-all rule, so that a reload can
         # swap them in one step; the container's own paths are Quart rules and win.
-        methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-        app.add_url_rule("/", "routes_root", self._dispatch_route, methods=methods)
-        app.add_url_rule("/<path:_rest>", "routes", self._dispatch_route, methods=methods)
+        # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+        for rule, endpoint in (("/", "routes_root"), ("/<path:_rest>", "routes")):
+            app.add_url_rule(
+                rule,
+                endpoint,
+                self._dispatch_route,
+                methods=methods,
+                provide_automatic_options=False,
+            )
         jobs = self.jobs
         app.add_url_rule("/jobs/<job_id>", "job", jobs.status, methods=["GET"])
         app.add_url_rule("/jobs/<job_id>", "cancel_job", jobs.cancel, methods=["DELETE"])
@@ -251,6 +282,9 @@ class Container:
             admin = self.admin
             app.add_url_rule("/admin/pool", "admin_pool", admin.pool, methods=["GET"])
             app.add_url_rule("/admin/pool/keys/<key>", "admin_key", admin.set_key, methods=["PUT"])
+            app.add_url_rule(
+                "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
+            )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
         return app
 
@@ -292,8 +326,53 @@ class Container:
 
     async def _dispatch_route(self, _rest: str = "") -> Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
+        if request.method == "OPTIONS":
+            allowed = self._matcher.allowed_methods(request.path)
+            if not allowed:
+                raise NotFound()
+            return Response("", status=204, headers={"Allow": ", ".join(allowed)})
         name, params = self._matcher.match(request.path, method=request.method)
+        g.route = name
         return await self.submissions.handle(self._by_name[name], params)
+
+    async def _count_response(self, response: Response) -> Response:
+        """Count every response (refusals before any job too) by endpoint, route and
+        status class, and write the access log line."""
+        route = g.get("route") or ""
+        rule = request.url_rule
+        if route:
+            endpoint = "route"
+        elif rule is None or rule.endpoint in ("routes", "routes_root"):
+            endpoint = "unmatched"  # no route for this method and path (404, 405)
+        else:
+            endpoint = _ENDPOINTS.get(rule.endpoint, rule.endpoint)
+        status = response.status_code
+        metrics = self.engine.metrics
+        if route:
+            metrics.route_responses.labels(route, f"{status // 100}xx").inc()
+        else:
+            metrics.http_responses.labels(endpoint, f"{status // 100}xx").inc()
+        if self.config.access_log and _access_log.isEnabledFor(logging.INFO):
+            started = g.get("started")
+            duration = None if started is None else round(time.perf_counter() - started, 6)
+            _access_log.info(
+                "%s %s %d %.3fs request_id=%s",
+                request.method,
+                request.path,
+                status,
+                duration or 0.0,
+                _correlation_id(),
+                extra={
+                    "event": "request",
+                    "method": request.method,
+                    "path": request.path,
+                    "status": status,
+                    "duration": duration,
+                    "correlation_id": _correlation_id(),
+                    "route": route or None,
+                },
+            )
+        return response
 
     async def _check_headers(self) -> None:
         # hypercorn bounds only headers that arrive in pieces; this bounds them all.
@@ -341,6 +420,14 @@ class Container:
 
     async def _on_error(self, exc: Exception) -> Response:
         if isinstance(exc, PipeworkError):
+            if isinstance(exc, Overloaded):  # its numbers are for the operator, not the client
+                _log.warning(
+                    "refused %s %s (correlation id %s): %s",
+                    request.method,
+                    request.path,
+                    _correlation_id(),
+                    exc,
+                )
             return await self._on_problem(problem_for_exception(exc))
         # A bug in the container or a hook, not a job's failure: log all of it, show none.
         _log.error(
@@ -446,6 +533,10 @@ def _correlation_id() -> str:
 
 
 async def _take_correlation_id() -> None:
+    g.started = time.perf_counter()
+    # W3C trace context: passed on to the backends as sent, when well-formed.
+    trace = request.headers.get("traceparent", "").strip().lower()
+    g.traceparent = trace if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace) else None
     given = request.headers.get("X-Request-ID", "")
     g.correlation_id = given if _REQUEST_ID.match(given) else new_correlation_id()
 

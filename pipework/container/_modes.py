@@ -278,6 +278,7 @@ class Submissions:
             timeout=timeout,
             correlation_id=g.correlation_id,
             token=token,
+            traceparent=g.get("traceparent"),
             stream=route.mode == "stream",
             admit=admit,
         )

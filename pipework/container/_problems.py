@@ -60,6 +60,18 @@ _KINDS: Final[Mapping[str, tuple[str, str]]] = {
 }
 
 
+# Refusals by the queue or the pool: their messages are operators' business.
+_REFUSALS: Final = frozenset({"Overloaded", "Rejected"})
+
+
+def _refusal_detail(retry_after: float | None) -> str:
+    when = f"after {max(1, math.ceil(retry_after))} s" if retry_after is not None else "later"
+    return (
+        "the server is too busy to take this request now; nothing was done: "
+        f"retry {when} (see Retry-After)"
+    )
+
+
 class Problem(Exception):
     """An error answer: ``status``, a ``slug`` naming its type (None: a plain HTTP error),
     a ``title`` and a ``detail``; ``extensions`` become extra members of the body."""
@@ -133,7 +145,11 @@ def problem_for_error(
         # A pipe refused its input on purpose (its exception carries a 4xx http_status).
         slug, title = "pipe-refused", "Refused by a pipe"
     shown = expose or error.type in _OWN_ERRORS or status < 500
-    if shown:
+    if error.type in _REFUSALS and not expose:
+        # The pool's and the queue's messages are for operators (their numbers, "raise the
+        # key's limit"): they are in the log and /admin. The client learns what it can do.
+        detail = _refusal_detail(retry_after)
+    elif shown:
         detail = error.message
     else:
         where = f" in {error.where}" if error.where else ""

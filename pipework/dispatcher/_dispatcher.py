@@ -383,6 +383,7 @@ class Dispatcher:
             key=job.key,
             deadline=deadline,
             ops=self,
+            traceparent=job.traceparent,
         )
         try:
             await self._call(pipe, ctx, job)
@@ -444,7 +445,16 @@ class Dispatcher:
         log_job(
             "pipe ended",
             level,
-            exc if outcome == "error" else None,
+            # A backend's failure is logged where it happens, in one line; its traceback
+            # (httpx's chain) only at DEBUG. A pipe's own bug keeps its traceback.
+            exc
+            if outcome == "error"
+            and exc is not None
+            and not (
+                (isinstance(exc, BackendError) or backend_trouble(exc))
+                and not job_logger.isEnabledFor(logging.DEBUG)
+            )
+            else None,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,

@@ -233,6 +233,7 @@ class Engine:
         token: str | None = None,
         stream: bool = False,
         admit: bool = False,
+        traceparent: str | None = None,
     ) -> str:
         """Accept a job and return its id, or raise Overloaded at once if the queue is full.
 
@@ -252,6 +253,7 @@ class Engine:
             token=token,
             stream=stream,
             admit=admit,
+            traceparent=traceparent,
         )
 
     async def _accept(
@@ -265,6 +267,7 @@ class Engine:
         token: str | None = None,
         stream: bool = False,
         admit: bool = False,
+        traceparent: str | None = None,
     ) -> str:
         if self._nursery is None:
             raise RuntimeError("the engine is not running; use `async with engine:` first")
@@ -283,6 +286,7 @@ class Engine:
             accepted_at=now,
             plan=generation,
             admitted=admit,
+            traceparent=traceparent,
         )
         self._dispatcher.start_frames(job, plan)
         check_admission = getattr(self.pool, "check_admission", None)

@@ -150,6 +150,9 @@ class Job:
     deadline: float = math.inf
     key: str = "default"
     status: Status = Status.QUEUED
+    #: The W3C ``traceparent`` the request that started the job came with (backend calls
+    #: pass it on).
+    traceparent: str | None = None
     frames: list[Frame] = field(default_factory=list)
     #: Path from the chain's root to the sequence this job runs (branches start deeper).
     root: tuple[int, ...] = ()
@@ -214,6 +217,7 @@ class Job:
             "chain": self.chain,
             "state": self.state,
             "correlation_id": self.correlation_id,
+            "traceparent": self.traceparent,
             "deadline": self.deadline,
             "key": self.key,
             "status": self.status.value,

@@ -79,6 +79,7 @@ async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) ->
         chain=parent.chain,
         state=_start_state(parent.state, record, stage, index),
         correlation_id=parent.correlation_id,
+        traceparent=parent.traceparent,
         deadline=record.deadline,
         root=(*record.path, index),
         parent=parent.id,

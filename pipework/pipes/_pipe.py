@@ -126,6 +126,7 @@ class Context:
         "key",
         "pipe",
         "state",
+        "traceparent",
     )
 
     def __init__(
@@ -140,8 +141,11 @@ class Context:
         key: str,
         deadline: float,
         ops: _JobOps,
+        traceparent: str | None = None,
     ) -> None:
         self.state = state
+        #: The W3C trace context of the request that started the job, if it sent one.
+        self.traceparent = traceparent
         self.job_id = job_id
         self.correlation_id = correlation_id
         self.chain = chain

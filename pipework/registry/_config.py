@@ -76,6 +76,15 @@ class GatewayConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
         return self.pool.pool_config()
 
+    def timeouts(self) -> tuple[float, ...]:
+        """Every time limit the file sets (services', pipes', routes', the server's
+        default): the metrics' histograms get a bucket at each (see ``Metrics``)."""
+        found = {self.server.default_timeout}
+        found.update(service.timeout for service in self.services.values())
+        found.update(p.timeout for p in self.pipes.values() if p.timeout is not None)
+        found.update(r.route.timeout for r in self.routes.values() if r.route.timeout is not None)
+        return tuple(sorted(found))
+
     def backends(self, *, transport: httpx.AsyncBaseTransport | None = None) -> Backends:
         """The (not yet open) HTTP clients of every service: ``async with`` it.
         ``transport`` replaces the network for all of them (see :class:`Backends`)."""

@@ -57,6 +57,7 @@ SERVICE_KEYS: Final = (
     "keepalive_expiry",
     "headers",
     "max_response_bytes",
+    "request_id_header",
     *WEIGHT_KEYS,
 )
 
@@ -308,6 +309,10 @@ def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
         "max_keepalive": t.integer("max_keepalive", None, minimum=0),
         "keepalive_expiry": t.number("keepalive_expiry", 5.0, positive=False),
         "max_response_bytes": t.integer("max_response_bytes", 10 * 1024 * 1024, minimum=0),
+        # false: no correlation id header on this service's calls.
+        "request_id_header": None
+        if t.data.get("request_id_header") is False
+        else t.string("request_id_header", "X-Request-ID"),
     }
     if base_url is None or c.failed(t.path):
         return None

@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 
+from .._metrics import Metrics
 from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
@@ -83,6 +84,8 @@ class Gateway:
                 registry=build_registry(config, backends),
                 queue_capacity=config.pool.queue_capacity,
                 default_timeout=config.server.default_timeout,
+                # Histogram buckets at the file's timeouts (a reload keeps these buckets).
+                metrics=Metrics(timeouts=config.timeouts()),
             )
             backends.metrics = engine.metrics
             async with engine, trio.open_nursery() as retiring:
@@ -124,11 +127,23 @@ class Gateway:
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
             container.set_routes(registry.routes.values())
-            weights = pool.reconfigure(pool_config)
+            # Weights set live stand unless the file changed them (LiveWeights says how).
+            live = container.admin.live if container.admin is not None else None
+            kept, dropped = live.rebase(pool_config) if live is not None else (pool_config, [])
+            weights = pool.reconfigure(kept)
             self.config = config
             retiring.start_soon(self._retire, engine, generation - 1, self._backends)
             self._backends = backends
         for warning in config.warnings:
             _log.warning("%s", warning.format(config.source))
+        for sentence in dropped:
+            _log.warning("reload: live weight %s", sentence)
         _log.info("reloaded %s: plan %d, pool config %d", self.path, generation, weights)
-        return {**config.summary(), "plan_generation": generation, "config_generation": weights}
+        overrides = live.overrides() if live is not None else {}
+        return {
+            **config.summary(),
+            "plan_generation": generation,
+            "config_generation": weights,
+            "overrides": overrides,
+            "overrides_dropped": dropped,
+        }
