@@ -11,13 +11,18 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
+from pipework.backends._client import ServiceClient
+from pipework.backends._http import Backends
+from pipework.backends._http_spec import HttpCall, Service
 from pipework.backends._pool import Pool, ResponseTooLarge
+from pipework.pipes._pipe import Context
 
 HANG_GUARD = 10.0
 
@@ -546,3 +551,41 @@ async def test_a_request_body_is_sent_with_its_length(pools: Callable[..., Pool]
             )
             assert backend.seen[0].body == b'{"a":1}'
             await pool.aclose()
+
+
+# -- through Backends ----------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, state: dict[str, object]) -> None:
+        self.state = state
+        self.remaining = 5.0
+        self.path = "test"
+
+
+async def test_backends_call_http_services_through_the_pool_on_one_connection() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as (backend, port):
+            service = Service("api", f"http://127.0.0.1:{port}/base", headers={"X-Key": "k"})
+            call = HttpCall.of(
+                "api", "/items/{id}", method="POST", query={"q": "{q}"}, body={"id": "{id}"}
+            )
+            ctx = cast(Context, _Ctx({"id": "a b", "q": ["x&y", "z"]}))
+            async with Backends([service]) as backends:
+                assert isinstance(backends._lean["api"], ServiceClient)
+                answers = [await backends.call(call, ctx) for _ in range(2)]
+            assert answers == [{"conn": 0, "index": 0}, {"conn": 0, "index": 1}]
+            assert backend.accepted == 1
+            seen = backend.seen[0]
+            assert (seen.method, seen.target) == ("POST", "/base/items/a%20b?q=x%26y&q=z")
+            assert seen.body == b'{"id":"a b"}'
+            assert seen.headers["host"] == f"127.0.0.1:{port}"
+            assert seen.headers["user-agent"] == "pipework"
+            assert seen.headers["x-key"] == "k"
+            assert seen.headers["content-type"] == "application/json"
+            assert seen.headers["content-length"] == "12"
+            assert seen.headers["accept-encoding"] == "gzip, deflate"
+            mock = httpx.MockTransport(lambda request: httpx.Response(204))
+            async with Backends([service], transport=mock) as via_httpx:
+                assert via_httpx._lean == {}  # an injected transport: every call on httpx
+                assert await via_httpx.call(call, ctx) is None

@@ -1,7 +1,8 @@
-"""The built-in HTTP backend pipe, on httpx.
+"""The built-in HTTP backend pipe.
 
-:class:`Backends` owns one ``httpx.AsyncClient`` per service, opened and closed around the
-code that runs the pipes::
+:class:`Backends` owns one client per service — a keep-alive pool over h11
+(:mod:`._client`, :mod:`._pool`) for ``http://``, an ``httpx.AsyncClient`` for ``https://``
+— opened and closed around the code that runs the pipes::
 
     backends = Backends([Service("users", "http://users:8080", max_connections=16)])
     engine.registry.add_pipe(http_pipe("get_user", HttpCall.of("users", "/users/{id}",
