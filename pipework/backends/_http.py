@@ -1,7 +1,8 @@
-"""The built-in HTTP backend pipe, on httpx.
+"""The built-in HTTP backend pipe.
 
-:class:`Backends` owns one ``httpx.AsyncClient`` per service, opened and closed around the
-code that runs the pipes::
+:class:`Backends` owns one client per service — a keep-alive pool over h11
+(:mod:`._client`, :mod:`._pool`) for ``http://``, an ``httpx.AsyncClient`` for ``https://``
+— opened and closed around the code that runs the pipes::
 
     backends = Backends([Service("users", "http://users:8080", max_connections=16)])
     engine.registry.add_pipe(http_pipe("get_user", HttpCall.of("users", "/users/{id}",
@@ -33,7 +34,8 @@ from .._errors import BackendError, DeadlineExceeded, RegistrationError
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
-from ._http_spec import FORBIDDEN_HEADERS, HttpCall, Service, check_header_value, is_token
+from ._client import ServiceClient, decode_answer, too_big, unaccepted
+from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
 
 __all__ = ["Backends", "http_pipe"]
@@ -46,8 +48,11 @@ class Backends:
     service (connection limits and timeouts from its :class:`Service`) and closes them all
     on the way out. Pipes made by :func:`http_pipe` call through it while it is open.
 
-    ``transport`` replaces the network for every client (``httpx.MockTransport(handler)``
-    in tests); the services' connection limits then do not apply, everything else does.
+    An ``http://`` service is called through pipework's own keep-alive pool over h11
+    (:mod:`._pool`, several times cheaper per call than httpx); an ``https://`` one through
+    httpx. ``transport`` replaces the network for every service with an httpx transport
+    (``httpx.MockTransport(handler)`` in tests): all calls then go through httpx and the
+    services' connection limits do not apply, everything else does.
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class Backends:
             self.services[service.name] = service
         self.transport = transport
         self._clients: dict[str, httpx.AsyncClient] | None = None
+        self._lean: dict[str, ServiceClient] = {}
         self._stack: AsyncExitStack | None = None
         #: Where calls are counted (the engine's metrics); set before serving.
         self.metrics: Metrics | None = None
@@ -73,8 +79,13 @@ class Backends:
             raise RuntimeError("these backends are already open")
         stack = AsyncExitStack()
         clients: dict[str, httpx.AsyncClient] = {}
+        lean: dict[str, ServiceClient] = {}
         async with stack:
             for name, service in self.services.items():
+                if self.transport is None and service.url.scheme == "http":
+                    lean[name] = ServiceClient(service, _USER_AGENT)
+                    stack.push_async_callback(lean[name].aclose)
+                    continue
                 client = httpx.AsyncClient(
                     limits=service.limits(),
                     timeout=httpx.Timeout(service.timeout, connect=_connect(service)),
@@ -85,7 +96,7 @@ class Backends:
                 )
                 clients[name] = await stack.enter_async_context(client)
             self._stack = stack.pop_all()
-        self._clients = clients
+        self._clients, self._lean = clients, lean
         return self
 
     async def __aexit__(
@@ -94,7 +105,7 @@ class Backends:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        stack, self._stack, self._clients = self._stack, None, None
+        stack, self._stack, self._clients, self._lean = self._stack, None, None, {}
         if stack is not None:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
                 await stack.aclose()
@@ -145,16 +156,26 @@ class Backends:
 
     async def _call(self, call: HttpCall, ctx: Context) -> Any:
         service = self.services[call.service]
-        client = self.client(call.service)
-        # httpx's per-operation timeouts, capped by the time the job has left.
+        lean = self._lean.get(call.service)
+        client = self.client(call.service) if lean is None else None
+        # The client's timeouts (httpx's per operation, the pool's one deadline), capped by
+        # the time the job has left.
         started = trio.current_time()
         budget = min(service.timeout, ctx.remaining)
-        timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
-        request = _build_request(client, service, call, ctx, timeout)
+        request = None
+        if client is not None:
+            timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
+            request = _build_request(client, service, call, ctx, timeout)
         # The job's deadline is enforced by the engine's cancel scope around the pipe, which
         # names the right scope (pipe, stage or job); this one adds the service's own bound.
         with trio.move_on_after(service.timeout) as scope:
             try:
+                if lean is not None:
+                    return await lean.call(
+                        call, ctx.state, started + budget, _trace_headers(service, ctx)
+                    )
+                assert client is not None
+                assert request is not None
                 return await _send(client, service, call, request)
             except httpx.TimeoutException as exc:
                 raise _timeout(service, ctx, budget, started + budget, exc) from exc
@@ -222,6 +243,16 @@ def _connect(service: Service) -> float:
     return service.timeout if service.connect_timeout is None else service.connect_timeout
 
 
+def _trace_headers(service: Service, ctx: Context) -> dict[str, str]:
+    """One id finds the request in the backends' logs too; a client's trace goes on."""
+    headers = {}
+    if service.request_id_header is not None:
+        headers[service.request_id_header] = ctx.correlation_id
+    if ctx.traceparent is not None:
+        headers["traceparent"] = ctx.traceparent
+    return headers
+
+
 def _build_request(
     client: httpx.AsyncClient,
     service: Service,
@@ -239,12 +270,8 @@ def _build_request(
         params.extend((name, value) for value in template.render_query(state, name))
     headers = httpx.Headers(service.headers)
     if call.forward_headers is not None:
-        headers.update(_forwarded(state, call.forward_headers))
-    # One id finds the request in the backends' logs too.
-    if service.request_id_header is not None:
-        headers[service.request_id_header] = ctx.correlation_id
-    if ctx.traceparent is not None:
-        headers["traceparent"] = ctx.traceparent
+        headers.update(forwarded_headers(state, call.forward_headers))
+    headers.update(_trace_headers(service, ctx))
     for name, template in call.headers:
         rendered = template.render_header(state, name)
         if rendered is not None:
@@ -271,50 +298,13 @@ def _build_request(
     return request
 
 
-def _forwarded(state: Mapping[str, Any], key: str) -> dict[str, str]:
-    """The headers in ``state[key]`` that may travel on: no hop-by-hop ones (including any
-    the ``Connection`` header names), no Host or Content-Length."""
-    given = state.get(key)
-    if given is None:
-        return {}
-    if not isinstance(given, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in given.items()
-    ):
-        raise TemplateError(f"state value {key!r} must be a table of header names to strings")
-    named = {
-        token.strip().lower()
-        for k, v in given.items()
-        if k.lower() == "connection"
-        for token in v.split(",")
-    }
-    kept: dict[str, str] = {}
-    for name, value in given.items():
-        # Checked here, before anything is sent: a header httpx or h11 would refuse is the
-        # client's mistake (400), never a failure of the backend (which it would count).
-        if not is_token(name):
-            raise TemplateError(f"forwarded header name {name!r} is not a valid header name")
-        lowered = name.lower()
-        if lowered in FORBIDDEN_HEADERS or lowered.startswith("proxy-") or lowered in named:
-            continue
-        problem = check_header_value(name, value)
-        if problem is not None:
-            raise TemplateError(f"forwarded {problem}")
-        kept[name] = value
-    return kept
-
-
 async def _send(
     client: httpx.AsyncClient, service: Service, call: HttpCall, request: httpx.Request
 ) -> Any:
     response = await client.send(request, stream=True)
     try:
         if response.status_code not in call.accept:
-            raise BackendError(
-                f"service {service.name!r} answered HTTP {response.status_code}; "
-                f"the pipe accepts {call.describe_accept()}",
-                service=service.name,
-                status=response.status_code,
-            )
+            raise unaccepted(service, call, response.status_code)
         limit = service.max_response_bytes
         declared = response.headers.get("Content-Length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -336,28 +326,12 @@ async def _send(
 
 
 def _too_big(service: Service, response: httpx.Response) -> BackendError:
-    return BackendError(
-        f"service {service.name!r} answered with more than {service.max_response_bytes} "
-        "bytes (its max_response_bytes)",
-        service=service.name,
-        status=response.status_code,
-    )
+    return too_big(service, response.status_code)
 
 
 def _decode(service: Service, response: httpx.Response, body: bytes) -> Any:
-    if not body:
-        return None
-    media = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    if media == "application/json" or media.endswith("+json"):
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise BackendError(
-                f"service {service.name!r} answered with invalid JSON",
-                service=service.name,
-                status=response.status_code,
-            ) from None
-    return body.decode(response.charset_encoding or "utf-8", errors="replace")
+    content_type = response.headers.get("Content-Type", "")
+    return decode_answer(service, response.status_code, content_type, body)
 
 
 def _timeout(

@@ -15,7 +15,7 @@ from typing import Any, Final
 import httpx
 
 from .._errors import RegistrationError
-from ._http_template import BodyTemplate, Template, parse_body
+from ._http_template import BodyTemplate, Template, TemplateError, parse_body
 
 __all__ = [
     "DEFAULT_ACCEPT",
@@ -26,6 +26,9 @@ __all__ = [
     "Service",
     "check_base_url",
     "check_header_name",
+    "check_header_value",
+    "forwarded_headers",
+    "is_token",
 ]
 
 #: Headers that describe one connection, not the message (RFC 9110 §7.6.1): never forwarded.
@@ -242,3 +245,35 @@ def describe_statuses(statuses: frozenset[int]) -> str:
     parts.extend(str(s) for s in sorted(rest))
     order = {p: (int(p[0]) * 100 if p.endswith("xx") else int(p)) for p in parts}
     return ", ".join(sorted(parts, key=order.__getitem__))
+
+
+def forwarded_headers(state: Mapping[str, Any], key: str) -> dict[str, str]:
+    """The headers in ``state[key]`` that may travel on: no hop-by-hop ones (including any
+    the ``Connection`` header names), no Host or Content-Length."""
+    given = state.get(key)
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in given.items()
+    ):
+        raise TemplateError(f"state value {key!r} must be a table of header names to strings")
+    named = {
+        token.strip().lower()
+        for k, v in given.items()
+        if k.lower() == "connection"
+        for token in v.split(",")
+    }
+    kept: dict[str, str] = {}
+    for name, value in given.items():
+        # Checked here, before anything is sent: a header httpx or h11 would refuse is the
+        # client's mistake (400), never a failure of the backend (which it would count).
+        if not is_token(name):
+            raise TemplateError(f"forwarded header name {name!r} is not a valid header name")
+        lowered = name.lower()
+        if lowered in FORBIDDEN_HEADERS or lowered.startswith("proxy-") or lowered in named:
+            continue
+        problem = check_header_value(name, value)
+        if problem is not None:
+            raise TemplateError(f"forwarded {problem}")
+        kept[name] = value
+    return kept

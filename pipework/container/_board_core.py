@@ -360,11 +360,12 @@ class BoardCore:
             queued.append(event)
             follower.queue[event.resource] = queued  # moved last: most recently touched
             follower.size += 1
-            if follower.size > self.settings.max_queue:
-                self._collapse(follower)
         else:  # the newest event supersedes what this follower has not taken yet
             follower.size += 1 - len(queued)
             follower.queue[event.resource] = [event]
+        # Whatever grew the queue (another resource's first event too), it stays bounded.
+        if keep_all and follower.size > self.settings.max_queue:
+            self._collapse(follower)
 
     def _collapse(self, follower: _Follower) -> None:
         """A slow follower on a keep_all board: one resync per resource, at its latest."""

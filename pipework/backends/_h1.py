@@ -1,0 +1,231 @@
+"""One HTTP/1.1 client connection: an h11 state machine over a trio stream.
+
+h11 does the protocol (framing, chunked bodies, keep-alive rules, ``Connection: close``);
+this module only moves bytes between it and the socket, and answers one question the pool
+asks after every exchange: may this connection carry another request? It never decides
+about timeouts or limits — the pool (:mod:`._pool`) does, around it.
+
+A connection is used for one exchange at a time. If an exchange does not finish — the
+caller was cancelled, the peer broke the framing, the body was too big — the connection is
+closed, never reused: h11 would refuse a second request anyway, and a half-read answer on
+the wire would be taken for the next one.
+"""
+
+from __future__ import annotations
+
+import select
+import zlib
+from typing import Final
+
+import h11
+import trio
+
+__all__ = ["Answer", "Connection", "ResponseTooLarge", "StaleConnection"]
+
+_READ_SIZE: Final = 64 * 1024
+# The largest head (status line and headers) accepted from a backend.
+_MAX_HEAD: Final = 64 * 1024
+
+
+class ResponseTooLarge(Exception):
+    """The answer's (decoded) body is longer than the caller allowed."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"the answer (HTTP {status}) is longer than allowed")
+        self.status = status
+
+
+class StaleConnection(Exception):
+    """A kept-alive connection failed before any byte of the answer arrived: the peer had
+    closed it (or reset it) while it sat idle. Nothing of the request can have been acted
+    on in a way the client could see, but the backend may still have received it."""
+
+
+class Answer:
+    """A whole answer: status, headers (names lower-cased, as h11 gives them) and body."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lower-case), or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+class Connection:
+    """An HTTP/1.1 connection to one backend. ``exchange`` sends a request and reads its
+    whole answer; afterwards ``reusable`` says whether another request may follow."""
+
+    __slots__ = ("_h11", "_stream", "exchanges", "idle_since")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
+        #: Exchanges completed on this connection.
+        self.exchanges = 0
+        #: When it was last put back idle (trio time).
+        self.idle_since = 0.0
+
+    @property
+    def reusable(self) -> bool:
+        h = self._h11
+        return h.our_state is h11.DONE and h.their_state is h11.DONE
+
+    def readable(self) -> bool:
+        """Whether the idle connection has something to read: the peer closed it (EOF) or
+        sent bytes nobody asked for. Either way it must not carry another request."""
+        try:
+            ready, _, _ = select.select([self._stream.socket.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return True  # already closed
+        return bool(ready)
+
+    def close(self) -> None:
+        """Close the socket now (no checkpoint): safe in cleanup and in cancelled code."""
+        self._stream.socket.close()
+
+    async def exchange(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | None,
+        *,
+        max_bytes: int,
+    ) -> Answer:
+        """Send one request and read its answer to the end. Raises
+        :class:`StaleConnection` if the connection failed before any byte of the answer
+        arrived, :class:`ResponseTooLarge` past ``max_bytes`` of decoded body,
+        ``h11.ProtocolError`` for a malformed answer, ``trio.BrokenResourceError`` /
+        ``OSError`` for a connection broken mid-answer. After anything but a normal return
+        the connection is not reusable: close it."""
+        h = self._h11
+        if self.exchanges:
+            h.start_next_cycle()
+        data = h.send(h11.Request(method=method, target=target, headers=headers))
+        if body:
+            data += h.send(h11.Data(data=body))
+        data += h.send(h11.EndOfMessage())
+        try:
+            await self._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise StaleConnection(f"sending failed: {exc!r}") from exc
+
+        # The head, skipping informational (1xx) answers.
+        got_bytes = False
+        while True:
+            event = h.next_event()
+            if event is h11.NEED_DATA:
+                try:
+                    chunk = await self._stream.receive_some(_READ_SIZE)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    if not got_bytes:
+                        raise StaleConnection(f"receiving failed: {exc!r}") from exc
+                    raise
+                if not chunk and not got_bytes:
+                    raise StaleConnection("the peer closed the connection before answering")
+                got_bytes = True
+                h.receive_data(chunk)
+                continue
+            if isinstance(event, h11.Response):
+                break
+            if isinstance(event, h11.ConnectionClosed):  # pragma: no cover - h11 raises first
+                raise h11.RemoteProtocolError("the peer closed the connection")
+        status = event.status_code
+        head = event.headers
+        response_headers = list(head)
+
+        declared = _first(response_headers, b"content-length")
+        decoder = _decoder(_first(response_headers, b"content-encoding"))
+        # A declared length says it at once (a compressed body's says nothing of this).
+        too_long = declared is not None and declared.isdigit() and int(declared) > max_bytes
+        if decoder is None and too_long:
+            raise ResponseTooLarge(status)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            event = h.next_event()
+            if event is h11.NEED_DATA:
+                h.receive_data(await self._stream.receive_some(_READ_SIZE))
+                continue
+            if isinstance(event, h11.Data):
+                piece = bytes(event.data)
+                if decoder is not None:
+                    piece = decoder.feed(piece, max_bytes - size)
+                size += len(piece)
+                if size > max_bytes:
+                    raise ResponseTooLarge(status)
+                parts.append(piece)
+                continue
+            if isinstance(event, h11.EndOfMessage):
+                break
+            raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in an answer")
+        if decoder is not None:
+            tail = decoder.flush(max_bytes - size)
+            size += len(tail)
+            if size > max_bytes:
+                raise ResponseTooLarge(status)
+            parts.append(tail)
+        self.exchanges += 1
+        return Answer(status, response_headers, b"".join(parts))
+
+
+def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+#: What the client says it can decode, sent with every request.
+ACCEPT_ENCODING: Final = b"gzip, deflate"
+
+
+class _Decoder:
+    """Undoes a ``gzip`` or ``deflate`` content coding, never producing more than asked
+    for at a time (a small compressed body cannot balloon past the caller's limit)."""
+
+    __slots__ = ("_first", "_z")
+
+    def __init__(self, gzip: bool) -> None:
+        self._z = zlib.decompressobj(zlib.MAX_WBITS | 16 if gzip else zlib.MAX_WBITS)
+        self._first = not gzip  # deflate: zlib-wrapped, or raw as some servers send it
+
+    def feed(self, data: bytes, room: int) -> bytes:
+        """Decode ``data``: at most ``room + 1`` bytes come out, so more than ``room``
+        means the body is too big (the rest is left undecoded)."""
+        limit = max(room, 0) + 1
+        try:
+            if self._first:
+                self._first = False
+                try:
+                    return self._z.decompress(data, limit)
+                except zlib.error:
+                    self._z = zlib.decompressobj(-zlib.MAX_WBITS)
+            return self._z.decompress(data, limit)
+        except zlib.error as exc:
+            raise h11.RemoteProtocolError(f"the answer's body does not decode: {exc}") from None
+
+    def flush(self, room: int) -> bytes:
+        try:
+            return self._z.flush()[: max(room, 0) + 1]
+        except zlib.error as exc:  # pragma: no cover - flush reports no errors in practice
+            raise h11.RemoteProtocolError(f"the answer's body does not decode: {exc}") from None
+
+
+def _decoder(coding: bytes | None) -> _Decoder | None:
+    if coding is None:
+        return None
+    name = coding.strip().lower()
+    if name in (b"gzip", b"x-gzip"):
+        return _Decoder(gzip=True)
+    if name == b"deflate":
+        return _Decoder(gzip=False)
+    return None  # identity, or a coding nobody asked for: passed on as it came (as httpx)

@@ -1,0 +1,259 @@
+"""A keep-alive pool of HTTP/1.1 connections to one backend, on h11 (see :mod:`._h1`).
+
+What it promises:
+
+- **A bounded pool.** At most ``max_connections`` are open or being opened at once. A
+  call that finds none free waits its turn, first come first served, within its own
+  timeout (then :class:`httpx.PoolTimeout`). A connection put back goes straight to the
+  longest waiter, so a newcomer never overtakes one.
+- **Reuse.** A connection whose exchange ended cleanly, and that neither side asked to
+  close (``Connection: close``, HTTP/1.0, a body read to EOF), goes back idle and carries
+  the next call. The most recently used idle connection is taken first (warm, least likely
+  to have been closed by the peer); at most ``max_idle`` are kept.
+- **Idle connections close.** One idle for ``idle_timeout`` seconds or more is closed when
+  the pool is next used (a call or a put-back sweeps them) and at :meth:`aclose`. The pool
+  runs no task of its own. One the peer closed while idle is noticed on checkout (its
+  socket reads EOF) and replaced.
+- **Timeouts.** One deadline, given with the call, covers waiting for a connection,
+  connecting and the exchange; connecting is also bounded by ``connect_timeout``. Running
+  out raises :class:`httpx.PoolTimeout`, :class:`httpx.ConnectTimeout` or
+  :class:`httpx.ReadTimeout` after the phase it hit.
+- **Clean cancellation.** A connection in use when its call is cancelled, times out or
+  fails in any way is closed, never reused; a waiter that is cancelled after being handed
+  a connection or a place passes it on.
+- **One retry, for a stale connection only.** If a *reused* connection fails before any
+  byte of the answer arrived (the peer closed it while idle — the race every keep-alive
+  client has), an idempotent request (GET, HEAD, PUT, DELETE, OPTIONS) is sent once more on
+  a fresh connection. A POST or PATCH is not: the backend may have acted on it. A failure
+  after the first byte of the answer, or on a fresh connection, is never retried.
+
+Failures are raised as httpx's exceptions (``ConnectError``, ``ReadError``,
+``RemoteProtocolError``, the timeouts above), so callers and the dispatcher's classification
+of backend trouble treat both clients alike; :class:`~._h1.ResponseTooLarge` passes through.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import h11
+import httpx
+import trio
+
+from ._h1 import Answer, Connection, ResponseTooLarge, StaleConnection
+
+__all__ = ["IDEMPOTENT", "Answer", "Pool", "PoolStatistics", "ResponseTooLarge"]
+
+#: Methods that may be sent again when a kept-alive connection turns out stale (RFC 9110
+#: §9.2.2 idempotent methods).
+IDEMPOTENT: Final = frozenset({b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"})
+
+Connect = Callable[[str, int], Awaitable[trio.SocketStream]]
+
+
+class PoolStatistics:
+    """A snapshot of a pool: connections open (in use or idle), idle, and waiting calls."""
+
+    __slots__ = ("idle", "open", "waiting")
+
+    def __init__(self, open: int, idle: int, waiting: int) -> None:
+        self.open = open
+        self.idle = idle
+        self.waiting = waiting
+
+    def __repr__(self) -> str:
+        return f"PoolStatistics(open={self.open}, idle={self.idle}, waiting={self.waiting})"
+
+
+class _Waiter:
+    __slots__ = ("connection", "event", "granted")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.granted = False  # a place (or a connection) was handed to this waiter
+        self.connection: Connection | None = None
+
+
+class Pool:
+    """Keep-alive HTTP/1.1 connections to ``host:port`` (see the module's docstring)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 10,
+        max_idle: int | None = None,
+        idle_timeout: float = 5.0,
+        connect_timeout: float = 10.0,
+        connect: Connect | None = None,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.max_idle = max_connections if max_idle is None else min(max_idle, max_connections)
+        self.idle_timeout = idle_timeout
+        self.connect_timeout = connect_timeout
+        self._connect_to: Connect = connect if connect is not None else _open_tcp
+        self._open = 0  # connections open, being opened, or places handed to a waiter
+        self._idle: deque[Connection] = deque()  # oldest put-back on the left
+        self._waiters: deque[_Waiter] = deque()
+        self._closed = False
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(self._open, len(self._idle), len(self._waiters))
+
+    async def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | None = None,
+        *,
+        deadline: float,
+        max_bytes: int,
+    ) -> Answer:
+        """Send a request and return its whole answer (see the module's docstring for the
+        rules), by ``deadline`` (trio time). ``headers`` must include ``Host``."""
+        retry = method in IDEMPOTENT
+        with trio.CancelScope(deadline=deadline) as scope:
+            phase: type[httpx.TimeoutException] = httpx.PoolTimeout
+            while True:
+                phase = httpx.PoolTimeout
+                connection = await self._checkout()
+                if connection is None:  # a place to open one
+                    phase = httpx.ConnectTimeout
+                    connection = await self._new_connection()
+                phase = httpx.ReadTimeout
+                reused = connection.exchanges > 0
+                done = False
+                try:
+                    answer = await connection.exchange(
+                        method, target, headers, body, max_bytes=max_bytes
+                    )
+                    done = True
+                except StaleConnection as exc:
+                    if reused and retry:
+                        retry = False
+                        continue  # the finally below closed it; one more try, fresh
+                    raise httpx.RemoteProtocolError(
+                        f"the connection to {self.host}:{self.port} failed before an answer ({exc})"
+                    ) from exc
+                except h11.RemoteProtocolError as exc:
+                    raise httpx.RemoteProtocolError(str(exc)) from exc
+                except h11.LocalProtocolError as exc:
+                    raise httpx.LocalProtocolError(str(exc)) from exc
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    raise httpx.ReadError(f"{exc!r}") from exc
+                finally:
+                    self._checkin(connection, reusable=done and connection.reusable)
+                return answer
+        assert scope.cancelled_caught
+        raise phase(f"{phase.__name__}: {self.host}:{self.port} at its deadline")
+
+    async def aclose(self) -> None:
+        """Close every idle connection and refuse new calls; connections in use close
+        when their calls end."""
+        self._closed = True
+        while self._idle:
+            self._drop(self._idle.pop())
+        await trio.lowlevel.checkpoint()
+
+    # -- the bookkeeping (no I/O but closing sockets) ------------------------------------
+
+    async def _checkout(self) -> Connection | None:
+        """An idle connection, or None with a place reserved to open a new one."""
+        if self._closed:
+            raise httpx.ConnectError("the pool is closed")
+        self._expire()
+        idle = self._idle
+        while idle:
+            connection = idle.pop()
+            if not connection.readable():
+                await trio.lowlevel.checkpoint()
+                return connection
+            self._drop(connection)  # the peer closed it while idle
+        if self._open < self.max_connections:
+            self._open += 1
+            await trio.lowlevel.checkpoint()
+            return None
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if not waiter.granted:
+                self._waiters.remove(waiter)
+            elif waiter.connection is not None:
+                self._checkin(waiter.connection, reusable=True)
+            else:
+                self._open -= 1
+                self._hand_on()
+            raise
+        return waiter.connection
+
+    async def _new_connection(self) -> Connection:
+        try:
+            with trio.move_on_after(self.connect_timeout) as scope:
+                stream = await self._connect_to(self.host, self.port)
+        except BaseException as exc:
+            self._open -= 1
+            self._hand_on()
+            if isinstance(exc, OSError):
+                raise httpx.ConnectError(str(exc)) from exc
+            raise
+        if scope.cancelled_caught:
+            self._open -= 1
+            self._hand_on()
+            raise httpx.ConnectTimeout(
+                f"could not connect to {self.host}:{self.port} within {self.connect_timeout:g}s"
+            )
+        return Connection(stream)
+
+    def _checkin(self, connection: Connection, *, reusable: bool) -> None:
+        """Put a connection back after a call: to the longest waiter, idle, or closed."""
+        if not reusable or self._closed:
+            self._drop(connection)
+            return
+        waiters = self._waiters
+        if waiters:
+            waiter = waiters.popleft()
+            waiter.granted = True
+            waiter.connection = connection
+            waiter.event.set()
+            return
+        if len(self._idle) >= self.max_idle or self.idle_timeout <= 0:
+            self._drop(connection)
+            return
+        connection.idle_since = trio.current_time()
+        self._idle.append(connection)
+        self._expire()
+
+    def _drop(self, connection: Connection) -> None:
+        connection.close()
+        self._open -= 1
+        self._hand_on()
+
+    def _hand_on(self) -> None:
+        """A place came free: give it to the longest waiter, who opens a connection."""
+        if self._waiters and self._open < self.max_connections:
+            waiter = self._waiters.popleft()
+            waiter.granted = True
+            self._open += 1
+            waiter.event.set()
+
+    def _expire(self) -> None:
+        idle = self._idle
+        if not idle:
+            return
+        horizon = trio.current_time() - self.idle_timeout
+        while idle and idle[0].idle_since <= horizon:
+            self._drop(idle.popleft())
+
+
+async def _open_tcp(host: str, port: int) -> trio.SocketStream:
+    return await trio.open_tcp_stream(host, port)

@@ -1,0 +1,594 @@
+"""The lean keep-alive pool (pipework/backends/_pool.py, _h1.py) against a raw trio HTTP/1.1
+server on 127.0.0.1 that can be told, request by request, to answer, hold, cut an answer
+short or close. Timeouts are checked at exact virtual time (``autojump_clock``)."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import cast
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from pipework.backends._client import ServiceClient
+from pipework.backends._http import Backends
+from pipework.backends._http_spec import HttpCall, Service
+from pipework.backends._pool import Pool, ResponseTooLarge
+from pipework.pipes._pipe import Context
+
+HANG_GUARD = 10.0
+
+
+@dataclass
+class Seen:
+    conn: int  # which connection (0, 1, ...) carried it
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+
+
+def ok(body: bytes = b"{}", *, extra: bytes = b"") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+# What the server does with one request: answer bytes (and keep the connection), answer
+# bytes then close (keep=False), or close without a word (None).
+Plan = Callable[["RawBackend", Seen, int], Awaitable[tuple[bytes, bool] | None]]
+
+
+async def echo(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+    return ok(json.dumps({"conn": seen.conn, "index": index}).encode()), True
+
+
+@dataclass
+class RawBackend:
+    plan: Plan = echo
+    accepted: int = 0
+    open: int = 0
+    seen: list[Seen] = field(default_factory=list)
+    release: trio.Event = field(default_factory=trio.Event)
+    closed: list[int] = field(default_factory=list)  # connections the client closed
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        conn = self.accepted
+        self.accepted += 1
+        self.open += 1
+        buffer = b""
+        try:
+            index = 0
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = await stream.receive_some()
+                    if not data:
+                        self.closed.append(conn)
+                        return
+                    buffer += data
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ")
+                headers = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+                length = int(headers.get("content-length", "0"))
+                while len(buffer) < length:
+                    buffer += await stream.receive_some()
+                body, buffer = buffer[:length], buffer[length:]
+                seen = Seen(conn, method, target, headers, body)
+                self.seen.append(seen)
+                action = await self.plan(self, seen, index)
+                index += 1
+                if action is None:
+                    return
+                raw, keep = action
+                await stream.send_all(raw)
+                if not keep:
+                    return
+        except trio.BrokenResourceError:
+            self.closed.append(conn)
+        finally:
+            self.open -= 1
+            await stream.aclose()
+
+
+@asynccontextmanager
+async def serving(plan: Plan = echo) -> AsyncIterator[tuple[RawBackend, int]]:
+    backend = RawBackend(plan)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, backend.handle, 0, host="127.0.0.1")
+        )
+        try:
+            yield backend, listeners[0].socket.getsockname()[1]
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def pools() -> AsyncIterator[Callable[..., Pool]]:
+    """Makes pools and closes them after the test (what Backends does for its own)."""
+    made: list[Pool] = []
+
+    def make(*args: object, **kwargs: object) -> Pool:
+        made.append(Pool(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for pool in made:
+        await pool.aclose()
+
+
+def head(port: int) -> list[tuple[bytes, bytes]]:
+    return [(b"Host", f"127.0.0.1:{port}".encode())]
+
+
+async def get(pool: Pool, port: int, target: bytes = b"/", *, method: bytes = b"GET") -> object:
+    answer = await pool.request(
+        method, target, head(port), deadline=trio.current_time() + 5, max_bytes=1 << 20
+    )
+    return json.loads(answer.body) if answer.body else None
+
+
+# -- reuse and the limit -------------------------------------------------------------------
+
+
+async def test_sequential_calls_share_one_connection(pools: Callable[..., Pool]) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as (backend, port):
+            pool = pools("127.0.0.1", port)
+            answers = [await get(pool, port) for _ in range(3)]
+            assert answers == [{"conn": 0, "index": i} for i in range(3)]
+            assert backend.accepted == 1
+            assert pool.statistics().open == 1
+            assert pool.statistics().idle == 1
+            await pool.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+            assert backend.open == 0
+
+
+async def test_calls_beyond_the_limit_wait_in_order_and_reuse_the_connections(
+    pools: Callable[..., Pool],
+) -> None:
+    async def hold(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        await backend.release.wait()
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(hold) as (backend, port):
+            pool = pools("127.0.0.1", port, max_connections=2)
+            async with trio.open_nursery() as nursery:
+                for name in "abcd":
+                    nursery.start_soon(get, pool, port, f"/{name}".encode())
+                    await trio.testing.wait_all_tasks_blocked()
+                assert backend.accepted == 2
+                assert [s.target for s in backend.seen] == ["/a", "/b"]
+                stats = pool.statistics()
+                assert (stats.open, stats.waiting) == (2, 2)
+                backend.release.set()
+            assert backend.accepted == 2  # the waiters took the two connections in turn
+            assert sorted(s.target for s in backend.seen[2:]) == ["/c", "/d"]
+            assert pool.statistics().open == 2
+            await pool.aclose()
+
+
+async def test_waiters_are_served_first_come_first_served(pools: Callable[..., Pool]) -> None:
+    async def hold(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        await backend.release.wait()
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(hold) as (backend, port):
+            pool = pools("127.0.0.1", port, max_connections=1)
+            async with trio.open_nursery() as nursery:
+                for name in "abcde":
+                    nursery.start_soon(get, pool, port, f"/{name}".encode())
+                    await trio.testing.wait_all_tasks_blocked()
+                assert pool.statistics().waiting == 4
+                backend.release.set()
+            assert [s.target for s in backend.seen] == ["/a", "/b", "/c", "/d", "/e"]
+            assert backend.accepted == 1
+
+
+async def test_a_waiter_that_gives_up_passes_its_turn_on(pools: Callable[..., Pool]) -> None:
+    async def hold(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if seen.target == "/hold":
+            await backend.release.wait()
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(hold) as (backend, port):
+            pool = pools("127.0.0.1", port, max_connections=1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(get, pool, port, b"/hold")
+                await trio.testing.wait_all_tasks_blocked()
+                quitter = trio.CancelScope()
+
+                async def quit_waiting() -> None:
+                    with quitter:
+                        await get(pool, port, b"/quit")
+
+                nursery.start_soon(quit_waiting)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(get, pool, port, b"/after")
+                await trio.testing.wait_all_tasks_blocked()
+                assert pool.statistics().waiting == 2
+                quitter.cancel()
+                backend.release.set()
+            assert [s.target for s in backend.seen] == ["/hold", "/after"]
+            assert pool.statistics().open == 1
+            await pool.aclose()
+
+
+# -- timeouts, at exact virtual time -------------------------------------------------------
+
+
+async def test_a_silent_backend_times_out_at_the_deadline(
+    pools: Callable[..., Pool],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def silent(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with serving(silent) as (_backend, port):
+        pool = pools("127.0.0.1", port)
+        start = trio.current_time()
+        with pytest.raises(httpx.ReadTimeout):
+            await pool.request(b"GET", b"/", head(port), deadline=start + 3, max_bytes=100)
+        assert trio.current_time() == start + 3
+        assert pool.statistics().open == 0  # the connection in use was closed
+
+
+async def test_waiting_for_a_connection_times_out_at_the_deadline(
+    pools: Callable[..., Pool],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def hold(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        await backend.release.wait()
+        return await echo(backend, seen, index)
+
+    async with serving(hold) as (backend, port):
+        pool = pools("127.0.0.1", port, max_connections=1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, pool, port)
+            await trio.testing.wait_all_tasks_blocked()
+            start = trio.current_time()
+            with pytest.raises(httpx.PoolTimeout):
+                await pool.request(b"GET", b"/", head(port), deadline=start + 2, max_bytes=100)
+            assert trio.current_time() == start + 2
+            assert pool.statistics().waiting == 0
+            backend.release.set()
+        assert backend.accepted == 1
+
+
+async def test_connecting_times_out_at_the_connect_timeout(
+    pools: Callable[..., Pool],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def never(host: str, port: int) -> trio.SocketStream:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    pool = pools("127.0.0.1", 9, connect_timeout=1.5, connect=never)
+    start = trio.current_time()
+    with pytest.raises(httpx.ConnectTimeout):
+        await pool.request(b"GET", b"/", head(9), deadline=start + 10, max_bytes=100)
+    assert trio.current_time() == start + 1.5
+    assert pool.statistics().open == 0
+    with pytest.raises(httpx.ConnectTimeout):  # the call's deadline, when it comes first
+        await pool.request(b"GET", b"/", head(9), deadline=start + 2, max_bytes=100)
+    assert trio.current_time() == start + 2
+    assert pool.statistics().open == 0
+
+
+async def test_a_refused_connection_is_a_connect_error(pools: Callable[..., Pool]) -> None:
+    async def refuse(host: str, port: int) -> trio.SocketStream:
+        raise OSError("all attempts to connect failed")
+
+    pool = pools("127.0.0.1", 9, connect=refuse)
+    with trio.fail_after(HANG_GUARD), pytest.raises(httpx.ConnectError):
+        await pool.request(b"GET", b"/", head(9), deadline=trio.current_time() + 1, max_bytes=1)
+    assert pool.statistics().open == 0
+
+
+# -- idle connections ----------------------------------------------------------------------
+
+
+async def test_idle_connections_close_after_the_idle_timeout(
+    pools: Callable[..., Pool],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with serving() as (backend, port):
+        pool = pools("127.0.0.1", port, idle_timeout=5)
+        await get(pool, port)
+        await trio.sleep(4.9)
+        await get(pool, port)  # still fresh: reused
+        assert backend.accepted == 1
+        await trio.sleep(5)
+        assert await get(pool, port) == {"conn": 1, "index": 0}  # the expired one was closed
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.closed == [0]
+        assert backend.open == 1
+        await pool.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.open == 0
+
+
+async def test_max_idle_caps_the_connections_kept(pools: Callable[..., Pool]) -> None:
+    async def hold(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        await backend.release.wait()
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(hold) as (backend, port):
+            pool = pools("127.0.0.1", port, max_connections=3, max_idle=1)
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(get, pool, port)
+                await trio.testing.wait_all_tasks_blocked()
+                backend.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert (pool.statistics().open, pool.statistics().idle) == (1, 1)
+            assert backend.open == 1
+            await pool.aclose()
+
+
+# -- cancellation and broken connections ---------------------------------------------------
+
+
+async def test_a_call_cancelled_mid_answer_closes_its_connection(
+    pools: Callable[..., Pool],
+) -> None:
+    async def half(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if seen.conn == 0:
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345", True
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(half) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            with trio.move_on_after(0.2) as scope:
+                await get(pool, port)
+            assert scope.cancelled_caught
+            assert pool.statistics().open == 0
+            await trio.testing.wait_all_tasks_blocked()
+            assert backend.closed == [0]
+            assert await get(pool, port) == {"conn": 1, "index": 0}
+
+
+async def test_connection_close_is_honoured(pools: Callable[..., Pool]) -> None:
+    async def closing(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return ok(b'{"bye": true}', extra=b"Connection: close\r\n"), False
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(closing) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            assert await get(pool, port) == {"bye": True}
+            assert pool.statistics().open == 0
+            assert await get(pool, port) == {"bye": True}
+            assert backend.accepted == 2
+
+
+async def test_a_connection_the_peer_closed_while_idle_is_replaced(
+    pools: Callable[..., Pool],
+) -> None:
+    async def once(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        raw, _ = await echo(backend, seen, index) or (b"", False)
+        return raw, False  # answers, then closes without saying so
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(once) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            await get(pool, port)
+            await trio.testing.wait_all_tasks_blocked()
+            assert await get(pool, port) == {"conn": 1, "index": 0}
+            assert len(backend.seen) == 2  # noticed on checkout: nothing was sent on it
+
+
+def stale_after_first(backend: RawBackend, seen: Seen, index: int) -> bool:
+    """The connection's second request meets a server that just closed it."""
+    return seen.conn == 0 and index == 1
+
+
+@pytest.mark.parametrize("method", [b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"])
+async def test_an_idempotent_request_on_a_stale_connection_is_sent_once_more(
+    pools: Callable[..., Pool],
+    method: bytes,
+) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if stale_after_first(backend, seen, index):
+            return None
+        if seen.method == "HEAD":
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", True
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            await get(pool, port)
+            answer = await get(pool, port, method=method)
+            assert answer == (None if method == b"HEAD" else {"conn": 1, "index": 0})
+            assert [(s.conn, s.method) for s in backend.seen] == [
+                (0, "GET"),
+                (0, method.decode()),
+                (1, method.decode()),
+            ]
+            assert pool.statistics().open == 1
+            await pool.aclose()
+
+
+async def test_a_post_on_a_stale_connection_is_not_sent_again(pools: Callable[..., Pool]) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if stale_after_first(backend, seen, index):
+            return None
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            await get(pool, port)
+            with pytest.raises(httpx.RemoteProtocolError, match="failed before an answer"):
+                await get(pool, port, method=b"POST")
+            assert [s.method for s in backend.seen] == ["GET", "POST"]
+            assert pool.statistics().open == 0
+
+
+async def test_a_failure_after_the_first_byte_is_never_retried(pools: Callable[..., Pool]) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if index == 1:
+            return b"HTTP/1.1 200 OK\r\nContent-Le", False
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            await get(pool, port)
+            with pytest.raises(httpx.RemoteProtocolError):
+                await get(pool, port)
+            assert len(backend.seen) == 2
+            assert pool.statistics().open == 0
+
+
+async def test_a_fresh_connection_that_fails_is_not_retried(pools: Callable[..., Pool]) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return None
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            with pytest.raises(httpx.RemoteProtocolError):
+                await get(pool, port)
+            assert len(backend.seen) == 1
+
+
+# -- bodies --------------------------------------------------------------------------------
+
+
+def chunked(*parts: bytes, extra: bytes = b"") -> bytes:
+    out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n" + extra + b"\r\n"
+    for part in parts:
+        out += f"{len(part):x}\r\n".encode() + part + b"\r\n"
+    return out + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "body"),
+    [
+        (chunked(b"hello ", b"world"), b"hello world"),
+        (ok(gzip.compress(b"x" * 300), extra=b"Content-Encoding: gzip\r\n"), b"x" * 300),
+        (ok(zlib.compress(b"y" * 300), extra=b"Content-Encoding: deflate\r\n"), b"y" * 300),
+        (chunked(gzip.compress(b"z" * 300), extra=b"Content-Encoding: gzip\r\n"), b"z" * 300),
+    ],
+)
+async def test_chunked_and_compressed_bodies_are_read_whole(
+    pools: Callable[..., Pool], raw: bytes, body: bytes
+) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return raw, True
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            for _ in range(2):
+                answer = await pool.request(
+                    b"GET", b"/", head(port), deadline=trio.current_time() + 5, max_bytes=1000
+                )
+                assert answer.body == body
+            assert backend.accepted == 1  # and the connection stayed usable
+            await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        ok(b"x" * 101),
+        chunked(b"x" * 60, b"x" * 41),
+        ok(gzip.compress(b"x" * 10_000_000), extra=b"Content-Encoding: gzip\r\n"),
+    ],
+)
+async def test_a_body_past_max_bytes_is_refused_and_its_connection_closed(
+    pools: Callable[..., Pool], raw: bytes
+) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return raw, True
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (_backend, port):
+            pool = pools("127.0.0.1", port)
+            with pytest.raises(ResponseTooLarge) as info:
+                await pool.request(
+                    b"GET", b"/", head(port), deadline=trio.current_time() + 5, max_bytes=100
+                )
+            assert info.value.status == 200
+            assert pool.statistics().open == 0
+
+
+async def test_a_request_body_is_sent_with_its_length(pools: Callable[..., Pool]) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as (backend, port):
+            pool = pools("127.0.0.1", port)
+            headers = [*head(port), (b"Content-Length", b"7")]
+            await pool.request(
+                b"POST",
+                b"/x",
+                headers,
+                b'{"a":1}',
+                deadline=trio.current_time() + 5,
+                max_bytes=100,
+            )
+            assert backend.seen[0].body == b'{"a":1}'
+            await pool.aclose()
+
+
+# -- through Backends ----------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, state: dict[str, object]) -> None:
+        self.state = state
+        self.remaining = 5.0
+        self.path = "test"
+        self.correlation_id = "c0ffee"  # forwarded as X-Request-ID by both clients
+        self.traceparent: str | None = None
+
+
+async def test_backends_call_http_services_through_the_pool_on_one_connection() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as (backend, port):
+            service = Service("api", f"http://127.0.0.1:{port}/base", headers={"X-Key": "k"})
+            call = HttpCall.of(
+                "api", "/items/{id}", method="POST", query={"q": "{q}"}, body={"id": "{id}"}
+            )
+            ctx = cast(Context, _Ctx({"id": "a b", "q": ["x&y", "z"]}))
+            async with Backends([service]) as backends:
+                assert isinstance(backends._lean["api"], ServiceClient)
+                answers = [await backends.call(call, ctx) for _ in range(2)]
+            assert answers == [{"conn": 0, "index": 0}, {"conn": 0, "index": 1}]
+            assert backend.accepted == 1
+            seen = backend.seen[0]
+            assert (seen.method, seen.target) == ("POST", "/base/items/a%20b?q=x%26y&q=z")
+            assert seen.body == b'{"id":"a b"}'
+            assert seen.headers["host"] == f"127.0.0.1:{port}"
+            assert seen.headers["user-agent"] == "pipework"
+            assert seen.headers["x-key"] == "k"
+            assert seen.headers["content-type"] == "application/json"
+            assert seen.headers["content-length"] == "12"
+            assert seen.headers["accept-encoding"] == "gzip, deflate"
+            assert seen.headers["x-request-id"] == "c0ffee"  # the request id, as on httpx
+            mock = httpx.MockTransport(lambda request: httpx.Response(204))
+            async with Backends([service], transport=mock) as via_httpx:
+                assert via_httpx._lean == {}  # an injected transport: every call on httpx
+                assert await via_httpx.call(call, ctx) is None
