@@ -58,11 +58,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def server(kind: str, *args: str) -> Iterator[Server]:
-    """Run ``python -m benchmarks._serve KIND ARGS`` until the block ends."""
+def server(kind: str, *args: str, module: str = "benchmarks._serve") -> Iterator[Server]:
+    """Run ``python -m MODULE KIND ARGS`` until the block ends (MODULE prints its URL)."""
     with tempfile.TemporaryFile() as errors:
         process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._serve", kind, *args],
+            [sys.executable, "-m", module, kind, *args],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
