@@ -1,5 +1,8 @@
 # The whole set-up on a fresh machine is `make run` or `make test`.
+# `make bench` runs every benchmark; `make bench BENCH_ARGS="--only peers --quick"` one of
+# them, briefly (see benchmarks/__main__.py).
 PYTHON ?= python3
+BENCH_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -9,7 +12,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -38,7 +41,7 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	scripts/ensure-bench-tools
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
