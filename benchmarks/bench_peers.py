@@ -1,7 +1,7 @@
 """The published comparison: the same two-route gateway written three ways, each in its own
 process, under a real load generator, in one run. Route A calls a fast backend; route B
 calls a backend that can be made to hang or to answer slowly. The backends are tiny raw
-trio servers (:mod:`benchmarks.peers.backend`), one process each.
+trio servers (`benchmarks/peers/backend.py`), one process each.
 
 - **(a) pipework**: [benchmarks/peers/gateway.toml](../benchmarks/peers/gateway.toml) served
   by `pipework.Gateway` (what `pipework serve FILE` runs): 64 workers, a reserve of 32 for
