@@ -19,7 +19,9 @@ trio servers (`benchmarks/peers/backend.py`), one process each.
 Every gateway gives a backend call 5 s, answers a timeout 504 and logs at WARNING (no access
 lines). Load on A: `wrk -t2 -c64 --timeout 10s` (GET /a); a Lua hook counts the 2xx answers
 per second, and **req/s counts 2xx answers only** (an error answered fast is not
-throughput); p50/p99 are wrk's, over every answer. Load on B: 200 keep-alive connections
+throughput); p50/p99 are wrk's, over every answer; requests still unanswered when a run
+ends count nowhere (wrk's timeout, 10 s, outlasts a run), so a starved route A shows few
+answers, few errors and the latency of those few. Load on B: 200 keep-alive connections
 from a trio client in the benchmark process, each sending its next GET /b when the last is
 answered (at most one a second per connection). Scenarios: A alone; A while B hangs (B
 answers nothing until the caller gives up; wrk starts 2 s after the 200 connections); A
