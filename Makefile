@@ -1,5 +1,8 @@
 # The whole set-up on a fresh machine is `make run` or `make test`.
+# `make bench` runs every benchmark; `make bench BENCH_ARGS="--only peers --quick"` one of
+# them, briefly (see benchmarks/__main__.py).
 PYTHON ?= python3
+BENCH_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -10,7 +13,7 @@ RUN_STAMP := $(VENV)/.installed-run
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 # Running needs pipework and its runtime dependencies only, not the test tools.
@@ -47,7 +50,7 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	scripts/ensure-bench-tools
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .tools build *.egg-info

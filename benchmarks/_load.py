@@ -59,7 +59,7 @@ class Server:
 
 @contextlib.contextmanager
 def server(kind: str, *args: str, module: str = "benchmarks._serve") -> Iterator[Server]:
-    """Run ``python -m MODULE KIND ARGS`` (default: benchmarks._serve) until the block ends."""
+    """Run ``python -m MODULE KIND ARGS`` until the block ends (MODULE prints its URL)."""
     with tempfile.TemporaryFile() as errors:
         process = subprocess.Popen(
             [sys.executable, "-m", module, kind, *args],

@@ -1,0 +1,153 @@
+"""Serve one of the peers' gateways in its own process.
+
+``python -m benchmarks.peers.serve KIND --a URL --b URL [--port P] [--reuse-port]
+[--threads N]`` serves on 127.0.0.1 (port 0: a free one), prints its base URL on stdout
+once it listens, and serves until terminated. Logging is at WARNING for every kind, so no
+gateway writes an access line per request. KIND is:
+
+- ``pipework``: :mod:`pipework.Gateway` serving ``gateway.toml`` beside this file (the
+  same as ``pipework serve gateway.toml --log-level WARNING``), its two base URLs
+  replaced by ``--a`` and ``--b``;
+- ``starlette``: :mod:`.starlette_gateway` on uvicorn (one process, its pure-Python
+  defaults made explicit: the asyncio loop and h11);
+- ``flask``: :mod:`.flask_gateway` on waitress with ``--threads`` threads (its
+  ``connection_limit`` raised from 100 to 1,000, so that every client connects and the
+  thread pool alone decides who is served).
+
+``--reuse-port`` binds with ``SO_REUSEPORT``, so that several processes serve one port
+(the kernel spreads new connections across them): start the first with port 0 and the
+others on the port it printed. For pipework this sets hypercorn's ``Config.workers``
+class attribute, the only switch hypercorn has for ``SO_REUSEPORT`` (its trio ``serve``
+otherwise ignores ``workers``, with a warning silenced here), since ``pipework serve``
+has no option for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import trio
+
+from .._serve import raise_open_files_limit
+
+HOST = "127.0.0.1"
+GATEWAY_FILE = Path(__file__).with_name("gateway.toml")
+#: The base URLs written in gateway.toml, which ``--a`` and ``--b`` replace.
+FILE_URLS = ("http://127.0.0.1:9101", "http://127.0.0.1:9102")
+BACKLOG = 4096
+
+
+def gateway_text(a_url: str, b_url: str) -> str:
+    """gateway.toml with its two base URLs replaced."""
+    text = GATEWAY_FILE.read_text()
+    for old, new in zip(FILE_URLS, (a_url, b_url), strict=True):
+        if text.count(f'"{old}"') != 1:
+            raise RuntimeError(f"{GATEWAY_FILE} should name {old} exactly once")
+        text = text.replace(f'"{old}"', f'"{new}"')
+    return text
+
+
+def _listen(port: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((HOST, port))
+    sock.listen(BACKLOG)
+    return sock
+
+
+def _announce(port: int) -> None:
+    print(f"http://{HOST}:{port}", flush=True)
+
+
+def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
+    import hypercorn.config
+
+    import pipework as pw
+
+    if reuse_port:
+        hypercorn.config.Config.workers = 2  # any value above 1 sets SO_REUSEPORT
+        warnings.filterwarnings("ignore", "The config `workers` has no affect")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "gateway.toml")
+        path.write_text(gateway_text(a_url, b_url))
+        gateway = pw.Gateway(str(path))
+
+        async def main() -> None:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(
+                    lambda task_status: gateway.run(
+                        host=HOST, port=port, stop=stop, task_status=task_status
+                    )
+                )
+                _announce(address.port)
+
+        trio.run(main)
+
+
+def serve_starlette(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
+    import uvicorn
+
+    from .starlette_gateway import create_app
+
+    sock = _listen(port, reuse_port)
+    config = uvicorn.Config(
+        create_app(a_url, b_url),
+        loop="asyncio",
+        http="h11",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        backlog=BACKLOG,
+    )
+    _announce(sock.getsockname()[1])
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def serve_flask(a_url: str, b_url: str, port: int, reuse_port: bool, threads: int) -> None:
+    import waitress
+
+    from .flask_gateway import create_app
+
+    sock = _listen(port, reuse_port)
+    server = waitress.create_server(
+        create_app(a_url, b_url),
+        sockets=[sock],
+        threads=threads,
+        connection_limit=1000,
+        backlog=BACKLOG,
+    )
+    _announce(sock.getsockname()[1])
+    server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.serve", description=__doc__)
+    parser.add_argument("kind", choices=["pipework", "starlette", "flask"])
+    parser.add_argument("--a", required=True, help="base URL of the fast service")
+    parser.add_argument("--b", required=True, help="base URL of the service that may hang")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--reuse-port", action="store_true")
+    parser.add_argument("--threads", type=int, default=4, help="flask: waitress's threads")
+    args = parser.parse_args(argv)
+    raise_open_files_limit()
+    logging.basicConfig(level=logging.WARNING)
+    if args.kind == "pipework":
+        serve_pipework(args.a, args.b, args.port, args.reuse_port)
+    elif args.kind == "starlette":
+        serve_starlette(args.a, args.b, args.port, args.reuse_port)
+    else:
+        serve_flask(args.a, args.b, args.port, args.reuse_port, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
