@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from contextlib import aclosing
 from typing import Any, Final
 
 import trio
@@ -94,7 +95,9 @@ def _since(args: Any, headers: Any) -> Version | None:
     return Version.parse(headers.get("Last-Event-ID") or args.get("since"))
 
 
-async def _stream(follower: Follower, keepalive: float, ends: Any = None) -> AsyncIterator[bytes]:
+async def _stream(
+    follower: Follower, keepalive: float, ends: Any = None
+) -> AsyncGenerator[bytes, None]:
     """SSE bytes for the follower until its resources are deleted (or ``ends(event)``);
     a send that fails (the client left) drops it."""
     finished = False
@@ -358,8 +361,11 @@ class BoardApi:
             for job_id in missing:
                 yield f"event: missing\ndata: {dumps_json({'id': job_id})}\n\n".encode()
             if follower is not None:
-                async for chunk in _stream(follower, self.job_board.keepalive):
-                    yield chunk
+                # Closed with this body: a nested generator left suspended would otherwise
+                # be finalized by the garbage collector, its follower never closed in time.
+                async with aclosing(_stream(follower, self.job_board.keepalive)) as stream:
+                    async for chunk in stream:
+                        yield chunk
 
         return _sse_response(body())
 
