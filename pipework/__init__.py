@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._errors import BackendError as BackendError
+from ._errors import BorrowTimeout as BorrowTimeout
 from ._errors import ConfigError as ConfigError
 from ._errors import ConfigProblem as ConfigProblem
 from ._errors import DeadlineExceeded as DeadlineExceeded
@@ -19,6 +20,9 @@ from ._errors import PipeworkError as PipeworkError
 from ._errors import PoolConfigError as PoolConfigError
 from ._errors import RegistrationError as RegistrationError
 from ._errors import Rejected as Rejected
+from ._errors import ResourcePoolClosed as ResourcePoolClosed
+from ._errors import ResourcePoolError as ResourcePoolError
+from ._errors import ResourceStartupError as ResourceStartupError
 from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
 from ._errors import TemplateError as TemplateError
@@ -53,6 +57,8 @@ from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
 from .pipes._pipe import Pipe as Pipe
+from .pipes._resources import ResourcePool as ResourcePool
+from .pipes._resources import ResourcePoolStatistics as ResourcePoolStatistics
 from .pipes._stages import BranchEnd as BranchEnd
 from .pipes._stages import Chain as Chain
 from .pipes._stages import GraphNode as GraphNode
@@ -80,6 +86,7 @@ __all__ = [
     "Admission",
     "BackendError",
     "Backends",
+    "BorrowTimeout",
     "BranchEnd",
     "CallbackSigner",
     "Catalogue",
@@ -123,6 +130,11 @@ __all__ = [
     "RegistrationError",
     "Registry",
     "Rejected",
+    "ResourcePool",
+    "ResourcePoolClosed",
+    "ResourcePoolError",
+    "ResourcePoolStatistics",
+    "ResourceStartupError",
     "Route",
     "Serial",
     "Service",

@@ -17,7 +17,11 @@
     ├── StateError (TypeError)          a state value that cannot be serialized, with its key path
     ├── MergeConflict                   two branches changed one key differently
     ├── RegistrationError (ValueError)  a pipe, chain, stage or route declared wrongly
-    ├── PoolConfigError (ValueError)    a worker pool config that cannot work
+    ├── PoolConfigError (ValueError)    a worker or resource pool config that cannot work
+    ├── ResourcePoolError               a resource pool cannot lend a resource (HTTP 503)
+    │   ├── BorrowTimeout (TimeoutError) no resource came free within ``borrow_timeout``
+    │   ├── ResourcePoolClosed          the pool is not running (not started, or shut down)
+    │   └── ResourceStartupError        making the pool's resources at start-up failed
     ├── TemplateSyntaxError (ValueError) a backend call template that cannot be parsed
     ├── TemplateError (ValueError)      job state cannot fill a backend call's template (HTTP 400)
     └── ConfigError (ValueError)        a gateway file with problems, each a ConfigProblem
@@ -42,6 +46,7 @@ from typing import Literal, TypeAlias
 
 __all__ = [
     "BackendError",
+    "BorrowTimeout",
     "ConfigError",
     "ConfigProblem",
     "DeadlineExceeded",
@@ -58,6 +63,9 @@ __all__ = [
     "PoolConfigError",
     "RegistrationError",
     "Rejected",
+    "ResourcePoolClosed",
+    "ResourcePoolError",
+    "ResourceStartupError",
     "SignalError",
     "StateError",
     "TemplateError",
@@ -219,6 +227,37 @@ class PipeContractError(PipeworkError):
 
 class PoolConfigError(PipeworkError, ValueError):
     """A worker pool configuration that cannot work; the message names the numbers."""
+
+
+class ResourcePoolError(PipeworkError):
+    """A :class:`~pipework.ResourcePool` could not lend a resource. ``pool`` names the pool."""
+
+    http_status = 503
+
+    def __init__(self, message: str, *, pool: str):
+        super().__init__(message)
+        self.pool = pool
+
+
+class BorrowTimeout(ResourcePoolError, TimeoutError):
+    """No resource of the pool came free within its ``borrow_timeout`` (``timeout``, seconds).
+
+    Every resource stayed borrowed (or some are being replaced) for that long: raise the
+    pool's ``size``, shorten what is done with a resource, or allow a longer wait."""
+
+    def __init__(self, message: str, *, pool: str, timeout: float):
+        super().__init__(message, pool=pool)
+        self.timeout = timeout
+
+
+class ResourcePoolClosed(ResourcePoolError):
+    """The pool is not running: borrowed before start-up, or after (or during) shutdown."""
+
+
+class ResourceStartupError(ResourcePoolError):
+    """Making one of the pool's resources at start-up failed or outlasted ``launch_timeout``.
+
+    The resources already made were closed; the factory's own error is ``__cause__``."""
 
 
 class TemplateSyntaxError(PipeworkError, ValueError):

@@ -163,7 +163,15 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        self.resource_pool_wait = Histogram(
+            "pipework_resource_pool_wait_seconds",
+            "Time a borrower waited for a resource of a resource pool (lent or timed out).",
+            ["pool"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self._collector: _StateCollector | None = None
+        self._resource_pools: _ResourcePoolCollector | None = None
         # labels() costs more than observe(): keep each labelled child once it exists.
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
@@ -187,6 +195,20 @@ class Metrics:
             self.registry.unregister(self._collector)
         self._collector = _StateCollector(queue, jobs, pool, key_label)
         self.registry.register(self._collector)
+
+    def watch_resource_pool(self, name: str, pool: _Statistics) -> None:
+        """Read a resource pool's ``statistics()`` at every scrape, as ``pool=name``.
+
+        A second pool under a name already watched replaces the first (a restarted pool)."""
+        if self._resource_pools is None:
+            self._resource_pools = _ResourcePoolCollector()
+            self.registry.register(self._resource_pools)
+        self._resource_pools.pools[name] = pool
+
+    def unwatch_resource_pool(self, name: str, pool: _Statistics) -> None:
+        """Stop reading the pool (it shut down); its families keep their other pools."""
+        if self._resource_pools is not None and self._resource_pools.pools.get(name) is pool:
+            del self._resource_pools.pools[name]
 
     def exposition(self) -> bytes:
         """The text exposition format, as ``GET /metrics`` serves it."""
@@ -233,6 +255,44 @@ class _StateCollector(Collector):
             jobs.add_metric([status], count)
         yield jobs
         yield from _pool_families(self._pool, self._label)
+
+
+class _ResourcePoolCollector(Collector):
+    """The state families of the resource pools, one ``pool`` label value each."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, _Statistics] = {}
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = {
+            "size": "Resources the pool is configured to hold.",
+            "capacity": "Resources the pool holds now (below size while replacements are due).",
+            "idle": "Resources ready to lend.",
+            "borrowed": "Resources lent out now.",
+            "waiting": "Borrowers waiting for a resource.",
+        }
+        counters = {
+            "replacements": "Resources made to replace one that failed.",
+            "replacement_failures": "Attempts to make a replacement that failed (retried "
+            "with backoff).",
+        }
+        families: list[GaugeMetricFamily | CounterMetricFamily] = []
+        rows = [(name, pool.statistics()) for name, pool in sorted(self.pools.items())]
+        for field, doc in gauges.items():
+            family = GaugeMetricFamily(f"pipework_resource_pool_{field}", doc, labels=["pool"])
+            for name, stats in rows:
+                family.add_metric([name], getattr(stats, field))
+            families.append(family)
+        for field, doc in counters.items():
+            counter = CounterMetricFamily(f"pipework_resource_pool_{field}", doc, labels=["pool"])
+            source = "failures" if field == "replacement_failures" else field
+            for name, stats in rows:
+                counter.add_metric([name], getattr(stats, source))
+            families.append(counter)
+        yield from families
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

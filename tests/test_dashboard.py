@@ -140,11 +140,21 @@ async def _weighted_engine() -> str:
         "order",
         pw.graph(pw.node("audit", audit, detach=True), pw.node("slow", slow)),
     )
+
+    async def make() -> object:
+        return object()
+
+    # A resource pool reports its families to the engine's metrics while it runs.
+    resources = pw.ResourcePool(
+        make, 2, borrow_timeout=1, launch_timeout=1, name="pdf", metrics=engine.metrics
+    )
     with trio.fail_after(HANG_GUARD):  # virtual time: a hang fails at once
-        async with engine:
+        async with engine, resources:
             assert await engine.run("user", {"user_id": 7}) == {"id": 7}
             await engine.run("order")
-    return engine.metrics.exposition().decode()
+            async with resources.borrow():
+                pass
+            return engine.metrics.exposition().decode()
 
 
 @pytest.fixture(scope="module")
