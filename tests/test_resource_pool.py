@@ -253,6 +253,7 @@ async def test_shutdown_fails_waiters_and_closes_borrowed_on_return(
                 outer.start_soon(waiter)
                 await trio.testing.wait_all_tasks_blocked()
                 nursery.cancel_scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()  # the woken waiter has run
             assert len(failures) == 1
             assert "shut down" in str(failures[0])
             assert not factory.made[0].closed  # still borrowed
