@@ -58,7 +58,13 @@ class JobBoard:
         self.keepalive = keepalive
 
     def observe(self, view: JobView, token_hash: str | None) -> None:
-        """The engine observer: publish the job's new document."""
+        """The engine observer: publish the job's new document if anyone put the job on the
+        board (a follower does, through :meth:`publish`). A job nobody follows costs no
+        document: it is on every request's path."""
+        if view.id in self.core:
+            self._apply(view, token_hash)
+
+    def _apply(self, view: JobView, token_hash: str | None) -> None:
         document = job_document(view, expose=self.expose_errors)
         if view.id in self.core:
             self.boards.update(JOB_BOARD, view.id, document)
@@ -81,4 +87,4 @@ class JobBoard:
         if view.id not in self.core:
             self._finished.pop(view.id, None)
             with contextlib.suppress(ResourceExists):  # its drop is being flushed: no matter
-                self.observe(view, token_hash)
+                self._apply(view, token_hash)
