@@ -8,7 +8,6 @@ of the engine held the same record fails on this store. The engine's tests run o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -52,4 +51,4 @@ class CopyingJobStore(pw.MemoryJobStore):
 
 
 _FINAL = frozenset({pw.Status.DONE, pw.Status.FAILED, pw.Status.CANCELLED, pw.Status.EXPIRED})
-__all__ = ["CopyingJobStore", "Iterable", "copy_of"]
+__all__ = ["CopyingJobStore", "copy_of"]
