@@ -120,7 +120,7 @@ def _guarded(
     async def guarded(**kwargs: Any) -> None:
         await _run_guarded(functools.partial(test, **kwargs), trio_seconds, real_seconds)
 
-    guarded._hang_guarded = True  # type: ignore[attr-defined]
+    guarded._hang_guarded = True  # type: ignore[attr-defined]  # a marker on a function object
     return guarded
 
 

@@ -123,7 +123,7 @@ async def pools() -> AsyncIterator[Callable[..., Pool]]:
     made: list[Pool] = []
 
     def make(*args: object, **kwargs: object) -> Pool:
-        made.append(Pool(*args, **kwargs))  # type: ignore[arg-type]
+        made.append(Pool(*args, **kwargs))  # type: ignore[arg-type]  # passes the real arguments on
         return made[-1]
 
     yield make

@@ -401,7 +401,7 @@ async def test_memory_returns_to_its_level_after_many_follow_and_disconnect_cycl
 
             async def settled() -> None:
                 # No event tells when the last handler has seen its disconnect: poll.
-                while core.statistics().followers:  # noqa: ASYNC110
+                while core.statistics().followers:  # noqa: ASYNC110 - the core has no event to wait on
                     await trio.sleep(0.01)
                 gc.collect()
 

@@ -31,7 +31,9 @@ async def _ok(ctx: pw.Context) -> None:
 async def _assert_engine_serves_on(engine: pw.Engine) -> None:
     """A fresh well-behaved job completes, no slot is held, the queue is empty."""
     assert (await engine.run("healthy"))["ok"] is True
-    assert engine.pool.statistics().in_use == 0  # type: ignore[attr-defined]
+    pool = engine.pool
+    assert isinstance(pool, pw.WeightedPool)
+    assert pool.statistics().in_use == 0
     assert engine.queue.statistics().depth == 0
 
 

@@ -152,10 +152,8 @@ def _declare(engine: pw.Engine, plan: Plan) -> list[str]:
 
 
 async def _scenario(plan: Plan, store: type[Any]) -> None:
-    engine = pw.Engine(
-        pool=pw.WeightedPool(4, keys={"k1": pw.Weights(limit=1)}),
-        store=store(retain_seconds=1e9),  # kept while the checks below poll
-    )
+    pool = pw.WeightedPool(4, keys={"k1": pw.Weights(limit=1)})
+    engine = pw.Engine(pool=pool, store=store(retain_seconds=1e9))  # kept while checks poll
     chains = _declare(engine, plan)
     async with engine:
         jobs = [await engine.submit(chain) for chain in chains]
@@ -184,14 +182,14 @@ async def _scenario(plan: Plan, store: type[Any]) -> None:
         # virtual second); a real leak fails the asserts below after the last poll.
         for _ in range(100_000):
             statuses = [(await engine.status(j)).status for j in jobs]
-            if all(s in FINAL for s in statuses) and engine.pool.statistics().in_use == 0:  # type: ignore[attr-defined]
+            if all(s in FINAL for s in statuses) and pool.statistics().in_use == 0:
                 break
             await trio.sleep(1)
 
         for job_id in jobs:
             view = await engine.status(job_id)
             assert view.status in FINAL, (job_id, view)
-        stats = engine.pool.statistics()  # type: ignore[attr-defined]
+        stats = pool.statistics()
         assert stats.in_use == 0
         assert stats.waiting == 0
         assert engine.queue.statistics().depth == 0

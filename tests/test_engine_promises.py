@@ -314,7 +314,9 @@ async def test_the_earliest_stage_bound_is_named_with_the_stage_path(
         # The outer serial (3 s) fired, not the inner one (8 s) nor the pipe (30 s).
         assert info.value.where == "chain 'c' > serial[1]"
         assert "chain 'c' > serial[1]" in str(info.value)
-        assert (await engine.status(job_id)).error.where == "chain 'c' > serial[1]"  # type: ignore[union-attr]
+        error = (await engine.status(job_id)).error
+        assert error is not None
+        assert error.where == "chain 'c' > serial[1]"
 
 
 async def test_a_stage_bound_fires_while_a_pipe_in_it_is_suspended(

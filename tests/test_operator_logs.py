@@ -59,12 +59,12 @@ async def test_a_failed_backend_call_is_one_warning_line(
             busy = await served.client.get("/busy", headers={"X-Request-ID": "req-busy"})
     assert (down.status_code, busy.status_code) == (502, 502)
     failed = [r for r in caplog.records if getattr(r, "event", None) == "backend call failed"]
-    assert [(r.levelno, r.service, r.kind, r.correlation_id) for r in failed] == [  # type: ignore[attr-defined]
+    assert [(r.levelno, r.service, r.kind, r.correlation_id) for r in failed] == [  # type: ignore[attr-defined]  # fields set through `extra`
         (logging.WARNING, "users", "connect", "req-down"),
         (logging.WARNING, "users", "status", "req-busy"),
     ]
-    assert failed[1].status == 503  # type: ignore[attr-defined]
-    assert all(r.job_id for r in failed)  # type: ignore[attr-defined]
+    assert failed[1].status == 503  # type: ignore[attr-defined]  # set through `extra`
+    assert all(r.job_id for r in failed)  # type: ignore[attr-defined]  # set through `extra`
     with_traceback = [r for r in caplog.records if r.exc_info]
     if level == logging.DEBUG:
         assert {getattr(r, "event", None) for r in with_traceback} >= {"backend call failed"}

@@ -52,7 +52,7 @@ class Factory:
 def make_pool(factory: Factory, size: int = 2, **options: object) -> pw.ResourcePool[Fake]:
     settings: dict[str, object] = {"borrow_timeout": 5.0, "launch_timeout": 2.0}
     settings.update(options)
-    return pw.ResourcePool(factory, size, close=factory.close, name="fakes", **settings)  # type: ignore[arg-type]
+    return pw.ResourcePool(factory, size, close=factory.close, name="fakes", **settings)  # type: ignore[arg-type]  # settings are the keyword options
 
 
 async def test_all_made_at_start_up_and_closed_at_shutdown(autojump_clock: object) -> None:

@@ -241,7 +241,7 @@ class Container:
 
     def _build_app(self) -> QuartTrio:
         app = QuartTrio(__name__, static_folder=None)
-        app.asgi_app = _RequestGuard(app.asgi_app)  # type: ignore[method-assign]
+        app.asgi_app = _RequestGuard(app.asgi_app)  # type: ignore[method-assign]  # Quart's documented middleware seam
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
         app.before_request(_take_correlation_id)
