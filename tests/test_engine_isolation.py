@@ -299,3 +299,37 @@ async def test_cancels_landing_anywhere_in_a_real_backend_call_end_every_job(
             assert statuses <= {pw.Status.CANCELLED, pw.Status.DONE}
             assert pw.Status.CANCELLED in statuses
             await _assert_engine_serves_on(engine)
+
+
+async def test_a_graph_callback_that_raises_anything_never_stops_the_engine(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _engine()
+
+    class Odd(BaseException):
+        pass
+
+    def bad_callback(end: pw.BranchEnd) -> None:
+        raise Odd(f"callback for {end.node}")
+
+    async def grouping_callback(end: pw.BranchEnd) -> None:
+        async def fail() -> None:
+            raise KeyError("child")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail)
+
+    engine.chain(
+        "c",
+        pw.graph(
+            pw.node("a", _ok, on_success=bad_callback),
+            pw.node("b", _ok, after=["a"], on_success=grouping_callback),
+        ),
+    )
+    async with engine:
+        with caplog.at_level(logging.ERROR, logger="pipework"):
+            assert (await engine.run("c"))["ok"] is True
+            await trio.testing.wait_all_tasks_blocked()
+        failed = [r for r in caplog.records if "callback failed" in r.getMessage()]
+        assert [r.getMessage().split()[2] for r in failed] == ["'a'", "'b'"]
+        await _assert_engine_serves_on(engine)

@@ -131,10 +131,14 @@ class Backends:
             self._observe(call.service, started, "timeout")
             _log_failure(call.service, "timeout", ctx, started, exc)
             raise
-        except trio.Cancelled:
+        except BaseException as exc:
             # An any_of winner, a client that hung up, a job's deadline: the call ended
-            # without an answer and is counted as such, never left out.
-            self._observe(call.service, started, "cancelled")
+            # without an answer and is counted as such, never left out — also when the
+            # cancellation arrives inside a group (httpx connecting raises one).
+            if isinstance(exc, trio.Cancelled) or (
+                isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[0] is not None
+            ):
+                self._observe(call.service, started, "cancelled")
             raise
         self._observe(call.service, started, None)
         return answer

@@ -39,6 +39,7 @@ from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel, Serial
 from ..pipes._state import check_state, storable_part
 from ._admission import Admission
+from ._boundary import split_outside
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._job import ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
@@ -286,7 +287,7 @@ class Dispatcher:
                 with trio.CancelScope(shield=True):
                     await self._end_unsettled(job, scope, escaped)
             if escaped is not None:
-                outside = _outside_of_step(escaped)
+                outside, _ = split_outside(escaped)
                 if outside is not None:
                     raise outside
         finally:
@@ -297,7 +298,7 @@ class Dispatcher:
         self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
     ) -> None:
         """Finish a job its step left neither final nor waiting on purpose."""
-        bugs = None if escaped is None else _errors_in(escaped)
+        bugs = None if escaped is None else split_outside(escaped)[1]
         if bugs is not None:
             # The bookkeeping (a store, metrics, the dispatcher itself) failed for this job.
             _log.error(
@@ -884,26 +885,6 @@ def _pipe_error(raised: BaseException, path: str) -> BaseException:
         )
     exc.__cause__ = raised
     return exc
-
-
-def _outside_of_step(escaped: BaseException) -> BaseException | None:
-    """The part of what escaped a step that belongs to whoever stops the engine (its
-    cancellation, KeyboardInterrupt); bugs and errors were the job's and end there."""
-    if isinstance(escaped, trio.Cancelled | KeyboardInterrupt | SystemExit):
-        return escaped
-    if isinstance(escaped, BaseExceptionGroup):
-        outside, _ = escaped.split((trio.Cancelled, KeyboardInterrupt, SystemExit))
-        return outside
-    return None
-
-
-def _errors_in(escaped: BaseException) -> BaseException | None:
-    if isinstance(escaped, trio.Cancelled | KeyboardInterrupt | SystemExit):
-        return None
-    if isinstance(escaped, BaseExceptionGroup):
-        _, rest = escaped.split((trio.Cancelled, KeyboardInterrupt, SystemExit))
-        return rest
-    return escaped
 
 
 #: Names of transport errors raised by HTTP clients the dispatcher does not import.

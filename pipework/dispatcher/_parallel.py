@@ -41,6 +41,7 @@ from .._errors import (
 from ..pipes._join import Outcome
 from ..pipes._merge import Delta, delta, merge, snapshot
 from ..pipes._stages import BranchEnd, Callback, Chain, Parallel
+from ._boundary import split_outside
 from ._events import BranchDone, RunJob
 from ._job import ErrorInfo, Job, JoinRecord, new_job_id
 from ._status import TERMINAL, Status
@@ -324,5 +325,11 @@ async def _run_callback(callback: Callback, end: BranchEnd) -> None:
         result = callback(end)
         if inspect.isawaitable(result):
             await result
-    except Exception:
-        _log.exception("graph node %r callback failed (job %s)", end.node, end.job_id)
+    except BaseException as exc:  # user code in the dispatcher's nursery: a boundary
+        outside, errors = split_outside(exc)
+        if errors is not None:
+            _log.error(
+                "graph node %r callback failed (job %s)", end.node, end.job_id, exc_info=errors
+            )
+        if outside is not None:
+            raise outside from None
