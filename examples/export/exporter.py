@@ -1,0 +1,533 @@
+"""Exports orders from a SQLite database to CSV files, as async jobs (seed 001).
+
+``POST /exports`` answers 202 at once with the job's id and token (the container's async
+mode). The job then:
+
+1. records the export as ``running`` in the download centre (records.py), committed at once;
+2. opens one read transaction on the source, counts the rows it will write, and reads them
+   through a cursor, ``batch`` rows at a time, writing each batch to the CSV file as it
+   comes: memory holds one batch, however many rows there are;
+3. every ``progress_every`` rows, reports progress on the job (``GET /jobs/{id}``, the jobs
+   board and the jobs page show it at once) and in its record;
+4. renames the finished file into place and records the export ``done``; on any failure
+   (an error, a cancel, the job's deadline) it deletes the partial file and records the
+   export ``failed`` with the reason.
+
+SQLite and the file block, so each of their steps runs in a worker thread, one short call
+(one batch) at a time: a cancel waits for at most one batch, and no thread is abandoned
+while it holds the cursor or the file.
+
+Only the owner (whoever holds the job's token) reads the record, ``GET /exports/{id}``, and
+the file, ``GET /exports/{id}/file``; anyone else gets the container's 404 for jobs. Files
+are kept ``retention`` seconds after their export finished: :meth:`Exporter.run`, started in
+the caller's nursery, deletes those past it every ``cleanup_interval`` and marks their
+records ``expired``. At start-up it marks failed every record still ``running``: an export
+a previous process left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any, BinaryIO, Final, Protocol, TypeVar
+
+import trio
+from quart import Response, g, request
+
+import pipework as pw
+
+from .data import STATUSES
+from .records import Record, Records
+
+__all__ = ["CHAIN", "Blocking", "ExportConfig", "Exporter", "Refused", "in_thread"]
+
+_log = logging.getLogger("examples.export")
+
+T = TypeVar("T")
+
+#: The chain, and the route that starts it: ``POST /exports``.
+CHAIN: Final = "export"
+RECORDS_FILE: Final = "exports.sqlite3"
+#: What the container answers for a job that is unknown or not the caller's: the same here.
+NOT_FOUND: Final = "no job with this id, or the token does not match"
+_CHUNK: Final = 64 * 1024
+_BEARER: Final = "bearer "
+
+
+class Blocking(Protocol):
+    """How blocking work runs: ``await blocking(fn)`` returns what ``fn()`` returns."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+async def in_thread(fn: Callable[[], T], /) -> T:
+    """Run ``fn`` in a worker thread. A cancel waits for it to return (one batch at most)
+    rather than abandon a thread that holds a cursor or a file."""
+    return await trio.to_thread.run_sync(fn)
+
+
+class Refused(Exception):
+    """The request asked for an export this example does not make (a 422 to the owner)."""
+
+    http_status = 422
+
+
+@dataclass(frozen=True, slots=True)
+class ExportConfig:
+    """Where the data comes from and goes, and the export's numbers.
+
+    - ``source``: the SQLite database with the ``orders`` table (data.py makes one);
+    - ``directory``: where the files and the download centre (``exports.sqlite3``) live;
+    - ``retention``: seconds a finished export's file is kept;
+    - ``cleanup_interval``: seconds between two looks for files past their retention;
+    - ``batch``: rows read and written per step; ``progress_every``: rows between reports;
+    - ``timeout``: the export job's time limit;
+    - ``cleanup_timeout``: how long a failed export may take to clean up after itself;
+    - ``key``: the export jobs' admission key (give it a ``limit`` in the engine's pool).
+    """
+
+    source: Path
+    directory: Path
+    retention: float = 7 * 86_400.0
+    cleanup_interval: float = 3_600.0
+    batch: int = 1_000
+    progress_every: int = 5_000
+    timeout: float = 3_600.0
+    cleanup_timeout: float = 10.0
+    key: str = "exports"
+
+    def __post_init__(self) -> None:
+        for name in ("retention", "cleanup_interval", "timeout", "cleanup_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"ExportConfig.{name} must be a positive number of seconds")
+        for name in ("batch", "progress_every"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"ExportConfig.{name} must be a whole number of rows, 1 or more")
+
+
+class Exporter:
+    """The export example on ``engine``: registers the pipe, its chain and the route
+    ``POST /exports`` on the engine's registry (a :class:`pipework.Registry`).
+
+    Start :meth:`run` in a nursery before serving (it applies the restart rule, then
+    deletes expired files until cancelled), and :meth:`add_routes` on the container that
+    serves the engine. ``blocking`` runs the SQLite and file work (default: worker threads).
+    """
+
+    def __init__(
+        self, engine: pw.Engine, config: ExportConfig, *, blocking: Blocking = in_thread
+    ) -> None:
+        registry = engine.registry
+        if not isinstance(registry, pw.Registry):
+            raise TypeError(
+                "the exporter adds the route POST /exports: build the engine with "
+                "registry=pw.Registry()"
+            )
+        self.engine = engine
+        self.config = config
+        self.records = Records(config.directory / RECORDS_FILE)
+        self._blocking = blocking
+        self._epoch: float | None = None
+        registry.add_pipe(pw.Pipe(self.export, "export_orders"))
+        registry.chain(CHAIN, "export_orders", key=config.key, result="export")
+        registry.route(
+            CHAIN, method="POST", path="/exports", chain=CHAIN, mode="async", timeout=config.timeout
+        )
+
+    def now(self) -> float:
+        """Unix time, advanced by trio's clock (a test's virtual time moves it too)."""
+        if self._epoch is None:
+            self._epoch = time.time() - trio.current_time()
+        return self._epoch + trio.current_time()
+
+    def add_routes(self, container: pw.Container) -> None:
+        """Serve ``GET /exports/{id}`` (the record) and ``GET /exports/{id}/file``."""
+        app = container.app
+        app.add_url_rule("/exports/<export_id>", "export_record", self.record, methods=["GET"])
+        app.add_url_rule("/exports/<export_id>/file", "export_file", self.download, methods=["GET"])
+
+    # -- start-up and retention ------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Create the download centre, mark exports a previous process left ``running``
+        failed, then delete files past their retention every ``cleanup_interval``
+        seconds (first at once), until cancelled."""
+        await self._blocking(self._setup)
+        await self.recover()
+        task_status.started()
+        while True:
+            try:
+                await self.cleanup()
+            except Exception:  # a locked database, a full disk: the next round tries again
+                _log.exception(
+                    "export cleanup failed; next attempt in %gs", self.config.cleanup_interval
+                )
+            await trio.sleep(self.config.cleanup_interval)
+
+    def _setup(self) -> None:
+        self.config.directory.mkdir(parents=True, exist_ok=True)
+        self.records.setup()
+
+    async def recover(self) -> list[Record]:
+        """The restart rule: every export still ``running`` was left by a process that
+        stopped (this one has started none yet); mark it failed, saying so."""
+        now = self.now()
+        reason = (
+            "the server stopped while this export ran; it was marked failed when the "
+            f"server started again at {_iso(now)}: start a new export"
+        )
+        stale = await self._blocking(functools.partial(self._recover, reason, now))
+        for record in stale:
+            _log.warning(
+                "export %s: left running by a previous process after %d rows; marked failed",
+                record.id,
+                record.rows,
+            )
+        return stale
+
+    def _recover(self, reason: str, now: float) -> list[Record]:
+        stale = self.records.fail_running(reason, now)
+        for record in stale:
+            self._partial(record.id).unlink(missing_ok=True)
+        return stale
+
+    async def cleanup(self, now: float | None = None) -> list[Record]:
+        """Delete the files kept ``retention`` seconds or longer (as of ``now``, default
+        the current time); their records become ``expired``. Returns them."""
+        cutoff = (self.now() if now is None else now) - self.config.retention
+        expired = await self._blocking(functools.partial(self._expire, cutoff))
+        for record in expired:
+            _log.info("export %s: file deleted after its retention", record.id)
+        return expired
+
+    def _expire(self, cutoff: float) -> list[Record]:
+        due = self.records.due(cutoff)
+        for record in due:
+            if record.file is not None:
+                (self.config.directory / record.file).unlink(missing_ok=True)
+            self.records.expire(record.id)
+        return due
+
+    # -- the export job --------------------------------------------------------------------
+
+    async def export(self, ctx: pw.Context) -> None:
+        """The pipe: stream the orders to ``{job id}.csv`` (see the module's docstring)."""
+        status = _status_filter(ctx.state)
+        export_id = ctx.job_id
+        owner = (await self.engine.store.get(export_id)).token_hash
+        every = self.config.progress_every
+        copy: _Copy | None = None
+        rows = 0
+        try:
+            create = functools.partial(self.records.create, export_id, owner, self.now())
+            await self._blocking(create)
+            _log.info("export %s started (correlation id %s)", export_id, ctx.correlation_id)
+            copy = await self._blocking(
+                functools.partial(
+                    _Copy, self.config.source, status, self._partial(export_id), self.config.batch
+                )
+            )
+            total = copy.total
+            await self._report(ctx, 0, total)
+            next_report = every
+            while count := await self._blocking(copy.copy_batch):
+                rows += count
+                if rows >= next_report:
+                    await self._report(ctx, rows, total)
+                    next_report = rows - rows % every + every
+            size = await self._blocking(functools.partial(copy.commit, self._file(export_id)))
+            copy = None
+            finish = functools.partial(
+                self.records.finish, export_id, rows, self._file(export_id).name, self.now()
+            )
+            await self._blocking(finish)
+        except BaseException as exc:
+            await self._failed(ctx, copy, rows, exc)
+            raise
+        await ctx.progress(rows, total, f"done: {rows:,} rows")
+        _log.info(
+            "export %s done: %d rows, %d bytes (correlation id %s)",
+            export_id,
+            rows,
+            size,
+            ctx.correlation_id,
+        )
+        ctx.state["export"] = {
+            "id": export_id,
+            "rows": rows,
+            "bytes": size,
+            "file": f"/exports/{export_id}/file",
+            "record": f"/exports/{export_id}",
+            "keep_until": _iso(self.now() + self.config.retention),
+        }
+
+    async def _report(self, ctx: pw.Context, rows: int, total: int) -> None:
+        # The job first (GET /jobs/{id}, the board), then the record (GET /exports/{id}):
+        # each is written and visible at once, not when the export ends.
+        await ctx.progress(rows, total, f"{rows:,} of {total:,} rows")
+        await self._blocking(functools.partial(self.records.progress, ctx.job_id, rows))
+
+    async def _failed(
+        self, ctx: pw.Context, copy: _Copy | None, rows: int, exc: BaseException
+    ) -> None:
+        """Delete what the export wrote and record why it failed: shielded, because a
+        cancel is one of the reasons, and bounded by ``cleanup_timeout``."""
+        reason = _reason(ctx, rows, exc)
+        _log.warning(
+            "export %s failed (correlation id %s): %s", ctx.job_id, ctx.correlation_id, reason
+        )
+        export_id = ctx.job_id
+        with trio.move_on_after(self.config.cleanup_timeout, shield=True) as scope:
+            try:
+                if copy is not None:
+                    await self._blocking(copy.discard)
+                unlink = functools.partial(self._file(export_id).unlink, missing_ok=True)
+                await self._blocking(unlink)
+                fail = functools.partial(self.records.fail, export_id, rows, reason, self.now())
+                await self._blocking(fail)
+            except Exception as error:
+                _log.exception("export %s: recording its failure failed", export_id)
+                exc.add_note(f"recording the export's failure failed too: {error!r}")
+        if scope.cancelled_caught:
+            _log.error(
+                "export %s: cleaning up took longer than %gs; its record may still say running",
+                export_id,
+                self.config.cleanup_timeout,
+            )
+
+    def _file(self, export_id: str) -> Path:
+        return self.config.directory / f"{export_id}.csv"
+
+    def _partial(self, export_id: str) -> Path:
+        return self.config.directory / f"{export_id}.csv.part"
+
+    # -- the download centre over HTTP ----------------------------------------------------------
+
+    async def _owned(self, export_id: str) -> Record | Response:
+        """The export's record if the request carries its job's token; else the
+        container's own 404 for jobs (an unknown id and a wrong token look the same)."""
+        token = _job_token()
+        record = await self._blocking(functools.partial(self.records.get, export_id))
+        given = "" if token is None else _token_hash(token)
+        if record is None or record.owner is None or not hmac.compare_digest(record.owner, given):
+            return _problem(404, "job-not-found", "Job not found", NOT_FOUND)
+        return record
+
+    async def record(self, export_id: str) -> Response:
+        """``GET /exports/{id}``: the export's record, for its owner."""
+        found = await self._owned(export_id)
+        if isinstance(found, Response):
+            return found
+        return Response(json.dumps(self._document(found)), content_type="application/json")
+
+    def _document(self, record: Record) -> dict[str, Any]:
+        done = record.status == "done"
+        kept = None if record.finished is None else record.finished + self.config.retention
+        return {
+            "id": record.id,
+            "status": record.status,
+            "rows": record.rows,
+            "created": _iso(record.created),
+            "finished": None if record.finished is None else _iso(record.finished),
+            "error": record.error,
+            "file": f"/exports/{record.id}/file" if done else None,
+            "keep_until": _iso(kept) if done and kept is not None else None,
+        }
+
+    async def download(self, export_id: str) -> Response:
+        """``GET /exports/{id}/file``: the CSV file, streamed from disk, for its owner."""
+        found = await self._owned(export_id)
+        if isinstance(found, Response):
+            return found
+        if found.status == "running":
+            return _problem(
+                409,
+                "export-running",
+                "Export still running",
+                f"export {export_id} has written {found.rows:,} rows so far; its file is "
+                "offered once it is done",
+                headers={"Retry-After": "5"},
+            )
+        if found.status == "failed":
+            return _problem(
+                409, "export-failed", "Export failed", f"export {export_id} failed: {found.error}"
+            )
+        gone = _problem(
+            410,
+            "job-gone",
+            "Job gone",
+            f"export {export_id}'s file was deleted after its retention time "
+            f"({self.config.retention:g}s); start a new export",
+        )
+        if found.file is None:
+            return gone
+        path = self.config.directory / found.file
+        try:
+            file = await self._blocking(functools.partial(_open, path))
+        except FileNotFoundError:
+            return gone
+        # Opened before answering: a cleanup that deletes the file now cannot cut the
+        # download short (the open file lives on until it is closed).
+        size = os.fstat(file.fileno()).st_size
+        response = Response(self._chunks(file), content_type="text/csv; charset=utf-8")
+        response.headers["Content-Length"] = str(size)
+        response.headers["Content-Disposition"] = f'attachment; filename="orders-{export_id}.csv"'
+        response.timeout = None  # a large file may take longer than Quart's response timeout
+        return response
+
+    async def _chunks(self, file: BinaryIO) -> AsyncIterator[bytes]:
+        try:
+            while chunk := await self._blocking(functools.partial(file.read, _CHUNK)):
+                yield chunk
+        finally:
+            file.close()
+
+
+class _Copy:
+    """One export's blocking half: a read transaction and a cursor on the source, and the
+    CSV file being written. Each method is one short blocking call; the pipe runs them in
+    worker threads, one after another, never two at once."""
+
+    def __init__(self, source: Path, status: str | None, partial: Path, batch: int) -> None:
+        self.batch = batch
+        self.partial = partial
+        self.cursor: sqlite3.Cursor | None = None
+        self.file: IO[str] | None = None
+        where, args = ("WHERE status = ?", (status,)) if status else ("", ())
+        # Read-only: an export never changes what it exports. Used from one worker thread
+        # after another (never two at once), hence check_same_thread=False.
+        self.db = sqlite3.connect(
+            source.resolve().as_uri() + "?mode=ro",
+            uri=True,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        try:
+            self.db.execute("BEGIN")  # one snapshot for the count and the rows
+            (self.total,) = self.db.execute(f"SELECT count(*) FROM orders {where}", args).fetchone()
+            # In primary-key order, which SQLite reads as stored: no sort, no temporary table.
+            self.cursor = self.db.execute(f"SELECT * FROM orders {where} ORDER BY id", args)
+            self.file = open(partial, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed in commit/discard
+            self.writer = csv.writer(self.file)
+            self.writer.writerow([column[0] for column in self.cursor.description])
+        except BaseException:
+            self.discard()
+            raise
+
+    def copy_batch(self) -> int:
+        """Read the next batch and write it; how many rows that was (0: all done)."""
+        assert self.cursor is not None
+        rows = self.cursor.fetchmany(self.batch)
+        self.writer.writerows(rows)
+        return len(rows)
+
+    def commit(self, target: Path) -> int:
+        """End the read, make the file durable and put it in place; its size in bytes."""
+        assert self.cursor is not None
+        assert self.file is not None
+        self.cursor.close()
+        self.db.execute("COMMIT")
+        self.db.close()
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.partial, target)
+        return target.stat().st_size
+
+    def discard(self) -> None:
+        """Close everything (the read rolls back) and delete the partial file."""
+        for close in (
+            getattr(self.cursor, "close", None),
+            self.db.close,
+            getattr(self.file, "close", None),
+        ):
+            if close is not None:
+                with contextlib.suppress(Exception):  # closing what may be half-open
+                    close()
+        self.partial.unlink(missing_ok=True)
+
+
+def _open(path: Path) -> BinaryIO:
+    return open(path, "rb")
+
+
+def _status_filter(state: Mapping[str, Any]) -> str | None:
+    unknown = sorted(set(state) - {"status"})
+    if unknown:
+        raise Refused(
+            f"unknown field {unknown[0]!r}: an export takes only 'status', "
+            f"one of {', '.join(STATUSES)} (or none, for every order)"
+        )
+    status = state.get("status")
+    if status is not None and status not in STATUSES:
+        raise Refused(f"'status' must be one of {', '.join(STATUSES)}, got {status!r}")
+    return status
+
+
+def _reason(ctx: pw.Context, rows: int, exc: BaseException) -> str:
+    after = f"after {rows:,} rows"
+    if _cancelled(exc):
+        if ctx.remaining <= 0:
+            return f"the export ran past its time limit, {after}"
+        return f"the export was cancelled {after} (by its owner, or the server is stopping)"
+    return f"{type(exc).__name__}: {exc} ({after})"
+
+
+def _cancelled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split((trio.Cancelled, KeyboardInterrupt))[1] is None
+    return isinstance(exc, trio.Cancelled | KeyboardInterrupt)
+
+
+def _job_token() -> str | None:
+    """The job token as the container takes it: ``Authorization: Bearer`` or
+    ``X-Job-Token``."""
+    auth = request.headers.get("Authorization", "")
+    if auth[: len(_BEARER)].lower() == _BEARER:
+        return auth[len(_BEARER) :].strip()
+    return request.headers.get("X-Job-Token")
+
+
+def _token_hash(token: str) -> str:
+    # What pipework keeps of a job's owner token (its SHA-256, in hex), which is what the
+    # record's owner holds; tests/test_export.py checks the owner's token matches it.
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _problem(
+    status: int, slug: str, title: str, detail: str, *, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A problem document in the container's own shape (RFC 9457)."""
+    body: dict[str, Any] = {
+        "type": f"urn:pipework:problem:{slug}",
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "instance": request.path,
+    }
+    correlation_id = g.get("correlation_id")
+    if correlation_id is not None:
+        body["correlation_id"] = correlation_id
+    response = Response(json.dumps(body), status=status, content_type="application/problem+json")
+    response.headers["Cache-Control"] = "no-store"
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
