@@ -1,0 +1,444 @@
+"""The export example (examples/export, seed 001) over real sockets: progress seen while
+it runs, the file whole, only the owner downloads it, failures recorded with their reason,
+the restart rule, retention on virtual time, and memory bounded by the batch."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import hashlib
+import io
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import trio
+
+import pipework as pw
+from benchmarks import _export
+from examples.export.data import COLUMNS, make_orders
+from examples.export.exporter import Blocking, ExportConfig, Exporter, in_thread
+from examples.export.records import RecordError, Records, check_transition
+from pipework.container import BoundAddress, Container, ContainerConfig
+
+from .test_board_http import follow_sse
+from .test_container_harness import HANG_GUARD, Served, assert_problem, bearer
+
+T = TypeVar("T")
+
+ROWS = 20_000
+EVERY = 5_000
+
+
+@pytest.fixture(scope="module")
+def orders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A source database shared by the tests that only read it."""
+    path = tmp_path_factory.mktemp("source") / "orders.sqlite3"
+    make_orders(path, ROWS)
+    return path
+
+
+def config(source: Path, directory: Path, **overrides: Any) -> ExportConfig:
+    return ExportConfig(
+        source=source, directory=directory, batch=1_000, progress_every=EVERY, **overrides
+    )
+
+
+@dataclass
+class Example:
+    served: Served
+    exporter: Exporter
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        return self.served.client
+
+    async def submit(self, body: dict[str, Any] | None = None) -> tuple[str, str]:
+        response = await self.client.post("/exports", json=body or {})
+        assert response.status_code == 202, response.text
+        return response.json()["id"], response.json()["token"]
+
+    async def wait(self, job_id: str) -> None:
+        with contextlib.suppress(Exception):  # its outcome is read over HTTP
+            await self.served.engine.wait(job_id)
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg: ExportConfig, *, blocking: Blocking = in_thread) -> AsyncIterator[Example]:
+    """The example as examples/export/run.py serves it, on a free port."""
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, store=pw.MemoryJobStore(retain_seconds=cfg.retention))
+    exporter = Exporter(engine, cfg, blocking=blocking)
+    stop = trio.Event()
+    async with engine, trio.open_nursery() as tasks:
+        await tasks.start(exporter.run)
+        container = Container(engine, config=ContainerConfig(shutdown_grace=1.0))
+        exporter.add_routes(container)
+        async with trio.open_nursery() as server:
+            address: BoundAddress = await server.start(
+                functools.partial(container.serve, shutdown_trigger=stop)
+            )
+            try:
+                async with httpx.AsyncClient(base_url=address.url, timeout=HANG_GUARD) as client:
+                    yield Example(Served(container, address, client, stop), exporter)
+            finally:
+                stop.set()
+        tasks.cancel_scope.cancel()
+
+
+def db_rows(source: Path, where: str = "", args: tuple[Any, ...] = ()) -> list[list[str]]:
+    """The rows as csv writes them: every value as str()."""
+    with contextlib.closing(sqlite3.connect(source)) as db:
+        query = f"SELECT * FROM orders {where} ORDER BY id"
+        return [[str(value) for value in row] for row in db.execute(query, args)]
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.suffix in (".csv", ".part"))
+
+
+def is_progress_write(fn: Callable[[], Any]) -> bool:
+    func = getattr(fn, "func", None)
+    return getattr(func, "__func__", None) is Records.progress
+
+
+class HoldAtProgress:
+    """Runs the example's blocking work in threads, as it does; after every progress write
+    to the record, holds the export until the test says go."""
+
+    def __init__(self) -> None:
+        self.send, self.held = trio.open_memory_channel[tuple[int, trio.Event]](0)
+
+    async def __call__(self, fn: Callable[[], T], /) -> T:
+        result = await in_thread(fn)
+        if is_progress_write(fn):
+            go = trio.Event()
+            await self.send.send((fn.args[1], go))  # type: ignore[attr-defined]  # a partial
+            await go.wait()
+        return result
+
+
+class Follower:
+    """The jobs page's stream (``GET /jobs/events`` with the job's ticket): every progress
+    value it delivers, in order."""
+
+    def __init__(self) -> None:
+        self.progress: list[float] = []
+        self.arrived = trio.Event()
+
+    async def run(self, example: Example, ticket: str) -> None:
+        headers = {"X-Job-Tickets": ticket}
+        async with follow_sse(example.served, "/jobs/events", headers) as (response, events):
+            assert response.status_code == 200
+            while True:
+                _, kind, body = await events.next()
+                assert kind == "update", (kind, body)
+                progress = body["data"]["progress"]
+                if progress is not None and progress["done"] not in self.progress[-1:]:
+                    self.progress.append(progress["done"])
+                    self.arrived.set()
+                    self.arrived = trio.Event()
+
+    async def wait_for(self, done: int) -> None:
+        while done not in self.progress:
+            await self.arrived.wait()
+
+
+async def test_progress_increases_while_the_export_runs(orders: Path, tmp_path: Path) -> None:
+    hold = HoldAtProgress()
+    seen_in_status: list[float] = []
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path), blocking=hold) as example:
+            job_id, token = await example.submit()
+            follower = Follower()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follower.run, example, f"{job_id}:{token}")
+                async for rows, go in hold.held:
+                    # Held just after reporting `rows`: every reader sees it now.
+                    status = await example.client.get(f"/jobs/{job_id}", headers=bearer(token))
+                    assert status.json()["status"] == "running"
+                    progress = status.json()["progress"]
+                    assert progress["total"] == ROWS
+                    seen_in_status.append(progress["done"])
+                    record = await example.client.get(f"/exports/{job_id}", headers=bearer(token))
+                    assert (record.json()["status"], record.json()["rows"]) == ("running", rows)
+                    await follower.wait_for(rows)
+                    go.set()
+                    if rows == ROWS:
+                        break
+                await example.wait(job_id)
+                await follower.wait_for(ROWS)
+                nursery.cancel_scope.cancel()
+            done = (await example.client.get(f"/jobs/{job_id}", headers=bearer(token))).json()
+    assert seen_in_status == [0, 5_000, 10_000, 15_000, 20_000]
+    assert follower.progress == seen_in_status
+    assert done["status"] == "done"
+    assert done["progress"]["done"] == ROWS
+
+
+async def test_the_file_has_the_header_and_every_row(orders: Path, tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path)) as example:
+            job_id, token = await example.submit()
+            await example.wait(job_id)
+            result = await example.client.get(f"/jobs/{job_id}/result", headers=bearer(token))
+            assert result.status_code == 200, result.text
+            download = await example.client.get(result.json()["file"], headers=bearer(token))
+            shipped_id, shipped_token = await example.submit({"status": "shipped"})
+            await example.wait(shipped_id)
+            shipped = await example.client.get(
+                f"/exports/{shipped_id}/file", headers=bearer(shipped_token)
+            )
+    assert result.json()["rows"] == ROWS
+    assert download.status_code == 200
+    assert download.headers["content-type"] == "text/csv; charset=utf-8"
+    assert int(download.headers["content-length"]) == len(download.content)
+    assert f"orders-{job_id}.csv" in download.headers["content-disposition"]
+    header, *rows = csv.reader(io.StringIO(download.content.decode("utf-8"), newline=""))
+    assert header == list(COLUMNS)
+    assert rows == db_rows(orders)  # every row, in order, quoting and non-ASCII intact
+    _, *shipped_rows = csv.reader(io.StringIO(shipped.content.decode("utf-8"), newline=""))
+    assert shipped_rows == db_rows(orders, "WHERE status = ?", ("shipped",))
+    assert 0 < len(shipped_rows) < ROWS
+    assert leftovers(tmp_path) == sorted([f"{job_id}.csv", f"{shipped_id}.csv"])
+
+
+async def test_only_the_owner_gets_the_file(orders: Path, tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path)) as example:
+            job_id, token = await example.submit()
+            other_id, other_token = await example.submit()
+            await example.wait(job_id)
+            await example.wait(other_id)
+            client = example.client
+            owner = await client.get(f"/exports/{job_id}/file", headers={"X-Job-Token": token})
+            answers = {
+                "wrong token": await client.get(
+                    f"/exports/{job_id}/file", headers=bearer("not-the-token")
+                ),
+                "another job's token": await client.get(
+                    f"/exports/{job_id}/file", headers=bearer(other_token)
+                ),
+                "no token": await client.get(f"/exports/{job_id}/file"),
+                "unknown id": await client.get(
+                    "/exports/no-such-export/file", headers=bearer(token)
+                ),
+                "record, wrong token": await client.get(
+                    f"/exports/{job_id}", headers=bearer("not-the-token")
+                ),
+            }
+            container_says = await client.get(f"/jobs/{job_id}", headers=bearer("not-the-token"))
+    assert owner.status_code == 200
+    assert owner.content.startswith(",".join(COLUMNS).encode())
+    expected = assert_problem(container_says, 404, "job-not-found")
+    for what, answer in answers.items():
+        body = assert_problem(answer, 404, "job-not-found")
+        # Nothing tells an unknown id from a wrong token, here or in the job API.
+        assert (body["title"], body["detail"]) == (expected["title"], expected["detail"]), what
+        assert set(body) == set(expected), what
+
+
+async def test_a_record_left_running_is_failed_at_start_up(orders: Path, tmp_path: Path) -> None:
+    """What a process killed mid-export leaves: a record still running and a partial file.
+    The next start marks it failed, saying why, and deletes the partial file."""
+    token = "owner-token-of-the-killed-export"
+    owner = hashlib.sha256(token.encode()).hexdigest()
+    records = Records(tmp_path / "exports.sqlite3")
+    records.setup()
+    now = time.time()
+    records.create("killed", owner, now - 60.0)
+    records.progress("killed", 15_000)
+    records.create("finished", owner, now - 60.0)
+    (tmp_path / "finished.csv").write_text("id\n")
+    records.finish("finished", 0, "finished.csv", now - 50.0)
+    (tmp_path / "killed.csv.part").write_text("id\n1\n")
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path)) as example:
+            record = await example.client.get("/exports/killed", headers=bearer(token))
+            file = await example.client.get("/exports/killed/file", headers=bearer(token))
+            kept = await example.client.get("/exports/finished", headers=bearer(token))
+    body = record.json()
+    assert (body["status"], body["rows"]) == ("failed", 15_000)
+    assert body["error"].startswith("the server stopped while this export ran;")
+    assert "start a new export" in body["error"]
+    assert body["finished"] is not None
+    refused = assert_problem(file, 409, "export-failed")
+    assert "the server stopped while this export ran" in refused["detail"]
+    assert kept.json()["status"] == "done"  # only running records are touched
+    assert leftovers(tmp_path) == ["finished.csv"]
+
+
+async def test_a_failure_is_recorded_with_its_message(orders: Path, tmp_path: Path) -> None:
+    source = tmp_path / "broken.sqlite3"
+    make_orders(source, 10)
+    with contextlib.closing(sqlite3.connect(source)) as db:
+        db.execute("ALTER TABLE orders RENAME TO old_orders")
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(source, tmp_path / "out")) as example:
+            job_id, token = await example.submit()
+            await example.wait(job_id)
+            status = await example.client.get(f"/jobs/{job_id}", headers=bearer(token))
+            record = await example.client.get(f"/exports/{job_id}", headers=bearer(token))
+            file = await example.client.get(f"/exports/{job_id}/file", headers=bearer(token))
+    assert status.json()["status"] == "failed"
+    assert status.json()["error"]["error_type"] == "OperationalError"
+    assert record.json()["status"] == "failed"
+    assert record.json()["error"] == "OperationalError: no such table: orders (after 0 rows)"
+    assert record.json()["file"] is None
+    assert "no such table: orders" in assert_problem(file, 409, "export-failed")["detail"]
+    assert leftovers(tmp_path / "out") == []
+
+
+async def test_a_failure_midway_deletes_the_partial_file(orders: Path, tmp_path: Path) -> None:
+    copies = 0
+
+    async def disk_fills_up(fn: Callable[[], T], /) -> T:
+        nonlocal copies
+        if getattr(getattr(fn, "func", None), "__name__", "") == "copy":
+            copies += 1
+            if copies == 3:
+                raise OSError(28, "No space left on device")
+        return await in_thread(fn)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path), blocking=disk_fills_up) as example:
+            job_id, token = await example.submit()
+            await example.wait(job_id)
+            record = (await example.client.get(f"/exports/{job_id}", headers=bearer(token))).json()
+    assert record["status"] == "failed"
+    assert record["rows"] == 10_000
+    assert record["error"] == "OSError: [Errno 28] No space left on device (after 10,000 rows)"
+    assert leftovers(tmp_path) == []
+
+
+async def test_a_cancelled_export_is_recorded_failed(orders: Path, tmp_path: Path) -> None:
+    hold = HoldAtProgress()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path), blocking=hold) as example:
+            job_id, token = await example.submit()
+            async for rows, go in hold.held:
+                if rows == EVERY:
+                    break  # held after 5,000 rows; cancelled while held
+                go.set()
+            cancelled = await example.client.delete(f"/jobs/{job_id}", headers=bearer(token))
+            assert cancelled.status_code == 200, cancelled.text
+            await example.wait(job_id)
+            status = (await example.client.get(f"/jobs/{job_id}", headers=bearer(token))).json()
+            record = (await example.client.get(f"/exports/{job_id}", headers=bearer(token))).json()
+    assert status["status"] == "cancelled"
+    assert record["status"] == "failed"
+    assert record["error"].startswith("the export was cancelled after 5,000 rows")
+    assert leftovers(tmp_path) == []
+
+
+async def test_input_the_export_does_not_take_is_refused(orders: Path, tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path)) as example:
+            job_id, token = await example.submit({"status": "lost"})
+            await example.wait(job_id)
+            result = await example.client.get(f"/jobs/{job_id}/result", headers=bearer(token))
+            record = await example.client.get(f"/exports/{job_id}", headers=bearer(token))
+    body = assert_problem(result, 422, "pipe-refused")
+    assert "'status' must be one of placed, paid, shipped" in body["detail"]
+    assert record.status_code == 404  # refused before it started: no record, no file
+
+
+async def test_a_file_past_its_retention_is_gone(orders: Path, tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving(config(orders, tmp_path, retention=3_600.0)) as example:
+            job_id, token = await example.submit()
+            await example.wait(job_id)
+            exporter = example.exporter
+            done = await trio.to_thread.run_sync(exporter.records.get, job_id)
+            assert done is not None
+            assert done.finished is not None
+            assert await exporter.cleanup(done.finished + 3_599.0) == []
+            expired = await exporter.cleanup(done.finished + 3_600.0)
+            file = await example.client.get(f"/exports/{job_id}/file", headers=bearer(token))
+            record = await example.client.get(f"/exports/{job_id}", headers=bearer(token))
+            stranger = await example.client.get(f"/exports/{job_id}/file")
+    assert [r.id for r in expired] == [job_id]
+    assert "deleted after its retention time" in assert_problem(file, 410, "job-gone")["detail"]
+    assert (record.json()["status"], record.json()["file"]) == ("expired", None)
+    assert_problem(stranger, 404, "job-not-found")  # "gone" is news only for the owner
+    assert leftovers(tmp_path) == []
+
+
+async def _inline(fn: Callable[[], T], /) -> T:
+    """Blocking work run in the trio thread: under autojump, time moves only on sleeps."""
+    await trio.lowlevel.checkpoint()
+    return fn()
+
+
+async def test_cleanup_deletes_files_at_their_retention(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    registry = pw.Registry()
+    cfg = config(tmp_path / "unused.sqlite3", tmp_path, retention=3_600.0, cleanup_interval=600.0)
+    exporter = Exporter(pw.Engine(registry=registry), cfg, blocking=_inline)
+
+    def finished(export_id: str) -> None:
+        (tmp_path / f"{export_id}.csv").write_text("id\n")
+        exporter.records.create(export_id, None, exporter.now())
+        exporter.records.finish(export_id, 0, f"{export_id}.csv", exporter.now())
+
+    def status(export_id: str) -> str:
+        record = exporter.records.get(export_id)
+        assert record is not None
+        return record.status
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exporter.run)
+        finished("early")  # at 0 s
+        await trio.sleep(1_800.0)
+        finished("later")  # at 1,800 s
+        await trio.sleep(3_599.0 - 1_800.0)
+        assert leftovers(tmp_path) == ["early.csv", "later.csv"]
+        await trio.sleep(2.0)  # 3,601 s: the round at 3,600 s has run
+        assert leftovers(tmp_path) == ["later.csv"]
+        assert (status("early"), status("later")) == ("expired", "done")
+        await trio.sleep(5_399.0 - 3_601.0)
+        assert leftovers(tmp_path) == ["later.csv"]
+        await trio.sleep(2.0)  # 5,401 s: the round at 5,400 s
+        assert leftovers(tmp_path) == []
+        assert status("later") == "expired"
+        nursery.cancel_scope.cancel()
+
+
+def test_records_refuse_a_transition_the_table_does_not_allow(tmp_path: Path) -> None:
+    records = Records(tmp_path / "exports.sqlite3")
+    records.setup()
+    records.create("e", None, 0.0)
+    records.fail("e", 0, "broken", 1.0)
+    with pytest.raises(RecordError, match="changed 0 rows"):
+        records.finish("e", 0, "e.csv", 2.0)  # an UPDATE of 0 rows is an error, not a no-op
+    with pytest.raises(RecordError, match="from failed to done"):
+        check_transition("failed", "done")
+    record = records.get("e")
+    assert record is not None
+    assert (record.status, record.error) == ("failed", "broken")
+
+
+async def test_memory_is_bounded_by_the_batch_not_the_rows(tmp_path: Path) -> None:
+    """The example as its README starts it, in a child process: exporting 100,000 rows
+    grows its peak resident set far less than holding those rows would. (The benchmark
+    bench_export measures a million, against a plain loop.)"""
+    rows = 100_000
+    source = tmp_path / "orders.sqlite3"
+    make_orders(source, rows)
+    with contextlib.closing(sqlite3.connect(source)) as db:
+        sample = db.execute("SELECT * FROM orders LIMIT 1000").fetchall()
+    # What holding every row at once would take: the row objects sqlite3 hands out.
+    per_row = sum(sys.getsizeof(r) + sum(sys.getsizeof(v) for v in r) for r in sample) / 1000
+    held_kb = per_row * rows / 1024
+    measured = await _export.pipework_export(tmp_path, rows)
+    assert measured.rows == rows
+    assert measured.growth_kb < held_kb / 4, (measured, held_kb)
+    assert measured.growth_kb < 20 * 1024, measured
