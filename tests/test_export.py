@@ -77,19 +77,20 @@ async def serving(cfg: ExportConfig, *, blocking: Blocking = in_thread) -> Async
     engine = pw.Engine(registry=registry, store=pw.MemoryJobStore(retain_seconds=cfg.retention))
     exporter = Exporter(engine, cfg, blocking=blocking)
     stop = trio.Event()
-    async with engine, trio.open_nursery() as tasks:
+    async with trio.open_nursery() as tasks:
         await tasks.start(exporter.run)
-        container = Container(engine, config=ContainerConfig(shutdown_grace=1.0))
-        exporter.add_routes(container)
-        async with trio.open_nursery() as server:
-            address: BoundAddress = await server.start(
-                functools.partial(container.serve, shutdown_trigger=stop)
-            )
-            try:
-                async with httpx.AsyncClient(base_url=address.url, timeout=HANG_GUARD) as client:
-                    yield Example(Served(container, address, client, stop), exporter)
-            finally:
-                stop.set()
+        async with engine:
+            container = Container(engine, config=ContainerConfig(shutdown_grace=1.0))
+            exporter.add_routes(container)
+            async with trio.open_nursery() as server:
+                address: BoundAddress = await server.start(
+                    functools.partial(container.serve, shutdown_trigger=stop)
+                )
+                try:
+                    async with httpx.AsyncClient(base_url=address.url, timeout=HANG_GUARD) as c:
+                        yield Example(Served(container, address, c, stop), exporter)
+                finally:
+                    stop.set()
         tasks.cancel_scope.cancel()
 
 
@@ -251,13 +252,14 @@ async def test_a_record_left_running_is_failed_at_start_up(orders: Path, tmp_pat
     token = "owner-token-of-the-killed-export"
     owner = hashlib.sha256(token.encode()).hexdigest()
     records = Records(tmp_path / "exports.sqlite3")
-    records.setup()
+    records.open()
     now = time.time()
     records.create("killed", owner, now - 60.0)
     records.progress("killed", 15_000)
     records.create("finished", owner, now - 60.0)
     (tmp_path / "finished.csv").write_text("id\n")
     records.finish("finished", 0, "finished.csv", now - 50.0)
+    records.close()
     (tmp_path / "killed.csv.part").write_text("id\n1\n")
     with trio.fail_after(HANG_GUARD):
         async with serving(config(orders, tmp_path)) as example:
@@ -414,7 +416,7 @@ async def test_cleanup_deletes_files_at_their_retention(
 
 def test_records_refuse_a_transition_the_table_does_not_allow(tmp_path: Path) -> None:
     records = Records(tmp_path / "exports.sqlite3")
-    records.setup()
+    records.open()
     records.create("e", None, 0.0)
     records.fail("e", 0, "broken", 1.0)
     with pytest.raises(RecordError, match="changed 0 rows"):
@@ -422,6 +424,7 @@ def test_records_refuse_a_transition_the_table_does_not_allow(tmp_path: Path) ->
     with pytest.raises(RecordError, match="from failed to done"):
         check_transition("failed", "done")
     record = records.get("e")
+    records.close()
     assert record is not None
     assert (record.status, record.error) == ("failed", "broken")
 

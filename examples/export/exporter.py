@@ -124,9 +124,10 @@ class Exporter:
     """The export example on ``engine``: registers the pipe, its chain and the route
     ``POST /exports`` on the engine's registry (a :class:`pipework.Registry`).
 
-    Start :meth:`run` in a nursery before serving (it applies the restart rule, then
-    deletes expired files until cancelled), and :meth:`add_routes` on the container that
-    serves the engine. ``blocking`` runs the SQLite and file work (default: worker threads).
+    Start :meth:`run` in a nursery around the engine (it opens the download centre and
+    applies the restart rule, then deletes expired files until cancelled), and call
+    :meth:`add_routes` on the container that serves the engine. ``blocking`` runs the
+    SQLite and file work (default: worker threads).
     """
 
     def __init__(
@@ -164,24 +165,31 @@ class Exporter:
     # -- start-up and retention ------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Create the download centre, mark exports a previous process left ``running``
+        """Open the download centre, mark exports a previous process left ``running``
         failed, then delete files past their retention every ``cleanup_interval``
-        seconds (first at once), until cancelled."""
-        await self._blocking(self._setup)
-        await self.recover()
-        task_status.started()
-        while True:
-            try:
-                await self.cleanup()
-            except Exception:  # a locked database, a full disk: the next round tries again
-                _log.exception(
-                    "export cleanup failed; next attempt in %gs", self.config.cleanup_interval
-                )
-            await trio.sleep(self.config.cleanup_interval)
+        seconds (first at once), until cancelled; then close the download centre.
 
-    def _setup(self) -> None:
+        Start it in a nursery around the engine (``async with engine:`` inside it): the
+        exports the engine ends at shutdown still record how they ended."""
+        await self._blocking(self._open)
+        try:
+            await self.recover()
+            task_status.started()
+            while True:
+                try:
+                    await self.cleanup()
+                except Exception:  # a locked database, a full disk: the next round tries again
+                    _log.exception(
+                        "export cleanup failed; next attempt in %gs", self.config.cleanup_interval
+                    )
+                await trio.sleep(self.config.cleanup_interval)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._blocking(self.records.close)
+
+    def _open(self) -> None:
         self.config.directory.mkdir(parents=True, exist_ok=True)
-        self.records.setup()
+        self.records.open()
 
     async def recover(self) -> list[Record]:
         """The restart rule: every export still ``running`` was left by a process that

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,26 +79,57 @@ def check_transition(old: RecordStatus, new: RecordStatus) -> None:
 
 
 class Records:
-    """The ``exports`` table in the SQLite database at ``path``."""
+    """The ``exports`` table in the SQLite database at ``path``: :meth:`open` it first,
+    :meth:`close` it at the end."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._db: sqlite3.Connection | None = None
+        # One connection, used from whichever worker thread runs a call, one call at a
+        # time. (A connection per call would cost a WAL checkpoint at every close.)
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Open the database and create the table if it is not there (WAL: a reader never
+        waits for a writer)."""
+        with self._lock:
+            if self._db is not None:
+                return
+            db = sqlite3.connect(
+                self.path, isolation_level=None, timeout=5.0, check_same_thread=False
+            )
+            try:
+                db.execute("PRAGMA journal_mode = WAL")
+                db.execute("PRAGMA synchronous = FULL")  # every commit is on disk
+                db.execute(_SCHEMA)
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
     @contextlib.contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        # A connection per call: calls come from whichever worker thread runs them, and
-        # autocommit makes each statement its own transaction, visible at once.
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
-        try:
-            yield db
-        finally:
-            db.close()
-
-    def setup(self) -> None:
-        """Create the table if it is not there (WAL: readers never wait for a writer)."""
-        with self._connect() as db:
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute(_SCHEMA)
+    def _connect(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        # Autocommit: each statement is its own transaction, visible to readers at once.
+        with self._lock:
+            db = self._db
+            if db is None:
+                raise RecordError(f"{self.path}: the download centre is not open")
+            if durable:
+                yield db
+                return
+            # Visible at once all the same; only a power cut could lose it (the database
+            # stays sound), which costs a progress figure, not an export.
+            db.execute("PRAGMA synchronous = NORMAL")
+            try:
+                yield db
+            finally:
+                db.execute("PRAGMA synchronous = FULL")
 
     def create(self, export_id: str, owner: str | None, now: float) -> None:
         with self._connect() as db:
@@ -107,7 +139,7 @@ class Records:
             )
 
     def progress(self, export_id: str, rows: int) -> None:
-        self._update(export_id, "running", "running", rows=rows)
+        self._update(export_id, "running", "running", durable=False, rows=rows)
 
     def finish(self, export_id: str, rows: int, file: str, now: float) -> None:
         self._update(export_id, "running", "done", rows=rows, file=file, finished=now)
@@ -121,12 +153,20 @@ class Records:
         """The file was deleted after its retention: say so, and forget its name."""
         self._update(export_id, "done", "expired", file=None)
 
-    def _update(self, export_id: str, old: RecordStatus, new: RecordStatus, **fields: Any) -> None:
+    def _update(
+        self,
+        export_id: str,
+        old: RecordStatus,
+        new: RecordStatus,
+        *,
+        durable: bool = True,
+        **fields: Any,
+    ) -> None:
         if new != old:
             check_transition(old, new)
         # Column names come from this module, never from a request; values are parameters.
         sets = ", ".join(["status = ?", *(f"{name} = ?" for name in fields)])
-        with self._connect() as db:
+        with self._connect(durable=durable) as db:
             changed = db.execute(
                 f"UPDATE exports SET {sets} WHERE id = ? AND status = ?",
                 (new, *fields.values(), export_id, old),

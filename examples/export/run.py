@@ -59,11 +59,16 @@ async def serve(
 ) -> None:
     """Serve the example until ``stop`` is set; ``task_status.started()`` reports where."""
     engine, exporter = build(config)
-    async with engine, trio.open_nursery() as nursery:
-        await nursery.start(exporter.run)  # the restart rule runs before anything is served
-        container = pw.Container(engine, config=pw.ContainerConfig(shutdown_grace=5.0))
-        exporter.add_routes(container)
-        await container.serve(host=host, port=port, shutdown_trigger=stop, task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        # The exporter around the engine: the restart rule runs before anything is served,
+        # and exports the engine cancels at shutdown still record how they ended.
+        await nursery.start(exporter.run)
+        async with engine:
+            container = pw.Container(engine, config=pw.ContainerConfig(shutdown_grace=5.0))
+            exporter.add_routes(container)
+            await container.serve(
+                host=host, port=port, shutdown_trigger=stop, task_status=task_status
+            )
         nursery.cancel_scope.cancel()  # the cleanup task
 
 
