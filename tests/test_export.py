@@ -266,6 +266,8 @@ async def test_a_record_left_running_is_failed_at_start_up(orders: Path, tmp_pat
             record = await example.client.get("/exports/killed", headers=bearer(token))
             file = await example.client.get("/exports/killed/file", headers=bearer(token))
             kept = await example.client.get("/exports/finished", headers=bearer(token))
+            # The download centre outlives the process: the file is still the owner's.
+            kept_file = await example.client.get("/exports/finished/file", headers=bearer(token))
     body = record.json()
     assert (body["status"], body["rows"]) == ("failed", 15_000)
     assert body["error"].startswith("the server stopped while this export ran;")
@@ -274,6 +276,7 @@ async def test_a_record_left_running_is_failed_at_start_up(orders: Path, tmp_pat
     refused = assert_problem(file, 409, "export-failed")
     assert "the server stopped while this export ran" in refused["detail"]
     assert kept.json()["status"] == "done"  # only running records are touched
+    assert (kept_file.status_code, kept_file.text) == (200, "id\n")
     assert leftovers(tmp_path) == ["finished.csv"]
 
 
