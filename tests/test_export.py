@@ -25,7 +25,7 @@ import pipework as pw
 from benchmarks import _export
 from examples.export.data import COLUMNS, make_orders
 from examples.export.exporter import Blocking, ExportConfig, Exporter, in_thread
-from examples.export.records import RecordError, Records, check_transition
+from examples.export.records import TRANSITIONS, RecordError, Records, check_transition
 from pipework.container import BoundAddress, Container, ContainerConfig
 
 from .test_board_http import follow_sse
@@ -430,6 +430,16 @@ def test_records_refuse_a_transition_the_table_does_not_allow(tmp_path: Path) ->
     records.close()
     assert record is not None
     assert (record.status, record.error) == ("failed", "broken")
+
+
+def test_the_readme_draws_the_record_transitions_as_the_table_has_them() -> None:
+    readme = Path(__file__).parent.parent / "examples" / "export" / "README.md"
+    drawn = set()
+    for line in readme.read_text(encoding="utf-8").splitlines():
+        parts = line.strip().split(":")[0].split(" --> ")
+        if len(parts) == 2 and "[*]" not in parts:
+            drawn.add((parts[0].strip(), parts[1].strip()))
+    assert drawn == {(old, new) for old, targets in TRANSITIONS.items() for new in targets}
 
 
 async def test_memory_is_bounded_by_the_batch_not_the_rows(tmp_path: Path) -> None:
