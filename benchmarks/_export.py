@@ -20,6 +20,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -70,24 +71,31 @@ def peak(pid: int) -> int:
 
 @contextlib.asynccontextmanager
 async def _child(args: list[str]) -> AsyncIterator[trio.Process]:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, *args],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield process
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.terminate()
-            with trio.move_on_after(10):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+    with tempfile.TemporaryFile() as errors:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, *args],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+        )
+        try:
+            yield process
+        except BaseException as exc:
+            errors.seek(0)
+            tail = errors.read()[-2000:].decode(errors="replace")
+            if tail:
+                exc.add_note(f"the child's stderr ends with:\n{tail}")
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.terminate()
+                with trio.move_on_after(10):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
 
 
 async def _line_starting(stream: trio.abc.ReceiveStream, prefix: bytes) -> bytes:
