@@ -1,6 +1,7 @@
 """The export example (examples/export, seed 001) over real sockets: progress seen while
-it runs, the file whole, only the owner downloads it, failures recorded with their reason,
-the restart rule, retention on virtual time, and memory bounded by the batch."""
+it runs (job status, record, the jobs page's stream, the jobs page in Chromium), the file
+whole, only the owner downloads it, failures recorded with their reason, the restart rule,
+retention on virtual time, and memory bounded by the batch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import trio
+from playwright.sync_api import sync_playwright
 
 import pipework as pw
 from benchmarks import _export
@@ -430,6 +432,64 @@ def test_records_refuse_a_transition_the_table_does_not_allow(tmp_path: Path) ->
     records.close()
     assert record is not None
     assert (record.status, record.error) == ("failed", "broken")
+
+
+def see_on_the_jobs_page(url: str, ticket: str, job_id: str, release: Callable[[], None]) -> str:
+    """In a worker thread (Playwright's API is not trio's): open the jobs page in Debian's
+    Chromium, wait for the export's row at 5,000 of 20,000 rows, let the export go on, and
+    wait for the same row to say done. The row's text while running."""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", headless=True, args=["--no-sandbox"]
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/ui/jobs#{ticket}")
+            row = f'[id="job-{job_id}"]'
+            page.wait_for_selector(f'{row}[data-status="running"]', timeout=10_000)
+            page.wait_for_function(
+                f"document.querySelector('{row} progress').value === 0.25", timeout=10_000
+            )
+            running = page.inner_text(row)
+            release()
+            page.wait_for_selector(f'{row}[data-status="done"]', timeout=10_000)
+        finally:
+            browser.close()
+    return running
+
+
+async def test_the_jobs_page_lists_the_export_with_its_progress(
+    orders: Path, tmp_path: Path
+) -> None:
+    hold = HoldAtProgress()
+    token = trio.lowlevel.current_trio_token()
+    with trio.fail_after(60):
+        async with serving(config(orders, tmp_path), blocking=hold) as example:
+            job_id, job_token = await example.submit()
+            async for rows, go in hold.held:
+                if rows == EVERY:
+                    break  # held at 5,000 rows while the page looks
+                go.set()
+            released = trio.Event()
+
+            async def go_on() -> None:
+                await released.wait()
+                go.set()
+                async for _, more in hold.held:
+                    more.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(go_on)
+                running = await trio.to_thread.run_sync(
+                    see_on_the_jobs_page,
+                    example.served.address.url,
+                    f"{job_id}:{job_token}",
+                    job_id,
+                    lambda: trio.from_thread.run_sync(released.set, trio_token=token),
+                )
+                nursery.cancel_scope.cancel()
+    assert "running" in running
+    assert "25% 5,000 of 20,000 rows" in running
 
 
 def test_the_readme_draws_the_record_transitions_as_the_table_has_them() -> None:
