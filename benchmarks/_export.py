@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,11 +39,13 @@ EXPORT_TIMEOUT: Final = 600.0
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """One export in a child process: memory in KB, time in seconds, rows written."""
+    """One export in a child process: memory in KB, wall and CPU time (the child's user
+    plus system time) in seconds, rows written."""
 
     idle_kb: int
     peak_kb: int
     seconds: float
+    cpu_seconds: float
     rows: int
 
     @property
@@ -67,6 +70,14 @@ def idle_then_reset(pid: int) -> int:
 
 def peak(pid: int) -> int:
     return _status(pid, "VmHWM")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user plus system CPU time so far: other processes' load on the
+    machine does not change it, as it changes wall time."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.asynccontextmanager
@@ -122,6 +133,7 @@ async def pipework_export(data: Path, rows: int) -> Measured:
         async with httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False) as client:
             (await client.get("/readyz")).raise_for_status()
             idle = idle_then_reset(process.pid)
+            cpu = cpu_seconds(process.pid)
             started = time.perf_counter()
             accepted = await client.post("/exports", json={})
             accepted.raise_for_status()
@@ -131,10 +143,11 @@ async def pipework_export(data: Path, rows: int) -> Measured:
                 status = await _follow_to_end(client, f"/jobs/{job_id}/events", auth)
             seconds = time.perf_counter() - started
             high = peak(process.pid)
+            cpu = cpu_seconds(process.pid) - cpu
             if status != "done":
                 raise RuntimeError(f"the export ended {status}")
             result = (await client.get(f"/jobs/{job_id}/result", headers=auth)).json()
-    return Measured(idle, high, seconds, int(result["rows"]))
+    return Measured(idle, high, seconds, cpu, int(result["rows"]))
 
 
 async def _follow_to_end(client: httpx.AsyncClient, path: str, headers: dict[str, str]) -> str:
@@ -157,10 +170,12 @@ async def bare_export(source: Path, out: Path) -> Measured:
         with trio.fail_after(START_TIMEOUT):
             await _line_starting(process.stdout, b"ready")
         idle = idle_then_reset(process.pid)
+        cpu = cpu_seconds(process.pid)
         started = time.perf_counter()
         await process.stdin.send_all(b"go\n")
         with trio.fail_after(EXPORT_TIMEOUT):
             rows = int(await _line_starting(process.stdout, b"done "))
         seconds = time.perf_counter() - started
         high = peak(process.pid)
-    return Measured(idle, high, seconds, rows)
+        cpu = cpu_seconds(process.pid) - cpu
+    return Measured(idle, high, seconds, cpu, rows)
