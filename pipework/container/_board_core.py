@@ -91,12 +91,17 @@ class Version:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One change as followers see it. ``data`` is None for a delete."""
+    """One change as followers see it. ``data`` is None for a delete.
+
+    One event object goes to every follower of its resource; ``encoded`` holds its wire
+    forms, filled by the transport that first sends it, so every follower gets the same
+    bytes and the event is encoded once, not once per follower."""
 
     resource: str
     kind: Kind
     version: Version
     data: Any = None
+    encoded: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -431,7 +436,10 @@ class BoardCore:
         """Hand the follower everything waiting for it, oldest version first."""
         follower = self._followers[follower_id]
         queue, follower.queue, follower.size = follower.queue, {}, 0
-        events = sorted(itertools.chain.from_iterable(queue.values()), key=_offset)
+        if len(queue) == 1:  # one resource (the usual follower): its events are in order
+            events = next(iter(queue.values()))
+        else:
+            events = sorted(itertools.chain.from_iterable(queue.values()), key=_offset)
         self._delivered += len(events)
         self._resyncs += sum(1 for e in events if e.kind is Kind.RESYNC)
         return Taken(tuple(events), not follower.resources)

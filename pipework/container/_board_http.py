@@ -41,7 +41,7 @@ from ._bodies import JSON, decode, dumps_json, read_body
 from ._jobs_api import JobsApi, job_document, job_token
 from ._problems import Problem
 
-__all__ = ["BoardApi", "sse_event"]
+__all__ = ["BoardApi", "sse_event", "sse_events"]
 
 _BEARER: Final = "bearer "
 _RETRY_AFTER: Final = "5"
@@ -51,10 +51,22 @@ _TERMINAL_NAMES: Final = frozenset(s.value for s in TERMINAL)
 
 
 def sse_event(event: Event) -> bytes:
-    """One event in the SSE wire format (its data is one JSON line)."""
-    return (
-        f"id: {event.version}\nevent: {event.kind.value}\ndata: {dumps_json(event.to_wire())}\n\n"
-    ).encode()
+    """One event in the SSE wire format (its data is one JSON line), encoded once and
+    shared by every follower it goes to."""
+    wire = event.encoded.get("sse")
+    if wire is None:
+        wire = event.encoded["sse"] = (
+            f"id: {event.version}\nevent: {event.kind.value}\n"
+            f"data: {dumps_json(event.to_wire())}\n\n"
+        ).encode()
+    return wire
+
+
+def sse_events(events: tuple[Event, ...]) -> bytes:
+    """Several events in one chunk (one event's bytes as they are: no copy)."""
+    if len(events) == 1:
+        return sse_event(events[0])
+    return b"".join(map(sse_event, events))
 
 
 def _sse_response(body: AsyncIterator[bytes]) -> Response:
@@ -110,7 +122,7 @@ async def _stream(
             if taken is None:
                 yield b": keep-alive\n\n"
                 continue
-            yield b"".join(sse_event(e) for e in taken.events)
+            yield sse_events(taken.events)
             if taken.closed or (ends is not None and any(ends(e) for e in taken.events)):
                 finished = True
                 return
