@@ -38,7 +38,7 @@ from ..dispatcher._job import new_correlation_id
 from ._admin import AdminApi, Reload, admin_token
 from ._board import Boards, BoardSpec
 from ._board_http import BoardApi, add_board_rules
-from ._board_jobs import JobBoard
+from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_metrics import BoardCollector
 from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
@@ -339,6 +339,12 @@ class Container:
         app = getattr(self, "app", None)
         if app is not None:  # Quart's own cap stays above every route's limit
             app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
+
+    def set_boards(self, specs: Iterable[BoardSpec]) -> dict[str, list[str]]:
+        """Serve the boards ``specs`` declare from now on (a reload's swap), in one step;
+        the job board stays. See :meth:`Boards.reconfigure` for what followers see."""
+        job_board = self.boards.specs[JOB_BOARD]
+        return self.boards.reconfigure([*specs, job_board])
 
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])

@@ -119,7 +119,9 @@ class Boards:
         self.cores: dict[str, BoardCore] = {}
         self._clock = clock
         self._kick = trio.Event()
-        self._wakers: dict[tuple[str, int], trio.Event] = {}
+        # Keyed by the core, not the board's name: a board removed by a reload and added
+        # again is a new core whose follower ids start over.
+        self._wakers: dict[tuple[BoardCore, int], trio.Event] = {}
         for spec in specs:
             self.add(spec)
         self.backplane = LocalBackplane()
@@ -130,6 +132,56 @@ class Boards:
             raise ValueError(f"board {spec.name!r} is declared twice")
         self.specs[spec.name] = spec
         self.cores[spec.name] = BoardCore(spec.settings, epoch=new_epoch())
+
+    def reconfigure(self, specs: Iterable[BoardSpec]) -> dict[str, list[str]]:
+        """Serve exactly ``specs`` from now on (a reload), synchronously, in one step.
+
+        A board whose spec is unchanged is untouched. A new one is added. A changed one
+        keeps its resources and followers and takes the new settings
+        (:meth:`BoardCore.reconfigure`) -- unless who may read or write it changed: then
+        its followers' streams end (a reconnect is checked under the new rules and resumes
+        at its last position). A removed board deletes its resources, so each follower
+        gets a final ``delete`` and its stream ends; new requests find no board. Returns
+        the names ``added``, ``changed`` and ``removed``."""
+        wanted: dict[str, BoardSpec] = {}
+        for spec in specs:
+            if spec.name in wanted:
+                raise ValueError(f"board {spec.name!r} is declared twice")
+            wanted[spec.name] = spec
+        summary: dict[str, list[str]] = {"added": [], "changed": [], "removed": []}
+        for name in [n for n in self.specs if n not in wanted]:
+            self._remove(name)
+            summary["removed"].append(name)
+        for name, spec in wanted.items():
+            old = self.specs.get(name)
+            if old is None:
+                self.add(spec)
+                summary["added"].append(name)
+            elif old != spec:
+                core = self.cores[name]
+                self.specs[name] = spec
+                core.reconfigure(spec.settings)
+                if _access(old) != _access(spec):
+                    self._wake(core, core.end_followers())
+                self._kick.set()  # the batch's deadline may have moved
+                summary["changed"].append(name)
+        return summary
+
+    def _remove(self, name: str) -> None:
+        del self.specs[name]
+        core = self.cores.pop(name)
+        now = self._clock()
+        for resource in list(core.resources()):
+            core.delete(resource, now)
+        # Flushed now: the flush task no longer sees this core. Its followers hold it
+        # until they have taken their deletes and left.
+        self._wake(core, core.flush())
+
+    def _wake(self, core: BoardCore, follower_ids: Iterable[int]) -> None:
+        for follower_id in follower_ids:
+            waker = self._wakers.get((core, follower_id))
+            if waker is not None:
+                waker.set()
 
     def statistics(self) -> Mapping[str, BoardStatistics]:
         return {name: core.statistics() for name, core in self.cores.items()}
@@ -172,12 +224,12 @@ class Boards:
         once; ``with`` the result to leave when done."""
         core = self.cores[board]
         follower_id = core.join(resources, since)
-        waker = self._wakers[(board, follower_id)] = trio.Event()
-        return Follower(self, board, follower_id, waker)
+        waker = self._wakers[(core, follower_id)] = trio.Event()
+        return Follower(self, board, core, follower_id, waker)
 
-    def _leave(self, board: str, follower_id: int, dropped: bool) -> None:
-        self._wakers.pop((board, follower_id), None)
-        self.cores[board].leave(follower_id, dropped=dropped)
+    def _leave(self, core: BoardCore, follower_id: int, dropped: bool) -> None:
+        self._wakers.pop((core, follower_id), None)
+        core.leave(follower_id, dropped=dropped)
 
     # -- the flush task ------------------------------------------------------------------
 
@@ -197,42 +249,48 @@ class Boards:
         """Flush every due batch; the earliest deadline still ahead (inf: none)."""
         now = self._clock()
         earliest = math.inf
-        for name, core in self.cores.items():
+        for core in self.cores.values():
             due = core.deadline()
             if due is None:
                 continue
             if due <= now:
-                for follower_id in core.flush():
-                    waker = self._wakers.get((name, follower_id))
-                    if waker is not None:
-                        waker.set()
+                self._wake(core, core.flush())
             else:
                 earliest = min(earliest, due)
         return earliest
+
+
+def _access(spec: BoardSpec) -> tuple[str | None, str | None, bool]:
+    return spec.write_token, spec.read_token, spec.public_read
 
 
 class Follower:
     """One connection following resources of one board. Leave it with ``with`` (or
     :meth:`close`); :meth:`drop` when a send to it failed."""
 
-    def __init__(self, boards: Boards, board: str, follower_id: int, waker: trio.Event) -> None:
+    def __init__(
+        self, boards: Boards, board: str, core: BoardCore, follower_id: int, waker: trio.Event
+    ) -> None:
         self._boards = boards
         self.board = board
+        # The core itself, not its name: a reload that removes the board leaves this
+        # follower able to take its final events.
+        self._core = core
         self.id = follower_id
         self._waker = waker
         self._closed = False
 
     @property
     def ready(self) -> bool:
-        """Events are waiting: a long-poll answers at once."""
-        return self._boards.cores[self.board].pending_for(self.id)
+        """Events are waiting (a long-poll answers at once), or the follower was ended."""
+        return self._core.pending_for(self.id) or self._core.ended(self.id)
 
     def take(self) -> Taken:
         """Whatever is waiting now (maybe nothing)."""
-        core = self._boards.cores[self.board]
-        if not core.pending_for(self.id):
+        core = self._core
+        if not self.ready:
             return Taken((), False)
-        self._waker = self._boards._wakers[(self.board, self.id)] = trio.Event()
+        self._waker = self._boards._wakers[(core, self.id)] = trio.Event()
         return core.take(self.id)
 
     async def wait(self) -> Taken:
@@ -244,7 +302,7 @@ class Follower:
     def close(self, *, dropped: bool = False) -> None:
         if not self._closed:
             self._closed = True
-            self._boards._leave(self.board, self.id, dropped)
+            self._boards._leave(self._core, self.id, dropped)
 
     def drop(self) -> None:
         """Leave because a send failed (counted as a drop)."""

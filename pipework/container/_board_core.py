@@ -428,6 +428,36 @@ class BoardCore:
             self._collapse(follower)
         return follower_id
 
+    def ended(self, follower_id: int) -> bool:
+        """Whether the follower follows nothing any more (its resources were deleted, or
+        :meth:`end_followers` ended it): its next :meth:`take` is closed."""
+        return not self._followers[follower_id].resources
+
+    def end_followers(self) -> list[int]:
+        """End every follower now: each one's next :meth:`take` hands it what was waiting
+        and is closed. A reconnect at its last position resumes with nothing missed (what
+        was still in the pending batch is in the history by then). Returns the followers
+        to wake."""
+        for follower in self._followers.values():
+            follower.resources.clear()
+        for resource in (*self._resources.values(), *self._deleted.values()):
+            resource.followers.clear()
+        return list(self._followers)
+
+    def reconfigure(self, settings: BoardSettings) -> None:
+        """New settings for this board: batching, queues and limits apply from the next
+        change or join (followers beyond a lowered limit stay); each resource's history
+        takes the new length at once, a shortened one counting what it drops as evicted,
+        so a follower behind it gets a ``resync``, never a gap."""
+        self.settings = settings
+        for resource in (*self._resources.values(), *self._deleted.values()):
+            history = resource.history
+            if history.maxlen == settings.history:
+                continue
+            while len(history) > settings.history:
+                resource.evicted = history.popleft().version.offset
+            resource.history = deque(history, maxlen=settings.history)
+
     def pending_for(self, follower_id: int) -> bool:
         """Whether the follower has events waiting (a long-poll answers at once if so)."""
         return self._followers[follower_id].size > 0
