@@ -285,6 +285,11 @@ class Follower:
         """Events are waiting (a long-poll answers at once), or the follower was ended."""
         return self._core.pending_for(self.id) or self._core.ended(self.id)
 
+    @property
+    def position(self) -> Version:
+        """The newest version written on the follower's board."""
+        return self._core.position
+
     def take(self) -> Taken:
         """Whatever is waiting now (maybe nothing)."""
         core = self._core

@@ -217,6 +217,7 @@ class BoardApi:
         spec = self._spec(board)
         self._may_write(spec)
         data = await self._body()
+        self._spec(board)  # a reload may have removed it while the body came
         resource = secrets.token_urlsafe(12)
         try:
             version = self.boards.create(board, resource, data)
@@ -241,6 +242,7 @@ class BoardApi:
         spec = self._spec(board)
         self._may_write(spec)
         data = await self._body()
+        self._spec(board)  # a reload may have removed it while the body came
         try:
             version = self.boards.update(board, resource, data)
         except ResourceNotFound:
@@ -303,7 +305,7 @@ class BoardApi:
                 with trio.move_on_after(wait):
                     taken = await follower.wait()
             events = taken.events
-        position = events[-1].version if events else since or self.boards.cores[spec.name].position
+        position = events[-1].version if events else since or follower.position
         return _json({"events": [e.to_wire() for e in events], "position": str(position)})
 
     async def follow_websocket(self, board: str, resource: str) -> None:
