@@ -6,7 +6,8 @@ event. ``GET`` reads, or follows:
 
 - SSE when the client accepts ``text/event-stream``: each event carries ``id:`` (its
   version), so a reconnect's ``Last-Event-ID`` (or ``?since=``) resumes exactly there; a
-  comment every ``keepalive`` seconds holds idle connections open through proxies; no
+  comment holds idle connections open through proxies (the board beats every
+  ``keepalive`` seconds, and a stream that sent nothing since the last beat gets one); no
   response timeout cuts it;
 - long-poll with ``?since=VERSION`` and/or ``?wait=SECONDS``: answered at once when the
   follower is behind (with every event it missed), else at the first change or after the
@@ -34,7 +35,7 @@ from .._errors import JobNotFound
 from ..dispatcher._job import hash_token
 from ..dispatcher._status import TERMINAL
 from ._board import Boards, BoardSpec, Follower
-from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Taken, Version
+from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_page import jobs_page
 from ._bodies import JSON, decode, dumps_json, read_body
@@ -107,18 +108,15 @@ def _since(args: Any, headers: Any) -> Version | None:
     return Version.parse(headers.get("Last-Event-ID") or args.get("since"))
 
 
-async def _stream(
-    follower: Follower, keepalive: float, ends: Any = None
-) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for the follower until its resources are deleted (or ``ends(event)``);
-    a send that fails (the client left) drops it."""
+async def _stream(follower: Follower, ends: Any = None) -> AsyncGenerator[bytes, None]:
+    """SSE bytes for the follower until its resources are deleted (or ``ends(event)``),
+    with a keep-alive comment when the board's beat finds it idle; a send that fails (the
+    client left) drops it."""
     finished = False
     try:
         yield b": following\n\n"  # headers and a first byte now: the client knows it is on
         while True:
-            taken: Taken | None = None
-            with trio.move_on_after(keepalive):
-                taken = await follower.wait()
+            taken = await follower.next()
             if taken is None:
                 yield b": keep-alive\n\n"
                 continue
@@ -286,7 +284,7 @@ class BoardApi:
 
     def _follow_sse(self, spec: BoardSpec, resource: str) -> Response:
         follower = self._follow(spec.name, [resource], _since(request.args, request.headers))
-        return _sse_response(_stream(follower, spec.keepalive))
+        return _sse_response(_stream(follower))
 
     async def _long_poll(self, spec: BoardSpec, resource: str) -> Response:
         since_text = request.args.get("since")
@@ -344,7 +342,7 @@ class BoardApi:
             final = Event(job_id, Kind.RESYNC, self.job_board.core.position, job_document(view))
             response = _sse_response(_once(sse_event(final)))
         else:
-            response = _sse_response(_stream(follower, self.job_board.keepalive, _job_ended))
+            response = _sse_response(_stream(follower, _job_ended))
         response.headers["X-Job-Id"] = job_id
         return response
 
@@ -377,7 +375,7 @@ class BoardApi:
             if follower is not None:
                 # Closed with this body: a nested generator left suspended would otherwise
                 # be finalized by the garbage collector, its follower never closed in time.
-                async with aclosing(_stream(follower, self.job_board.keepalive)) as stream:
+                async with aclosing(_stream(follower)) as stream:
                     async for chunk in stream:
                         yield chunk
 
