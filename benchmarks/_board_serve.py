@@ -6,6 +6,10 @@
   then every broadcast) and ``POST /publish`` (broadcast the body to every stream), on the
   same server function with the same options.
 
+``--gc serving`` (the default): the garbage collector's young threshold is the one a
+container serves with (``pipework.container._collector``), for both kinds, so the two
+differ only in their code; ``--gc interpreter``: the interpreter's own thresholds, for both.
+
 Prints its base URL once it listens, then serves until killed.
 """
 
@@ -23,6 +27,7 @@ from quart_trio import QuartTrio
 import pipework as pw
 from pipework.container._board import BoardSpec
 from pipework.container._board_core import BoardSettings
+from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import serve
 
 from ._serve import HYPERCORN_OPTIONS, raise_open_files_limit
@@ -63,33 +68,36 @@ def bare_app() -> QuartTrio:
     return app
 
 
-async def _serve(kind: str) -> None:
+async def _serve(kind: str, gc_threshold: int | None) -> None:
     if kind == "pipework":
         engine = pw.Engine(registry=pw.Registry())
         settings = BoardSettings(
             window=0.01, max_followers=LIMIT, max_per_resource=LIMIT, max_queue=16
         )
         spec = BoardSpec("bench", settings, write_token="bench", public_read=True)
-        container = pw.Container(engine, boards=[spec])
+        config = pw.ContainerConfig(gc_threshold=gc_threshold)
+        container = pw.Container(engine, config=config, boards=[spec])
         async with engine, trio.open_nursery() as nursery:
             address = await nursery.start(
                 functools.partial(container.serve, hypercorn_options=HYPERCORN_OPTIONS)
             )
             print(address.url, flush=True)
     else:
-        async with trio.open_nursery() as nursery:
-            address = await nursery.start(
-                functools.partial(serve, bare_app(), hypercorn_options=HYPERCORN_OPTIONS)
-            )
-            print(address.url, flush=True)
+        with tuned_collector(gc_threshold):
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(
+                    functools.partial(serve, bare_app(), hypercorn_options=HYPERCORN_OPTIONS)
+                )
+                print(address.url, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._board_serve")
     parser.add_argument("kind", choices=["pipework", "bare"])
+    parser.add_argument("--gc", choices=["serving", "interpreter"], default="serving")
     args = parser.parse_args(argv)
     raise_open_files_limit()
-    trio.run(_serve, args.kind)
+    trio.run(_serve, args.kind, SERVING_GC_THRESHOLD if args.gc == "serving" else None)
     return 0
 
 

@@ -351,3 +351,50 @@ class BoardMachine(RuleBasedStateMachine):
 
 TestBoardMachine = BoardMachine.TestCase
 TestBoardMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_ending_the_followers_closes_each_with_what_was_waiting_and_nothing_is_missed() -> None:
+    core = BoardCore(BoardSettings(history=8))
+    core.create("r", 0, now=0.0)
+    core.flush()
+    f = core.join(["r"])
+    (first,) = core.take(f).events
+    core.update("r", 1, now=0.0)
+    core.flush()
+    core.update("r", 2, now=0.0)  # still in the pending batch when the follower is ended
+    assert core.end_followers() == [f]
+    assert core.ended(f)
+    taken = core.take(f)
+    assert taken.closed
+    assert kinds(taken.events) == [("r", "update", 1)]
+    core.leave(f)
+    core.flush()
+    assert core.followers_of("r") == 0
+    # A reconnect at its last position gets exactly the rest.
+    again = core.join(["r"], since=taken.events[-1].version)
+    assert kinds(core.take(again).events) == [("r", "update", 2)]
+    assert first.version < taken.events[-1].version
+
+
+def test_reconfiguring_a_shorter_history_turns_a_gap_into_a_resync() -> None:
+    core = BoardCore(BoardSettings(history=8))
+    core.create("r", 0, now=0.0)
+    core.flush()
+    start = core.read("r")[0]
+    for n in range(1, 6):
+        core.update("r", n, now=0.0)
+        core.flush()
+    f = core.join(["r"], since=start)
+    assert kinds(core.take(f).events) == [("r", "update", n) for n in range(1, 6)]
+    core.reconfigure(BoardSettings(history=2, max_followers=2))
+    late = core.join(["r"], since=start)  # limits apply to new joins; f stays
+    assert kinds(core.take(late).events) == [("r", "resync", 5)]
+    assert core.statistics().followers == 2
+    with pytest.raises(BoardFull):
+        core.join(["r"])
+    recent = core.read("r")[0]
+    core.reconfigure(BoardSettings(history=4))  # longer: nothing more is dropped
+    core.update("r", 6, now=0.0)
+    core.flush()
+    third = core.join(["r"], since=recent)
+    assert kinds(core.take(third).events) == [("r", "update", 6)]

@@ -38,10 +38,11 @@ from ..dispatcher._job import new_correlation_id
 from ._admin import AdminApi, Reload, admin_token
 from ._board import Boards, BoardSpec
 from ._board_http import BoardApi, add_board_rules
-from ._board_jobs import JobBoard
+from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_metrics import BoardCollector
 from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
+from ._collector import SERVING_GC_THRESHOLD, tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._modes import Parking, Submissions, shutting_down
@@ -102,6 +103,9 @@ class ContainerConfig:
       neither, the admin API is off).
     - ``access_log``: one line per request on the ``pipework.access`` logger (method,
       path, status, duration, request id).
+    - ``gc_threshold``: the garbage collector's young threshold while serving (None: the
+      interpreter's); see :mod:`._collector` for why a server holding many connections
+      wants it far above the default.
     """
 
     max_body: int = 1024 * 1024
@@ -117,6 +121,7 @@ class ContainerConfig:
     expose_errors: bool = False
     admin_token: str | None = None
     access_log: bool = True
+    gc_threshold: int | None = SERVING_GC_THRESHOLD
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -125,6 +130,8 @@ class ContainerConfig:
         for name in ("max_body", "max_header_bytes", "shutdown_grace", "cancel_wait"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ContainerConfig.{name} must not be negative")
+        if self.gc_threshold is not None and self.gc_threshold < 1:
+            raise ValueError("ContainerConfig.gc_threshold must be positive (or None)")
 
 
 class Container:
@@ -210,6 +217,18 @@ class Container:
             **(hypercorn_options or {}),
         }
         stop = trio.Event()
+        with tuned_collector(self.config.gc_threshold):
+            await self._serve(host, port, stop, shutdown_trigger, options, task_status)
+
+    async def _serve(
+        self,
+        host: str,
+        port: int,
+        stop: trio.Event,
+        shutdown_trigger: trio.Event | None,
+        options: dict[str, object],
+        task_status: trio.TaskStatus[BoundAddress],
+    ) -> None:
         async with trio.open_nursery() as nursery:
             address: BoundAddress = await nursery.start(
                 functools.partial(
@@ -320,6 +339,12 @@ class Container:
         app = getattr(self, "app", None)
         if app is not None:  # Quart's own cap stays above every route's limit
             app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
+
+    def set_boards(self, specs: Iterable[BoardSpec]) -> dict[str, list[str]]:
+        """Serve the boards ``specs`` declare from now on (a reload's swap), in one step;
+        the job board stays. See :meth:`Boards.reconfigure` for what followers see."""
+        job_board = self.boards.specs[JOB_BOARD]
+        return self.boards.reconfigure([*specs, job_board])
 
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])

@@ -119,7 +119,11 @@ class Boards:
         self.cores: dict[str, BoardCore] = {}
         self._clock = clock
         self._kick = trio.Event()
-        self._wakers: dict[tuple[str, int], trio.Event] = {}
+        # Keyed by the core, not the board's name: a board removed by a reload and added
+        # again is a new core whose follower ids start over.
+        self._followers: dict[BoardCore, dict[int, Follower]] = {}
+        #: When each board with followers next sends keep-alives to its idle streams.
+        self._beats: dict[BoardCore, float] = {}
         for spec in specs:
             self.add(spec)
         self.backplane = LocalBackplane()
@@ -130,6 +134,59 @@ class Boards:
             raise ValueError(f"board {spec.name!r} is declared twice")
         self.specs[spec.name] = spec
         self.cores[spec.name] = BoardCore(spec.settings, epoch=new_epoch())
+
+    def reconfigure(self, specs: Iterable[BoardSpec]) -> dict[str, list[str]]:
+        """Serve exactly ``specs`` from now on (a reload), synchronously, in one step.
+
+        A board whose spec is unchanged is untouched. A new one is added. A changed one
+        keeps its resources and followers and takes the new settings
+        (:meth:`BoardCore.reconfigure`) -- unless who may read or write it changed: then
+        its followers' streams end (a reconnect is checked under the new rules and resumes
+        at its last position). A removed board deletes its resources, so each follower
+        gets a final ``delete`` and its stream ends; new requests find no board. Returns
+        the names ``added``, ``changed`` and ``removed``."""
+        wanted: dict[str, BoardSpec] = {}
+        for spec in specs:
+            if spec.name in wanted:
+                raise ValueError(f"board {spec.name!r} is declared twice")
+            wanted[spec.name] = spec
+        summary: dict[str, list[str]] = {"added": [], "changed": [], "removed": []}
+        for name in [n for n in self.specs if n not in wanted]:
+            self._remove(name)
+            summary["removed"].append(name)
+        for name, spec in wanted.items():
+            old = self.specs.get(name)
+            if old is None:
+                self.add(spec)
+                summary["added"].append(name)
+            elif old != spec:
+                core = self.cores[name]
+                self.specs[name] = spec
+                core.reconfigure(spec.settings)
+                if _access(old) != _access(spec):
+                    self._wake(core, core.end_followers())
+                self._kick.set()  # the batch's deadline may have moved
+                summary["changed"].append(name)
+        return summary
+
+    def _remove(self, name: str) -> None:
+        del self.specs[name]
+        core = self.cores.pop(name)
+        now = self._clock()
+        for resource in list(core.resources()):
+            core.delete(resource, now)
+        # Flushed now: the flush task no longer sees this core. Its followers hold it
+        # until they have taken their deletes and left.
+        self._wake(core, core.flush())
+
+    def _wake(self, core: BoardCore, follower_ids: Iterable[int]) -> None:
+        followers = self._followers.get(core)
+        if followers is None:
+            return
+        for follower_id in follower_ids:
+            follower = followers.get(follower_id)
+            if follower is not None:
+                follower._wake()
 
     def statistics(self) -> Mapping[str, BoardStatistics]:
         return {name: core.statistics() for name, core in self.cores.items()}
@@ -172,21 +229,32 @@ class Boards:
         once; ``with`` the result to leave when done."""
         core = self.cores[board]
         follower_id = core.join(resources, since)
-        waker = self._wakers[(board, follower_id)] = trio.Event()
-        return Follower(self, board, follower_id, waker)
+        follower = Follower(self, board, core, follower_id)
+        followers = self._followers.setdefault(core, {})
+        if not followers:
+            self._beats[core] = self._clock() + self.specs[board].keepalive
+            self._kick.set()
+        followers[follower_id] = follower
+        return follower
 
-    def _leave(self, board: str, follower_id: int, dropped: bool) -> None:
-        self._wakers.pop((board, follower_id), None)
-        self.cores[board].leave(follower_id, dropped=dropped)
+    def _leave(self, core: BoardCore, follower_id: int, dropped: bool) -> None:
+        followers = self._followers.get(core)
+        if followers is not None:
+            followers.pop(follower_id, None)
+            if not followers:
+                del self._followers[core]
+                self._beats.pop(core, None)
+        core.leave(follower_id, dropped=dropped)
 
     # -- the flush task ------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Flush each board's batches when they are due, until cancelled."""
+        """Flush each board's batches when they are due, and beat its idle streams every
+        ``keepalive`` seconds, until cancelled."""
         task_status.started()
         while True:
             self._kick = trio.Event()
-            deadline = self._flush_due()
+            deadline = min(self._flush_due(), self._beat_due())
             if deadline == math.inf:
                 await self._kick.wait()
             else:
@@ -197,54 +265,117 @@ class Boards:
         """Flush every due batch; the earliest deadline still ahead (inf: none)."""
         now = self._clock()
         earliest = math.inf
-        for name, core in self.cores.items():
+        for core in self.cores.values():
             due = core.deadline()
             if due is None:
                 continue
             if due <= now:
-                for follower_id in core.flush():
-                    waker = self._wakers.get((name, follower_id))
-                    if waker is not None:
-                        waker.set()
+                self._wake(core, core.flush())
             else:
                 earliest = min(earliest, due)
         return earliest
 
+    def _beat_due(self) -> float:
+        """Beat every board whose keep-alive is due: each stream that sent nothing since
+        the last beat is woken to send one (one pass per board, instead of a timer per
+        stream re-armed at every event). The earliest beat still ahead (inf: none)."""
+        now = self._clock()
+        earliest = math.inf
+        for core, due in list(self._beats.items()):
+            if due <= now:
+                name = next((n for n, c in self.cores.items() if c is core), None)
+                if name is None:  # removed by a reload: its streams are ending
+                    continue
+                for follower in self._followers.get(core, {}).values():
+                    follower._beat()
+                due = self._beats[core] = now + self.specs[name].keepalive
+            earliest = min(earliest, due)
+        return earliest
+
+
+def _access(spec: BoardSpec) -> tuple[str | None, str | None, bool]:
+    return spec.write_token, spec.read_token, spec.public_read
+
 
 class Follower:
     """One connection following resources of one board. Leave it with ``with`` (or
-    :meth:`close`); :meth:`drop` when a send to it failed."""
+    :meth:`close`); :meth:`drop` when a send to it failed.
 
-    def __init__(self, boards: Boards, board: str, follower_id: int, waker: trio.Event) -> None:
+    Its task parks itself (:func:`trio.lowlevel.wait_task_rescheduled`) and the board
+    reschedules it: a broadcast to thousands wakes each for the price of one reschedule,
+    with no event object made per follower per wake."""
+
+    def __init__(self, boards: Boards, board: str, core: BoardCore, follower_id: int) -> None:
         self._boards = boards
         self.board = board
+        # The core itself, not its name: a reload that removes the board leaves this
+        # follower able to take its final events.
+        self._core = core
         self.id = follower_id
-        self._waker = waker
         self._closed = False
+        self._parked: trio.lowlevel.Task | None = None
+        self._beats = False  # parked in next(): a keep-alive beat wakes it too
+        self._beaten = False  # a beat woke it
+        self._active = True  # it took events since the last beat
 
     @property
     def ready(self) -> bool:
-        """Events are waiting: a long-poll answers at once."""
-        return self._boards.cores[self.board].pending_for(self.id)
+        """Events are waiting (a long-poll answers at once), or the follower was ended."""
+        return self._core.pending_for(self.id) or self._core.ended(self.id)
+
+    @property
+    def position(self) -> Version:
+        """The newest version written on the follower's board."""
+        return self._core.position
 
     def take(self) -> Taken:
         """Whatever is waiting now (maybe nothing)."""
-        core = self._boards.cores[self.board]
-        if not core.pending_for(self.id):
+        if not self.ready:
             return Taken((), False)
-        self._waker = self._boards._wakers[(self.board, self.id)] = trio.Event()
-        return core.take(self.id)
+        self._active = True
+        return self._core.take(self.id)
 
     async def wait(self) -> Taken:
         """Wait until events come, and take them."""
-        if not self.ready:
-            await self._waker.wait()
+        while not self.ready:
+            await self._park(beats=False)
         return self.take()
+
+    async def next(self) -> Taken | None:
+        """Wait until events come and take them, or return None when the board's
+        keep-alive beat finds this stream idle (nothing taken since the last beat)."""
+        while not self.ready:
+            self._beaten = False
+            await self._park(beats=True)
+            if self._beaten and not self.ready:
+                return None
+        return self.take()
+
+    async def _park(self, *, beats: bool) -> None:
+        self._parked = trio.lowlevel.current_task()
+        self._beats = beats
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._parked = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _wake(self) -> None:
+        task, self._parked = self._parked, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    def _beat(self) -> None:
+        if self._active:
+            self._active = False
+        elif self._beats and self._parked is not None:
+            self._beaten = True
+            self._wake()
 
     def close(self, *, dropped: bool = False) -> None:
         if not self._closed:
             self._closed = True
-            self._boards._leave(self.board, self.id, dropped)
+            self._boards._leave(self._core, self.id, dropped)
 
     def drop(self) -> None:
         """Leave because a send failed (counted as a drop)."""

@@ -91,12 +91,17 @@ class Version:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One change as followers see it. ``data`` is None for a delete."""
+    """One change as followers see it. ``data`` is None for a delete.
+
+    One event object goes to every follower of its resource; ``encoded`` holds its wire
+    forms, filled by the transport that first sends it, so every follower gets the same
+    bytes and the event is encoded once, not once per follower."""
 
     resource: str
     kind: Kind
     version: Version
     data: Any = None
+    encoded: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -423,6 +428,36 @@ class BoardCore:
             self._collapse(follower)
         return follower_id
 
+    def ended(self, follower_id: int) -> bool:
+        """Whether the follower follows nothing any more (its resources were deleted, or
+        :meth:`end_followers` ended it): its next :meth:`take` is closed."""
+        return not self._followers[follower_id].resources
+
+    def end_followers(self) -> list[int]:
+        """End every follower now: each one's next :meth:`take` hands it what was waiting
+        and is closed. A reconnect at its last position resumes with nothing missed (what
+        was still in the pending batch is in the history by then). Returns the followers
+        to wake."""
+        for follower in self._followers.values():
+            follower.resources.clear()
+        for resource in (*self._resources.values(), *self._deleted.values()):
+            resource.followers.clear()
+        return list(self._followers)
+
+    def reconfigure(self, settings: BoardSettings) -> None:
+        """New settings for this board: batching, queues and limits apply from the next
+        change or join (followers beyond a lowered limit stay); each resource's history
+        takes the new length at once, a shortened one counting what it drops as evicted,
+        so a follower behind it gets a ``resync``, never a gap."""
+        self.settings = settings
+        for resource in (*self._resources.values(), *self._deleted.values()):
+            history = resource.history
+            if history.maxlen == settings.history:
+                continue
+            while len(history) > settings.history:
+                resource.evicted = history.popleft().version.offset
+            resource.history = deque(history, maxlen=settings.history)
+
     def pending_for(self, follower_id: int) -> bool:
         """Whether the follower has events waiting (a long-poll answers at once if so)."""
         return self._followers[follower_id].size > 0
@@ -431,7 +466,10 @@ class BoardCore:
         """Hand the follower everything waiting for it, oldest version first."""
         follower = self._followers[follower_id]
         queue, follower.queue, follower.size = follower.queue, {}, 0
-        events = sorted(itertools.chain.from_iterable(queue.values()), key=_offset)
+        if len(queue) == 1:  # one resource (the usual follower): its events are in order
+            events = next(iter(queue.values()))
+        else:
+            events = sorted(itertools.chain.from_iterable(queue.values()), key=_offset)
         self._delivered += len(events)
         self._resyncs += sum(1 for e in events if e.kind is Kind.RESYNC)
         return Taken(tuple(events), not follower.resources)

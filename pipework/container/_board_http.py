@@ -6,7 +6,8 @@ event. ``GET`` reads, or follows:
 
 - SSE when the client accepts ``text/event-stream``: each event carries ``id:`` (its
   version), so a reconnect's ``Last-Event-ID`` (or ``?since=``) resumes exactly there; a
-  comment every ``keepalive`` seconds holds idle connections open through proxies; no
+  comment holds idle connections open through proxies (the board beats every
+  ``keepalive`` seconds, and a stream that sent nothing since the last beat gets one); no
   response timeout cuts it;
 - long-poll with ``?since=VERSION`` and/or ``?wait=SECONDS``: answered at once when the
   follower is behind (with every event it missed), else at the first change or after the
@@ -34,14 +35,14 @@ from .._errors import JobNotFound
 from ..dispatcher._job import hash_token
 from ..dispatcher._status import TERMINAL
 from ._board import Boards, BoardSpec, Follower
-from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Taken, Version
+from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_page import jobs_page
 from ._bodies import JSON, decode, dumps_json, read_body
 from ._jobs_api import JobsApi, job_document, job_token
 from ._problems import Problem
 
-__all__ = ["BoardApi", "sse_event"]
+__all__ = ["BoardApi", "sse_event", "sse_events"]
 
 _BEARER: Final = "bearer "
 _RETRY_AFTER: Final = "5"
@@ -51,10 +52,22 @@ _TERMINAL_NAMES: Final = frozenset(s.value for s in TERMINAL)
 
 
 def sse_event(event: Event) -> bytes:
-    """One event in the SSE wire format (its data is one JSON line)."""
-    return (
-        f"id: {event.version}\nevent: {event.kind.value}\ndata: {dumps_json(event.to_wire())}\n\n"
-    ).encode()
+    """One event in the SSE wire format (its data is one JSON line), encoded once and
+    shared by every follower it goes to."""
+    wire = event.encoded.get("sse")
+    if wire is None:
+        wire = event.encoded["sse"] = (
+            f"id: {event.version}\nevent: {event.kind.value}\n"
+            f"data: {dumps_json(event.to_wire())}\n\n"
+        ).encode()
+    return wire
+
+
+def sse_events(events: tuple[Event, ...]) -> bytes:
+    """Several events in one chunk (one event's bytes as they are: no copy)."""
+    if len(events) == 1:
+        return sse_event(events[0])
+    return b"".join(map(sse_event, events))
 
 
 def _sse_response(body: AsyncIterator[bytes]) -> Response:
@@ -95,22 +108,19 @@ def _since(args: Any, headers: Any) -> Version | None:
     return Version.parse(headers.get("Last-Event-ID") or args.get("since"))
 
 
-async def _stream(
-    follower: Follower, keepalive: float, ends: Any = None
-) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for the follower until its resources are deleted (or ``ends(event)``);
-    a send that fails (the client left) drops it."""
+async def _stream(follower: Follower, ends: Any = None) -> AsyncGenerator[bytes, None]:
+    """SSE bytes for the follower until its resources are deleted (or ``ends(event)``),
+    with a keep-alive comment when the board's beat finds it idle; a send that fails (the
+    client left) drops it."""
     finished = False
     try:
         yield b": following\n\n"  # headers and a first byte now: the client knows it is on
         while True:
-            taken: Taken | None = None
-            with trio.move_on_after(keepalive):
-                taken = await follower.wait()
+            taken = await follower.next()
             if taken is None:
                 yield b": keep-alive\n\n"
                 continue
-            yield b"".join(sse_event(e) for e in taken.events)
+            yield sse_events(taken.events)
             if taken.closed or (ends is not None and any(ends(e) for e in taken.events)):
                 finished = True
                 return
@@ -205,6 +215,7 @@ class BoardApi:
         spec = self._spec(board)
         self._may_write(spec)
         data = await self._body()
+        self._spec(board)  # a reload may have removed it while the body came
         resource = secrets.token_urlsafe(12)
         try:
             version = self.boards.create(board, resource, data)
@@ -229,6 +240,7 @@ class BoardApi:
         spec = self._spec(board)
         self._may_write(spec)
         data = await self._body()
+        self._spec(board)  # a reload may have removed it while the body came
         try:
             version = self.boards.update(board, resource, data)
         except ResourceNotFound:
@@ -272,7 +284,7 @@ class BoardApi:
 
     def _follow_sse(self, spec: BoardSpec, resource: str) -> Response:
         follower = self._follow(spec.name, [resource], _since(request.args, request.headers))
-        return _sse_response(_stream(follower, spec.keepalive))
+        return _sse_response(_stream(follower))
 
     async def _long_poll(self, spec: BoardSpec, resource: str) -> Response:
         since_text = request.args.get("since")
@@ -291,7 +303,7 @@ class BoardApi:
                 with trio.move_on_after(wait):
                     taken = await follower.wait()
             events = taken.events
-        position = events[-1].version if events else since or self.boards.cores[spec.name].position
+        position = events[-1].version if events else since or follower.position
         return _json({"events": [e.to_wire() for e in events], "position": str(position)})
 
     async def follow_websocket(self, board: str, resource: str) -> None:
@@ -330,7 +342,7 @@ class BoardApi:
             final = Event(job_id, Kind.RESYNC, self.job_board.core.position, job_document(view))
             response = _sse_response(_once(sse_event(final)))
         else:
-            response = _sse_response(_stream(follower, self.job_board.keepalive, _job_ended))
+            response = _sse_response(_stream(follower, _job_ended))
         response.headers["X-Job-Id"] = job_id
         return response
 
@@ -363,7 +375,7 @@ class BoardApi:
             if follower is not None:
                 # Closed with this body: a nested generator left suspended would otherwise
                 # be finalized by the garbage collector, its follower never closed in time.
-                async with aclosing(_stream(follower, self.job_board.keepalive)) as stream:
+                async with aclosing(_stream(follower)) as stream:
                     async for chunk in stream:
                         yield chunk
 

@@ -5,9 +5,11 @@
 nothing and the caller gets every problem. A good one is built completely — its backends
 opened, its pipes and chains registered — and only then swapped in, in one step with no
 await: the engine's plan (new jobs run the new chains, accepted jobs keep theirs), the
-routes, and the pool's weights. A replaced plan's backends (its httpx clients and their
-connections) stay open while jobs accepted on it still run, and are closed once the last
-of them ends (:meth:`Engine.wait_plan_retired`); whatever is left closes at shutdown.
+routes, the pool's weights and the push boards (followers of an unchanged board stay
+connected; see :meth:`Container.set_boards`). A replaced plan's backends (its httpx
+clients and their connections) stay open while jobs accepted on it still run, and are
+closed once the last of them ends (:meth:`Engine.wait_plan_retired`); whatever is left
+closes at shutdown.
 """
 
 from __future__ import annotations
@@ -124,9 +126,11 @@ class Gateway:
             backends = await stack.enter_async_context(config.backends())
             backends.metrics = engine.metrics
             registry = build_registry(config, backends)
+            boards = [b.spec(os.environ) for b in config.boards.values()]
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
             container.set_routes(registry.routes.values())
+            board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
             kept, dropped = live.rebase(pool_config) if live is not None else (pool_config, [])
@@ -138,6 +142,9 @@ class Gateway:
             _log.warning("%s", warning.format(config.source))
         for sentence in dropped:
             _log.warning("reload: live weight %s", sentence)
+        for change, names in board_changes.items():
+            if names:
+                _log.info("reload: boards %s: %s", change, ", ".join(names))
         _log.info("reloaded %s: plan %d, pool config %d", self.path, generation, weights)
         overrides = live.overrides() if live is not None else {}
         return {
@@ -146,4 +153,5 @@ class Gateway:
             "config_generation": weights,
             "overrides": overrides,
             "overrides_dropped": dropped,
+            "boards_changed": board_changes,
         }
