@@ -60,18 +60,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.port is not None:
             config = dataclasses.replace(config, port=args.port)
         trio.run(_run, config)
-    except (ReportConfigError, TemplateLoadError, pw.ResourceStartupError) as error:
-        print(f"report: not started: {error}", file=sys.stderr)
-        if error.__cause__ is not None:
-            print(f"  because: {error.__cause__}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, BaseExceptionGroup) as error:
-        if isinstance(error, BaseExceptionGroup) and error.split(KeyboardInterrupt)[1] is not None:
-            raise
-        # Ctrl-C while starting: trio has stopped (and the pool closed) what had started.
-        print("report: interrupted while starting; everything is stopped", file=sys.stderr)
-        return 130
+    except BaseException as caught:
+        error = _unwrap(caught)
+        if isinstance(error, ReportConfigError | TemplateLoadError | pw.ResourceStartupError):
+            print(f"report: not started: {error}", file=sys.stderr)
+            if error.__cause__ is not None:
+                print(f"  because: {error.__cause__}", file=sys.stderr)
+            return 1
+        if isinstance(error, KeyboardInterrupt):
+            # Ctrl-C while starting: trio has stopped (and the pool closed) what had started.
+            print("report: interrupted while starting; everything is stopped", file=sys.stderr)
+            return 130
+        raise
     return 0
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The one error inside nurseries' groups (a start-up failure comes out of two)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 if __name__ == "__main__":
