@@ -339,3 +339,22 @@ async def eventually(check: Callable[[T], bool], read: Callable[[], T]) -> T:
         if check(value):
             return value
         await trio.sleep(0.05)
+
+
+async def test_a_render_past_its_timeout_fails_with_504_and_the_worker_is_replaced(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, pool_size=1, render_timeout=2.0) as run:
+        pool = run.serving.pool
+        run.gate.close()  # the page never becomes ready
+        stuck = await run.client.post("/reports", json=report())
+        assert stuck.status_code == 504, stuck.text
+        problem = stuck.json()
+        assert problem["type"] == "urn:pipework:problem:deadline-exceeded"
+        assert "did not render the report within render_timeout=2s" in problem["detail"]
+        pid = trace_events(run.trace)[-1][1]
+        await eventually(lambda s: s.replacements == 1 and s.idle == 1, pool.statistics)
+        run.gate.open()
+        fine = await run.client.post("/reports", json=report())
+        assert fine.status_code == 200, fine.text
+        assert trace_events(run.trace)[-1][1] != pid  # rendered by the replacement

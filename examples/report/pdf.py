@@ -140,7 +140,9 @@ class PdfWorker:
         request = self.renders
         timeout = self.settings.render_timeout
         with trio.move_on_after(timeout) as scope:
-            await self._send({"type": "render", "id": request, "html": html, "timeout": timeout})
+            # The worker's own timeout is a backstop a little later: this deadline decides.
+            message = {"type": "render", "id": request, "html": html, "timeout": timeout + 1}
+            await self._send(message)
             reply = await self._receive("rendering")
         if scope.cancelled_caught:
             raise pw.DeadlineExceeded(
