@@ -192,13 +192,14 @@ class PdfWorker:
         if code is None:
             how = "closed its output but is still running"
         elif code < 0:
-            how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+            try:
+                how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+            except ValueError:
+                how = f"was killed by signal {-code}"
         else:
             how = f"exited with status {code}"
-        return pw.BackendError(
-            f"{self.name} {how} while {doing}; it is being replaced, retry the request",
-            service=SERVICE,
-        )
+        then = "; it is being replaced, retry the request" if doing == "rendering" else ""
+        return pw.BackendError(f"{self.name} {how} while {doing}{then}", service=SERVICE)
 
     async def aclose(self) -> None:
         """Close the browser and end the process (killed past a short grace); idempotent."""
