@@ -4,8 +4,9 @@ of 1 — the seed's single ``synchronized`` PDF worker — both served in this r
 ``examples/report`` on a real socket, with the shipped ``achievement`` template. After a
 warm-up (every worker renders), the two services take turns: each round sends 20 requests
 at once to one of them and waits for all. Rows are per-request latency (p50, p99 over every
-request of every round) and each round's time to finish all 20, in **ms**. On a 2-core machine four browsers share two cores, so
-the pool cannot be four times faster; the ratio says how much of the queueing it removes.
+request of every round) and each round's time to finish all 20, in **ms**. On a 2-core
+machine four browsers share two cores, so the pool cannot be four times faster; the ratio
+says how much of the queueing it removes.
 
     .venv/bin/python -m benchmarks --only bench_report [--quick]
 """
