@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,8 @@ CLOSE_GRACE: Final = 5.0
 #: How long to wait for a worker whose output ended to be reaped (to say how it ended).
 EXIT_WAIT: Final = 2.0
 SERVICE: Final = "pdf-worker"
+
+_log = logging.getLogger("examples.report.pdf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,4 +239,6 @@ class WorkerLauncher:
         self._numbers = itertools.count(1)
 
     async def __call__(self) -> PdfWorker:
-        return await PdfWorker.start(next(self._numbers), self.settings)
+        worker = await PdfWorker.start(next(self._numbers), self.settings)
+        _log.info("%s started: %s", worker.name, worker.browser)
+        return worker

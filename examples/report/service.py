@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import functools
 import json
+import logging
 import re
 import secrets
 import tempfile
@@ -36,6 +37,7 @@ from .templates import Templates, load_templates
 __all__ = ["PdfRenderer", "ReportService", "Serving", "Storage", "serve"]
 
 _REPORT_ID: Final = re.compile(r"[0-9a-f]{32}\Z")
+_log = logging.getLogger("examples.report")
 
 
 class Storage:
@@ -184,6 +186,15 @@ async def serve(
         service = ReportService(templates, PdfRenderer(pool), storage)
         service.register(registry, timeout=config.timeout)
         async with pool, engine:
+            _log.info(
+                "PDF pool ready: pool_size=%d borrow_timeout=%gs launch_timeout=%gs "
+                "render_timeout=%gs chromium=%s",
+                config.pool_size,
+                config.borrow_timeout,
+                config.pdf.launch_timeout,
+                config.pdf.render_timeout,
+                config.pdf.chromium,
+            )
             container = pw.Container(
                 engine,
                 config=pw.ContainerConfig(
