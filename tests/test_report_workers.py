@@ -137,3 +137,17 @@ async def replaced(pool: pw.ResourcePool[PdfWorker]) -> None:
         if pool.statistics().replacements >= 1:
             return
         await trio.sleep(0.01)
+
+
+async def test_a_render_cancelled_mid_way_replaces_its_worker() -> None:
+    pool: pw.ResourcePool[PdfWorker] = pw.ResourcePool(
+        WorkerLauncher(Fake(mode="hang")), 1, borrow_timeout=5, launch_timeout=10, name="pdf"
+    )
+    async with pool:
+        with trio.move_on_after(0.2) as scope:  # the request's deadline, or its client gone
+            await PdfRenderer(pool).render("<p/>")
+        assert scope.cancelled_caught
+        with trio.fail_after(10):
+            await replaced(pool)
+        async with pool.borrow() as worker:
+            assert worker.number == 2  # never the one whose answer is still due
