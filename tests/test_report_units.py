@@ -218,3 +218,14 @@ def test_bad_input_is_refused_naming_the_field(change: dict[str, Any], message: 
         validate(body)
     assert str(caught.value) == message
     assert Invalid.http_status == 422
+
+
+def test_settings_made_in_python_are_checked_too() -> None:
+    with pytest.raises(ReportConfigError) as caught:
+        ReportConfig(pool_size=0, borrow_timeout=0)
+    assert caught.value.problems == [
+        "pdf.pool_size: must be a whole number from 1 to 64, not 0",
+        "pdf.borrow_timeout: must be a number of seconds above 0, not 0",
+    ]
+    with pytest.raises(ValueError, match=r"pdf\.render_timeout must be a number of seconds above"):
+        WorkerSettings(render_timeout=-1)

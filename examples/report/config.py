@@ -46,6 +46,20 @@ class ReportConfig:
     borrow_timeout: float = 30.0
     pdf: WorkerSettings = field(default_factory=WorkerSettings)
 
+    def __post_init__(self) -> None:
+        # The file's keys are checked with their paths by config_from_dict; this catches
+        # the same mistakes made in Python.
+        checks = {
+            "server.port": _check("port", self.port),
+            "server.timeout": _check("seconds", self.timeout),
+            "server.shutdown_grace": _check("grace", self.shutdown_grace),
+            "pdf.pool_size": _check("size", self.pool_size),
+            "pdf.borrow_timeout": _check("seconds", self.borrow_timeout),
+        }
+        problems = [f"{key}: {problem}" for key, problem in checks.items() if problem]
+        if problems:
+            raise ReportConfigError("ReportConfig", problems)
+
 
 # section -> key -> (kind, where it goes)
 _SCHEMA: Final[Mapping[str, Mapping[str, str]]] = {

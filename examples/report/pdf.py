@@ -58,6 +58,12 @@ class WorkerSettings:
     render_timeout: float = 30.0
     trace: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("launch_timeout", "render_timeout"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"pdf.{name} must be a number of seconds above 0, not {value!r}")
+
     def command(self) -> list[str]:
         command = [
             sys.executable,
