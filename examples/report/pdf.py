@@ -12,8 +12,9 @@ block, so the pool closes that worker and makes a replacement in the background:
 - the worker answers with an error (the page failed to load or print): ``BackendError``.
 
 Closing a worker asks it to close its browser and exit; past a short grace, or when it is
-already gone, its process group is killed. Each worker runs with its own ``$TMPDIR``, where
-Playwright makes the browser's fresh profile, and that directory is removed on close.
+already gone, its process group is killed, and so is what is left of its browser. Each
+worker runs with its own ``$TMPDIR``, where Playwright makes the browser's fresh profile,
+and that directory is removed on close.
 """
 
 from __future__ import annotations
@@ -232,9 +233,44 @@ class PdfWorker:
                 for stream in (self.process.stdin, self.process.stdout):
                     if stream is not None:
                         await stream.aclose()
+                await self._end_browser()
                 await trio.to_thread.run_sync(
                     lambda: shutil.rmtree(self.directory, ignore_errors=True)
                 )
+
+    async def _end_browser(self) -> None:
+        """Kill what is left of the browser and wait until it is gone (bounded), so that
+        nothing writes into its profile while the directory is removed.
+
+        Chromium runs in a process group of its own (Playwright starts it so) and exits
+        once its pipe to the driver closes, but not at once: after a kill it may outlive
+        the worker by a moment. Its processes name the profile, under this worker's
+        directory, on their command lines: that is how they are found."""
+        with trio.move_on_after(EXIT_WAIT):
+            while pids := await trio.to_thread.run_sync(_processes_naming, str(self.directory)):
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                await trio.sleep(0.02)
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The live processes whose command line holds ``text`` (Linux's /proc; none elsewhere)."""
+    needle = text.encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as file:
+                    if needle in file.read():
+                        found.append(int(name))
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+    return found
 
 
 class WorkerLauncher:
