@@ -46,7 +46,7 @@ from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
 from ._status import TERMINAL, Status
-from ._store import JobStore
+from ._store import JobStore, nowait_access
 
 __all__ = ["INTERNAL_PLAN", "Dispatcher"]
 
@@ -77,6 +77,10 @@ class Dispatcher:
         self.metrics = metrics
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
+        # The store's and the pool's synchronous fast paths, when they offer them.
+        self._nowait = nowait_access(store)
+        self._grant: Callable[[str, float], Any] | None = getattr(pool, "grant_nowait", None)
+        self._release: Callable[[Any, float], None] | None = getattr(pool, "release_nowait", None)
         self._scopes: dict[str, trio.CancelScope] = {}
         #: The record each running step works on: the job's own pipes report to it.
         self._running: dict[str, Job] = {}
@@ -246,7 +250,8 @@ class Dispatcher:
         acked = False
         try:
             try:
-                job = await self.store.get(event.job_id)
+                nowait = self._nowait
+                job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
             if job.status is not Status.QUEUED:
@@ -256,26 +261,43 @@ class Dispatcher:
             self._running[job.id] = job
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
-            waited = trio.current_time()
+            now = trio.current_time()
             try:
                 with scope:
-                    # A resumed job carries an outside fact (a payment, an approval): it waits
-                    # out the load up to its deadline rather than be refused, as does a job
-                    # admitted when it was accepted (an async job's 202). Every other step
-                    # fails fast under load, as the pool's bounds intend.
-                    continuing = isinstance(event, Resume) or job.admitted
-                    slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
-                    try:
-                        async with slot:
+                    # The uncontended grant: no schedule point (the step's task has just been
+                    # scheduled) and no context manager; a step that would wait or be
+                    # refused takes the pool's ``slot`` below.
+                    ticket = None if self._grant is None else self._grant(job.key, now)
+                    if ticket is not None:
+                        ended = None
+                        try:
                             self.queue.ack(event)
                             acked = True
-                            self._waited(job.key, waited)
-                            await self._run_held(job)
+                            self._waited(job.key, 0.0)
+                            ended = await self._run_held(job, now)
                             settled = True
-                    except Rejected as exc:
-                        self._waited(job.key, waited)
-                        self.note(exc, job, f"admission key {job.key!r}")
-                        await self.finish(job, Status.FAILED, exc=exc)
+                        finally:
+                            assert self._release is not None
+                            self._release(ticket, trio.current_time() if ended is None else ended)
+                    else:
+                        # A resumed job carries an outside fact (a payment, an approval): it
+                        # waits out the load up to its deadline rather than be refused, as
+                        # does a job admitted when it was accepted (an async job's 202).
+                        # Every other step fails fast under load, as the pool's bounds intend.
+                        continuing = isinstance(event, Resume) or job.admitted
+                        slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
+                        try:
+                            async with slot:
+                                self.queue.ack(event)
+                                acked = True
+                                granted = trio.current_time()
+                                self._waited(job.key, granted - now)
+                                await self._run_held(job, granted)
+                                settled = True
+                        except Rejected as exc:
+                            self._waited(job.key, trio.current_time() - now)
+                            self.note(exc, job, f"admission key {job.key!r}")
+                            await self.finish(job, Status.FAILED, exc=exc)
             except BaseException as exc:  # the step boundary: what belongs outside is re-raised
                 escaped = exc
             finally:
@@ -315,20 +337,37 @@ class Dispatcher:
         except Exception as bug:
             await self._fail_inside(job, bug)
 
-    def _waited(self, key: str, since: float) -> None:
-        self.metrics.observe(
-            self.metrics.pool_wait, (self.key_label(key),), trio.current_time() - since
-        )
+    def _waited(self, key: str, seconds: float) -> None:
+        self.metrics.observe(self.metrics.pool_wait, (self.key_label(key),), seconds)
 
-    async def _run_held(self, job: Job) -> None:
-        """Run pipes while they share the held slot's key."""
+    async def _run_held(self, job: Job, now: float) -> float:
+        """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
+        each pipe's end is the next one's start, so a step reads the clock once per pipe.
+        Returns the last clock read."""
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
-        await self.store.update(job)  # readers see it running at once
+        nowait = self._nowait
+        if nowait:
+            nowait[1](job)
+        else:
+            await self.store.update(job)  # readers see it running at once
         self.changed(job)
+        frames = job.frames
+        # A flat sequence of pipes (most chains, most branches) is walked as a list; a
+        # sequence holding stages walks the cursor's frames (_advance).
+        flat = chain.node_at(job.root).flat if len(frames) == 1 else None  # type: ignore[union-attr]
         while True:
-            pipe = self._advance(job, chain)
+            pipe: Pipe | Parallel | None
+            if flat is not None:
+                index = frames[0].index
+                if index < len(flat):
+                    pipe = flat[index]
+                else:
+                    frames.pop()
+                    pipe = None
+            else:
+                pipe = self._advance(job, chain)
             if pipe is None:
                 if job.parent is not None:
                     result = None  # a branch's result is its delta, sent to the join
@@ -336,11 +375,11 @@ class Dispatcher:
                     result = job.state
                 else:
                     result = job.state.get(chain.result)
-                await self.finish(job, Status.DONE, result=result)
-                return
+                await self.finish(job, Status.DONE, result=result, now=now)
+                return now
             if isinstance(pipe, Parallel):
                 await fork(self, job, chain, pipe)  # the slot is released on return
-                return
+                return now
             key = pipe.key or chain.key
             if key != held:
                 job.key = key
@@ -348,30 +387,31 @@ class Dispatcher:
                 await self.store.update(job)
                 self.changed(job)
                 self.queue.put_nowait(RunJob(job.id))
-                log_job(
-                    "job handed off",
-                    correlation_id=job.correlation_id,
-                    job_id=job.id,
-                    route=job.chain,
-                    key=key,
-                    status=job.status.value,
-                )
-                return
-            if not await self._run_pipe(job, chain, pipe):
-                return
+                if job_logger.isEnabledFor(logging.INFO):
+                    log_job(
+                        "job handed off",
+                        correlation_id=job.correlation_id,
+                        job_id=job.id,
+                        route=job.chain,
+                        key=key,
+                        status=job.status.value,
+                    )
+                return now
+            ended = await self._run_pipe(job, chain, pipe, now)
+            if ended is None:
+                return now
+            now = ended
+            if len(frames) != 1:
+                flat = None
 
-    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe) -> bool:
-        """Run one pipe; True to go on, False when the step ended (failure or suspension).
-        Cancellation of the step travels on; every other outcome of the pipe ends here."""
-        position = self.path_of(job)
-
-        def describe() -> str:  # formatted only when asked for: errors, logs, ctx.path
-            return chain.describe(position, pipe)
-
+    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe, started: float) -> float | None:
+        """Run one pipe; the clock at its end to go on, None when the step ended (failure or
+        suspension). Cancellation of the step travels on; every other outcome of the pipe
+        ends here."""
+        describe = _Where(chain, self.path_of(job), pipe)  # formatted only when asked for
         top = job.frames[-1]
-        started = trio.current_time()
         pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
-        deadline = min(pipe_deadline, top.deadline)
+        deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
         # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
         # adopted only if it ends in time and uncancelled.
         ctx = Context(
@@ -387,17 +427,25 @@ class Dispatcher:
             traceparent=job.traceparent,
         )
         try:
-            await self._call(pipe, ctx, job)
+            if deadline == math.inf:
+                await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
+                # A pipe that swallowed the step's cancellation (or a thread that could not
+                # see it) must not carry on as if it had not come.
+                await trio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await self._call_within(pipe, ctx, job)
             check_state(ctx.state)
         except Suspend as suspend:
-            self._pipe_ended(job, pipe, started, "suspended")
+            ended = self._pipe_ended(job, pipe, started, "suspended")
             top.index += 1
-            return await self._suspend(job, chain, suspend, describe())
+            # A signal that came while the pipe ran lets the step go on at once.
+            return ended if await self._suspend(job, chain, suspend, describe()) else None
         except _Timeout:
             timeout = self._timeout(job, chain, pipe_deadline, top, describe())
             # The step's scope stays cancelled once a deadline passed: record the end shielded.
             with trio.CancelScope(shield=True):
-                return await self._pipe_failed(job, pipe, started, timeout, describe())
+                await self._pipe_failed(job, pipe, started, timeout, describe())
+            return None
         except BaseException as raised:  # sorted out here: cancellation, or the job's error
             cancellation = _cancellation_in(raised, describe)
             if cancellation is not None:
@@ -405,17 +453,22 @@ class Dispatcher:
                 self._pipe_ended(job, pipe, started, "cancelled")
                 raise cancellation from None
             exc = _pipe_error(raised, describe())
-            return await self._pipe_failed(job, pipe, started, exc, describe())
+            await self._pipe_failed(job, pipe, started, exc, describe())
+            return None
         if pipe.blocking:
             job.state = ctx.state
-        self._pipe_ended(job, pipe, started, "ok")
+        ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        await self.store.update(job)
-        return True
+        nowait = self._nowait
+        if nowait:
+            nowait[1](job)
+        else:
+            await self.store.update(job)
+        return ended
 
     async def _pipe_failed(
         self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str
-    ) -> bool:
+    ) -> None:
         outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
         if isinstance(exc, StateError):
             exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
@@ -425,14 +478,15 @@ class Dispatcher:
         self.note(exc, job, path)
         status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
         await self.finish(job, status, exc=exc, where=where)
-        return False
 
     def _pipe_ended(
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
-    ) -> None:
+    ) -> float:
+        """Measure, record and log a pipe's end; returns the clock read at its end."""
+        now = trio.current_time()
         if job.plan == INTERNAL_PLAN:
-            return  # the engine's own probe: no user pipe to measure, nothing to learn
-        duration = trio.current_time() - started
+            return now  # the engine's own probe: no user pipe to measure, nothing to learn
+        duration = now - started
         self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
         # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
         # bug in a pipe says nothing about the backend's capacity; a cancel says nothing.
@@ -442,7 +496,7 @@ class Dispatcher:
             self.pool.record(job.key, ok=False, latency=duration)
         level = logging.WARNING if exc is not None else logging.INFO
         if not job_logger.isEnabledFor(level):
-            return  # the common case: skip building the record's fields
+            return now  # the common case: skip building the record's fields
         log_job(
             "pipe ended",
             level,
@@ -465,15 +519,10 @@ class Dispatcher:
             outcome=outcome,
             error=None if exc is None else f"{type(exc).__name__}: {exc}",
         )
+        return now
 
-    async def _call(self, pipe: Pipe, ctx: Context, job: Job) -> None:
+    async def _call_within(self, pipe: Pipe, ctx: Context, job: Job) -> None:
         """Run the pipe within ``ctx.deadline``; raise _Timeout if that limit ran out."""
-        if ctx.deadline == math.inf:
-            await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
-            # A pipe that swallowed the step's cancellation (or a thread that could not see
-            # it) must not carry on as if it had not come.
-            await trio.lowlevel.checkpoint_if_cancelled()
-            return
         # The step's own scope carries the pipe's limit: one scope per step, not one more
         # per pipe. A cancel marks the record first, which is how the two are told apart.
         scope = self._scopes[job.id]
@@ -682,11 +731,13 @@ class Dispatcher:
         result: Any = None,
         exc: BaseException | None = None,
         where: str = "",
+        now: float | None = None,
     ) -> None:
+        """End ``job`` with ``status`` (``now``: the caller's clock read, if it has one)."""
         if job.status in TERMINAL:
             return
         try:
-            await self._record_end(job, status, result, exc, where)
+            await self._record_end(job, status, result, exc, where, now)
         finally:
             # Whoever waits hears of the end even if recording it failed.
             if self.on_finished is not None and job.parent is None:
@@ -699,7 +750,13 @@ class Dispatcher:
                 waiter.set()
 
     async def _record_end(
-        self, job: Job, status: Status, result: Any, exc: BaseException | None, where: str
+        self,
+        job: Job,
+        status: Status,
+        result: Any,
+        exc: BaseException | None,
+        where: str,
+        now: float | None,
     ) -> None:
         previous = job.status
         job.transition(status)
@@ -716,17 +773,31 @@ class Dispatcher:
             )
         if job.parent is None:  # a branch's record is dropped once it reports
             try:
-                await self.store.update(job)
+                nowait = self._nowait
+                if nowait:
+                    nowait[1](job)
+                else:
+                    await self.store.update(job)
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
         self.changed(job)
-        duration = trio.current_time() - job.accepted_at
+        duration = (trio.current_time() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
+        level = logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING
+        if job_logger.isEnabledFor(level):
+            self._log_end(job, status, level, duration, where)
+        if job.join is not None:
+            await cancel_branches(self, job)
+        if job.parent is not None:
+            await report_branch(self, job)
+
+    @staticmethod
+    def _log_end(job: Job, status: Status, level: int, duration: float, where: str) -> None:
         log_job(
             "job finished" if job.parent is None else "branch finished",
-            logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING,
+            level,
             None,
             correlation_id=job.correlation_id,
             job_id=job.id,
@@ -737,10 +808,6 @@ class Dispatcher:
             stage=where or None,
             error=None if job.error is None else f"{job.error.type}: {job.error.message}",
         )
-        if job.join is not None:
-            await cancel_branches(self, job)
-        if job.parent is not None:
-            await report_branch(self, job)
 
     async def wait_finished(self, job_id: str) -> None:
         waiter = self._waiters.setdefault(job_id, trio.Event())
@@ -832,6 +899,21 @@ def chain_where(d: Dispatcher, job: Job) -> str:
         return d.chain_of(job).describe(d.path_of(job))
     except Exception:  # only a description, for an error already raised
         return f"chain {job.chain!r}"
+
+
+class _Where:
+    """A pipe's stage path, formatted only when asked for (errors, logs, ``ctx.path``): one
+    small object per pipe run rather than a closure and its cells."""
+
+    __slots__ = ("chain", "pipe", "position")
+
+    def __init__(self, chain: Chain, position: tuple[int, ...], pipe: Pipe) -> None:
+        self.chain = chain
+        self.position = position
+        self.pipe = pipe
+
+    def __call__(self) -> str:
+        return self.chain.describe(self.position, self.pipe)
 
 
 class _Timeout(Exception):

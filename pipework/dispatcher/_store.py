@@ -10,7 +10,7 @@ can answer 410 rather than 404).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import trio
@@ -19,7 +19,10 @@ from .._errors import JobGone, JobNotFound
 from ._job import Job
 from ._status import TERMINAL, Status
 
-__all__ = ["JobGone", "JobStore", "MemoryJobStore"]
+__all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess", "nowait_access"]
+
+#: ``(get, update)`` as plain calls: a store's synchronous fast path (see :func:`nowait_access`).
+NowaitAccess = tuple[Callable[[str], Job], Callable[[Job], None]]
 
 
 class JobStore(Protocol):
@@ -36,6 +39,14 @@ class JobStore(Protocol):
     async def delete(self, job_id: str) -> None: ...
 
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]: ...
+
+
+def nowait_access(store: JobStore) -> NowaitAccess | None:
+    """The store's synchronous ``get``/``update``, if it offers them (``nowait_access()``);
+    None for any other store, which the dispatcher then awaits as the protocol says. Only an
+    in-process store can answer without waiting; the engine works with any JobStore."""
+    offer = getattr(store, "nowait_access", None)
+    return None if offer is None else offer()
 
 
 class MemoryJobStore:
@@ -88,7 +99,25 @@ class MemoryJobStore:
             )
         raise JobNotFound(f"no job with id {job_id!r}")
 
+    def nowait_access(self) -> NowaitAccess | None:
+        """``(get_nowait, update_nowait)``: the dispatcher's fast path, taken only while this
+        class's async ``get``/``update`` are exactly these. A subclass that overrides either
+        (a store handing out copies, say) opts out, and is awaited like any store."""
+        cls = type(self)
+        base = MemoryJobStore
+        if (cls.get, cls.get_nowait, cls.update, cls.update_nowait) != (
+            base.get,
+            base.get_nowait,
+            base.update,
+            base.update_nowait,
+        ):
+            return None
+        return self.get_nowait, self.update_nowait
+
     async def update(self, job: Job) -> None:
+        self.update_nowait(job)
+
+    def update_nowait(self, job: Job) -> None:
         job.version += 1
         if job.status in TERMINAL:
             if self._active.pop(job.id, None) is not None:

@@ -114,7 +114,25 @@ class WeightedPool:
         ``ok=False`` for errors and timeouts that point at the key's backend; ``latency`` in
         seconds. Call it while still holding the slot, once per step; skip cancelled steps.
         """
+        if not self._core.adaptive(key):
+            if not latency >= 0:
+                raise ValueError(f"latency must be 0 or more seconds, got {latency}")
+            return  # nothing to feed: no clock read, no call into the core
         self._wake(self._core.record(key, trio.current_time(), ok=ok, latency=latency))
+
+    def grant_nowait(self, key: str, now: float) -> Ticket | None:
+        """The uncontended path of :meth:`slot`, with no schedule point: a slot under ``key``
+        granted at once (give it back with :meth:`release_nowait`), or None when the step
+        would wait or be refused, and nothing is held (then enter :meth:`slot`). ``now`` is
+        the caller's ``trio.current_time()``."""
+        return self._core.grant_nowait(key, now)
+
+    @enable_ki_protection
+    def release_nowait(self, ticket: Ticket, now: float) -> None:
+        """Give back a slot :meth:`grant_nowait` granted (waiters it frees are woken)."""
+        woken = self._core.release(ticket, now)
+        if woken:
+            self._wake(woken)
 
     def statistics(self) -> PoolStatistics:
         return self._core.statistics(trio.current_time())

@@ -350,6 +350,17 @@ class AdmissionCore:
             self._enqueue(k, ticket, now, deadline)
         return ticket
 
+    def grant_nowait(self, key: str, now: float) -> Ticket | None:
+        """A granted ticket if ``acquire`` would grant one at once, else None (nothing held,
+        nothing queued, nothing refused: the caller then calls ``acquire``)."""
+        k = self._keys.get(key) or self._add_key(key)
+        if k.queue or not self._fits(k):
+            return None
+        self._seq += 1
+        ticket = Ticket(k, self._seq, now)
+        self._grant(k, ticket, now)
+        return ticket
+
     def check_admission(self, key: str, now: float, *, deadline: float = math.inf) -> None:
         """Raise the :class:`Rejected` a new step under ``key`` would get now (paused, queue
         full, or a predicted wait past ``deadline``); return if it would be granted or queued.
@@ -452,6 +463,11 @@ class AdmissionCore:
         if k.effective > before and k.queue:
             return self._dispatch(now)
         return []
+
+    def adaptive(self, key: str) -> bool:
+        """Whether ``key`` has an adaptive limit (only then does :meth:`record` do anything)."""
+        k = self._keys.get(key)
+        return k is not None and k.aimd is not None
 
     def reconfigure(self, config: PoolConfig, now: float) -> list[Ticket]:
         """Swap ``config`` in; returns the waiters it settles (granted, or rejected if their

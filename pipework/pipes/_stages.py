@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Union
 
 from .._errors import RegistrationError
@@ -50,6 +51,13 @@ class Serial:
     @property
     def children(self) -> tuple[Node, ...]:
         return self.items  # type: ignore[return-value]  # resolved trees hold only nodes
+
+    @cached_property
+    def flat(self) -> tuple[Pipe, ...] | None:
+        """The children when every one is a pipe (most chains and branches): the engine
+        then walks them as a list instead of through the cursor's frames."""
+        items = self.items
+        return items if all(isinstance(i, Pipe) for i in items) else None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
