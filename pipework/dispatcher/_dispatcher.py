@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from types import CoroutineType
 from typing import Any, Final
 
-import cachetools
 import trio
 
 from .._errors import (
@@ -45,6 +44,7 @@ from ._job import ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
+from ._retained import Retained
 from ._status import TERMINAL, Status
 from ._store import JobStore, nowait_access
 
@@ -77,8 +77,8 @@ class Dispatcher:
         self.metrics = metrics
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
-        # The store's and the pool's synchronous fast paths, when they offer them.
-        self._nowait = nowait_access(store)
+        #: The store's and the pool's synchronous fast paths, when they offer them.
+        self.nowait = nowait_access(store)
         self._grant: Callable[[str, float], Any] | None = getattr(pool, "grant_nowait", None)
         self._release: Callable[[Any, float], None] | None = getattr(pool, "release_nowait", None)
         self._scopes: dict[str, trio.CancelScope] = {}
@@ -94,10 +94,8 @@ class Dispatcher:
         #: The exception objects of failed jobs, for ``Engine.wait`` to raise as they are: a
         #: record read back from a store has only their type, message and stage path. Kept
         #: as long as finished records are, and only in the process that ran the job.
-        self.exceptions: cachetools.TTLCache[str, BaseException] = cachetools.TTLCache(
-            maxsize=getattr(store, "retain_count", 10_000),
-            ttl=getattr(store, "retain_seconds", 3600.0),
-            timer=trio.current_time,
+        self.exceptions: Retained[BaseException] = Retained(
+            getattr(store, "retain_count", 10_000), getattr(store, "retain_seconds", 3600.0)
         )
         #: Exception objects of ended branches, until their join takes them (in-process only).
         self.branch_errors: dict[str, BaseException] = {}
@@ -250,7 +248,7 @@ class Dispatcher:
         acked = False
         try:
             try:
-                nowait = self._nowait
+                nowait = self.nowait
                 job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
@@ -347,7 +345,7 @@ class Dispatcher:
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
-        nowait = self._nowait
+        nowait = self.nowait
         if nowait:
             nowait[1](job)
         else:
@@ -459,7 +457,7 @@ class Dispatcher:
             job.state = ctx.state
         ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        nowait = self._nowait
+        nowait = self.nowait
         if nowait:
             nowait[1](job)
         else:
@@ -767,13 +765,13 @@ class Dispatcher:
         elif exc is not None:
             job.exception = exc
             if job.parent is None:
-                self.exceptions[job.id] = exc
+                self.exceptions.put(job.id, exc, trio.current_time())
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
         if job.parent is None:  # a branch's record is dropped once it reports
             try:
-                nowait = self._nowait
+                nowait = self.nowait
                 if nowait:
                     nowait[1](job)
                 else:
@@ -920,18 +918,18 @@ class _Timeout(Exception):
     """The pipe's deadline (its own, a stage's or the job's) ran out."""
 
 
-async def _invoke(pipe: Pipe, ctx: Context) -> None:
+def _invoke(pipe: Pipe, ctx: Context) -> Awaitable[None]:
+    """The pipe's awaitable, for the step to await directly: one coroutine frame fewer on
+    every resume."""
     if pipe.blocking:
-        await pipe.run(ctx)
-        return
-    # Async pipes are awaited directly: one coroutine frame fewer on every resume.
+        return pipe.run(ctx)
     awaitable = pipe.fn(ctx)
     if type(awaitable) is not CoroutineType and not inspect.isawaitable(awaitable):
         raise PipeContractError(
             f"pipe {pipe.name!r} returned {type(awaitable).__name__}, not an awaitable; "
             "a pipe is an `async def` (or declared blocking=True)"
         )
-    await awaitable
+    return awaitable
 
 
 def _cancellation_in(raised: BaseException, describe: Callable[[], str]) -> BaseException | None:

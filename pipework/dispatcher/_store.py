@@ -21,8 +21,9 @@ from ._status import TERMINAL, Status
 
 __all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess", "nowait_access"]
 
-#: ``(get, update)`` as plain calls: a store's synchronous fast path (see :func:`nowait_access`).
-NowaitAccess = tuple[Callable[[str], Job], Callable[[Job], None]]
+#: ``(get, update, create)`` as plain calls: a store's synchronous fast path (see
+#: :func:`nowait_access`).
+NowaitAccess = tuple[Callable[[str], Job], Callable[[Job], None], Callable[[Job], None]]
 
 
 class JobStore(Protocol):
@@ -42,9 +43,10 @@ class JobStore(Protocol):
 
 
 def nowait_access(store: JobStore) -> NowaitAccess | None:
-    """The store's synchronous ``get``/``update``, if it offers them (``nowait_access()``);
-    None for any other store, which the dispatcher then awaits as the protocol says. Only an
-    in-process store can answer without waiting; the engine works with any JobStore."""
+    """The store's synchronous ``get``/``update``/``create``, if it offers them
+    (``nowait_access()``); None for any other store, which the engine then awaits as the
+    protocol says. Only an in-process store can answer without waiting; the engine works
+    with any JobStore."""
     offer = getattr(store, "nowait_access", None)
     return None if offer is None else offer()
 
@@ -74,6 +76,9 @@ class MemoryJobStore:
         self._tombstones = tombstones
 
     async def create(self, job: Job) -> None:
+        self.create_nowait(job)
+
+    def create_nowait(self, job: Job) -> None:
         # Ids are 128 random bits: only a caller reusing a record can collide, and it would
         # do so with an active job.
         if job.id in self._active:
@@ -100,19 +105,16 @@ class MemoryJobStore:
         raise JobNotFound(f"no job with id {job_id!r}")
 
     def nowait_access(self) -> NowaitAccess | None:
-        """``(get_nowait, update_nowait)``: the dispatcher's fast path, taken only while this
-        class's async ``get``/``update`` are exactly these. A subclass that overrides either
-        (a store handing out copies, say) opts out, and is awaited like any store."""
+        """``(get_nowait, update_nowait, create_nowait)``: the engine's fast path, taken only
+        while this class's async ``get``/``update``/``create`` are exactly these. A subclass
+        that overrides any of them (a store handing out copies, say) opts out, and is
+        awaited like any store."""
         cls = type(self)
         base = MemoryJobStore
-        if (cls.get, cls.get_nowait, cls.update, cls.update_nowait) != (
-            base.get,
-            base.get_nowait,
-            base.update,
-            base.update_nowait,
-        ):
+        names = ("get", "get_nowait", "update", "update_nowait", "create", "create_nowait")
+        if any(getattr(cls, n) is not getattr(base, n) for n in names):
             return None
-        return self.get_nowait, self.update_nowait
+        return self.get_nowait, self.update_nowait, self.create_nowait
 
     async def update(self, job: Job) -> None:
         self.update_nowait(job)
