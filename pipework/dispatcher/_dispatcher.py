@@ -79,8 +79,10 @@ class Dispatcher:
         self._nursery: trio.Nursery | None = None
         #: The store's and the pool's synchronous fast paths, when they offer them.
         self.nowait = nowait_access(store)
-        self._grant: Callable[[str, float], Any] | None = getattr(pool, "grant_nowait", None)
-        self._release: Callable[[Any, float], None] | None = getattr(pool, "release_nowait", None)
+        self._grant: Callable[[str], object | None] | None = getattr(pool, "grant_nowait", None)
+        self._release: Callable[[object, float, float], None] | None = getattr(
+            pool, "release_nowait", None
+        )
         self._scopes: dict[str, trio.CancelScope] = {}
         #: The record each running step works on: the job's own pipes report to it.
         self._running: dict[str, Job] = {}
@@ -126,9 +128,13 @@ class Dispatcher:
             nursery.start_soon(self._expire_when_due)
             task_status.started()
             handlers = self._handlers
+            step, start_soon = self._step, nursery.start_soon
             while True:
                 for event in await self.queue.get_batch():
                     try:
+                        if type(event) is RunJob or type(event) is Resume:
+                            start_soon(step, event)  # the common event, without a handler call
+                            continue
                         await handlers[type(event)](event)
                     except Exception as exc:
                         # A bug in one event's bookkeeping must not stop every other job:
@@ -265,8 +271,8 @@ class Dispatcher:
                     # The uncontended grant: no schedule point (the step's task has just been
                     # scheduled) and no context manager; a step that would wait or be
                     # refused takes the pool's ``slot`` below.
-                    ticket = None if self._grant is None else self._grant(job.key, now)
-                    if ticket is not None:
+                    held = None if self._grant is None else self._grant(job.key)
+                    if held is not None:
                         ended = None
                         try:
                             self.queue.ack(event)
@@ -276,7 +282,8 @@ class Dispatcher:
                             settled = True
                         finally:
                             assert self._release is not None
-                            self._release(ticket, trio.current_time() if ended is None else ended)
+                            end = trio.current_time() if ended is None else ended
+                            self._release(held, now, end)
                     else:
                         # A resumed job carries an outside fact (a payment, an approval): it
                         # waits out the load up to its deadline rather than be refused, as
@@ -406,7 +413,6 @@ class Dispatcher:
         """Run one pipe; the clock at its end to go on, None when the step ended (failure or
         suspension). Cancellation of the step travels on; every other outcome of the pipe
         ends here."""
-        describe = _Where(chain, self.path_of(job), pipe)  # formatted only when asked for
         top = job.frames[-1]
         pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
         deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
@@ -418,7 +424,8 @@ class Dispatcher:
             correlation_id=job.correlation_id,
             chain=chain.name,
             pipe=pipe,
-            describe=describe,
+            where=chain,
+            position=self.path_of(job),
             key=job.key,
             deadline=deadline,
             ops=self,
@@ -437,21 +444,21 @@ class Dispatcher:
             ended = self._pipe_ended(job, pipe, started, "suspended")
             top.index += 1
             # A signal that came while the pipe ran lets the step go on at once.
-            return ended if await self._suspend(job, chain, suspend, describe()) else None
+            return ended if await self._suspend(job, chain, suspend, ctx.path) else None
         except _Timeout:
-            timeout = self._timeout(job, chain, pipe_deadline, top, describe())
+            timeout = self._timeout(job, chain, pipe_deadline, top, ctx.path)
             # The step's scope stays cancelled once a deadline passed: record the end shielded.
             with trio.CancelScope(shield=True):
-                await self._pipe_failed(job, pipe, started, timeout, describe())
+                await self._pipe_failed(job, pipe, started, timeout, ctx.path)
             return None
         except BaseException as raised:  # sorted out here: cancellation, or the job's error
-            cancellation = _cancellation_in(raised, describe)
+            cancellation = _cancellation_in(raised, lambda: ctx.path)
             if cancellation is not None:
                 # The step's (or the engine's) cancellation: the step boundary ends the job.
                 self._pipe_ended(job, pipe, started, "cancelled")
                 raise cancellation from None
-            exc = _pipe_error(raised, describe())
-            await self._pipe_failed(job, pipe, started, exc, describe())
+            exc = _pipe_error(raised, ctx.path)
+            await self._pipe_failed(job, pipe, started, exc, ctx.path)
             return None
         if pipe.blocking:
             job.state = ctx.state
@@ -897,21 +904,6 @@ def chain_where(d: Dispatcher, job: Job) -> str:
         return d.chain_of(job).describe(d.path_of(job))
     except Exception:  # only a description, for an error already raised
         return f"chain {job.chain!r}"
-
-
-class _Where:
-    """A pipe's stage path, formatted only when asked for (errors, logs, ``ctx.path``): one
-    small object per pipe run rather than a closure and its cells."""
-
-    __slots__ = ("chain", "pipe", "position")
-
-    def __init__(self, chain: Chain, position: tuple[int, ...], pipe: Pipe) -> None:
-        self.chain = chain
-        self.position = position
-        self.pipe = pipe
-
-    def __call__(self) -> str:
-        return self.chain.describe(self.position, self.pipe)
 
 
 class _Timeout(Exception):

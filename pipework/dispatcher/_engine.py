@@ -501,8 +501,8 @@ class _ProbeLane:
             self.pool.record(key, ok=ok, latency=latency)
 
 
-def _grant_unless_probe(grant: Callable[[str, float], Any], key: str, now: float) -> Any:
-    return None if key == PROBE_KEY else grant(key, now)
+def _grant_unless_probe(grant: Callable[[str], object | None], key: str) -> object | None:
+    return None if key == PROBE_KEY else grant(key)
 
 
 def _outcome(job: Job, exception: BaseException | None) -> Any:

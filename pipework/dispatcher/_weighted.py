@@ -120,17 +120,18 @@ class WeightedPool:
             return  # nothing to feed: no clock read, no call into the core
         self._wake(self._core.record(key, trio.current_time(), ok=ok, latency=latency))
 
-    def grant_nowait(self, key: str, now: float) -> Ticket | None:
-        """The uncontended path of :meth:`slot`, with no schedule point: a slot under ``key``
-        granted at once (give it back with :meth:`release_nowait`), or None when the step
-        would wait or be refused, and nothing is held (then enter :meth:`slot`). ``now`` is
-        the caller's ``trio.current_time()``."""
-        return self._core.grant_nowait(key, now)
+    def grant_nowait(self, key: str) -> object | None:
+        """The uncontended path of :meth:`slot`, with no schedule point and no ticket: hold a
+        slot under ``key`` if one is free for it now (no earlier waiter, within its limit and
+        the shared pool) and return a handle for :meth:`release_nowait`; else None, with
+        nothing held, queued or refused (then enter :meth:`slot`)."""
+        return self._core.grant_nowait(key)
 
     @enable_ki_protection
-    def release_nowait(self, ticket: Ticket, now: float) -> None:
-        """Give back a slot :meth:`grant_nowait` granted (waiters it frees are woken)."""
-        woken = self._core.release(ticket, now)
+    def release_nowait(self, handle: object, granted_at: float, now: float) -> None:
+        """Give back a slot :meth:`grant_nowait` granted at ``granted_at`` (both times are
+        ``trio.current_time()`` readings); the waiters it frees are woken."""
+        woken = self._core.release_nowait(handle, granted_at, now)
         if woken:
             self._wake(woken)
 
