@@ -296,8 +296,8 @@ class Engine:
             traceparent=traceparent,
         )
         self._dispatcher.start_frames(job, plan)
-        check_admission = getattr(self.pool, "check_admission", None)
-        if admit and check_admission is not None:
+        check_admission = getattr(self.pool, "check_admission", None) if admit else None
+        if check_admission is not None:
             check_admission(job.key, deadline=deadline)
         # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
         jobs = self._plan_jobs.get(generation)
