@@ -40,6 +40,7 @@ from ..pipes._state import check_state, storable_part
 from ._admission import Admission
 from ._boundary import split_outside
 from ._events import BranchDone, Expire, Resume, RunJob
+from ._instep import InStepStage
 from ._job import ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
@@ -84,6 +85,13 @@ class Dispatcher:
             pool, "release_nowait", None
         )
         self._scopes: dict[str, trio.CancelScope] = {}
+        #: Parallel stages running inside their parent's step, by join id (see _instep.py),
+        #: and the ids of their branches that have no record in the store.
+        self.in_step: dict[str, InStepStage] = {}
+        self.unstored: set[str] = set()
+        #: Parents whose in-step stage turned durable: their step no longer owns the record.
+        self.left_to_join: set[str] = set()
+        self._limited: Callable[[str], bool] | None = getattr(pool, "limited", None)
         #: The record each running step works on: the job's own pipes report to it.
         self._running: dict[str, Job] = {}
         # Suspended jobs' deadlines in one heap, served by one task (not a task per job):
@@ -310,6 +318,13 @@ class Dispatcher:
                     del self._scopes[job.id]
                 if self._running.get(job.id) is job:
                     del self._running[job.id]
+            if self.left_to_join and job.id in self.left_to_join:
+                # Its in-step stage turned durable: the record is the join's now, so a step
+                # ended early reads it afresh before ending the job.
+                self.left_to_join.discard(job.id)
+                if not settled:
+                    with trio.CancelScope(shield=True):
+                        job = await self.store.get(job.id)
             if job.status not in TERMINAL and not settled:
                 with trio.CancelScope(shield=True):
                     await self._end_unsettled(job, scope, escaped)
@@ -342,6 +357,11 @@ class Dispatcher:
         except Exception as bug:
             await self._fail_inside(job, bug)
 
+    def limited(self, key: str) -> bool:
+        """Whether work under ``key`` must hold a slot of its own (a pool that cannot say
+        is taken to limit every key)."""
+        return True if self._limited is None else self._limited(key)
+
     def _waited(self, key: str, seconds: float) -> None:
         self.metrics.observe(self.metrics.pool_wait, (self.key_label(key),), seconds)
 
@@ -352,12 +372,13 @@ class Dispatcher:
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
-        nowait = self.nowait
-        if nowait:
-            nowait[1](job)
-        else:
-            await self.store.update(job)  # readers see it running at once
-        self.changed(job)
+        if job.parent is None or job.id not in self.unstored:
+            nowait = self.nowait
+            if nowait:
+                nowait[1](job)
+            else:
+                await self.store.update(job)  # readers see it running at once
+            self.changed(job)
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
         # sequence holding stages walks the cursor's frames (_advance).
@@ -383,12 +404,20 @@ class Dispatcher:
                 await self.finish(job, Status.DONE, result=result, now=now)
                 return now
             if isinstance(pipe, Parallel):
-                await fork(self, job, chain, pipe)  # the slot is released on return
-                return now
+                if not pipe.in_step:
+                    await fork(self, job, chain, pipe)  # the slot is released on return
+                    return now
+                if not await InStepStage(self, job, chain, pipe).run():
+                    return now
+                now = trio.current_time()
+                flat = None
+                continue
             key = pipe.key or chain.key
             if key != held:
                 job.key = key
                 job.transition(Status.QUEUED)
+                if job.parent is not None and job.id in self.unstored:
+                    return now  # an in-step branch: its task takes the next key's slot
                 await self.store.update(job)
                 self.changed(job)
                 self.queue.put_nowait(RunJob(job.id))
@@ -464,11 +493,12 @@ class Dispatcher:
             job.state = ctx.state
         ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        nowait = self.nowait
-        if nowait:
-            nowait[1](job)
-        else:
-            await self.store.update(job)
+        if job.parent is None or job.id not in self.unstored:
+            nowait = self.nowait
+            if nowait:
+                nowait[1](job)
+            else:
+                await self.store.update(job)
         return ended
 
     async def _pipe_failed(
@@ -584,11 +614,13 @@ class Dispatcher:
     async def _suspend(self, job: Job, chain: Chain, suspend: Suspend, path: str) -> bool:
         check_state(job.state)
         holder = await self._mailbox_with(job, suspend.signal)
+        unstored = job.parent is not None and job.id in self.unstored
         if holder is not None:  # it came while we ran: no need to park
             job.state[suspend.into] = holder.signals.pop(suspend.signal)
             if holder is not job:
                 await self.store.update(holder)
-            await self.store.update(job)
+            if not unstored:
+                await self.store.update(job)
             return True
         top = job.frames[-1]
         now = trio.current_time()
@@ -598,7 +630,11 @@ class Dispatcher:
         job.suspend_into = suspend.into
         job.key = self._next_key(job, chain)
         job.transition(Status.SUSPENDED)
-        await self.store.update(job)
+        if unstored:  # an in-step branch must outlive the step: it gets its record now
+            assert job.join_id is not None
+            await self.in_step[job.join_id].outlive(job)
+        else:
+            await self.store.update(job)
         self.changed(job)
         if job.suspend_deadline < math.inf:
             self._expire_at(job.suspend_deadline, job.id, job.version)
@@ -620,7 +656,10 @@ class Dispatcher:
         while current is not None:
             if signal in current.signals:
                 return current
-            current = None if current.parent is None else await self.store.get(current.parent)
+            if current.parent is None:
+                return None
+            # A parent in a step keeps early signals on the step's record.
+            current = self._running.get(current.parent) or await self.store.get(current.parent)
         return None
 
     async def find_waiting(self, job: Job, signal: str) -> Job | None:
@@ -721,7 +760,9 @@ class Dispatcher:
         if scope is not None:
             # The step's own record: its scope also carries pipe deadlines, and this is how
             # the step tells a cancel from a timeout.
-            self._running[job.id].cancel_requested = True
+            running = self._running.get(job.id)
+            if running is not None:
+                running.cancel_requested = True
             scope.cancel()  # the step finishes it once the pipe's cleanup has run
         else:
             await self.finish(
@@ -796,7 +837,13 @@ class Dispatcher:
         if job.join is not None:
             await cancel_branches(self, job)
         if job.parent is not None:
-            await report_branch(self, job)
+            stage = None if job.join_id is None else self.in_step.get(job.join_id)
+            if stage is None or job.id not in self.unstored:
+                await report_branch(self, job)
+            elif stage.durable:
+                await stage.report_late(job)
+            else:
+                await stage.report(job)
 
     @staticmethod
     def _log_end(job: Job, status: Status, level: int, duration: float, where: str) -> None:
@@ -850,7 +897,8 @@ class Dispatcher:
         """The top-level job a branch (at any depth) belongs to."""
         job = self._running.get(job_id) or await self.store.get(job_id)
         while job.parent is not None:
-            job = await self.store.get(job.parent)
+            # A parent in a step (its stage runs there) is the step's record, not the store's.
+            job = self._running.get(job.parent) or await self.store.get(job.parent)
         return job
 
     def callback_url(self, ctx: Context, signal: str, ttl: float) -> str:

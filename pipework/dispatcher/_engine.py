@@ -475,6 +475,9 @@ class _ProbeLane:
     def __init__(self, pool: Admission) -> None:
         self.pool = pool
         self._lane: trio.Lock | None = None
+        limited = getattr(pool, "limited", None)
+        if limited is not None:
+            self.limited = limited
         # The pool's synchronous fast path, when it has one (the dispatcher looks for it).
         grant = getattr(pool, "grant_nowait", None)
         release = getattr(pool, "release_nowait", None)

@@ -120,6 +120,11 @@ class WeightedPool:
             return  # nothing to feed: no clock read, no call into the core
         self._wake(self._core.record(key, trio.current_time(), ok=ok, latency=latency))
 
+    def limited(self, key: str) -> bool:
+        """Whether ``key`` has a limit (static, adaptive, or a pause): work under it that
+        could share another step's slot takes a slot of its own instead, to be counted."""
+        return self._core.limited(key)
+
     def grant_nowait(self, key: str) -> object | None:
         """The uncontended path of :meth:`slot`, with no schedule point and no ticket: hold a
         slot under ``key`` if one is free for it now (no earlier waiter, within its limit and

@@ -473,6 +473,12 @@ class AdmissionCore:
             return self._dispatch(now)
         return []
 
+    def limited(self, key: str) -> bool:
+        """Whether ``key`` has a limit (static or adaptive; a pause is a limit of 0): only
+        then must every piece of its work hold a slot of its own to be counted."""
+        k = self._keys.get(key) or self._add_key(key)
+        return k.weights.limit is not None or k.aimd is not None
+
     def adaptive(self, key: str) -> bool:
         """Whether ``key`` has an adaptive limit (only then does :meth:`record` do anything)."""
         k = self._keys.get(key)

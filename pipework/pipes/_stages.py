@@ -100,6 +100,12 @@ class Parallel:
     def children(self) -> tuple[Serial, ...]:
         return self.branches
 
+    @cached_property
+    def in_step(self) -> bool:
+        """Whether the engine runs this stage inside its parent's step: unless a branch
+        nests another parallel stage or a graph node is detached (see dispatcher/_instep.py)."""
+        return not any(self.detach) and not any(_nests_parallel(b) for b in self.branches)
+
     def new_join(self) -> Join:
         n = len(self.branches)
         if self.kind == "all_of":
@@ -112,6 +118,12 @@ class Parallel:
 
 
 Node = Pipe | Serial | Parallel
+
+
+def _nests_parallel(node: object) -> bool:
+    if isinstance(node, Parallel):
+        return True
+    return isinstance(node, Serial) and any(_nests_parallel(c) for c in node.items)
 
 
 def serial(*items: StageItem, timeout: float | None = None) -> Serial:
