@@ -25,13 +25,13 @@ nodes (which the parent must not wait for), are forked as child jobs (``_paralle
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .._errors import MergeConflict, Rejected
 from ..pipes._join import Decision, Outcome
-from ..pipes._merge import delta, merge
+from ..pipes._merge import delta, merge, packed_state, unpacked_state
 from ..pipes._stages import Chain, Parallel
 from ._boundary import split_outside
 from ._job import Job, JoinRecord, new_job_id
@@ -41,7 +41,6 @@ from ._parallel import (
     _forget_errors,
     _is_job_deadline,
     _stage_error,
-    _start_state,
     branch_outcome,
     report_branch,
 )
@@ -78,6 +77,7 @@ class InStepStage:
         # for: their late results are ignored), or it went durable and the branches that
         # run under this step's slot have ended.
         self._settled = trio.Event()
+        self._packed: bytes | None = None
 
     @cached_property
     def where(self) -> str:
@@ -161,7 +161,7 @@ class InStepStage:
             # Unguessable as the join's id is; a branch needs no random read of its own.
             id=f"{record.id}.{index}",
             chain=parent.chain,
-            state=_start_state(parent.state, record, self.stage, index),
+            state=self._start_state(index),
             correlation_id=parent.correlation_id,
             traceparent=parent.traceparent,
             deadline=record.deadline,
@@ -181,6 +181,20 @@ class InStepStage:
         # In the dispatcher's nursery, not the step's: a loser that is slow to stop must not
         # hold the parent up (its late result is ignored, as a forked branch's is).
         d.spawn(self._run_branch, branch)
+
+    def _start_state(self, index: int) -> dict[str, Any]:
+        """A snapshot of the parent's state (packed once for all the branches; each unpacks
+        its own copy) and, for a graph node, what the nodes it depends on produced."""
+        if self._packed is None:
+            self._packed = packed_state(self.parent.state)
+        state = unpacked_state(self._packed)
+        sources = self.join.start_from(index)
+        if not sources:
+            return state
+        pairs = [(self.stage.names[i], self.record.deltas[i]) for i in sources]
+        return merge(
+            state, pairs, self.stage.merge, where=f"graph node {self.stage.names[index]!r}"
+        )
 
     def _cancel(self, index: int) -> None:
         branch = self.branches.get(index)
@@ -211,7 +225,8 @@ class InStepStage:
             self.record.errors[index] = branch.error
         if branch.exception is not None:  # in the process-local side table, as any branch's
             self.d.branch_errors[branch.id] = branch.exception
-        _callback(self.d, branch, outcome)
+        if self.stage.kind == "graph":
+            _callback(self.d, branch, outcome)
         self._apply(self.join.branch_done(index, outcome))
         await self._record_progress()
 
