@@ -1,5 +1,6 @@
 """Parallel-stage overhead: the per-branch cost of ``all_of(4)`` (each branch a snapshot, a
-child job, a slot, a delta and a merge) against a bare trio nursery running the same four
+task in the parent's step with its cancel scope, a delta and a merge; the whole job's cost,
+parent included, divided by four) against a bare trio nursery running the same four
 awaits."""
 
 from __future__ import annotations

@@ -19,10 +19,18 @@ process-local state beyond the collector.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    values,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -76,6 +84,57 @@ def timeout_buckets(
         if timeout > 0 and math.isfinite(timeout):
             bounds.update((float(timeout), round(timeout * (1 + TIMEOUT_MARGIN), 6)))
     return tuple(sorted(bounds))
+
+
+def _observer(child: Any) -> Callable[[float], None]:
+    """``child.observe`` for one labelled histogram child, cheaper: the bucket is found by
+    bisection instead of a scan over every bound, and an in-process child's values (a float
+    behind a lock each) become plain floats, since only the event loop's thread writes them
+    (a scrape in another thread reads a float, which needs no lock). The same counts, the
+    same values; any other layout (multiprocess mode) takes the child's own ``observe``."""
+    bounds: list[float] = getattr(child, "_upper_bounds", [])  # the child's own layout
+    buckets: list[Any] = getattr(child, "_buckets", [])
+    if not (
+        bounds
+        and len(bounds) == len(buckets)
+        and bounds == sorted(bounds)
+        and all(type(v) is values.MutexValue for v in (child._sum, *buckets))
+    ):
+        return child.observe  # type: ignore[no-any-return]
+    total = child._sum = _PlainValue(child._sum.get())
+    buckets[:] = [_PlainValue(v.get()) for v in buckets]
+
+    def observe(amount: float) -> None:
+        total.value += amount
+        if amount == amount:  # NaN lands in no bucket, as in observe()
+            buckets[bisect_left(bounds, amount)].value += 1
+
+    return observe
+
+
+class _PlainValue:
+    """prometheus-client's value interface over a plain float (see :func:`_observer`)."""
+
+    __slots__ = ("exemplar", "value")
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.exemplar: Any = None
+
+    def inc(self, amount: float) -> None:
+        self.value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self.value = value
+
+    def get(self) -> float:
+        return self.value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self.exemplar = exemplar
+
+    def get_exemplar(self) -> Any:
+        return self.exemplar
 
 
 class _Statistics(Protocol):
@@ -173,14 +232,14 @@ class Metrics:
         self._collector: _StateCollector | None = None
         self._resource_pools: _ResourcePoolCollector | None = None
         # labels() costs more than observe(): keep each labelled child once it exists.
-        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[object, tuple[str, ...]], Callable[[float], None]] = {}
 
     def observe(self, family: Histogram, labels: tuple[str, ...], value: float) -> None:
         """``family.labels(*labels).observe(value)``, with the child cached."""
-        child = self._children.get((family, labels))
-        if child is None:
-            child = self._children[(family, labels)] = family.labels(*labels)
-        child.observe(value)
+        observe = self._children.get((family, labels))
+        if observe is None:
+            observe = self._children[(family, labels)] = _observer(family.labels(*labels))
+        observe(value)
 
     def watch(
         self,

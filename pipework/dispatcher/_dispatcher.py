@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from types import CoroutineType
 from typing import Any, Final
 
-import cachetools
 import trio
 
 from .._errors import (
@@ -41,12 +40,14 @@ from ..pipes._state import check_state, storable_part
 from ._admission import Admission
 from ._boundary import split_outside
 from ._events import BranchDone, Expire, Resume, RunJob
+from ._instep import InStepStage
 from ._job import ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
+from ._retained import Retained
 from ._status import TERMINAL, Status
-from ._store import JobStore
+from ._store import JobStore, nowait_access
 
 __all__ = ["INTERNAL_PLAN", "Dispatcher"]
 
@@ -77,7 +78,20 @@ class Dispatcher:
         self.metrics = metrics
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
+        #: The store's and the pool's synchronous fast paths, when they offer them.
+        self.nowait = nowait_access(store)
+        self._grant: Callable[[str], object | None] | None = getattr(pool, "grant_nowait", None)
+        self._release: Callable[[object, float, float], None] | None = getattr(
+            pool, "release_nowait", None
+        )
         self._scopes: dict[str, trio.CancelScope] = {}
+        #: Parallel stages running inside their parent's step, by join id (see _instep.py),
+        #: and the ids of their branches that have no record in the store.
+        self.in_step: dict[str, InStepStage] = {}
+        self.unstored: set[str] = set()
+        #: Parents whose in-step stage turned durable: their step no longer owns the record.
+        self.left_to_join: set[str] = set()
+        self._limited: Callable[[str], bool] | None = getattr(pool, "limited", None)
         #: The record each running step works on: the job's own pipes report to it.
         self._running: dict[str, Job] = {}
         # Suspended jobs' deadlines in one heap, served by one task (not a task per job):
@@ -90,10 +104,8 @@ class Dispatcher:
         #: The exception objects of failed jobs, for ``Engine.wait`` to raise as they are: a
         #: record read back from a store has only their type, message and stage path. Kept
         #: as long as finished records are, and only in the process that ran the job.
-        self.exceptions: cachetools.TTLCache[str, BaseException] = cachetools.TTLCache(
-            maxsize=getattr(store, "retain_count", 10_000),
-            ttl=getattr(store, "retain_seconds", 3600.0),
-            timer=trio.current_time,
+        self.exceptions: Retained[BaseException] = Retained(
+            getattr(store, "retain_count", 10_000), getattr(store, "retain_seconds", 3600.0)
         )
         #: Exception objects of ended branches, until their join takes them (in-process only).
         self.branch_errors: dict[str, BaseException] = {}
@@ -124,9 +136,13 @@ class Dispatcher:
             nursery.start_soon(self._expire_when_due)
             task_status.started()
             handlers = self._handlers
+            step, start_soon = self._step, nursery.start_soon
             while True:
                 for event in await self.queue.get_batch():
                     try:
+                        if type(event) is RunJob or type(event) is Resume:
+                            start_soon(step, event)  # the common event, without a handler call
+                            continue
                         await handlers[type(event)](event)
                     except Exception as exc:
                         # A bug in one event's bookkeeping must not stop every other job:
@@ -246,7 +262,8 @@ class Dispatcher:
         acked = False
         try:
             try:
-                job = await self.store.get(event.job_id)
+                nowait = self.nowait
+                job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
             if job.status is not Status.QUEUED:
@@ -256,26 +273,44 @@ class Dispatcher:
             self._running[job.id] = job
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
-            waited = trio.current_time()
+            now = trio.current_time()
             try:
                 with scope:
-                    # A resumed job carries an outside fact (a payment, an approval): it waits
-                    # out the load up to its deadline rather than be refused, as does a job
-                    # admitted when it was accepted (an async job's 202). Every other step
-                    # fails fast under load, as the pool's bounds intend.
-                    continuing = isinstance(event, Resume) or job.admitted
-                    slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
-                    try:
-                        async with slot:
+                    # The uncontended grant: no schedule point (the step's task has just been
+                    # scheduled) and no context manager; a step that would wait or be
+                    # refused takes the pool's ``slot`` below.
+                    held = None if self._grant is None else self._grant(job.key)
+                    if held is not None:
+                        ended = None
+                        try:
                             self.queue.ack(event)
                             acked = True
-                            self._waited(job.key, waited)
-                            await self._run_held(job)
+                            self._waited(job.key, 0.0)
+                            ended = await self._run_held(job, now)
                             settled = True
-                    except Rejected as exc:
-                        self._waited(job.key, waited)
-                        self.note(exc, job, f"admission key {job.key!r}")
-                        await self.finish(job, Status.FAILED, exc=exc)
+                        finally:
+                            assert self._release is not None
+                            end = trio.current_time() if ended is None else ended
+                            self._release(held, now, end)
+                    else:
+                        # A resumed job carries an outside fact (a payment, an approval): it
+                        # waits out the load up to its deadline rather than be refused, as
+                        # does a job admitted when it was accepted (an async job's 202).
+                        # Every other step fails fast under load, as the pool's bounds intend.
+                        continuing = isinstance(event, Resume) or job.admitted
+                        slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
+                        try:
+                            async with slot:
+                                self.queue.ack(event)
+                                acked = True
+                                granted = trio.current_time()
+                                self._waited(job.key, granted - now)
+                                await self._run_held(job, granted)
+                                settled = True
+                        except Rejected as exc:
+                            self._waited(job.key, trio.current_time() - now)
+                            self.note(exc, job, f"admission key {job.key!r}")
+                            await self.finish(job, Status.FAILED, exc=exc)
             except BaseException as exc:  # the step boundary: what belongs outside is re-raised
                 escaped = exc
             finally:
@@ -283,6 +318,13 @@ class Dispatcher:
                     del self._scopes[job.id]
                 if self._running.get(job.id) is job:
                     del self._running[job.id]
+            if self.left_to_join and job.id in self.left_to_join:
+                # Its in-step stage turned durable: the record is the join's now, so a step
+                # ended early reads it afresh before ending the job.
+                self.left_to_join.discard(job.id)
+                if not settled:
+                    with trio.CancelScope(shield=True):
+                        job = await self.store.get(job.id)
             if job.status not in TERMINAL and not settled:
                 with trio.CancelScope(shield=True):
                     await self._end_unsettled(job, scope, escaped)
@@ -315,20 +357,43 @@ class Dispatcher:
         except Exception as bug:
             await self._fail_inside(job, bug)
 
-    def _waited(self, key: str, since: float) -> None:
-        self.metrics.observe(
-            self.metrics.pool_wait, (self.key_label(key),), trio.current_time() - since
-        )
+    def limited(self, key: str) -> bool:
+        """Whether work under ``key`` must hold a slot of its own (a pool that cannot say
+        is taken to limit every key)."""
+        return True if self._limited is None else self._limited(key)
 
-    async def _run_held(self, job: Job) -> None:
-        """Run pipes while they share the held slot's key."""
+    def _waited(self, key: str, seconds: float) -> None:
+        self.metrics.observe(self.metrics.pool_wait, (self.key_label(key),), seconds)
+
+    async def _run_held(self, job: Job, now: float) -> float:
+        """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
+        each pipe's end is the next one's start, so a step reads the clock once per pipe.
+        Returns the last clock read."""
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
-        await self.store.update(job)  # readers see it running at once
-        self.changed(job)
+        if job.parent is None or job.id not in self.unstored:
+            nowait = self.nowait
+            if nowait:
+                nowait[1](job)
+            else:
+                await self.store.update(job)  # readers see it running at once
+            self.changed(job)
+        frames = job.frames
+        # A flat sequence of pipes (most chains, most branches) is walked as a list; a
+        # sequence holding stages walks the cursor's frames (_advance).
+        flat = chain.node_at(job.root).flat if len(frames) == 1 else None  # type: ignore[union-attr]
         while True:
-            pipe = self._advance(job, chain)
+            pipe: Pipe | Parallel | None
+            if flat is not None:
+                index = frames[0].index
+                if index < len(flat):
+                    pipe = flat[index]
+                else:
+                    frames.pop()
+                    pipe = None
+            else:
+                pipe = self._advance(job, chain)
             if pipe is None:
                 if job.parent is not None:
                     result = None  # a branch's result is its delta, sent to the join
@@ -336,42 +401,50 @@ class Dispatcher:
                     result = job.state
                 else:
                     result = job.state.get(chain.result)
-                await self.finish(job, Status.DONE, result=result)
-                return
+                await self.finish(job, Status.DONE, result=result, now=now)
+                return now
             if isinstance(pipe, Parallel):
-                await fork(self, job, chain, pipe)  # the slot is released on return
-                return
+                if not pipe.in_step:
+                    await fork(self, job, chain, pipe)  # the slot is released on return
+                    return now
+                if not await InStepStage(self, job, chain, pipe).run():
+                    return now
+                now = trio.current_time()
+                flat = None
+                continue
             key = pipe.key or chain.key
             if key != held:
                 job.key = key
                 job.transition(Status.QUEUED)
+                if job.parent is not None and job.id in self.unstored:
+                    return now  # an in-step branch: its task takes the next key's slot
                 await self.store.update(job)
                 self.changed(job)
                 self.queue.put_nowait(RunJob(job.id))
-                log_job(
-                    "job handed off",
-                    correlation_id=job.correlation_id,
-                    job_id=job.id,
-                    route=job.chain,
-                    key=key,
-                    status=job.status.value,
-                )
-                return
-            if not await self._run_pipe(job, chain, pipe):
-                return
+                if job_logger.isEnabledFor(logging.INFO):
+                    log_job(
+                        "job handed off",
+                        correlation_id=job.correlation_id,
+                        job_id=job.id,
+                        route=job.chain,
+                        key=key,
+                        status=job.status.value,
+                    )
+                return now
+            ended = await self._run_pipe(job, chain, pipe, now)
+            if ended is None:
+                return now
+            now = ended
+            if len(frames) != 1:
+                flat = None
 
-    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe) -> bool:
-        """Run one pipe; True to go on, False when the step ended (failure or suspension).
-        Cancellation of the step travels on; every other outcome of the pipe ends here."""
-        position = self.path_of(job)
-
-        def describe() -> str:  # formatted only when asked for: errors, logs, ctx.path
-            return chain.describe(position, pipe)
-
+    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe, started: float) -> float | None:
+        """Run one pipe; the clock at its end to go on, None when the step ended (failure or
+        suspension). Cancellation of the step travels on; every other outcome of the pipe
+        ends here."""
         top = job.frames[-1]
-        started = trio.current_time()
         pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
-        deadline = min(pipe_deadline, top.deadline)
+        deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
         # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
         # adopted only if it ends in time and uncancelled.
         ctx = Context(
@@ -380,42 +453,57 @@ class Dispatcher:
             correlation_id=job.correlation_id,
             chain=chain.name,
             pipe=pipe,
-            describe=describe,
+            where=chain,
+            position=self.path_of(job),
             key=job.key,
             deadline=deadline,
             ops=self,
             traceparent=job.traceparent,
         )
         try:
-            await self._call(pipe, ctx, job)
+            if deadline == math.inf:
+                await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
+                # A pipe that swallowed the step's cancellation (or a thread that could not
+                # see it) must not carry on as if it had not come.
+                await trio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await self._call_within(pipe, ctx, job)
             check_state(ctx.state)
         except Suspend as suspend:
-            self._pipe_ended(job, pipe, started, "suspended")
+            ended = self._pipe_ended(job, pipe, started, "suspended")
             top.index += 1
-            return await self._suspend(job, chain, suspend, describe())
+            # A signal that came while the pipe ran lets the step go on at once.
+            return ended if await self._suspend(job, chain, suspend, ctx.path) else None
         except _Timeout:
-            timeout = self._timeout(job, chain, pipe_deadline, top, describe())
+            timeout = self._timeout(job, chain, pipe_deadline, top, ctx.path)
             # The step's scope stays cancelled once a deadline passed: record the end shielded.
             with trio.CancelScope(shield=True):
-                return await self._pipe_failed(job, pipe, started, timeout, describe())
+                await self._pipe_failed(job, pipe, started, timeout, ctx.path)
+            return None
         except BaseException as raised:  # sorted out here: cancellation, or the job's error
-            cancellation = _cancellation_in(raised, describe)
+            cancellation = _cancellation_in(raised, lambda: ctx.path)
             if cancellation is not None:
                 # The step's (or the engine's) cancellation: the step boundary ends the job.
                 self._pipe_ended(job, pipe, started, "cancelled")
                 raise cancellation from None
-            exc = _pipe_error(raised, describe())
-            return await self._pipe_failed(job, pipe, started, exc, describe())
+            exc = _pipe_error(raised, ctx.path)
+            await self._pipe_failed(job, pipe, started, exc, ctx.path)
+            return None
         if pipe.blocking:
             job.state = ctx.state
-        self._pipe_ended(job, pipe, started, "ok")
+        ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        await self.store.update(job)
-        return True
+        if job.parent is None or job.id not in self.unstored:
+            nowait = self.nowait
+            if nowait:
+                nowait[1](job)
+            else:
+                await self.store.update(job)
+        return ended
 
     async def _pipe_failed(
         self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str
-    ) -> bool:
+    ) -> None:
         outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
         if isinstance(exc, StateError):
             exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
@@ -425,14 +513,15 @@ class Dispatcher:
         self.note(exc, job, path)
         status = Status.EXPIRED if _is_job_timeout(exc) else Status.FAILED
         await self.finish(job, status, exc=exc, where=where)
-        return False
 
     def _pipe_ended(
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
-    ) -> None:
+    ) -> float:
+        """Measure, record and log a pipe's end; returns the clock read at its end."""
+        now = trio.current_time()
         if job.plan == INTERNAL_PLAN:
-            return  # the engine's own probe: no user pipe to measure, nothing to learn
-        duration = trio.current_time() - started
+            return now  # the engine's own probe: no user pipe to measure, nothing to learn
+        duration = now - started
         self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
         # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
         # bug in a pipe says nothing about the backend's capacity; a cancel says nothing.
@@ -442,7 +531,7 @@ class Dispatcher:
             self.pool.record(job.key, ok=False, latency=duration)
         level = logging.WARNING if exc is not None else logging.INFO
         if not job_logger.isEnabledFor(level):
-            return  # the common case: skip building the record's fields
+            return now  # the common case: skip building the record's fields
         log_job(
             "pipe ended",
             level,
@@ -465,15 +554,10 @@ class Dispatcher:
             outcome=outcome,
             error=None if exc is None else f"{type(exc).__name__}: {exc}",
         )
+        return now
 
-    async def _call(self, pipe: Pipe, ctx: Context, job: Job) -> None:
+    async def _call_within(self, pipe: Pipe, ctx: Context, job: Job) -> None:
         """Run the pipe within ``ctx.deadline``; raise _Timeout if that limit ran out."""
-        if ctx.deadline == math.inf:
-            await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
-            # A pipe that swallowed the step's cancellation (or a thread that could not see
-            # it) must not carry on as if it had not come.
-            await trio.lowlevel.checkpoint_if_cancelled()
-            return
         # The step's own scope carries the pipe's limit: one scope per step, not one more
         # per pipe. A cancel marks the record first, which is how the two are told apart.
         scope = self._scopes[job.id]
@@ -530,11 +614,13 @@ class Dispatcher:
     async def _suspend(self, job: Job, chain: Chain, suspend: Suspend, path: str) -> bool:
         check_state(job.state)
         holder = await self._mailbox_with(job, suspend.signal)
+        unstored = job.parent is not None and job.id in self.unstored
         if holder is not None:  # it came while we ran: no need to park
             job.state[suspend.into] = holder.signals.pop(suspend.signal)
             if holder is not job:
                 await self.store.update(holder)
-            await self.store.update(job)
+            if not unstored:
+                await self.store.update(job)
             return True
         top = job.frames[-1]
         now = trio.current_time()
@@ -544,7 +630,11 @@ class Dispatcher:
         job.suspend_into = suspend.into
         job.key = self._next_key(job, chain)
         job.transition(Status.SUSPENDED)
-        await self.store.update(job)
+        if unstored:  # an in-step branch must outlive the step: it gets its record now
+            assert job.join_id is not None
+            await self.in_step[job.join_id].outlive(job)
+        else:
+            await self.store.update(job)
         self.changed(job)
         if job.suspend_deadline < math.inf:
             self._expire_at(job.suspend_deadline, job.id, job.version)
@@ -566,7 +656,10 @@ class Dispatcher:
         while current is not None:
             if signal in current.signals:
                 return current
-            current = None if current.parent is None else await self.store.get(current.parent)
+            if current.parent is None:
+                return None
+            # A parent in a step keeps early signals on the step's record.
+            current = self._running.get(current.parent) or await self.store.get(current.parent)
         return None
 
     async def find_waiting(self, job: Job, signal: str) -> Job | None:
@@ -667,7 +760,9 @@ class Dispatcher:
         if scope is not None:
             # The step's own record: its scope also carries pipe deadlines, and this is how
             # the step tells a cancel from a timeout.
-            self._running[job.id].cancel_requested = True
+            running = self._running.get(job.id)
+            if running is not None:
+                running.cancel_requested = True
             scope.cancel()  # the step finishes it once the pipe's cleanup has run
         else:
             await self.finish(
@@ -682,11 +777,13 @@ class Dispatcher:
         result: Any = None,
         exc: BaseException | None = None,
         where: str = "",
+        now: float | None = None,
     ) -> None:
+        """End ``job`` with ``status`` (``now``: the caller's clock read, if it has one)."""
         if job.status in TERMINAL:
             return
         try:
-            await self._record_end(job, status, result, exc, where)
+            await self._record_end(job, status, result, exc, where, now)
         finally:
             # Whoever waits hears of the end even if recording it failed.
             if self.on_finished is not None and job.parent is None:
@@ -699,7 +796,13 @@ class Dispatcher:
                 waiter.set()
 
     async def _record_end(
-        self, job: Job, status: Status, result: Any, exc: BaseException | None, where: str
+        self,
+        job: Job,
+        status: Status,
+        result: Any,
+        exc: BaseException | None,
+        where: str,
+        now: float | None,
     ) -> None:
         previous = job.status
         job.transition(status)
@@ -710,23 +813,43 @@ class Dispatcher:
         elif exc is not None:
             job.exception = exc
             if job.parent is None:
-                self.exceptions[job.id] = exc
+                self.exceptions.put(job.id, exc, trio.current_time())
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
         if job.parent is None:  # a branch's record is dropped once it reports
             try:
-                await self.store.update(job)
+                nowait = self.nowait
+                if nowait:
+                    nowait[1](job)
+                else:
+                    await self.store.update(job)
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
         self.changed(job)
-        duration = trio.current_time() - job.accepted_at
+        duration = (trio.current_time() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
+        level = logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING
+        if job_logger.isEnabledFor(level):
+            self._log_end(job, status, level, duration, where)
+        if job.join is not None:
+            await cancel_branches(self, job)
+        if job.parent is not None:
+            stage = None if job.join_id is None else self.in_step.get(job.join_id)
+            if stage is None or job.id not in self.unstored:
+                await report_branch(self, job)
+            elif stage.durable:
+                await stage.report_late(job)
+            else:
+                await stage.report(job)
+
+    @staticmethod
+    def _log_end(job: Job, status: Status, level: int, duration: float, where: str) -> None:
         log_job(
             "job finished" if job.parent is None else "branch finished",
-            logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING,
+            level,
             None,
             correlation_id=job.correlation_id,
             job_id=job.id,
@@ -737,10 +860,6 @@ class Dispatcher:
             stage=where or None,
             error=None if job.error is None else f"{job.error.type}: {job.error.message}",
         )
-        if job.join is not None:
-            await cancel_branches(self, job)
-        if job.parent is not None:
-            await report_branch(self, job)
 
     async def wait_finished(self, job_id: str) -> None:
         waiter = self._waiters.setdefault(job_id, trio.Event())
@@ -778,7 +897,8 @@ class Dispatcher:
         """The top-level job a branch (at any depth) belongs to."""
         job = self._running.get(job_id) or await self.store.get(job_id)
         while job.parent is not None:
-            job = await self.store.get(job.parent)
+            # A parent in a step (its stage runs there) is the step's record, not the store's.
+            job = self._running.get(job.parent) or await self.store.get(job.parent)
         return job
 
     def callback_url(self, ctx: Context, signal: str, ttl: float) -> str:
@@ -838,18 +958,18 @@ class _Timeout(Exception):
     """The pipe's deadline (its own, a stage's or the job's) ran out."""
 
 
-async def _invoke(pipe: Pipe, ctx: Context) -> None:
+def _invoke(pipe: Pipe, ctx: Context) -> Awaitable[None]:
+    """The pipe's awaitable, for the step to await directly: one coroutine frame fewer on
+    every resume."""
     if pipe.blocking:
-        await pipe.run(ctx)
-        return
-    # Async pipes are awaited directly: one coroutine frame fewer on every resume.
+        return pipe.run(ctx)
     awaitable = pipe.fn(ctx)
     if type(awaitable) is not CoroutineType and not inspect.isawaitable(awaitable):
         raise PipeContractError(
             f"pipe {pipe.name!r} returned {type(awaitable).__name__}, not an awaitable; "
             "a pipe is an `async def` (or declared blocking=True)"
         )
-    await awaitable
+    return awaitable
 
 
 def _cancellation_in(raised: BaseException, describe: Callable[[], str]) -> BaseException | None:

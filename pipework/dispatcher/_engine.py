@@ -3,9 +3,11 @@ worker pool and the dispatcher, and runs them in its own nursery while it is ope
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -21,7 +23,7 @@ from .._errors import (
     Overloaded,
     SignalError,
 )
-from .._logging import log_job
+from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._catalogue import Catalogue
 from ..pipes._pipe import Context, Pipe, PipeFunction
@@ -30,7 +32,7 @@ from ..pipes._state import check_state, check_value
 from ._admission import Admission
 from ._dispatcher import INTERNAL_PLAN, Dispatcher
 from ._events import RunJob
-from ._job import Job, JobView, hash_token, new_correlation_id, new_job_id
+from ._job import Job, JobView, hash_token, new_ids
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
@@ -109,6 +111,7 @@ class Engine:
         # The active top-level jobs of each user plan: a replaced plan with none left is
         # retired (dropped, and whoever waits in wait_plan_retired is told).
         self._plan_jobs: dict[int, set[str]] = {1: set()}
+        self._generation = 1  # the newest plan's
         self._retired: dict[int, trio.Event] = {}
         self._dispatcher.on_finished = self._job_finished
         self.metrics.watch(
@@ -123,12 +126,12 @@ class Engine:
     @property
     def plan_generation(self) -> int:
         """Which plan (registry) new jobs run on: 1 at start, one more per swap."""
-        return max(self._dispatcher.plans)
+        return self._generation
 
     def swap_registry(self, registry: Catalogue) -> int:
         """Run new jobs on ``registry`` from now on, in one step; jobs already accepted
         finish on the plan they started with. Returns the new plan generation."""
-        generation = self.plan_generation + 1
+        generation = self._generation = self._generation + 1
         self._dispatcher.plans[generation] = registry
         self._plan_jobs[generation] = set()
         self.registry = registry
@@ -276,11 +279,15 @@ class Engine:
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
         now = trio.current_time()
         deadline = math.inf if limit is None else now + limit
+        wall = time.time()
+        job_id, new_correlation = new_ids()
         job = Job(
-            id=new_job_id(),
+            id=job_id,
             chain=chain,
             state=state,
-            correlation_id=correlation_id or new_correlation_id(),
+            correlation_id=correlation_id or new_correlation,
+            created_at=wall,
+            updated_at=wall,
             deadline=deadline,
             token_hash=None if token is None else hash_token(token),
             accepted_at=now,
@@ -289,15 +296,19 @@ class Engine:
             traceparent=traceparent,
         )
         self._dispatcher.start_frames(job, plan)
-        check_admission = getattr(self.pool, "check_admission", None)
-        if admit and check_admission is not None:
+        check_admission = getattr(self.pool, "check_admission", None) if admit else None
+        if check_admission is not None:
             check_admission(job.key, deadline=deadline)
         # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
         jobs = self._plan_jobs.get(generation)
         if jobs is not None:
             jobs.add(job.id)
         try:
-            await self.store.create(job)
+            nowait = self._dispatcher.nowait
+            if nowait:
+                nowait[2](job)
+            else:
+                await self.store.create(job)
             try:
                 self.queue.submit_nowait(RunJob(job.id))
             except Overloaded:
@@ -311,22 +322,26 @@ class Engine:
         self._changed(job)
         if stream:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
-        log_job(
-            "job accepted",
-            correlation_id=job.correlation_id,
-            job_id=job.id,
-            route=chain,
-            key=job.key,
-            status=job.status.value,
-        )
+        if job_logger.isEnabledFor(logging.INFO):
+            log_job(
+                "job accepted",
+                correlation_id=job.correlation_id,
+                job_id=job.id,
+                route=chain,
+                key=job.key,
+                status=job.status.value,
+            )
         return job.id
 
     async def wait(self, job_id: str) -> Any:
         """Wait for the job to end: its result, or its original exception raised here."""
-        job = await self.store.get(job_id)
+        nowait = self._dispatcher.nowait
+        job = nowait[0](job_id) if nowait else await self.store.get(job_id)
         while job.status not in TERMINAL:
             await self._dispatcher.wait_finished(job_id)
-            job = await self.store.get(job_id)
+            job = nowait[0](job_id) if nowait else await self.store.get(job_id)
+        if job.status is Status.DONE:
+            return job.result
         return _outcome(job, self._dispatcher.exceptions.get(job_id))
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -460,6 +475,15 @@ class _ProbeLane:
     def __init__(self, pool: Admission) -> None:
         self.pool = pool
         self._lane: trio.Lock | None = None
+        limited = getattr(pool, "limited", None)
+        if limited is not None:
+            self.limited = limited
+        # The pool's synchronous fast path, when it has one (the dispatcher looks for it).
+        grant = getattr(pool, "grant_nowait", None)
+        release = getattr(pool, "release_nowait", None)
+        if grant is not None and release is not None:
+            self.grant_nowait = functools.partial(_grant_unless_probe, grant)
+            self.release_nowait = release
 
     def slot(
         self, key: str, *, deadline: float = math.inf, continuing: bool = False
@@ -478,6 +502,10 @@ class _ProbeLane:
     def record(self, key: str, *, ok: bool, latency: float) -> None:
         if key != PROBE_KEY:
             self.pool.record(key, ok=ok, latency=latency)
+
+
+def _grant_unless_probe(grant: Callable[[str], object | None], key: str) -> object | None:
+    return None if key == PROBE_KEY else grant(key)
 
 
 def _outcome(job: Job, exception: BaseException | None) -> Any:

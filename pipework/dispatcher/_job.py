@@ -10,6 +10,7 @@ plain data too.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 import secrets
@@ -22,7 +23,16 @@ from ..pipes._join import Join
 from ..pipes._merge import Delta
 from ._status import Status, check_transition
 
-__all__ = ["ErrorInfo", "Frame", "Job", "JobView", "JoinRecord", "Progress", "new_job_id"]
+__all__ = [
+    "ErrorInfo",
+    "Frame",
+    "Job",
+    "JobView",
+    "JoinRecord",
+    "Progress",
+    "new_ids",
+    "new_job_id",
+]
 
 _JOIN_RECORD_VERSION: Final = 1
 
@@ -30,6 +40,13 @@ _JOIN_RECORD_VERSION: Final = 1
 def new_job_id() -> str:
     """128 random bits, URL-safe: unguessable, so an id alone reveals nothing."""
     return secrets.token_urlsafe(16)
+
+
+def new_ids() -> tuple[str, str]:
+    """A job id (as :func:`new_job_id`) and a correlation id (as :func:`new_correlation_id`)
+    from one read of the system's random source."""
+    raw = secrets.token_bytes(32)
+    return base64.urlsafe_b64encode(raw[:16]).rstrip(b"=").decode(), raw[16:].hex()
 
 
 def new_correlation_id() -> str:

@@ -228,6 +228,10 @@ async def _continue(
 
 
 async def _cancel_branch(d: Dispatcher, child_id: str) -> None:
+    running = d._running.get(child_id)
+    if running is not None and running.parent is not None:  # a branch running in a step
+        await d.cancel(running)
+        return
     try:
         child = await d.store.get(child_id)
     except JobNotFound:
@@ -249,6 +253,12 @@ def _error_of(d: Dispatcher, record: JoinRecord, index: int) -> BaseException:
     what its record says."""
     child_id = record.children.get(index)
     exception = None if child_id is None else d.branch_errors.get(child_id)
+    return _error_of_exception(exception, record, index)
+
+
+def _error_of_exception(
+    exception: BaseException | None, record: JoinRecord, index: int
+) -> BaseException:
     if exception is not None:
         return exception
     error = record.errors.get(index)

@@ -10,7 +10,7 @@ can answer 410 rather than 404).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import trio
@@ -19,7 +19,11 @@ from .._errors import JobGone, JobNotFound
 from ._job import Job
 from ._status import TERMINAL, Status
 
-__all__ = ["JobGone", "JobStore", "MemoryJobStore"]
+__all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess", "nowait_access"]
+
+#: ``(get, update, create)`` as plain calls: a store's synchronous fast path (see
+#: :func:`nowait_access`).
+NowaitAccess = tuple[Callable[[str], Job], Callable[[Job], None], Callable[[Job], None]]
 
 
 class JobStore(Protocol):
@@ -36,6 +40,15 @@ class JobStore(Protocol):
     async def delete(self, job_id: str) -> None: ...
 
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]: ...
+
+
+def nowait_access(store: JobStore) -> NowaitAccess | None:
+    """The store's synchronous ``get``/``update``/``create``, if it offers them
+    (``nowait_access()``); None for any other store, which the engine then awaits as the
+    protocol says. Only an in-process store can answer without waiting; the engine works
+    with any JobStore."""
+    offer = getattr(store, "nowait_access", None)
+    return None if offer is None else offer()
 
 
 class MemoryJobStore:
@@ -63,6 +76,9 @@ class MemoryJobStore:
         self._tombstones = tombstones
 
     async def create(self, job: Job) -> None:
+        self.create_nowait(job)
+
+    def create_nowait(self, job: Job) -> None:
         # Ids are 128 random bits: only a caller reusing a record can collide, and it would
         # do so with an active job.
         if job.id in self._active:
@@ -88,7 +104,22 @@ class MemoryJobStore:
             )
         raise JobNotFound(f"no job with id {job_id!r}")
 
+    def nowait_access(self) -> NowaitAccess | None:
+        """``(get_nowait, update_nowait, create_nowait)``: the engine's fast path, taken only
+        while this class's async ``get``/``update``/``create`` are exactly these. A subclass
+        that overrides any of them (a store handing out copies, say) opts out, and is
+        awaited like any store."""
+        cls = type(self)
+        base = MemoryJobStore
+        names = ("get", "get_nowait", "update", "update_nowait", "create", "create_nowait")
+        if any(getattr(cls, n) is not getattr(base, n) for n in names):
+            return None
+        return self.get_nowait, self.update_nowait, self.create_nowait
+
     async def update(self, job: Job) -> None:
+        self.update_nowait(job)
+
+    def update_nowait(self, job: Job) -> None:
         job.version += 1
         if job.status in TERMINAL:
             if self._active.pop(job.id, None) is not None:

@@ -114,7 +114,31 @@ class WeightedPool:
         ``ok=False`` for errors and timeouts that point at the key's backend; ``latency`` in
         seconds. Call it while still holding the slot, once per step; skip cancelled steps.
         """
+        if not self._core.adaptive(key):
+            if not latency >= 0:
+                raise ValueError(f"latency must be 0 or more seconds, got {latency}")
+            return  # nothing to feed: no clock read, no call into the core
         self._wake(self._core.record(key, trio.current_time(), ok=ok, latency=latency))
+
+    def limited(self, key: str) -> bool:
+        """Whether ``key`` has a limit (static, adaptive, or a pause): work under it that
+        could share another step's slot takes a slot of its own instead, to be counted."""
+        return self._core.limited(key)
+
+    def grant_nowait(self, key: str) -> object | None:
+        """The uncontended path of :meth:`slot`, with no schedule point and no ticket: hold a
+        slot under ``key`` if one is free for it now (no earlier waiter, within its limit and
+        the shared pool) and return a handle for :meth:`release_nowait`; else None, with
+        nothing held, queued or refused (then enter :meth:`slot`)."""
+        return self._core.grant_nowait(key)
+
+    @enable_ki_protection
+    def release_nowait(self, handle: object, granted_at: float, now: float) -> None:
+        """Give back a slot :meth:`grant_nowait` granted at ``granted_at`` (both times are
+        ``trio.current_time()`` readings); the waiters it frees are woken."""
+        woken = self._core.release_nowait(handle, granted_at, now)
+        if woken:
+            self._wake(woken)
 
     def statistics(self) -> PoolStatistics:
         return self._core.statistics(trio.current_time())

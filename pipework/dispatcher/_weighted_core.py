@@ -350,6 +350,23 @@ class AdmissionCore:
             self._enqueue(k, ticket, now, deadline)
         return ticket
 
+    def grant_nowait(self, key: str) -> object | None:
+        """Hold a slot under ``key`` if ``acquire`` would grant one at once, with no ticket;
+        else None (nothing held, queued or refused: the caller then calls ``acquire``).
+        Returns the handle :meth:`release_nowait` takes back."""
+        k = self._keys.get(key) or self._add_key(key)
+        if k.queue or not self._fits(k):
+            return None
+        self._take(k)
+        return k
+
+    def release_nowait(self, handle: object, granted_at: float, now: float) -> list[Ticket]:
+        """Give back a slot :meth:`grant_nowait` granted at ``granted_at``; returns the
+        waiters granted in its place."""
+        assert isinstance(handle, _Key)
+        self._hold_sample(handle, now - granted_at)
+        return self._give_back(handle, now)
+
     def check_admission(self, key: str, now: float, *, deadline: float = math.inf) -> None:
         """Raise the :class:`Rejected` a new step under ``key`` would get now (paused, queue
         full, or a predicted wait past ``deadline``); return if it would be granted or queued.
@@ -385,9 +402,12 @@ class AdmissionCore:
         if ticket.state is not TicketState.GRANTED:
             raise RuntimeError(f"cannot release {ticket!r}: it does not hold a slot")
         k = ticket._key
-        hold = now - ticket.granted_at
-        k.hold_avg = hold if k.hold_avg is None else k.hold_avg + _HOLD_ALPHA * (hold - k.hold_avg)
+        self._hold_sample(k, now - ticket.granted_at)
         return self._free(k, ticket, now)
+
+    @staticmethod
+    def _hold_sample(k: _Key, hold: float) -> None:
+        k.hold_avg = hold if k.hold_avg is None else k.hold_avg + _HOLD_ALPHA * (hold - k.hold_avg)
 
     def cancel(self, ticket: Ticket, now: float) -> list[Ticket]:
         """The requester went away: withdraw a waiter, or give back a grant it never used."""
@@ -452,6 +472,17 @@ class AdmissionCore:
         if k.effective > before and k.queue:
             return self._dispatch(now)
         return []
+
+    def limited(self, key: str) -> bool:
+        """Whether ``key`` has a limit (static or adaptive; a pause is a limit of 0): only
+        then must every piece of its work hold a slot of its own to be counted."""
+        k = self._keys.get(key) or self._add_key(key)
+        return k.weights.limit is not None or k.aimd is not None
+
+    def adaptive(self, key: str) -> bool:
+        """Whether ``key`` has an adaptive limit (only then does :meth:`record` do anything)."""
+        k = self._keys.get(key)
+        return k is not None and k.aimd is not None
 
     def reconfigure(self, config: PoolConfig, now: float) -> list[Ticket]:
         """Swap ``config`` in; returns the waiters it settles (granted, or rejected if their
@@ -557,16 +588,22 @@ class AdmissionCore:
         return held < k.reserve or self._shared_in_use < self._shared_pool
 
     def _grant(self, k: _Key, ticket: Ticket, now: float) -> None:
+        self._take(k)
+        ticket.state = TicketState.GRANTED
+        ticket.granted_at = now
+
+    def _take(self, k: _Key) -> None:
         if k.held >= k.reserve:
             self._shared_in_use += 1
         k.held += 1
         k.admitted += 1
         self._in_use += 1
-        ticket.state = TicketState.GRANTED
-        ticket.granted_at = now
 
     def _free(self, k: _Key, ticket: Ticket, now: float) -> list[Ticket]:
         ticket.state = TicketState.RELEASED
+        return self._give_back(k, now)
+
+    def _give_back(self, k: _Key, now: float) -> list[Ticket]:
         k.held -= 1
         self._in_use -= 1
         if k.held >= k.reserve:

@@ -52,8 +52,10 @@ __all__ = [
     "MergeRule",
     "delta",
     "merge",
+    "packed_state",
     "same_value",
     "snapshot",
+    "unpacked_state",
 ]
 
 
@@ -78,11 +80,23 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
 
     Raises :class:`StateError` naming the first value msgpack cannot store.
     """
+    return unpacked_state(packed_state(state))
+
+
+def packed_state(state: dict[str, Any]) -> bytes:
+    """``state`` packed for :func:`unpacked_state` (several copies from one packing).
+
+    Raises :class:`StateError` naming the first value msgpack cannot store.
+    """
     try:
-        packed = msgpack.packb(state)
+        return msgpack.packb(state)  # type: ignore[no-any-return]
     except (TypeError, ValueError, OverflowError):
         check_value(state, root="state")  # raises with the key path
         raise
+
+
+def unpacked_state(packed: bytes) -> dict[str, Any]:
+    """A fresh deep copy of the state :func:`packed_state` packed."""
     copy: dict[str, Any] = msgpack.unpackb(packed, strict_map_key=False)
     return copy
 

@@ -31,6 +31,12 @@ class Suspend(BaseException):
         self.into = into
 
 
+class _Describes(Protocol):
+    """What names a pipe's place (a chain): formatted only when asked for."""
+
+    def describe(self, path: tuple[int, ...], pipe: Pipe | None = None) -> str: ...
+
+
 class _JobOps(Protocol):
     async def report_progress(
         self, ctx: Context, done: float, total: float | None, message: str | None
@@ -117,8 +123,9 @@ class Context:
     """
 
     __slots__ = (
-        "_describe",
         "_ops",
+        "_position",
+        "_where",
         "chain",
         "correlation_id",
         "deadline",
@@ -137,7 +144,8 @@ class Context:
         correlation_id: str,
         chain: str,
         pipe: Pipe,
-        describe: Callable[[], str],
+        where: _Describes,
+        position: tuple[int, ...],
         key: str,
         deadline: float,
         ops: _JobOps,
@@ -152,13 +160,14 @@ class Context:
         self.pipe = pipe
         self.key = key
         self.deadline = deadline
-        self._describe = describe
+        self._where = where
+        self._position = position
         self._ops = ops
 
     @property
     def path(self) -> str:
         """Where this pipe runs: ``chain 'order' > all_of[1] > pipe 'quote'``."""
-        return self._describe()
+        return self._where.describe(self._position, self.pipe)
 
     @property
     def remaining(self) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Union
 
 from .._errors import RegistrationError
@@ -51,6 +52,13 @@ class Serial:
     def children(self) -> tuple[Node, ...]:
         return self.items  # type: ignore[return-value]  # resolved trees hold only nodes
 
+    @cached_property
+    def flat(self) -> tuple[Pipe, ...] | None:
+        """The children when every one is a pipe (most chains and branches): the engine
+        then walks them as a list instead of through the cursor's frames."""
+        items = self.items
+        return items if all(isinstance(i, Pipe) for i in items) else None  # type: ignore[return-value]
+
 
 @dataclass(frozen=True, slots=True)
 class BranchEnd:
@@ -92,6 +100,12 @@ class Parallel:
     def children(self) -> tuple[Serial, ...]:
         return self.branches
 
+    @cached_property
+    def in_step(self) -> bool:
+        """Whether the engine runs this stage inside its parent's step: unless a branch
+        nests another parallel stage or a graph node is detached (see dispatcher/_instep.py)."""
+        return not any(self.detach) and not any(_nests_parallel(b) for b in self.branches)
+
     def new_join(self) -> Join:
         n = len(self.branches)
         if self.kind == "all_of":
@@ -104,6 +118,12 @@ class Parallel:
 
 
 Node = Pipe | Serial | Parallel
+
+
+def _nests_parallel(node: object) -> bool:
+    if isinstance(node, Parallel):
+        return True
+    return isinstance(node, Serial) and any(_nests_parallel(c) for c in node.items)
 
 
 def serial(*items: StageItem, timeout: float | None = None) -> Serial:

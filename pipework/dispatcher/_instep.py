@@ -1,0 +1,320 @@
+"""Parallel stages run inside the parent's step: branches as tasks, the join in memory.
+
+The parent keeps its step (and its slot) while its branches run in a nursery of the step,
+each on a snapshot of the state as an in-memory branch record that is never stored. A branch
+takes a worker slot of its own key only when that key differs from the parent's or is
+limited (a limit, an adaptive limit or a pause must count it); otherwise it runs under the
+parent's slot. The sans-IO :class:`~pipework.pipes._join.Join` decides exactly as it does for
+branches run as child jobs: which branches start, which are cancelled, when the stage
+resolves, whose deltas are merged. Once it resolves, running branches are cancelled, the
+nursery closes, and the deltas are merged in declaration order: the parent goes on in the
+same step, with no event and no second pass through the queue.
+
+**A branch that suspends must outlive the step.** It becomes a child job at once (its record
+is created, suspended, exactly as a branch run as a child job suspends), and the stage turns
+*durable*: the join, with what it has recorded so far, is written to the parent as its
+:class:`~._job.JoinRecord`, and from then on every branch end — of the in-step branches
+still running too — reaches the join as a ``BranchDone`` event (see ``_parallel.py``). The
+step then only waits for its in-step branches to end, and the parent waits at its join
+holding nothing, as it does for a stage forked as child jobs.
+
+Stages that nest another parallel stage inside a branch, or that have detached graph
+nodes (which the parent must not wait for), are forked as child jobs (``_parallel.fork``).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .._errors import MergeConflict, Rejected
+from ..pipes._join import Decision, Outcome
+from ..pipes._merge import delta, merge, packed_state, unpacked_state
+from ..pipes._stages import Chain, Parallel
+from ._boundary import split_outside
+from ._job import Job, JoinRecord, new_job_id
+from ._parallel import (
+    _callback,
+    _error_of,
+    _forget_errors,
+    _is_job_deadline,
+    _stage_error,
+    branch_outcome,
+    report_branch,
+)
+from ._status import TERMINAL, Status
+
+if TYPE_CHECKING:
+    from ._dispatcher import Dispatcher
+
+__all__ = ["InStepStage"]
+
+
+class InStepStage:
+    """One run of a parallel stage inside its parent's step (see the module docstring)."""
+
+    def __init__(self, d: Dispatcher, parent: Job, chain: Chain, stage: Parallel) -> None:
+        self.d = d
+        self.parent = parent
+        self.chain = chain
+        self.stage = stage
+        top = parent.frames[-1]
+        deadline = top.deadline
+        self.started = trio.current_time()  # the stage's timer, and its branches' start
+        if stage.timeout is not None:
+            deadline = min(deadline, self.started + stage.timeout)
+        self.join = stage.new_join()
+        self.record = JoinRecord(
+            id=new_job_id(), path=(*d.path_of(parent), top.index), join=self.join, deadline=deadline
+        )
+        self.branches: dict[int, Job] = {}  # the in-step branches still running, by index
+        self.durable = False  # a branch suspended: the join now lives in the parent's record
+        self.resolved: Decision | None = None
+        self.conflict: MergeConflict | None = None
+        # Set once the parent may go on: the join resolved (losers are cancelled, not waited
+        # for: their late results are ignored), or it went durable and the branches that
+        # run under this step's slot have ended.
+        self._settled = trio.Event()
+        self._packed: bytes | None = None
+
+    @cached_property
+    def where(self) -> str:
+        """The stage's path, for errors (formatted only when one needs it)."""
+        return self.chain.describe(self.record.path)
+
+    async def run(self) -> bool:
+        """Run the stage; True when the parent goes on in this step (its state merged),
+        False when the step ends here (the parent finished, or waits at a durable join)."""
+        d = self.d
+        d.in_step[self.record.id] = self
+        try:
+            self._apply(self.join.start())
+            await self._record_progress()
+            if not self._settled.is_set():
+                await self._settled.wait()
+        except BaseException:
+            # The step was cancelled (the job, or the engine stopping): so are its branches.
+            for index in list(self.branches):
+                self._cancel(index)
+            if not self.durable:
+                _forget_errors(d, self.record)
+            raise
+        finally:
+            # Losers still ending report through events from now on, and find it over.
+            del d.in_step[self.record.id]
+        if self.durable:
+            return False
+        parent = self.parent
+        parent.join = None
+        if self.conflict is not None:
+            _forget_errors(d, self.record)
+            d.note(self.conflict, parent, self.where)
+            await d.finish(parent, Status.FAILED, exc=self.conflict, where=self.where)
+            return False
+        assert self.resolved is not None
+        if self.join.continues:
+            _forget_errors(d, self.record)
+            pairs = [(self.stage.names[i], self.record.deltas[i]) for i in self.join.to_merge]
+            try:
+                state = merge(parent.state, pairs, self.stage.merge, where=self.where)
+            except MergeConflict as exc:
+                d.note(exc, parent, self.where)
+                await d.finish(parent, Status.FAILED, exc=exc, where=self.where)
+                return False
+            if self.stage.settle:
+                state["outcomes"] = self.record.settled_outcomes(self.stage.names)
+            parent.state = state
+            parent.frames[-1].index += 1
+            return True
+        errors = [_error_of(d, self.record, i) for i in self.resolved.failures]
+        _forget_errors(d, self.record)
+        failure = _stage_error(self.stage, errors, self.where, parent)
+        d.note(failure, parent, self.where)
+        status = Status.EXPIRED if _is_job_deadline(failure) else Status.FAILED
+        await d.finish(parent, status, exc=failure, where=self.where)
+        return False
+
+    # -- the join's decisions ------------------------------------------------------------
+
+    def _apply(self, decision: Decision) -> None:
+        if decision.resolved is not None:
+            self.resolved = decision
+        for index in decision.start:
+            if self.conflict is not None:
+                break
+            try:
+                self._start(index)
+            except MergeConflict as conflict:  # two of a graph node's parents disagree
+                self.conflict = conflict
+        for index in decision.cancel:
+            self._cancel(index)
+        if self.conflict is not None or (decision.resolved is not None and not self.durable):
+            for index in list(self.branches):
+                self._cancel(index)
+            self._settled.set()
+
+    def _start(self, index: int) -> None:
+        d, parent, record = self.d, self.parent, self.record
+        branch = Job(
+            # Unguessable as the join's id is; a branch needs no random read of its own.
+            id=f"{record.id}.{index}",
+            chain=parent.chain,
+            state=self._start_state(index),
+            correlation_id=parent.correlation_id,
+            traceparent=parent.traceparent,
+            deadline=record.deadline,
+            root=(*record.path, index),
+            parent=parent.id,
+            branch=index,
+            join_id=record.id,
+            accepted_at=self.started,
+            plan=parent.plan,
+            admitted=parent.admitted,
+            created_at=parent.created_at,
+            updated_at=parent.updated_at,
+        )
+        d.start_frames(branch, self.chain)
+        record.children[index] = branch.id
+        self.branches[index] = branch
+        # In the dispatcher's nursery, not the step's: a loser that is slow to stop must not
+        # hold the parent up (its late result is ignored, as a forked branch's is).
+        d.spawn(self._run_branch, branch)
+
+    def _start_state(self, index: int) -> dict[str, Any]:
+        """A snapshot of the parent's state (packed once for all the branches; each unpacks
+        its own copy) and, for a graph node, what the nodes it depends on produced."""
+        if self._packed is None:
+            self._packed = packed_state(self.parent.state)
+        state = unpacked_state(self._packed)
+        sources = self.join.start_from(index)
+        if not sources:
+            return state
+        pairs = [(self.stage.names[i], self.record.deltas[i]) for i in sources]
+        return merge(
+            state, pairs, self.stage.merge, where=f"graph node {self.stage.names[index]!r}"
+        )
+
+    def _cancel(self, index: int) -> None:
+        branch = self.branches.get(index)
+        if branch is None:
+            return
+        branch.cancel_requested = True
+        scope = self.d._scopes.get(branch.id)
+        if scope is not None:
+            scope.cancel()
+
+    async def _record_progress(self) -> None:
+        """A store without a synchronous path (a shared one) gets the join's progress at
+        every branch end, as for a stage forked as child jobs, so readers in other processes
+        see it; the process's own memory store needs no copy of what the step holds."""
+        if self.d.nowait is None and not self._settled.is_set():
+            self.parent.join = self.record
+            await self.d.store.update(self.parent)
+
+    async def report(self, branch: Job) -> None:
+        """An in-step branch ended (called from its finish): tell the join."""
+        assert branch.branch is not None
+        index = branch.branch
+        self.branches.pop(index, None)
+        outcome: Outcome = branch_outcome(branch)
+        if outcome == "ok":
+            self.record.deltas[index] = delta(self.parent.state, branch.state)
+        if branch.error is not None:
+            self.record.errors[index] = branch.error
+        if branch.exception is not None:  # in the process-local side table, as any branch's
+            self.d.branch_errors[branch.id] = branch.exception
+        if self.stage.kind == "graph":
+            _callback(self.d, branch, outcome)
+        self._apply(self.join.branch_done(index, outcome))
+        await self._record_progress()
+
+    # -- a branch ------------------------------------------------------------------------
+
+    async def _run_branch(self, branch: Job) -> None:
+        """One branch, as a step does one job: whatever it raises ends here as its outcome;
+        only a cancellation from outside the stage travels on."""
+        d = self.d
+        scope = trio.CancelScope()
+        d._scopes[branch.id] = scope
+        d._running[branch.id] = branch
+        d.unstored.add(branch.id)
+        escaped: BaseException | None = None
+        try:
+            with scope:
+                await self._run_segments(branch)
+        except BaseException as exc:
+            escaped = exc
+        finally:
+            d._scopes.pop(branch.id, None)
+            d._running.pop(branch.id, None)
+        try:
+            if branch.status not in TERMINAL and branch.status is not Status.SUSPENDED:
+                with trio.CancelScope(shield=True):
+                    await d._end_unsettled(branch, scope, escaped)
+        finally:
+            d.unstored.discard(branch.id)
+        if escaped is not None:
+            outside, _ = split_outside(escaped)
+            if outside is not None:
+                raise outside
+
+    async def _run_segments(self, branch: Job) -> None:
+        """Run the branch's pipes, one key at a time: under the parent's slot when the key
+        is the parent's and not limited, else under a slot of the key's own."""
+        d = self.d
+        parent_key = self.parent.key
+        while branch.status is Status.QUEUED:
+            key = branch.key
+            now = trio.current_time()
+            if key == parent_key and not d.limited(key):
+                await d._run_held(branch, now)
+                continue
+            held = None if d._grant is None else d._grant(key)
+            if held is not None:
+                ended = None
+                try:
+                    ended = await d._run_held(branch, now)
+                finally:
+                    assert d._release is not None
+                    d._release(held, now, trio.current_time() if ended is None else ended)
+                continue
+            slot = d.pool.slot(key, deadline=branch.deadline, continuing=branch.admitted)
+            try:
+                async with slot:
+                    await d._run_held(branch, trio.current_time())
+            except Rejected as exc:
+                d.note(exc, branch, f"admission key {key!r}")
+                await d.finish(branch, Status.FAILED, exc=exc)
+
+    # -- a branch suspends ---------------------------------------------------------------
+
+    async def outlive(self, branch: Job) -> None:
+        """Make a suspending branch a child job of its own (its record is created), and the
+        stage durable if it is not yet: the join is written to the parent, and every later
+        branch end goes through the event queue."""
+        d = self.d
+        if not self.durable:
+            self.durable = True
+            parent = self.parent
+            parent.join = self.record
+            # The parent is written once more, with its join; from now on it is the event
+            # handlers' (and a store may hand them copies): this step no longer owns it.
+            await d.store.update(parent)
+            if d._running.get(parent.id) is parent:
+                del d._running[parent.id]
+            d.left_to_join.add(parent.id)
+        d.unstored.discard(branch.id)
+        self.branches.pop(branch.branch or 0, None)
+        await d.store.create(branch)
+        if not self.branches:
+            self._settled.set()
+
+    async def report_late(self, branch: Job) -> None:
+        """An in-step branch ended after the stage turned durable: an event, as a child
+        job's end is."""
+        self.branches.pop(branch.branch or 0, None)
+        if not self.branches:
+            self._settled.set()
+        await report_branch(self.d, branch)

@@ -1,0 +1,123 @@
+"""Parallel stages inside the parent's step: which slots branches take, and a stage that
+turns durable when a branch suspends. Times are virtual (autojump_clock) and exact."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import pipework as pw
+
+# The engine's suite runs on both stores: see each_store in conftest.py.
+pytestmark = pytest.mark.usefixtures("each_store")
+
+
+def sleeper(name: str, seconds: float, key: str | None = None) -> pw.Pipe:
+    async def run(ctx: pw.Context) -> None:
+        await trio.sleep(seconds)
+        ctx.state[name] = seconds
+
+    return pw.Pipe(run, name, key=key)
+
+
+async def test_branches_of_the_parents_unlimited_key_run_under_its_slot(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = pw.WeightedPool(1)
+    engine = pw.Engine(pool=pool)
+    engine.chain("c", pw.all_of(*(sleeper(f"b{i}", 1) for i in range(3))))
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5)
+        assert pool.statistics().in_use == 1  # the parent's slot, shared by its branches
+        assert await engine.wait(job_id) == {"b0": 1, "b1": 1, "b2": 1}
+        assert trio.current_time() - start == pytest.approx(1)
+        assert pool.statistics().in_use == 0
+
+
+async def test_branches_of_a_limited_key_each_hold_a_slot_of_their_own(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = pw.WeightedPool(4, keys={"search": pw.Weights(limit=1)})
+    engine = pw.Engine(pool=pool)
+    engine.chain("c", pw.all_of(*(sleeper(f"b{i}", 1, key="search") for i in range(3))))
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5)
+        held = pool.statistics().keys["search"].in_use
+        assert held == 1  # the key's limit counts every branch: one runs at a time
+        assert await engine.wait(job_id) == {"b0": 1, "b1": 1, "b2": 1}
+        assert trio.current_time() - start == pytest.approx(3)
+        assert pool.statistics().in_use == 0
+
+
+async def test_a_branch_of_another_key_takes_that_keys_slot(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = pw.WeightedPool(4)
+    engine = pw.Engine(pool=pool)
+    engine.chain("c", pw.all_of(sleeper("a", 1), sleeper("b", 1, key="users")))
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5)
+        keys = pool.statistics().keys
+        assert keys["default"].in_use == 1  # the parent (and branch a, under its slot)
+        assert keys["users"].in_use == 1
+        assert await engine.wait(job_id) == {"a": 1, "b": 1}
+
+
+async def test_a_suspending_branch_outlives_the_step_and_the_rest_report_by_events(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = pw.WeightedPool(4)
+    engine = pw.Engine(pool=pool)
+
+    async def approve(ctx: pw.Context) -> None:
+        await ctx.suspend("approved", into="approval")
+
+    engine.chain(
+        "c",
+        pw.all_of(pw.Pipe(approve, "approve"), sleeper("slow", 3)),
+        sleeper("after", 1),
+    )
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(1)
+        # The branch suspended at once: the join is on the parent's record now, while the
+        # slow branch still runs in the step.
+        assert (await engine.status(job_id)).status is pw.Status.RUNNING
+        await trio.sleep(3)
+        assert pool.statistics().in_use == 0  # the step ended: waiting at the join
+        await engine.signal(job_id, "approved", {"by": "ops"})
+        assert await engine.wait(job_id) == {
+            "slow": 3,
+            "approval": {"by": "ops"},
+            "after": 1,
+        }
+
+
+async def test_cancelling_the_parent_cancels_its_in_step_branches(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    cleaned: list[str] = []
+
+    async def slow(ctx: pw.Context) -> None:
+        try:
+            await trio.sleep(10)
+        finally:
+            cleaned.append(ctx.pipe.name)
+
+    engine.chain("c", pw.any_of(pw.Pipe(slow, "x"), pw.Pipe(slow, "y")))
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(1)
+        await engine.cancel(job_id)
+        with pytest.raises(pw.JobCancelled):
+            await engine.wait(job_id)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(cleaned) == ["x", "y"]
+        assert trio.current_time() == pytest.approx(1)
