@@ -378,9 +378,9 @@ async def follow_and_leave(address: BoundAddress, path: str) -> None:
 
 
 async def test_memory_returns_to_its_level_after_many_follow_and_disconnect_cycles() -> None:
-    """2,000 SSE followers come and go (50 at a time): the RSS after all of them stays
+    """5,000 SSE followers come and go (50 at a time): the RSS after all of them stays
     within 10% of the level after the first 500, and no follower is left behind.
-    ``python -m benchmarks board`` runs the same with 5,000."""
+    ``python -m benchmarks --only bench_board`` measures the same."""
     with trio.fail_after(120):
         async with serving() as served:
             resource = await create(served, "news", {"n": 0})
@@ -408,9 +408,9 @@ async def test_memory_returns_to_its_level_after_many_follow_and_disconnect_cycl
             await cycles(500)
             await settled()
             baseline = rss_bytes()
-            for _ in range(3):
+            for _ in range(9):
                 await cycles(500)
             await settled()
             after = rss_bytes()
-            assert core.statistics().delivered >= 2000
+            assert core.statistics().delivered >= 5000
             assert after <= baseline * 1.10, (baseline, after)
