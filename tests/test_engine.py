@@ -3,6 +3,7 @@ cancellation and errors. Time is virtual (autojump_clock), so every time is exac
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -430,6 +431,34 @@ async def test_progress_and_output_chunks() -> None:
         chunks = [chunk async for chunk in engine.stream(job_id)]
         assert chunks == [{"row": 0}, {"row": 1}, {"row": 2}]
         assert (await engine.status(job_id)).progress == pw.Progress(2, 2, "done")
+
+
+async def test_progress_moves_the_jobs_updated_at() -> None:
+    """A job's ``updated_at`` is its last change, and progress is a change: a client polling
+    a long export sees when it last moved, in the top-level job and from a branch."""
+    engine = make_engine()
+    reported: dict[str, float] = {}
+    gate = trio.Event()
+
+    @engine.pipe
+    async def export(ctx: pw.Context) -> None:
+        reported[ctx.path] = time.time()
+        await ctx.progress(1, 2)
+        await gate.wait()
+
+    engine.chain("flat", export)
+    engine.chain("branched", pw.all_of(export, export))
+    async with engine:
+        for chain in ("flat", "branched"):
+            reported.clear()
+            gate = trio.Event()
+            job_id = await engine.submit(chain)
+            await trio.testing.wait_all_tasks_blocked()
+            view = await engine.status(job_id)
+            assert view.progress is not None
+            assert view.updated_at >= max(reported.values())
+            gate.set()
+            await engine.wait(job_id)
 
 
 async def test_registration_errors() -> None:

@@ -884,12 +884,14 @@ class Dispatcher:
         job = self._running.get(ctx.job_id)
         if job is not None and job.parent is None:  # the job's own pipe, in this step
             job.progress = Progress(done, total, message)
+            job.updated_at = time.time()
             await self.store.update(job)
             self.changed(job)
             return
         # A pipe inside a parallel branch reports on the job its caller follows.
         root = await self._root_of(ctx.job_id)
         root.progress = Progress(done, total, message, branch=ctx.path)
+        root.updated_at = time.time()
         await self.store.update(root)
         self.changed(root)
 
