@@ -291,15 +291,20 @@ async def set_mode(backend: Server, mode: str) -> None:
 async def settle(gateway: Server, backend: Server) -> None:
     """B fast again, nothing held at B, and the gateway answering B at once."""
     await set_mode(backend, "fast")
-    with trio.fail_after(90):
+    last = "nothing yet"
+    with trio.move_on_after(90):
         while True:
             stats = json.loads((await _get(backend, "/_stats"))[1])
+            last = f"B's backend holds {stats['waiting']} calls"
             if stats["waiting"] == 0:
                 start = trio.current_time()
                 status, _ = await _get(gateway, "/b")
-                if status == 200 and trio.current_time() - start < 0.5:
+                took = trio.current_time() - start
+                last = f"GET /b answered {status} in {took:.2f} s"
+                if status == 200 and took < 0.5:
                     return
             await trio.sleep(0.5)
+    raise RuntimeError(f"the {gateway.kind} gateway at {gateway.url} did not settle: {last}")
 
 
 async def steady(

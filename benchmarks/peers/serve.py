@@ -111,6 +111,7 @@ def serve_pipework_workers(a_url: str, b_url: str, port: int, workers: int) -> N
         assert child.stderr is not None
         for line in child.stderr:
             sys.stderr.buffer.write(line)
+            sys.stderr.flush()
             if line.startswith(b"pipework serving on "):
                 _announce(int(line.split()[3].rsplit(b":", 1)[1]))
                 break
