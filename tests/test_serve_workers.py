@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pipework as pw
 from pipework.__main__ import main
+from tests.test_gateway import backend, gateway_file
 
 ROOT = Path(__file__).resolve().parent.parent
 # Starting a worker is a new interpreter importing pipework: seconds on a busy machine.
@@ -172,6 +173,27 @@ async def test_two_workers_serve_survive_a_killed_worker_and_stop_on_sigterm() -
     assert not any(alive(pid) for pid in now)
     assert b"SIGTERM: shutting down 2 workers gracefully" in served.stderr
     assert b"Traceback" not in served.stderr
+
+
+async def test_sighup_reloads_every_worker(tmp_path: Path) -> None:
+    async with backend() as users:
+        path = tmp_path / "gateway.toml"
+        path.write_text(gateway_file(users.url))
+        async with serving(str(path), "--workers", "2") as served:
+            async with httpx.AsyncClient(base_url=served.url) as client:
+                assert (await client.get("/hello")).status_code == 404
+                path.write_text(gateway_file(users.url, extra_route=True))
+                served.process.send_signal(signal.SIGHUP)
+                with trio.fail_after(60):
+                    while served.stderr.count(b"SIGHUP: reloaded (plan 2)") < 2:
+                        await served.more.wait()
+            for _ in range(8):  # fresh connections, whichever worker takes them
+                async with httpx.AsyncClient(base_url=served.url) as fresh:
+                    assert (await fresh.get("/hello")).json() == {"hello": "world"}
+            served.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                assert await served.process.wait() == 0
+    assert b"SIGHUP: asking 2 workers to reload" in served.stderr
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
