@@ -241,6 +241,7 @@ def _supervise(args: argparse.Namespace) -> int:
             sock=sock,
             url=url,
             grace=float(grace),
+            announce=_announce,
         )
         return trio.run(supervisor.run)
 
@@ -352,12 +353,17 @@ async def _serve_until_signalled(
             os.write(ready_fd, READY)
             os.close(ready_fd)
             nursery.start_soon(_watch_parent, stop)
-        elif any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
-            # One line on stderr that a supervisor (or a test) can wait for: a log record
-            # when the log is JSON (every line then parses), else plain text.
-            _log.info("pipework serving on %s", address.url, extra={"event": "serving"})
         else:
-            print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
+            _announce(f"pipework serving on {address.url}")
+
+
+def _announce(line: str) -> None:
+    """One line on stderr that a supervisor (or a test) can wait for: a log record when the
+    log is JSON (every line then parses), else plain text."""
+    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        _log.info("%s", line, extra={"event": "serving"})
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 async def _watch_parent(stop: trio.Event) -> None:

@@ -100,6 +100,7 @@ class Supervisor:
         sock: socket.socket,
         url: str,
         grace: float,
+        announce: Callable[[str], None] | None = None,
         environ: dict[str, str] | None = None,
     ) -> None:
         if workers < 1:
@@ -109,6 +110,7 @@ class Supervisor:
         self._sock = sock
         self._url = url
         self._grace = grace
+        self._announce = announce or _print
         self._environ = dict(os.environ if environ is None else environ)
         self._processes: dict[int, trio.Process] = {}
         self._stopping = trio.Event()
@@ -141,12 +143,8 @@ class Supervisor:
         self._ready.add(index)
         if len(self._ready) == self._workers:
             self._started = True
-            # The line a supervisor of our own (or a test) waits for, as `serve` prints it.
-            print(
-                f"pipework serving on {self._url} ({self._workers} workers)",
-                file=sys.stderr,
-                flush=True,
-            )
+            # The line a supervisor of our own (or a test) waits for, as `serve` writes it.
+            self._announce(f"pipework serving on {self._url} ({self._workers} workers)")
 
     async def _keep(self, index: int) -> None:
         """Worker ``index``: start it, and start it again whenever it dies, until stopped."""
@@ -247,6 +245,10 @@ class Supervisor:
                 seconds,
             )
             self._send(signal.SIGKILL)
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _describe(code: int) -> str:
