@@ -246,8 +246,9 @@ def _supervise(args: argparse.Namespace) -> int:
         return trio.run(supervisor.run)
 
 
-#: The listening socket's backlog with --workers (hypercorn's default is 100).
-_BACKLOG: Final = 1024
+#: The listening socket's backlog with --workers: hypercorn's default, which each worker's
+#: server sets again when it starts listening on the socket.
+_BACKLOG: Final = 100
 
 
 def _file_store_is_local(config: Any) -> bool:
