@@ -32,8 +32,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-#: How long a server process may take to print its address.
-START_TIMEOUT = 30.0
+#: How long a server process may take to print its address (several start at once, and a
+#: server of several processes starts each of them: seconds each on a busy machine).
+START_TIMEOUT = 120.0
 
 
 # -- server processes --------------------------------------------------------------------

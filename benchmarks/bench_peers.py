@@ -5,11 +5,12 @@ trio servers (`benchmarks/peers/backend.py`), one process each.
 
 - **(a) pipework**: [benchmarks/peers/gateway.toml](../benchmarks/peers/gateway.toml) served
   by `pipework.Gateway` (what `pipework serve FILE` runs): 64 workers, a reserve of 32 for
-  A's service, a limit of 16 for B's. Also as 2 processes on one port (`SO_REUSEPORT`,
-  each with its own memory store and pool): with the memory store this works for `sync`
-  and `stream` routes (the request parks in the process that runs its job), not for
-  `async` routes (`GET /jobs/{id}` may reach the other process) nor for callbacks and
-  signals to a parked job.
+  A's service, a limit of 16 for B's. Also as `pipework serve FILE --workers 2`: two
+  worker processes accepting from one listening socket that their supervising process
+  bound, each with its own memory store and pool (with the memory store this works for
+  `sync` and `stream` routes, as here: the request parks in the process that runs its job;
+  see docs/operations.md); and, to measure that choice, as 2 independent processes on one
+  port with `SO_REUSEPORT` (one accept queue each, the kernel spreading connections).
 - **(b) Starlette** on uvicorn (one process, asyncio loop, h11), one shared
   `httpx.AsyncClient` (its default pool of 100 connections), no bulkheads.
 - **(c) Flask** on waitress, a WSGI server with a fixed thread pool (4 threads, its
@@ -75,7 +76,18 @@ class Peer:
 
 PEERS = (
     Peer("pipework", "(a) pipework, 1 process", "pipework"),
-    Peer("pipework ×2", "(a) pipework, 2 processes (SO_REUSEPORT)", "pipework", processes=2),
+    Peer(
+        "pipework ×2",
+        "(a) pipework serve --workers 2 (one shared socket)",
+        "pipework",
+        ("--workers", "2"),
+    ),
+    Peer(
+        "pipework ×2 rp",
+        "(a) pipework, 2 processes (SO_REUSEPORT)",
+        "pipework",
+        processes=2,
+    ),
     Peer("starlette", "(b) Starlette + httpx on uvicorn, 1 process", "starlette"),
     Peer("flask 4t", "(c) Flask on waitress, 4 threads", "flask", ("--threads", "4")),
     Peer("flask 8t", "(c) Flask on waitress, 8 threads", "flask", ("--threads", "8")),
@@ -279,15 +291,20 @@ async def set_mode(backend: Server, mode: str) -> None:
 async def settle(gateway: Server, backend: Server) -> None:
     """B fast again, nothing held at B, and the gateway answering B at once."""
     await set_mode(backend, "fast")
-    with trio.fail_after(90):
+    last = "nothing yet"
+    with trio.move_on_after(90):
         while True:
             stats = json.loads((await _get(backend, "/_stats"))[1])
+            last = f"B's backend holds {stats['waiting']} calls"
             if stats["waiting"] == 0:
                 start = trio.current_time()
                 status, _ = await _get(gateway, "/b")
-                if status == 200 and trio.current_time() - start < 0.5:
+                took = trio.current_time() - start
+                last = f"GET /b answered {status} in {took:.2f} s"
+                if status == 200 and took < 0.5:
                     return
             await trio.sleep(0.5)
+    raise RuntimeError(f"the {gateway.kind} gateway at {gateway.url} did not settle: {last}")
 
 
 async def steady(
@@ -510,6 +527,7 @@ def rows(results: Results, quick: bool) -> list[dict[str, Any]]:
         versus("pipework", "starlette", "≤ 1.0× (≥ 1.0× (b)'s req/s)"),
         versus("pipework", "flask 8t", "report"),
         versus("pipework ×2", "flask 8t", "≤ 1.0× (≥ 1.0× (c)'s req/s, 8 threads)"),
+        versus("pipework ×2 rp", "pipework ×2", "report"),
         {
             "scenario": f"peers, pipework (1 process): A while {B_CONNECTIONS} connections "
             "hang on B, µs per 2xx answer",

@@ -1,6 +1,6 @@
 """The ``pipework`` command line.
 
-    pipework serve FILE.toml | MODULE:FACTORY [--host HOST] [--port PORT] ...
+    pipework serve FILE.toml | MODULE:FACTORY [--host HOST] [--port PORT] [--workers N] ...
     pipework check FILE [--format text|json]   validate a gateway file: every problem
     pipework routes FILE         the routes and their resolved chains
     pipework graph FILE [--out DIR]   each route's chain as a Mermaid diagram
@@ -9,8 +9,9 @@
 ``serve FILE`` builds the gateway the file declares (pool, backends, pipes, routes) and
 reloads it on SIGHUP; ``serve MODULE:FACTORY`` imports a function returning an
 :class:`Engine` (or an Engine). Both serve until SIGINT or SIGTERM, then shut down
-gracefully (a second signal stops at once). Each subcommand is one function registered in
-``_COMMANDS``; new ones add a parser and a function.
+gracefully (a second signal stops at once). ``--workers N`` serves from N processes behind
+one port, supervised by this one (:mod:`pipework._supervisor`). Each subcommand is one
+function registered in ``_COMMANDS``; new ones add a parser and a function.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from . import __version__
 from ._cli_config import check, graph, routes
 from ._errors import PipeworkError
 from ._logging import JsonFormatter
+from ._supervisor import PARENT_ENV, READY, Supervisor, listen
 from .container._app import Container, ContainerConfig
+from .container._routes import Route, routes_of
 from .dispatcher._engine import Engine
+from .dispatcher._store import MemoryJobStore
 from .registry._config_problems import ConfigError
 from .registry._gateway import Gateway
 
@@ -80,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="base URL backends use to reach this server, for callback URLs (over the file's)",
     )
+    serve.add_argument(
+        "--workers",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="serve from N processes behind one port, supervised by this one (default 1); "
+        "with the memory job store, only sync and stream routes work across them",
+    )
+    # A worker of `serve --workers N`: the parent's listening socket and its ready pipe.
+    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument(
         "--no-access-log",
@@ -115,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def load_engine(target: str) -> Engine:
     """Import ``MODULE:FACTORY`` and return the Engine it names or builds."""
     module_name, sep, attribute = target.partition(":")
@@ -138,23 +163,130 @@ def load_engine(target: str) -> Engine:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.target.endswith(".toml") or os.path.isfile(args.target):
+    if args.workers > 1 and args.listen_fd is None:
+        return _supervise(args)
+    fd = args.listen_fd
+    if _is_file(args.target):
         try:
             gateway = Gateway(args.target, overrides=_overrides(args))
         except ConfigError as exc:
-            if args.log_format == "json":
-                _log.error("%s", exc)
-            else:
-                print(exc, file=sys.stderr)
+            _config_error(args, exc)
             return 1
-        trio.run(_run_gateway, gateway, args.host, args.port)
+        trio.run(_run_gateway, gateway, args.host, args.port, fd, args.ready_fd)
         return 0
     engine = load_engine(args.target)
     config = replace(ContainerConfig(), **_overrides(args))
     host = args.host or "127.0.0.1"
     port = 8000 if args.port is None else args.port
-    trio.run(functools.partial(_run, engine, config, host, port))
+    trio.run(functools.partial(_run, engine, config, host, port, fd, args.ready_fd))
     return 0
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".toml") or os.path.isfile(target)
+
+
+def _config_error(args: argparse.Namespace, exc: ConfigError) -> None:
+    if args.log_format == "json":
+        _log.error("%s", exc)
+    else:
+        print(exc, file=sys.stderr)
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """``serve --workers N``: check the target here, bind, then run N workers."""
+    if _is_file(args.target):
+        try:
+            gateway = Gateway(args.target, overrides=_overrides(args))
+        except ConfigError as exc:
+            _config_error(args, exc)
+            return 1
+        server = gateway.config.server
+        host, port = args.host or server.host, server.port if args.port is None else args.port
+        grace = gateway.overrides.get("shutdown_grace", server.shutdown_grace)
+        local = _file_store_is_local(gateway.config)
+        served = [rc.route for rc in gateway.config.routes.values()]
+    else:
+        engine = load_engine(args.target)
+        host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
+        grace = _overrides(args).get("shutdown_grace", _DEFAULTS.shutdown_grace)
+        local = isinstance(engine.store, MemoryJobStore)
+        served = list(routes_of(engine.registry))
+    if local:
+        problem = _local_store_problem(served, args.workers)
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return 1
+        _log.warning(
+            "%d workers with the memory job store: each worker keeps its own jobs, so "
+            "GET /jobs/{id}, signals and callbacks reach a job only on the worker that "
+            "holds it; sync and stream routes work on any worker",
+            args.workers,
+        )
+    try:
+        sock = listen(host, port, backlog=_BACKLOG)
+    except OSError as exc:
+        print(f"pipework: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 1
+    with sock:
+        bound_host, bound_port = sock.getsockname()[:2]
+        url = (
+            f"http://[{bound_host}]:{bound_port}"
+            if ":" in bound_host
+            else (f"http://{bound_host}:{bound_port}")
+        )
+        supervisor = Supervisor(
+            functools.partial(_worker_command, args),
+            workers=args.workers,
+            sock=sock,
+            url=url,
+            grace=float(grace),
+            announce=_announce,
+        )
+        return trio.run(supervisor.run)
+
+
+#: The listening socket's backlog with --workers: hypercorn's default, which each worker's
+#: server sets again when it starts listening on the socket.
+_BACKLOG: Final = 100
+
+
+def _file_store_is_local(config: Any) -> bool:
+    """Whether a gateway file keeps its jobs in each process's memory (the default)."""
+    store = getattr(config, "store", None)
+    return store is None or getattr(store, "backend", "memory") == "memory"
+
+
+def _local_store_problem(served: list[Route], workers: int) -> str | None:
+    """Why routes cannot be served by ``workers`` processes that each keep their own jobs."""
+    bad = [route for route in served if route.mode in ("async", "auto")]
+    if not bad:
+        return None
+    names = ", ".join(f"{route.name!r} (mode {route.mode})" for route in bad)
+    return (
+        f"pipework: cannot serve with --workers {workers} and the memory job store: "
+        f"route(s) {names} answer 202 with a /jobs/{{id}} link, and with the memory store "
+        "only the worker that runs a job knows it, so another worker would answer that "
+        "link 404. Serve with --workers 1, make those routes sync or stream, or use a "
+        "store shared by every worker."
+    )
+
+
+def _worker_command(args: argparse.Namespace, listen_fd: int, ready_fd: int) -> list[str]:
+    """The command line of one worker: this ``serve`` on the parent's socket."""
+    command = [sys.executable, "-m", "pipework", "serve", args.target]
+    command += ["--listen-fd", str(listen_fd), "--ready-fd", str(ready_fd)]
+    command += ["--log-level", args.log_level, "--log-format", args.log_format]
+    for flag, value in (
+        ("--shutdown-grace", args.shutdown_grace),
+        ("--max-body", args.max_body),
+        ("--public-url", args.public_url),
+    ):
+        if value is not None:
+            command += [flag, str(value)]
+    if not args.access_log:
+        command.append("--no-access-log")
+    return command
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,32 +300,46 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in given.items() if value is not None}
 
 
-async def _run(engine: Engine, config: ContainerConfig, host: str, port: int) -> None:
+async def _run(
+    engine: Engine,
+    config: ContainerConfig,
+    host: str,
+    port: int,
+    fd: int | None = None,
+    ready_fd: int | None = None,
+) -> None:
     stop = trio.Event()
     async with engine:
         container = Container(engine, config=config)
 
         async def serve(*, task_status: trio.TaskStatus[Any]) -> None:
             await container.serve(
-                host=host, port=port, shutdown_trigger=stop, task_status=task_status
+                host=host, port=port, fd=fd, shutdown_trigger=stop, task_status=task_status
             )
 
-        await _serve_until_signalled(serve, stop, reload=None)
+        await _serve_until_signalled(serve, stop, reload=None, ready_fd=ready_fd)
 
 
-async def _run_gateway(gateway: Gateway, host: str | None, port: int | None) -> None:
+async def _run_gateway(
+    gateway: Gateway,
+    host: str | None,
+    port: int | None,
+    fd: int | None = None,
+    ready_fd: int | None = None,
+) -> None:
     stop = trio.Event()
 
     async def serve(*, task_status: trio.TaskStatus[Any]) -> None:
-        await gateway.run(host=host, port=port, stop=stop, task_status=task_status)
+        await gateway.run(host=host, port=port, fd=fd, stop=stop, task_status=task_status)
 
-    await _serve_until_signalled(serve, stop, reload=gateway.reload)
+    await _serve_until_signalled(serve, stop, reload=gateway.reload, ready_fd=ready_fd)
 
 
 async def _serve_until_signalled(
     serve: Callable[..., Awaitable[None]],
     stop: trio.Event,
     reload: Callable[[], Awaitable[Any]] | None,
+    ready_fd: int | None = None,
 ) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, stop, nursery.cancel_scope, reload)
@@ -203,12 +349,33 @@ async def _serve_until_signalled(
             nursery.cancel_scope.cancel()  # served and shut down: stop watching signals
 
         address = await nursery.start(serving)
-        # One line on stderr that a supervisor (or a test) can wait for: a log record when
-        # the log is JSON (every line then parses), else plain text.
-        if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
-            _log.info("pipework serving on %s", address.url, extra={"event": "serving"})
+        if ready_fd is not None:
+            # A worker of `serve --workers N`: its parent announces the server.
+            os.write(ready_fd, READY)
+            os.close(ready_fd)
+            nursery.start_soon(_watch_parent, stop)
         else:
-            print(f"pipework serving on {address.url}", file=sys.stderr, flush=True)
+            _announce(f"pipework serving on {address.url}")
+
+
+def _announce(line: str) -> None:
+    """One line on stderr that a supervisor (or a test) can wait for: a log record when the
+    log is JSON (every line then parses), else plain text."""
+    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        _log.info("%s", line, extra={"event": "serving"})
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+async def _watch_parent(stop: trio.Event) -> None:
+    """A worker whose parent is gone (killed: it could not stop us) shuts down."""
+    parent = int(os.environ.get(PARENT_ENV, os.getppid()))
+    while True:
+        await trio.sleep(1.0)
+        if os.getppid() != parent:
+            break
+    _log.warning("the supervising process %d is gone: shutting down gracefully", parent)
+    stop.set()
 
 
 async def _watch_signals(

@@ -11,30 +11,59 @@ engines in one process never collide and tests read exact values. Two kinds of f
 Label values are bounded: chain (route) and pipe names come from registration, pool keys are
 the configured ones plus ``default`` for every other key, outcomes and reasons are fixed
 sets. Never a job id or a raw path. Components added later (push board, resource pools, a
-Redis store) add their families here in the same style. For several serving processes,
-prometheus-client's multiprocess mode can replace the registry; nothing here depends on
-process-local state beyond the collector.
+Redis store) add their families here in the same style.
+
+**Several processes** (``pipework serve --workers N``): prometheus-client's multiprocess
+mode, on when ``PROMETHEUS_MULTIPROC_DIR`` names a directory before prometheus-client is
+first imported (the supervising process sets it for its workers). Event families then live
+in per-process files there; the state families, read from this process's components, are
+written there too (:meth:`Metrics.publish`, every second and at each scrape); and a scrape
+reads every process's files into a fresh registry (:meth:`Metrics.node_exposition`), so
+one scrape reports the whole node. Counters and histograms are summed over the processes,
+the dead ones included (their counts happened). Gauges of a per-process component whose
+values only make sense next to each other (the event queue, the worker pool) keep one
+series per live process, with a ``pid`` label; the other gauges (jobs, parked requests,
+board and resource pool counts) are summed over the live processes.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-    values,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as _values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-__all__ = ["CONTENT_TYPE", "TIMEOUT_MARGIN", "Metrics", "timeout_buckets"]
+__all__ = [
+    "CONTENT_TYPE",
+    "MULTIPROC_ENV",
+    "TIMEOUT_MARGIN",
+    "Metrics",
+    "multiprocess_directory",
+    "timeout_buckets",
+]
+
+#: The variable naming prometheus-client's multiprocess directory.
+MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+#: State families whose gauges are per process (one series each, ``pid`` label).
+_PER_PROCESS: Final = ("pipework_event_queue_", "pipework_pool_")
+
+
+def multiprocess_directory() -> str | None:
+    """The multiprocess directory when this process writes its metrics there: the variable
+    is set and prometheus-client saw it when first imported (it chooses its value store
+    then)."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if path and getattr(_values.ValueClass, "_multiprocess", False):
+        return path
+    return None
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,7 +127,7 @@ def _observer(child: Any) -> Callable[[float], None]:
         bounds
         and len(bounds) == len(buckets)
         and bounds == sorted(bounds)
-        and all(type(v) is values.MutexValue for v in (child._sum, *buckets))
+        and all(type(v) is _values.MutexValue for v in (child._sum, *buckets))
     ):
         return child.observe  # type: ignore[no-any-return]
     total = child._sum = _PlainValue(child._sum.get())
@@ -182,6 +211,7 @@ class Metrics:
             "pipework_parked_requests",
             "HTTP requests parked waiting for their job.",
             registry=r,
+            multiprocess_mode="livesum",  # the node's parked requests
         )
         self.backend_calls = Counter(
             "pipework_backend_calls_total",
@@ -231,6 +261,11 @@ class Metrics:
         )
         self._collector: _StateCollector | None = None
         self._resource_pools: _ResourcePoolCollector | None = None
+        #: The collectors read at scrape time (what :meth:`publish` writes out).
+        self._states: list[Collector] = []
+        #: Set when several processes share the metrics (see the module's docstring).
+        self.multiprocess_dir = multiprocess_directory()
+        self._published: dict[tuple[str, ...], Any] = {}
         # labels() costs more than observe(): keep each labelled child once it exists.
         self._children: dict[tuple[object, tuple[str, ...]], Callable[[float], None]] = {}
 
@@ -251,9 +286,18 @@ class Metrics:
     ) -> None:
         """Read these components' state at every scrape (once per Metrics)."""
         if self._collector is not None:
-            self.registry.unregister(self._collector)
+            self.remove_state(self._collector)
         self._collector = _StateCollector(queue, jobs, pool, key_label)
-        self.registry.register(self._collector)
+        self.add_state(self._collector)
+
+    def add_state(self, collector: Collector) -> None:
+        """Read ``collector`` at every scrape (a component's state families)."""
+        self.registry.register(collector)
+        self._states.append(collector)
+
+    def remove_state(self, collector: Collector) -> None:
+        self.registry.unregister(collector)
+        self._states.remove(collector)
 
     def watch_resource_pool(self, name: str, pool: _Statistics) -> None:
         """Read a resource pool's ``statistics()`` at every scrape, as ``pool=name``.
@@ -261,7 +305,7 @@ class Metrics:
         A second pool under a name already watched replaces the first (a restarted pool)."""
         if self._resource_pools is None:
             self._resource_pools = _ResourcePoolCollector()
-            self.registry.register(self._resource_pools)
+            self.add_state(self._resource_pools)
         self._resource_pools.pools[name] = pool
 
     def unwatch_resource_pool(self, name: str, pool: _Statistics) -> None:
@@ -270,8 +314,55 @@ class Metrics:
             del self._resource_pools.pools[name]
 
     def exposition(self) -> bytes:
-        """The text exposition format, as ``GET /metrics`` serves it."""
+        """The text exposition format, as ``GET /metrics`` serves it: this process's
+        families, or with several processes the node's (:meth:`publish` first, then
+        :meth:`node_exposition`)."""
+        if self.multiprocess_dir is not None:
+            self.publish()
+            return self.node_exposition()
         return generate_latest(self.registry)
+
+    def publish(self) -> None:
+        """Write the state families' current values to this process's files in the
+        multiprocess directory (nothing without one)."""
+        if self.multiprocess_dir is None:
+            return
+        for collector in self._states:
+            for family in collector.collect():
+                kind = family.type
+                if kind not in ("gauge", "counter"):
+                    continue
+                mode = ""
+                if kind == "gauge":
+                    mode = "liveall" if family.name.startswith(_PER_PROCESS) else "livesum"
+                for sample in family.samples:
+                    if sample.name.endswith("_created"):
+                        continue
+                    names = tuple(sorted(sample.labels))
+                    values = tuple(sample.labels[n] for n in names)
+                    key = (kind, mode, sample.name, *names, "", *values)
+                    value = self._published.get(key)
+                    if value is None:
+                        value = self._published[key] = _values.ValueClass(
+                            kind,
+                            family.name,
+                            sample.name,
+                            names,
+                            values,
+                            family.documentation,
+                            multiprocess_mode=mode,
+                        )
+                    value.set(sample.value)
+
+    def node_exposition(self) -> bytes:
+        """Every process's families, read from the multiprocess directory into a fresh
+        registry (file reads: call it from a thread)."""
+        if self.multiprocess_dir is None:
+            raise RuntimeError(f"{MULTIPROC_ENV} is not in effect in this process")
+        registry = CollectorRegistry()
+        # prometheus-client leaves it unannotated
+        MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
 
 
 class _StateCollector(Collector):

@@ -369,6 +369,29 @@ async def test_a_call_cancelled_mid_answer_closes_its_connection(
             assert await get(pool, port) == {"conn": 1, "index": 0}
 
 
+async def test_a_call_cancelled_as_it_takes_a_connection_gives_it_back(
+    pools: Callable[..., Pool],
+) -> None:
+    """Cancelled at the schedule point after it took an idle connection or a place to open
+    one, a call keeps neither: the pool's count stays right and later calls are served."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as (backend, port):
+            pool = pools("127.0.0.1", port, max_connections=1)
+
+            async def cancelled_call() -> None:
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    await get(pool, port)
+
+            await cancelled_call()  # it had taken the place to open a connection
+            assert (pool.statistics().open, pool.statistics().idle) == (0, 0)
+            assert await get(pool, port) == {"conn": 0, "index": 0}
+            await cancelled_call()  # it had taken the idle connection
+            assert (pool.statistics().open, pool.statistics().idle) == (1, 1)
+            assert await get(pool, port) == {"conn": 0, "index": 1}
+            assert backend.accepted == 1
+
+
 async def test_connection_close_is_honoured(pools: Callable[..., Pool]) -> None:
     async def closing(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
         return ok(b'{"bye": true}', extra=b"Connection: close\r\n"), False

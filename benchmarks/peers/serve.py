@@ -1,13 +1,15 @@
 """Serve one of the peers' gateways in its own process.
 
 ``python -m benchmarks.peers.serve KIND --a URL --b URL [--port P] [--reuse-port]
-[--threads N]`` serves on 127.0.0.1 (port 0: a free one), prints its base URL on stdout
-once it listens, and serves until terminated. Logging is at WARNING for every kind, so no
-gateway writes an access line per request. KIND is:
+[--threads N] [--workers N]`` serves on 127.0.0.1 (port 0: a free one), prints its base
+URL on stdout once it listens, and serves until terminated. Logging is at WARNING for
+every kind, so no gateway writes an access line per request. KIND is:
 
 - ``pipework``: :mod:`pipework.Gateway` serving ``gateway.toml`` beside this file (the
   same as ``pipework serve gateway.toml --log-level WARNING``), its two base URLs
-  replaced by ``--a`` and ``--b``;
+  replaced by ``--a`` and ``--b``; with ``--workers N``, that very command with
+  ``--workers N`` in a child process (N worker processes on one listening socket,
+  supervised by the command's own process);
 - ``starlette``: :mod:`.starlette_gateway` on uvicorn (one process, its pure-Python
   defaults made explicit: the asyncio loop and h11);
 - ``flask``: :mod:`.flask_gateway` on waitress with ``--threads`` threads (its
@@ -26,9 +28,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -93,6 +99,30 @@ def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
         trio.run(main)
 
 
+def serve_pipework_workers(a_url: str, b_url: str, port: int, workers: int) -> None:
+    """``pipework serve FILE --workers N`` as a child process, until terminated."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "gateway.toml")
+        path.write_text(gateway_text(a_url, b_url))
+        command = [sys.executable, "-m", "pipework", "serve", str(path), "--host", HOST]
+        command += ["--port", str(port), "--workers", str(workers), "--log-level", "WARNING"]
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+        assert child.stderr is not None
+        for line in child.stderr:
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+            if line.startswith(b"pipework serving on "):
+                _announce(int(line.split()[3].rsplit(b":", 1)[1]))
+                break
+        # Keep the pipe drained: a worker blocked on a full stderr would stall its requests.
+        copier = threading.Thread(
+            target=shutil.copyfileobj, args=(child.stderr, sys.stderr.buffer), daemon=True
+        )
+        copier.start()
+        child.wait()
+
+
 def serve_starlette(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
     import uvicorn
 
@@ -137,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reuse-port", action="store_true")
     parser.add_argument("--threads", type=int, default=4, help="flask: waitress's threads")
+    parser.add_argument("--workers", type=int, default=1, help="pipework: serve --workers N")
     args = parser.parse_args(argv)
     raise_open_files_limit()
     logging.basicConfig(level=logging.WARNING)
-    if args.kind == "pipework":
+    if args.kind == "pipework" and args.workers > 1:
+        serve_pipework_workers(args.a, args.b, args.port, args.workers)
+    elif args.kind == "pipework":
         serve_pipework(args.a, args.b, args.port, args.reuse_port)
     elif args.kind == "starlette":
         serve_starlette(args.a, args.b, args.port, args.reuse_port)

@@ -169,17 +169,20 @@ class Pool:
         """An idle connection, or None with a place reserved to open a new one."""
         if self._closed:
             raise httpx.ConnectError("the pool is closed")
+        # A cancellation is taken before anything is taken from the pool; the schedule
+        # point after it is shielded, so that what was taken is never lost to one.
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._expire()
         idle = self._idle
         while idle:
             connection = idle.pop()
             if not connection.readable():
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return connection
             self._drop(connection)  # the peer closed it while idle
         if self._open < self.max_connections:
             self._open += 1
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return None
         waiter = _Waiter()
         self._waiters.append(waiter)

@@ -33,6 +33,7 @@ from werkzeug.routing import Map, MapAdapter, Rule
 
 from .._errors import Overloaded, PipeworkError
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .._metrics import Metrics
 from ..dispatcher._engine import PROBE_CHAIN, Engine
 from ..dispatcher._job import new_correlation_id
 from ._admin import AdminApi, Reload, admin_token
@@ -205,12 +206,14 @@ class Container:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        fd: int | None = None,
         shutdown_trigger: trio.Event | None = None,
         hypercorn_options: Mapping[str, object] | None = None,
         task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until ``shutdown_trigger`` is set (then shut down gracefully) or until
-        cancelled; ``task_status.started()`` reports the bound address."""
+        cancelled; ``task_status.started()`` reports the bound address. ``fd``: serve on
+        this inherited listening socket instead of binding ``host:port``."""
         options: dict[str, object] = {
             "h11_max_incomplete_size": self.config.max_header_bytes,
             "h2_max_header_list_size": self.config.max_header_bytes,
@@ -218,12 +221,13 @@ class Container:
         }
         stop = trio.Event()
         with tuned_collector(self.config.gc_threshold):
-            await self._serve(host, port, stop, shutdown_trigger, options, task_status)
+            await self._serve(host, port, fd, stop, shutdown_trigger, options, task_status)
 
     async def _serve(
         self,
         host: str,
         port: int,
+        fd: int | None,
         stop: trio.Event,
         shutdown_trigger: trio.Event | None,
         options: dict[str, object],
@@ -236,6 +240,7 @@ class Container:
                     self.app,
                     host=host,
                     port=port,
+                    fd=fd,
                     shutdown_trigger=stop,
                     graceful_timeout=self.config.shutdown_grace + _FLUSH_MARGIN,
                     hypercorn_options=options,
@@ -311,21 +316,31 @@ class Container:
         self._boards_scope = scope = trio.CancelScope()
         self._unobserve = self.engine.observe(self.job_board.observe)
         self._board_metrics = BoardCollector(self.boards)
-        self.engine.metrics.registry.register(self._board_metrics)
+        metrics = self.engine.metrics
+        metrics.add_state(self._board_metrics)
 
         async def run() -> None:
             with scope:
-                await self.boards.run()
+                async with trio.open_nursery() as nursery:
+                    if metrics.multiprocess_dir is not None:
+                        nursery.start_soon(_publish_metrics, metrics)
+                    await self.boards.run()
 
         self.app.nursery.start_soon(run)
 
     async def _stop_boards(self) -> None:
         self._boards_scope.cancel()
         self._unobserve()
-        self.engine.metrics.registry.unregister(self._board_metrics)
+        self.engine.metrics.remove_state(self._board_metrics)
 
     async def _metrics(self) -> Response:
-        return Response(self.engine.metrics.exposition(), content_type=METRICS_CONTENT_TYPE)
+        metrics = self.engine.metrics
+        if metrics.multiprocess_dir is None:
+            body = metrics.exposition()
+        else:  # the whole node's: this process's state first, then every process's files
+            metrics.publish()
+            body = await trio.to_thread.run_sync(metrics.node_exposition)
+        return Response(body, content_type=METRICS_CONTENT_TYPE)
 
     def set_routes(self, routes: Iterable[Route]) -> None:
         """Serve ``routes`` from the next request on (a reload's swap), in one step."""
@@ -540,6 +555,16 @@ async def _check_target() -> None:
                 f"the request's {what} is not UTF-8 once percent-decoded",
                 slug="bad-encoding",
             ) from None
+
+
+#: With several processes, how often each writes its state families for the others' scrapes.
+_PUBLISH_EVERY: Final = 1.0
+
+
+async def _publish_metrics(metrics: Metrics) -> None:
+    while True:
+        metrics.publish()
+        await trio.sleep(_PUBLISH_EVERY)
 
 
 async def _healthz() -> Response:

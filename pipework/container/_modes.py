@@ -9,7 +9,6 @@ the route says ``on_disconnect = "continue"`` or another request waits on the sa
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import secrets
@@ -27,6 +26,7 @@ from ..dispatcher._engine import Engine
 from ..dispatcher._status import Status
 from ..pipes._state import check_state
 from ._bodies import (
+    Preferences,
     build_state,
     choose_media_type,
     decode_object,
@@ -57,7 +57,7 @@ class Parking:
 
     def __init__(self, gauge: Gauge | None = None) -> None:
         self._scopes: set[trio.CancelScope] = set()
-        self._watchers: collections.Counter[str] = collections.Counter()
+        self._watchers: dict[str, int] = {}
         self.drain_deadline = math.inf
         self._gauge = gauge  # pipework_parked_requests
 
@@ -95,18 +95,29 @@ class Parking:
         for scope in self._scopes:
             scope.deadline = min(scope.deadline, self.drain_deadline)
 
-    @contextmanager
-    def watching(self, job_id: str) -> Iterator[None]:
-        self._watchers[job_id] += 1
-        try:
-            yield
-        finally:
-            self._watchers[job_id] -= 1
-            if not self._watchers[job_id]:
-                del self._watchers[job_id]
+    def open(self, deadline: float, job_id: str) -> trio.CancelScope:
+        """A parked request's wait on ``job_id``, as :meth:`scope` but without a context
+        manager (the request's own frame holds it); end it with :meth:`close`."""
+        scope = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
+        self._scopes.add(scope)
+        self._watchers[job_id] = self._watchers.get(job_id, 0) + 1
+        if self._gauge is not None:
+            self._gauge.inc()
+        return scope
+
+    def close(self, scope: trio.CancelScope, job_id: str) -> None:
+        self._scopes.discard(scope)
+        left = self._watchers[job_id] - 1
+        if left:
+            self._watchers[job_id] = left
+        else:
+            del self._watchers[job_id]
+        if self._gauge is not None:
+            self._gauge.dec()
 
     def watchers(self, job_id: str) -> int:
-        return self._watchers[job_id]
+        """How many parked requests wait on ``job_id``."""
+        return self._watchers.get(job_id, 0)
 
 
 def shutting_down() -> Problem:
@@ -136,19 +147,6 @@ class _Ticket:
     replayed: bool
 
 
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    result: Any = None
-    error: Exception | None = None
-
-
-async def _settle(engine: Engine, job_id: str) -> _Outcome:
-    try:
-        return _Outcome(result=await engine.wait(job_id))
-    except Exception as exc:  # the job's own error, whatever a pipe raised
-        return _Outcome(error=exc)
-
-
 class Submissions:
     """Turns a route's request into a job and answers it as the route's mode says."""
 
@@ -176,19 +174,9 @@ class Submissions:
     async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
         if self.parking.draining:
             raise shutting_down()
-        # Everything the request says is read and checked before a job exists: a request
-        # answered 4xx has started nothing.
-        prefs = parse_prefer(request.headers.getlist("Prefer"))
-        header = request.headers.get("Idempotency-Key")
-        key = None if header is None else f"{route.name}\n{check_key(header)}"
-        limit = self.max_body if route.max_body is None else route.max_body
-        data = await read_body(request, limit=limit, time_limit=self.body_time_limit)
-        body = decode_object(data, request.headers.get("Content-Type"))
-        state = check_state(build_state(body, request.args, params))
-        # An async answer promises the job will run: its admission is decided now (503 +
-        # Retry-After if the pool would refuse it), and it then waits for its slot.
-        admit = route.mode == "async"
-        ticket = await self._submit(route, state, key, admit=admit)
+        # The request's body and its decoded forms live only in _accept's frame: a parked
+        # request keeps none of them (its job's state is the engine's).
+        ticket, prefs = await self._accept(route, params)
         if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
         if route.mode == "stream":
@@ -205,6 +193,21 @@ class Submissions:
         return await self._park(
             route, ticket, wait=wait, applied=applied, respond_async=prefs.respond_async
         )
+
+    async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
+        # Everything the request says is read and checked before a job exists: a request
+        # answered 4xx has started nothing.
+        prefs = parse_prefer(request.headers.getlist("Prefer"))
+        header = request.headers.get("Idempotency-Key")
+        key = None if header is None else f"{route.name}\n{check_key(header)}"
+        limit = self.max_body if route.max_body is None else route.max_body
+        data = await read_body(request, limit=limit, time_limit=self.body_time_limit)
+        body = decode_object(data, request.headers.get("Content-Type"))
+        state = check_state(build_state(body, request.args, params))
+        # An async answer promises the job will run: its admission is decided now (503 +
+        # Retry-After if the pool would refuse it), and it then waits for its slot.
+        admit = route.mode == "async"
+        return await self._submit(route, state, key, admit=admit), prefs
 
     # -- submitting ----------------------------------------------------------------------
 
@@ -313,39 +316,38 @@ class Submissions:
         job_id = ticket.job_id
         deadline = (await self.engine.status(job_id)).deadline + _SLACK
         limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
-        outcome = await self._wait(route, job_id, limit)
-        if outcome is None:
-            if self.parking.drained:
+        # The wait, flat: one frame and one cancel scope between the handler and the
+        # engine's wait, nothing else kept per parked request.
+        parking = self.parking
+        scope = parking.open(limit, job_id)
+        try:
+            with scope:
+                try:
+                    result = await self.engine.wait(job_id)
+                except Exception as exc:  # the job's own error, whatever a pipe raised
+                    raise await self.failure(job_id, exc) from None
+                media_type = choose_media_type(request)
+                response = Response(encode(result, media_type), content_type=media_type)
+                response.headers["X-Job-Id"] = job_id
+                if applied:
+                    response.headers["Preference-Applied"] = ", ".join(applied)
+                return response
+        except trio.Cancelled:
+            # Our own scope swallows its timeout, so this is from outside: the client hung
+            # up (or the server is stopping hard).
+            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
                 await self.cancel_quietly(job_id)
-                raise shutting_down()
-            if limit < deadline:
-                return await self._accepted(
-                    ticket, respond_async=respond_async, applied=applied or ()
-                )
+            raise
+        finally:
+            parking.close(scope, job_id)
+        # The scope ran out: the job's deadline, the shutdown's grace, or the auto wait.
+        if parking.drained:
             await self.cancel_quietly(job_id)
-            raise _deadline_passed(job_id)
-        if outcome.error is not None:
-            raise await self.failure(job_id, outcome.error)
-        media_type = choose_media_type(request)
-        response = Response(encode(outcome.result, media_type), content_type=media_type)
-        response.headers["X-Job-Id"] = job_id
-        if applied:
-            response.headers["Preference-Applied"] = ", ".join(applied)
-        return response
-
-    async def _wait(self, route: Route, job_id: str, limit: float) -> _Outcome | None:
-        """The job's outcome, or None if ``limit`` (or the shutdown's grace) came first."""
-        with self.parking.watching(job_id):
-            try:
-                with self.parking.scope(limit):
-                    return await _settle(self.engine, job_id)
-            except trio.Cancelled:
-                # Our own scope swallows its timeout, so this is from outside: the client
-                # hung up (or the server is stopping hard).
-                if route.on_disconnect == "cancel" and self.parking.watchers(job_id) == 1:
-                    await self.cancel_quietly(job_id)
-                raise
-            return None
+            raise shutting_down()
+        if limit < deadline:
+            return await self._accepted(ticket, respond_async=respond_async, applied=applied or ())
+        await self.cancel_quietly(job_id)
+        raise _deadline_passed(job_id)
 
     async def cancel_quietly(self, job_id: str) -> None:
         with trio.CancelScope(shield=True):

@@ -71,6 +71,7 @@ async def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    fd: int | None = None,
     shutdown_trigger: trio.Event | None = None,
     graceful_timeout: float = 3.0,
     keep_alive_timeout: float = 5.0,
@@ -82,6 +83,8 @@ async def serve(
 
     ``port=0`` picks a free port; ``task_status.started()`` reports the
     :class:`BoundAddress` once the socket is listening and the app's startup has run.
+    ``fd``: serve on this already bound TCP socket (a file descriptor inherited from a
+    supervising process) instead of binding ``host:port``; it is closed at the end.
 
     When ``shutdown_trigger`` is set, the server stops accepting, lets requests in flight
     finish for up to ``graceful_timeout`` seconds, cancels the rest, and returns. Without a
@@ -96,6 +99,7 @@ async def serve(
     config = _build_config(
         host=host,
         port=port,
+        fd=fd,
         graceful_timeout=graceful_timeout,
         keep_alive_timeout=keep_alive_timeout,
         keep_alive_max_requests=keep_alive_max_requests,
@@ -113,6 +117,7 @@ def _build_config(
     *,
     host: str,
     port: int,
+    fd: int | None = None,
     graceful_timeout: float,
     keep_alive_timeout: float,
     keep_alive_max_requests: int,
@@ -135,7 +140,10 @@ def _build_config(
     for name, value in options.items():
         setattr(config, name, value)
     # Brackets keep an IPv6 host apart from the port for hypercorn's "host:port" parser.
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    if fd is not None:
+        config.bind = [f"fd://{fd}"]
+    else:
+        config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
     config.keep_alive_timeout = keep_alive_timeout
     config.keep_alive_max_requests = keep_alive_max_requests

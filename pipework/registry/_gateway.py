@@ -71,6 +71,7 @@ class Gateway:
         *,
         host: str | None = None,
         port: int | None = None,
+        fd: int | None = None,
         stop: trio.Event,
         task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -101,6 +102,7 @@ class Gateway:
                 await container.serve(
                     host=host or config.server.host,
                     port=config.server.port if port is None else port,
+                    fd=fd,
                     shutdown_trigger=stop,
                     task_status=task_status,
                 )
