@@ -357,6 +357,10 @@ class Dispatcher:
         except Exception as bug:
             await self._fail_inside(job, bug)
 
+    def in_step_branch(self, job_id: str) -> Job | None:
+        """The record of a branch running in its parent's step (it is in no store)."""
+        return self._running.get(job_id) if job_id in self.unstored else None
+
     def limited(self, key: str) -> bool:
         """Whether work under ``key`` must hold a slot of its own (a pool that cannot say
         is taken to limit every key)."""
@@ -613,8 +617,17 @@ class Dispatcher:
 
     async def _suspend(self, job: Job, chain: Chain, suspend: Suspend, path: str) -> bool:
         check_state(job.state)
-        holder = await self._mailbox_with(job, suspend.signal)
         unstored = job.parent is not None and job.id in self.unstored
+        if unstored:
+            assert job.join_id is not None
+            stage = self.in_step.get(job.join_id)
+            if stage is None or stage.over:
+                # Its stage resolved while this branch ran: it is cancelled, not parked.
+                job.cancel_requested = True
+                exc = JobCancelled(f"job {job.id} was cancelled")
+                await self.finish(job, Status.CANCELLED, exc=exc)
+                return False
+        holder = await self._mailbox_with(job, suspend.signal)
         if holder is not None:  # it came while we ran: no need to park
             job.state[suspend.into] = holder.signals.pop(suspend.signal)
             if holder is not job:

@@ -79,6 +79,11 @@ class InStepStage:
         self._settled = trio.Event()
         self._packed: bytes | None = None
 
+    @property
+    def over(self) -> bool:
+        """Resolved in the step: a branch that ends now changes nothing."""
+        return self._settled.is_set() and not self.durable
+
     @cached_property
     def where(self) -> str:
         """The stage's path, for errors (formatted only when one needs it)."""
@@ -273,6 +278,7 @@ class InStepStage:
                 continue
             held = None if d._grant is None else d._grant(key)
             if held is not None:
+                d._waited(key, 0.0)
                 ended = None
                 try:
                     ended = await d._run_held(branch, now)
@@ -283,8 +289,11 @@ class InStepStage:
             slot = d.pool.slot(key, deadline=branch.deadline, continuing=branch.admitted)
             try:
                 async with slot:
-                    await d._run_held(branch, trio.current_time())
+                    granted = trio.current_time()
+                    d._waited(key, granted - now)
+                    await d._run_held(branch, granted)
             except Rejected as exc:
+                d._waited(key, trio.current_time() - now)
                 d.note(exc, branch, f"admission key {key!r}")
                 await d.finish(branch, Status.FAILED, exc=exc)
 
