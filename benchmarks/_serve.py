@@ -7,7 +7,8 @@ on stdout once it listens, and serves until killed. KIND is:
   route ``POST /echo`` and a sync route ``POST /park`` whose first pipe suspends for signal
   ``go`` (the request parks holding no worker) and whose second answers;
 - ``bare``: the bare quart-trio app of :mod:`benchmarks._bare_app` on the same server
-  function with the same options;
+  function with the same options and the same garbage-collector threshold a container
+  serves with (``ContainerConfig.gc_threshold``), so the two differ only in their code;
 - ``raw``: a raw trio-socket HTTP responder (the load generator's ceiling).
 
 Every kind answers ``n * 2`` to a body ``{"n": n}``. The pipework and bare servers also
@@ -26,6 +27,7 @@ import trio
 from quart import Response
 
 import pipework as pw
+from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import BoundAddress, serve
 
 from ._bare_app import create_bare_app, raw_responder
@@ -106,11 +108,12 @@ async def _serve_pipework(parked_capacity: int) -> None:
 
 
 async def _serve_bare() -> None:
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(
-            functools.partial(serve, create_bare_app(), hypercorn_options=HYPERCORN_OPTIONS)
-        )
-        _announce(address)
+    with tuned_collector(SERVING_GC_THRESHOLD):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(
+                functools.partial(serve, create_bare_app(), hypercorn_options=HYPERCORN_OPTIONS)
+            )
+            _announce(address)
 
 
 async def _serve_raw() -> None:

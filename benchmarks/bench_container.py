@@ -1,6 +1,7 @@
 """The HTTP container under real load, each server in its own process (hypercorn's trio worker
 on 127.0.0.1), against a bare quart-trio app on the same server function with the same
-options, measured in the same run. **Throughput**: `wrk -t2 -c64 -d5s --latency` (without
+options and the same garbage-collector threshold (a container raises the young one while
+it serves), measured in the same run. **Throughput**: `wrk -t2 -c64 -d5s --latency` (without
 wrk, an in-repo trio client whose ceiling is reported) POSTing `{"n": 21}` to a 1-pipe sync
 route (its pipe awaits one checkpoint) and to a bare route that reads the body and awaits
 the same; rows are µs per request (1 / throughput; ratio = bare's req/s over pipework's) and
