@@ -165,13 +165,20 @@ def test_the_cli_synopsis_in_the_http_docs_lists_every_form_and_flag() -> None:
     parser = build_parser()
     flags = {f for action in parser._actions for f in action.option_strings}
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    # Flags hidden from --help are the supervisor's own way of talking to its workers
+    # (`serve --workers N`), not the user's: exactly these, so no user flag hides here.
+    hidden: set[str] = set()
     for name, command in commands.choices.items():
         assert f"pipework {name} " in synopsis, f"`pipework {name}` is not in the synopsis"
         for action in command._actions:
+            if action.help == argparse.SUPPRESS:
+                hidden.update(action.option_strings)
+                continue
             flags.update(action.option_strings)
             for choice in action.choices or ():
                 if action.option_strings:
                     assert str(choice) in synopsis, f"{name} {action.option_strings}: {choice}"
+    assert hidden == {"--listen-fd", "--ready-fd"}
     flags -= {"-h"}
     missing = sorted(flag for flag in flags if flag not in synopsis)
     assert missing == [], "flags the synopsis leaves out"
