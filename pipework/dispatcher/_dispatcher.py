@@ -325,7 +325,12 @@ class Dispatcher:
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
-        await self.store.update(job)  # readers see it running at once
+        try:
+            await self.store.update(job)  # readers see it running at once
+        except JobNotFound:
+            # Ended while this step loaded it (a cancel, here or in another process,
+            # reached a shared store first): there is nothing left to run.
+            return
         self.changed(job)
         while True:
             pipe = self._advance(job, chain)

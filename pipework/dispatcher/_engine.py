@@ -196,6 +196,11 @@ class Engine:
         if self._running is not None:
             raise RuntimeError("this engine is already running")
         async with AsyncExitStack() as stack:
+            # A shared store or queue (Redis) opens its connections first and closes them
+            # after the nursery: the steps' last writes still reach it.
+            for part in (self.store, self.queue):
+                if isinstance(part, AbstractAsyncContextManager):
+                    await stack.enter_async_context(part)
             nursery = await stack.enter_async_context(trio.open_nursery())
             await nursery.start(self._dispatcher.run)
             self._running = stack.pop_all()  # started: the nursery stays open until __aexit__

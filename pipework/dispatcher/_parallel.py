@@ -156,7 +156,14 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
 
 async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
     try:
-        await _branch_done(d, event)
+        # A shared store holds the parent's record while its join changes: two branches
+        # ending at once in two processes must not both read it and one lose its update.
+        lock = getattr(d.store, "lock", None)
+        if lock is None:
+            await _branch_done(d, event)
+        else:
+            async with lock(event.parent_id):
+                await _branch_done(d, event)
     finally:
         d.queue.ack(event)
 
