@@ -34,6 +34,7 @@ again.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -51,6 +52,8 @@ from ._job import Job
 from ._status import ACTIVE, TERMINAL, Status
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
+
+_log = logging.getLogger("pipework.dispatcher")
 
 #: The wall-clock TTL a finished record gets beyond its retention: a safety net only.
 _SLACK_SECONDS: Final = 60.0
@@ -86,6 +89,7 @@ if ARGV[5] == '1' then
   redis.call('PEXPIRE', KEYS[1], ARGV[7])
   redis.call('ZADD', KEYS[2], ARGV[6], ARGV[3])
   redis.call('SET', KEYS[3], ARGV[9], 'PX', ARGV[8])
+  redis.call('PUBLISH', p .. ':finished', ARGV[3])
   local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[10])
   if extra > 0 then
     local old = redis.call('ZPOPMIN', KEYS[2], extra)
@@ -375,6 +379,37 @@ class RedisJobStore:
 
     def _gone(self, job_id: str) -> str:
         return f"{self.prefix}:gone:{job_id}"
+
+    # -- other processes' ends ----------------------------------------------------------
+
+    async def follow_finished(
+        self,
+        finished: Callable[[str], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Call ``finished(job_id)`` for every job any process finishes (published by the
+        update that records the end), until cancelled: whoever waits here for a job that
+        another process ran hears of its end. Reconnects while Redis is away."""
+        channel = f"{self.prefix}:finished"
+        started = False
+        while True:
+            try:
+                async with (
+                    self._redis() as r,
+                    r.pubsub(channels=[channel], ignore_subscribe_messages=True) as messages,
+                ):
+                    if not started:
+                        started = True
+                        task_status.started()
+                    async for message in messages:
+                        data = message["data"]
+                        finished(data.decode() if isinstance(data, bytes) else str(data))
+            except StoreUnavailable as exc:
+                _log.warning("pipework: following finished jobs: %s", exc)
+                if not started:
+                    raise
+            await trio.sleep(1.0)  # the subscription ended (Redis restarted): subscribe again
 
     # -- exclusive sections --------------------------------------------------------------
 
