@@ -7,6 +7,7 @@ them. See docs/scaling.md.
 
 from __future__ import annotations
 
+from .dispatcher._redis_queue import RedisEventQueue
 from .dispatcher._redis_store import RedisJobStore, StoreUnavailable
 
-__all__ = ["RedisJobStore", "StoreUnavailable"]
+__all__ = ["RedisEventQueue", "RedisJobStore", "StoreUnavailable"]
