@@ -7,7 +7,8 @@ them. See docs/scaling.md.
 
 from __future__ import annotations
 
+from ._errors import StoreUnavailable
 from .dispatcher._redis_queue import RedisEventQueue
-from .dispatcher._redis_store import RedisJobStore, StoreUnavailable
+from .dispatcher._redis_store import RedisJobStore
 
 __all__ = ["RedisEventQueue", "RedisJobStore", "StoreUnavailable"]

@@ -7,19 +7,25 @@ is real time); each wait is bounded by ``fail_after``.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
 import pipework as pw
+from pipework.container import BoundAddress
 from pipework.dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
 from pipework.dispatcher._redis_queue import decode_event, encode_event
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.registry._gateway import Gateway
 
-from ._redis import RedisServer
+from ._redis import RedisServer, start_redis
+from .test_gateway import backend, gateway_file
 
 
 def _prefix() -> str:
@@ -199,3 +205,51 @@ async def test_jobs_shared_by_two_engines_all_complete_with_the_right_state(
         assert set(steps.values()) <= {"a", "b"}
         mixed += len(set(steps.values())) == 2
     assert mixed > 0  # some jobs had steps on both engines
+
+
+async def test_while_redis_is_away_submissions_get_a_clear_503_and_recover_after(
+    tmp_path: Path,
+) -> None:
+    """A server of the test's own, stopped and started again: meanwhile the HTTP answer is
+    a 503 problem naming the store; once it is back, requests are served again."""
+    server = start_redis(tmp_path)
+    try:
+        with trio.fail_after(40):
+            async with backend() as users:
+                path = tmp_path / "gateway.toml"
+                text = gateway_file(users.url)
+                text += f'\n[store]\nbackend = "redis"\nurl = "{server.url}"\nclaim_idle = 1\n'
+                path.write_text(text)
+                gateway = Gateway(str(path))
+                stop = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    address: BoundAddress = await nursery.start(
+                        functools.partial(gateway.run, port=0, stop=stop)
+                    )
+                    async with httpx.AsyncClient(base_url=address.url, timeout=15) as client:
+                        assert (await client.get("/users/1")).status_code == 200
+                        server.stop()
+                        away = await client.get("/users/2")
+                        assert away.status_code == 503, away.text
+                        assert away.headers["content-type"] == "application/problem+json"
+                        assert away.json()["detail"].startswith(
+                            "the server cannot reach its job store now"
+                        )
+                        assert "redis:" not in away.text  # where it is: the log, not the client
+                        server.restart()
+                        status = None
+                        for _ in range(100):  # the clients reconnect on their own
+                            try:
+                                back = await client.get("/users/3")
+                            except httpx.TransportError as exc:
+                                status = repr(exc)  # a connection the 503 closed
+                                continue
+                            status = back.status_code
+                            if status == 200:
+                                break
+                            await trio.sleep(0.1)
+                        assert status == 200, status
+                        assert back.json()["id"] == "3"
+                    stop.set()
+    finally:
+        server.stop()

@@ -155,10 +155,8 @@ class RedisEventQueue:
         client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url)
         await client.__aenter__()
         try:
-            # Another process may have made the group first.
-            with contextlib.suppress(coredis.exceptions.StreamDuplicateConsumerGroupError):
-                await client.xgroup_create(self.stream, self.group, identifier="0", mkstream=True)
             self._client = client
+            await self._create_group()
             await self._refresh_depth()
             nursery_manager = trio.open_nursery()
             nursery = await nursery_manager.__aenter__()
@@ -189,6 +187,12 @@ class RedisEventQueue:
         finally:
             self._running = self._nursery = self._client = None
             await client.__aexit__(None, None, None)
+
+    async def _create_group(self) -> None:
+        assert self._client is not None
+        # Another process may have made the group first.
+        with contextlib.suppress(coredis.exceptions.StreamDuplicateConsumerGroupError):
+            await self._client.xgroup_create(self.stream, self.group, identifier="0", mkstream=True)
 
     # -- the EventQueue interface --------------------------------------------------------
 
@@ -248,7 +252,11 @@ class RedisEventQueue:
 
     async def _refresh_depth(self) -> None:
         assert self._client is not None
-        for info in await self._client.xinfo_groups(self.stream):
+        try:
+            groups = await self._client.xinfo_groups(self.stream)
+        except coredis.exceptions.ResponseError:
+            return  # the stream is gone (Redis restarted empty): the reader recreates it
+        for info in groups:
             if info.get(b"name") == self.group.encode():
                 pending = info.get(b"pending") or 0
                 lag = info.get(b"lag") or 0
@@ -366,5 +374,11 @@ class RedisEventQueue:
                     exc,
                     delay,
                 )
+            except coredis.exceptions.StreamConsumerGroupError:
+                # Redis came back without its data (no persistence): the stream and its
+                # group are new, and what was in them is lost (docs/scaling.md).
+                _log.error("pipework: the event stream %s was lost; recreating it", self.stream)
+                await self._create_group()
+                continue
             await trio.sleep(delay)
             delay = min(delay * 2, 2.0)

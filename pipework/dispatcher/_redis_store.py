@@ -47,7 +47,7 @@ import coredis.exceptions
 import msgpack
 import trio
 
-from .._errors import JobGone, JobNotFound, Overloaded
+from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ._job import Job
 from ._status import ACTIVE, TERMINAL, Status
 
@@ -149,13 +149,6 @@ return 0
 
 
 _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError)
-
-
-class StoreUnavailable(Overloaded):
-    """The shared job store cannot be reached: the work is refused (HTTP 503), not lost."""
-
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
-        super().__init__(message, reason="store_unavailable", retry_after=retry_after)
 
 
 class RedisJobStore:
