@@ -237,7 +237,7 @@ async def test_while_redis_is_away_submissions_get_a_clear_503_and_recover_after
                         )
                         assert "redis:" not in away.text  # where it is: the log, not the client
                         server.restart()
-                        status = None
+                        status: int | str | None = None
                         for _ in range(100):  # the clients reconnect on their own
                             try:
                                 back = await client.get("/users/3")
