@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import secrets
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -25,6 +27,7 @@ from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.registry._gateway import Gateway
 
 from ._redis import RedisServer, start_redis
+from ._redis_worker import declare as declare_work
 from .test_gateway import backend, gateway_file
 
 
@@ -253,3 +256,48 @@ async def test_while_redis_is_away_submissions_get_a_clear_503_and_recover_after
                     stop.set()
     finally:
         server.stop()
+
+
+@pytest.mark.hang_guard(real_seconds=240)
+async def test_kill_9_in_the_middle_of_1000_jobs_loses_none(redis_server: RedisServer) -> None:
+    """A worker process is killed with SIGKILL while it runs 1,000 jobs; another process
+    claims its pending events (the steps it was running among them) and every accepted job
+    ends done, with both of its steps' effects: none stays running, none is lost."""
+    prefix = _prefix()
+    jobs = 1000
+    front = pw.Engine(  # accepts and parks; takes no work
+        store=RedisJobStore(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix, max_inflight=0),
+    )
+    declare_work(front, "front")
+    command = [sys.executable, "-m", "tests._redis_worker", redis_server.url, prefix]
+    async with front, trio.open_nursery() as nursery:
+        worker: trio.Process = await nursery.start(
+            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert worker.stdout is not None
+        with trio.fail_after(30):
+            assert (await worker.stdout.receive_some()).startswith(b"ready")
+            ids = [await front.submit("work", {"n": i}) for i in range(jobs)]
+            done = 0
+            while done < 100:  # the worker is well into them
+                await trio.sleep(0.05)
+                done = len(await front.store.list(pw.Status.DONE))
+        worker.kill()  # SIGKILL: no cleanup of any kind
+        await worker.wait()
+        assert len(await front.store.list(pw.Status.DONE)) < jobs  # it died mid-run
+
+        rescuer = pw.Engine(
+            pool=pw.WeightedPool(16),
+            store=RedisJobStore(redis_server.url, prefix=prefix),
+            queue=RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=1),
+        )
+        declare_work(rescuer, "rescuer")
+        async with rescuer:
+            with trio.fail_after(180):
+                results = [await front.wait(job_id) for job_id in ids]
+    assert [r["n"] for r in results] == list(range(jobs))
+    assert all({r["fetched_by"], r["stored_by"]} <= {"doomed", "rescuer"} for r in results)
+    assert any(r["stored_by"] == "rescuer" for r in results)
+    statuses = [(await front.store.get(job_id)).status for job_id in ids]
+    assert statuses.count(pw.Status.DONE) == jobs

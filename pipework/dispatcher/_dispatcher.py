@@ -103,6 +103,10 @@ class Dispatcher:
         self.on_finished: Callable[[Job], None] | None = None
         #: Called with a job's record after each change of its status or progress.
         self.changed: Callable[[Job], None] = lambda job: None
+        # A shared queue (Redis) keeps a step's event until the step ends, and says when an
+        # event was taken over from a process that died during its step.
+        self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
+        self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -249,6 +253,10 @@ class Dispatcher:
                 job = await self.store.get(event.job_id)
             except PipeworkError:
                 return
+            if job.status is Status.RUNNING and self._reclaimed(event):
+                # Its step died with the process that ran it (a shared queue handed the
+                # event on): run it again from the cursor, the last pipe that finished.
+                job.transition(Status.QUEUED)
             if job.status is not Status.QUEUED:
                 return  # cancelled or finished while the event waited: nothing to run
             scope = trio.CancelScope()
@@ -293,6 +301,8 @@ class Dispatcher:
         finally:
             if not acked:
                 self.queue.ack(event)
+            if self._step_ended is not None:
+                self._step_ended(event)  # a shared queue lets go of the event only now
 
     async def _end_unsettled(
         self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
@@ -818,6 +828,10 @@ class Dispatcher:
             return
         job.signals[name] = payload
         await self.store.update(job)
+
+
+def _never(event: Any) -> bool:
+    return False
 
 
 def _is_job_timeout(exc: BaseException) -> bool:

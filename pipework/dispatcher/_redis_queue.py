@@ -20,6 +20,12 @@ it before it answers a submission, so an accepted job's first event is never onl
   it still holds (``XCLAIM ... JUSTID``) and claims every entry idle for ``claim_idle``
   seconds (``XAUTOCLAIM``): those are a dead consumer's, and run here. Delivery is at least
   once: the dispatcher already ignores an event whose job has moved on.
+- **A dead consumer's steps.** A ``RunJob`` or ``Resume`` stops counting toward the depth
+  when its step gets a worker slot (``ack``), but it is acknowledged in the group only when
+  the step ends (``step_ended``); until then its consumer keeps it fresh. A process that
+  dies during a step so leaves the event pending, another claims it, and the dispatcher,
+  told the event was ``reclaimed``, runs the job again from its cursor: the pipe that was
+  running when the process died runs again.
 """
 
 from __future__ import annotations
@@ -143,6 +149,8 @@ class RedisEventQueue:
         self._have_acks = trio.Event()
         self._send, self._receive = trio.open_memory_channel[Event](math.inf)
         self._inflight: dict[int, tuple[Event, bytes]] = {}  # id(event) -> (event, entry id)
+        self._started: dict[int, tuple[Event, bytes]] = {}  # steps running: not acked yet
+        self._claimed: set[int] = set()  # ids of events taken over from a silent consumer
         self._room = trio.Event()
         self._shared_depth = 0
         self._accepted = 0
@@ -230,11 +238,31 @@ class RedisEventQueue:
         held = self._inflight.pop(id(event), None)
         if held is None:
             return
-        self._acks.append(held[1])
-        self._have_acks.set()
         self._shared_depth = max(0, self._shared_depth - 1)
         if len(self._inflight) < self.max_inflight:
             self._room.set()
+        if isinstance(event, RunJob | Resume):
+            # A step started: the event no longer counts, but it stays pending in the group
+            # (refreshed, so nobody claims it) until the step ends: if this process dies
+            # during the step, another one takes the event and runs the step again.
+            self._started[id(event)] = held
+            return
+        self._acks.append(held[1])
+        self._have_acks.set()
+
+    def step_ended(self, event: Event) -> None:
+        """The step the event started has ended (finished, handed off, suspended, failed):
+        acknowledge it in the group."""
+        held = self._started.pop(id(event), None)
+        self._claimed.discard(id(event))
+        if held is not None:
+            self._acks.append(held[1])
+            self._have_acks.set()
+
+    def reclaimed(self, event: Event) -> bool:
+        """Whether the event was taken over from a consumer that fell silent: a job it finds
+        ``running`` lost its step with that consumer."""
+        return id(event) in self._claimed
 
     def statistics(self) -> QueueStatistics:
         return QueueStatistics(self._depth(), self.capacity, self._accepted, self._refused)
@@ -301,7 +329,7 @@ class RedisEventQueue:
         )
         return [] if not reply else reply.get(self.stream.encode(), ())
 
-    def _deliver(self, entries: Any) -> None:
+    def _deliver(self, entries: Any, *, claimed: bool = False) -> None:
         for entry in entries:
             if entry.field_values is None:  # trimmed away meanwhile
                 continue
@@ -313,6 +341,8 @@ class RedisEventQueue:
                 self._have_acks.set()
                 continue
             self._inflight[id(event)] = (event, entry.identifier)
+            if claimed:
+                self._claimed.add(id(event))
             self._send.send_nowait(event)
 
     async def _ack_loop(self) -> None:
@@ -340,6 +370,7 @@ class RedisEventQueue:
     async def _claim(self) -> None:
         assert self._client is not None
         held = [identifier for _, identifier in self._inflight.values()]
+        held += [identifier for _, identifier in self._started.values()]
         if held:  # still ours: not idle, whatever they wait for
             await self._client.xclaim(self.stream, self.group, self.consumer, 0, held, justid=True)
         mine = set(held)
@@ -355,7 +386,7 @@ class RedisEventQueue:
                 _log.warning(
                     "pipework: claimed %d events left pending by a silent consumer", len(claimed)
                 )
-                self._deliver(claimed)
+                self._deliver(claimed, claimed=True)
             if start in (b"0-0", "0-0"):
                 return
 

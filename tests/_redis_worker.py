@@ -1,0 +1,43 @@
+"""A pipework process that only works (it accepts nothing): ``python -m tests._redis_worker
+URL PREFIX``. The crash test kills it with SIGKILL in the middle of its jobs."""
+
+from __future__ import annotations
+
+import sys
+
+import trio
+
+import pipework as pw
+from pipework.redis import RedisEventQueue, RedisJobStore
+
+
+def declare(engine: pw.Engine, name: str) -> None:
+    """Two keys, so every job is handed off once between its two steps."""
+
+    @engine.pipe(key="a")
+    async def fetch(ctx: pw.Context) -> None:
+        await trio.sleep(0.02)
+        ctx.state["fetched_by"] = name
+
+    @engine.pipe(key="b")
+    async def store(ctx: pw.Context) -> None:
+        await trio.sleep(0.02)
+        ctx.state["stored_by"] = name
+
+    engine.chain("work", fetch, store, timeout=600)
+
+
+async def main(url: str, prefix: str) -> None:
+    engine = pw.Engine(
+        pool=pw.WeightedPool(16),
+        store=RedisJobStore(url, prefix=prefix),
+        queue=RedisEventQueue(url, prefix=prefix, consumer="doomed", claim_idle=1),
+    )
+    declare(engine, "doomed")
+    async with engine:
+        print("ready", flush=True)
+        await trio.sleep_forever()
+
+
+if __name__ == "__main__":
+    trio.run(main, sys.argv[1], sys.argv[2])
