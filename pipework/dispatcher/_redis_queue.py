@@ -354,6 +354,9 @@ class RedisEventQueue:
     async def _send_acks(self) -> None:
         if not self._acks or self._client is None:
             return
+        # What a step put (a hand-off, a branch's end) is in Redis before the step's event
+        # is acknowledged: a process dying in between leaves the event to be claimed.
+        await self.flush()
         ids, self._acks = self._acks, []
         try:
             await self._client.xack(self.stream, self.group, ids)
