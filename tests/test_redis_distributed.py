@@ -86,7 +86,9 @@ async def test_a_silent_consumers_events_are_claimed_by_another(
             held = await dead.get_batch()
             while len(held) < 5:
                 held += await dead.get_batch()
-        dead.ack(held[0])  # it started one; the other four it never acknowledges
+        dead.ack(held[0])  # a step it started...
+        dead.step_ended(held[0])  # ...and ended: done with
+        dead.ack(held[1])  # a step it started and never ended; three it never started
     # "dead" is gone without acknowledging: a live consumer claims what it held.
     async with RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=0.3) as alive:
         with trio.fail_after(10):
@@ -99,6 +101,8 @@ async def test_a_silent_consumers_events_are_claimed_by_another(
             "j3",
             "j4",
         ]
+        # Each was taken over: a job found running lost its step with the dead consumer.
+        assert all(alive.reclaimed(e) for e in claimed)
 
 
 async def test_a_live_consumer_keeps_what_it_holds(redis_server: RedisServer) -> None:
