@@ -12,7 +12,8 @@ from pipework.redis import RedisEventQueue, RedisJobStore
 
 
 def declare(engine: pw.Engine, name: str) -> None:
-    """Two keys, so every job is handed off once between its two steps."""
+    """Two keys, so every job is handed off once between its two steps; "fan" runs two
+    branches in parallel first."""
 
     @engine.pipe(key="a")
     async def fetch(ctx: pw.Context) -> None:
@@ -25,6 +26,16 @@ def declare(engine: pw.Engine, name: str) -> None:
         ctx.state["stored_by"] = name
 
     engine.chain("work", fetch, store, timeout=600)
+
+    def branch(label: str) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(0.02)
+            ctx.state[f"{label}_by"] = name
+
+        return pw.Pipe(run, label, key="a")
+
+    # A parallel stage: killed inside it, its branches are rerun elsewhere.
+    engine.chain("fan", pw.all_of(branch("left"), branch("right")), store, timeout=600)
 
 
 async def main(url: str, prefix: str) -> None:

@@ -146,7 +146,7 @@ async def test_a_job_parked_on_one_engine_completes_through_work_done_on_the_oth
     redis_server: RedisServer,
 ) -> None:
     """Engine a only accepts (it takes no events): every step runs on b; a signal sent to
-    a resumes the job; a's waiter hears the end that b recorded."""
+    either engine resumes the job parked on a; a's waiter hears the end b recorded."""
 
     def declare(engine: pw.Engine, name: str) -> None:
         @engine.pipe(key="users")
@@ -174,8 +174,18 @@ async def test_a_job_parked_on_one_engine_completes_through_work_done_on_the_oth
             assert (await b.status(job_id)).waiting_for == "paid"  # status from anywhere
             await a.signal(job_id, "paid", {"amount": 12})
             result = await a.wait(job_id)
+            # The same again, the signal sent to the engine that does not park the request.
+            again = await a.submit("order", {"n": 2})
+            for _ in range(2000):
+                if (await b.status(again)).status is pw.Status.SUSPENDED:
+                    break
+                await trio.sleep(0.01)
+            await b.signal(again, "paid", {"amount": 5})
+            second = await a.wait(again)
     assert result["ran"] == ["load@b", "pay@b", "confirm@b"]
     assert result["payment"] == {"amount": 12}
+    assert second["ran"] == ["load@b", "pay@b", "confirm@b"]
+    assert (second["n"], second["payment"]) == (2, {"amount": 5})
 
 
 async def test_jobs_shared_by_two_engines_all_complete_with_the_right_state(
@@ -263,12 +273,15 @@ async def test_while_redis_is_away_submissions_get_a_clear_503_and_recover_after
 
 
 @pytest.mark.hang_guard(real_seconds=240)
-async def test_kill_9_in_the_middle_of_1000_jobs_loses_none(redis_server: RedisServer) -> None:
-    """A worker process is killed with SIGKILL while it runs 1,000 jobs; another process
-    claims its pending events (the steps it was running among them) and every accepted job
-    ends done, with both of its steps' effects: none stays running, none is lost."""
+@pytest.mark.parametrize(("chain", "jobs"), [("work", 1000), ("fan", 300)])
+async def test_kill_9_in_the_middle_of_the_jobs_loses_none(
+    redis_server: RedisServer, chain: str, jobs: int
+) -> None:
+    """A worker process is killed with SIGKILL while it runs 1,000 jobs (or 300 with a
+    parallel stage); another process claims its pending events (the steps and branches it
+    was running among them) and every accepted job ends done, with every step's effect:
+    none stays running, none is lost."""
     prefix = _prefix()
-    jobs = 1000
     front = pw.Engine(  # accepts and parks; takes no work
         store=RedisJobStore(redis_server.url, prefix=prefix),
         queue=RedisEventQueue(redis_server.url, prefix=prefix, max_inflight=0),
@@ -282,7 +295,7 @@ async def test_kill_9_in_the_middle_of_1000_jobs_loses_none(redis_server: RedisS
         assert worker.stdout is not None
         with trio.fail_after(30):
             assert (await worker.stdout.receive_some()).startswith(b"ready")
-            ids = [await front.submit("work", {"n": i}) for i in range(jobs)]
+            ids = [await front.submit(chain, {"n": i}) for i in range(jobs)]
             done = 0
             while done < 100:  # the worker is well into them
                 await trio.sleep(0.05)
@@ -301,7 +314,10 @@ async def test_kill_9_in_the_middle_of_1000_jobs_loses_none(redis_server: RedisS
             with trio.fail_after(180):
                 results = [await front.wait(job_id) for job_id in ids]
     assert [r["n"] for r in results] == list(range(jobs))
-    assert all({r["fetched_by"], r["stored_by"]} <= {"doomed", "rescuer"} for r in results)
+    effects = ("fetched_by",) if chain == "work" else ("left_by", "right_by")
+    for r in results:
+        assert {r[effect] for effect in (*effects, "stored_by")} <= {"doomed", "rescuer"}
     assert any(r["stored_by"] == "rescuer" for r in results)
+    assert any(r[effects[-1]] == "rescuer" for r in results)  # branches too, for "fan"
     statuses = [(await front.store.get(job_id)).status for job_id in ids]
     assert statuses.count(pw.Status.DONE) == jobs
