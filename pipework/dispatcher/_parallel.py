@@ -151,6 +151,11 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
             error=error,
         )
     )
+    flush = getattr(d.queue, "flush", None)
+    if flush is not None:
+        # A shared queue: the report is in Redis before the record goes, so a process dying
+        # in between leaves a branch to rerun (its event is still pending), never a lost one.
+        await flush()
     await d.store.delete(child.id)
 
 

@@ -170,7 +170,7 @@ class RedisJobStore:
         retain_seconds: float = 3600.0,
         retain_count: int = 10_000,
         tombstone_seconds: float = 7 * 86400.0,
-        lock_seconds: float = 30.0,
+        lock_seconds: float = 10.0,
         io_timeout: float = 10.0,
     ) -> None:
         if retain_seconds <= 0 or retain_count < 1:
