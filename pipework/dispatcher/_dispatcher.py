@@ -115,6 +115,10 @@ class Dispatcher:
         self.on_finished: Callable[[Job], None] | None = None
         #: Called with a job's record after each change of its status or progress.
         self.changed: Callable[[Job], None] = lambda job: None
+        # A shared queue (Redis) keeps a step's event until the step ends, and says when an
+        # event was taken over from a process that died during its step.
+        self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
+        self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -266,6 +270,10 @@ class Dispatcher:
                 job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
+            if job.status is Status.RUNNING and self._reclaimed(event):
+                # Its step died with the process that ran it (a shared queue handed the
+                # event on): run it again from the cursor, the last pipe that finished.
+                job.transition(Status.QUEUED)
             if job.status is not Status.QUEUED:
                 return  # cancelled or finished while the event waited: nothing to run
             scope = trio.CancelScope()
@@ -335,6 +343,8 @@ class Dispatcher:
         finally:
             if not acked:
                 self.queue.ack(event)
+            if self._step_ended is not None:
+                self._step_ended(event)  # a shared queue lets go of the event only now
 
     async def _end_unsettled(
         self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
@@ -362,6 +372,18 @@ class Dispatcher:
         is taken to limit every key)."""
         return True if self._limited is None else self._limited(key)
 
+    def _shares_slot(self, job: Job, chain: Chain, stage: Parallel) -> bool:
+        """Whether every branch of the stage would run under the parent's slot (its key,
+        not limited). Only such a stage runs inside the step: a branch that needed a slot
+        of its own would wait for it while the parent holds one, and parents holding every
+        slot would leave their branches none (a stage forked as child jobs holds nothing
+        while its branches wait)."""
+        held = job.key
+        if self.limited(held):
+            return False
+        default = chain.key
+        return all((default if key is None else key) == held for key in stage.branch_keys)
+
     def _waited(self, key: str, seconds: float) -> None:
         self.metrics.observe(self.metrics.pool_wait, (self.key_label(key),), seconds)
 
@@ -374,10 +396,15 @@ class Dispatcher:
         job.transition(Status.RUNNING)
         if job.parent is None or job.id not in self.unstored:
             nowait = self.nowait
-            if nowait:
-                nowait[1](job)
-            else:
-                await self.store.update(job)  # readers see it running at once
+            try:
+                if nowait:
+                    nowait[1](job)
+                else:
+                    await self.store.update(job)  # readers see it running at once
+            except JobNotFound:
+                # Ended while this step loaded it (a cancel, here or in another process,
+                # reached a shared store first): there is nothing left to run.
+                return now
             self.changed(job)
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
@@ -404,7 +431,7 @@ class Dispatcher:
                 await self.finish(job, Status.DONE, result=result, now=now)
                 return now
             if isinstance(pipe, Parallel):
-                if not pipe.in_step:
+                if not pipe.in_step or not self._shares_slot(job, chain, pipe):
                     await fork(self, job, chain, pipe)  # the slot is released on return
                     return now
                 if not await InStepStage(self, job, chain, pipe).run():
@@ -933,6 +960,10 @@ class Dispatcher:
             return
         job.signals[name] = payload
         await self.store.update(job)
+
+
+def _never(event: Any) -> bool:
+    return False
 
 
 def _is_job_timeout(exc: BaseException) -> bool:
