@@ -25,6 +25,7 @@ from .._errors import (
     DeadlineExceeded,
     InternalError,
     JobCancelled,
+    JobGone,
     JobNotFound,
     PipeContractError,
     PipeworkError,
@@ -351,6 +352,8 @@ class Dispatcher:
     ) -> None:
         """Finish a job its step left neither final nor waiting on purpose."""
         bugs = None if escaped is None else split_outside(escaped)[1]
+        if isinstance(bugs, JobNotFound) and await self._ended_elsewhere(job):
+            return
         if bugs is not None:
             # The bookkeeping (a store, metrics, the dispatcher itself) failed for this job.
             _log.error(
@@ -366,6 +369,18 @@ class Dispatcher:
             await self.finish(job, Status.CANCELLED, exc=exc)
         except Exception as bug:
             await self._fail_inside(job, bug)
+
+    async def _ended_elsewhere(self, job: Job) -> bool:
+        """Whether the store refused the step's write because the job ended meanwhile (a
+        cancel that reached a shared store while this step loaded the record): its end is
+        recorded, and the step has nothing left to write."""
+        try:
+            stored = await self.store.get(job.id)
+        except JobGone:
+            return True
+        except JobNotFound:
+            return job.parent is not None  # a branch's record goes once its end is reported
+        return stored.status in TERMINAL
 
     def limited(self, key: str) -> bool:
         """Whether work under ``key`` must hold a slot of its own (a pool that cannot say
