@@ -136,3 +136,47 @@ def test_an_unreachable_redis_is_a_clear_503() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("503 store_unavailable the job store at redis://127.0.0.1:")
     assert "cannot be reached" in done.stdout
+
+
+async def test_calls_made_together_share_round_trips_and_keep_their_own_answers(
+    redis_server: RedisServer,
+) -> None:
+    """Writes made while a round trip is on its way go together in the next one; each
+    caller still gets its own answer, a refused create its own error."""
+    store = _store(redis_server)
+    trips: list[int] = []
+    send = store._send_calls
+
+    async def counted() -> None:
+        trips.append(len(store._calls))
+        await send()
+
+    store._send_calls = counted  # type: ignore[method-assign]
+    async with store:
+        jobs = [_job() for _ in range(40)]
+        await store.create(jobs[0])
+        refused: list[str] = []
+
+        async def create(job: Job) -> None:
+            try:
+                await store.create(job)
+            except ValueError:
+                refused.append(job.id)
+
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(create, job)
+        assert refused == [jobs[0].id]
+        gets: dict[str, Job] = {}
+
+        async def get(job_id: str) -> None:
+            gets[job_id] = await store.get(job_id)
+
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(get, job.id)
+        assert {job_id: job.state for job_id, job in gets.items()} == {
+            job.id: {"n": 0} for job in jobs
+        }
+    assert sum(trips) == 81  # every call sent once
+    assert len(trips) < 81 // 2  # and most of them together

@@ -473,14 +473,21 @@ class Dispatcher:
                         status=job.status.value,
                     )
                 return now
-            ended = await self._run_pipe(job, chain, pipe, now)
+            # A shared store's write of the cursor is left out when the step's next write
+            # carries it anyway, with nothing run in between: the job's end or its hand-off.
+            then_writes = (
+                flat is not None and self.nowait is None and _then_writes(flat, job, chain)
+            )
+            ended = await self._run_pipe(job, chain, pipe, now, write=not then_writes)
             if ended is None:
                 return now
             now = ended
             if len(frames) != 1:
                 flat = None
 
-    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe, started: float) -> float | None:
+    async def _run_pipe(
+        self, job: Job, chain: Chain, pipe: Pipe, started: float, *, write: bool = True
+    ) -> float | None:
         """Run one pipe; the clock at its end to go on, None when the step ended (failure or
         suspension). Cancellation of the step travels on; every other outcome of the pipe
         ends here."""
@@ -535,7 +542,7 @@ class Dispatcher:
             job.state = ctx.state
         ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        if job.parent is None or job.id not in self.unstored:
+        if write and (job.parent is None or job.id not in self.unstored):
             nowait = self.nowait
             if nowait:
                 nowait[1](job)
@@ -1069,3 +1076,12 @@ def backend_trouble(exc: BaseException) -> bool:
     if type(exc) is OSError:  # trio's "all attempts to connect failed", socket errors
         return True
     return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)
+
+
+def _then_writes(flat: tuple[Pipe, ...], job: Job, chain: Chain) -> bool:
+    """Whether the pipe at the cursor of a flat sequence is its last, or the next one hands
+    the job off to another key: either way the step writes the record right after it."""
+    following = job.frames[0].index + 1
+    if following >= len(flat):
+        return True
+    return (flat[following].key or chain.key) != job.key

@@ -151,6 +151,39 @@ return 0
 _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError)
 
 
+class _Call:
+    """One script call waiting for its round trip; ``lead``: it sends the next batch."""
+
+    __slots__ = ("answered", "args", "done", "error", "keys", "lead", "name", "result", "source")
+
+    def __init__(self, name: str, source: str, keys: list[str], args: list[Any]) -> None:
+        self.name = name
+        self.source = source
+        self.keys = keys
+        self.args = args
+        self.done = trio.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.answered = False
+        self.lead = False
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _copy(exc: Exception) -> Exception:
+    """The batch's error, an object of its own for each caller that raises it."""
+    if isinstance(exc, StoreUnavailable):
+        copy = StoreUnavailable(str(exc))
+        copy.__cause__ = exc.__cause__
+        return copy
+    return exc
+
+
 class RedisJobStore:
     """Job records on Redis. ``url`` is where (``redis://host:port/db``); ``client`` an
     already opened :class:`coredis.Redis` to share instead. ``prefix`` keeps several
@@ -190,6 +223,8 @@ class RedisJobStore:
         self._offset: float | None = None
         self._locks: dict[str, tuple[trio.Lock, int]] = {}
         self._scripts: dict[str, Any] = {}
+        self._calls: list[_Call] = []  # waiting for the next round trip
+        self._sending = False  # a round trip is on its way
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -239,11 +274,86 @@ class RedisJobStore:
         )
 
     async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
-        async with self._redis() as r:
-            script = self._scripts.get(name)
-            if script is None:
-                script = self._scripts[name] = r.register_script(source)
-            return await self._io(lambda: script(keys=keys, args=args))
+        """Run one of the store's scripts. Calls made while a round trip is on its way are
+        sent together in the next one (one pipeline): under load a round trip's client
+        work, which is most of its cost, is shared by every call it carries."""
+        call = _Call(name, source, keys, args)
+        self._calls.append(call)
+        led = False
+        with trio.move_on_after(self.io_timeout, shield=True):
+            if self._sending:
+                await call.done.wait()  # its answer, or its turn to send the next batch
+            else:
+                self._sending = call.lead = True
+            if call.lead:
+                led = True
+                await self._send_calls()
+            if call.error is not None:
+                raise call.error
+            return call.result
+        if not led:  # its time ran out before its batch went
+            if call in self._calls:
+                self._calls.remove(call)
+            if call.lead:
+                self._hand_on()  # it had been handed the turn: the next call takes it
+        raise self._no_answer()
+
+    def _no_answer(self) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the job store at {_public(self.url)} did not answer within {self.io_timeout:g}s"
+        )
+
+    async def _send_calls(self) -> None:
+        batch, self._calls = self._calls, []
+        try:
+            async with self._redis() as r:
+                scripts = [self._script(r, call.name, call.source) for call in batch]
+
+                async def send() -> list[Any]:
+                    async with r.pipeline(transaction=False, raise_on_error=False) as pipe:
+                        requests = [
+                            script(keys=call.keys, args=call.args, client=pipe)
+                            for script, call in zip(scripts, batch, strict=True)
+                        ]
+                    answers: list[Any] = []
+                    for request in requests:  # answered already: no round trip here
+                        try:
+                            answers.append(await request)
+                        except Exception as exc:  # that script's own error, for its caller
+                            answers.append(_Failed(exc))
+                    return answers
+
+                answers = await self._wait(send)
+            for call, answer in zip(batch, answers, strict=True):
+                if isinstance(answer, _Failed):
+                    call.error = answer.error
+                else:
+                    call.result = answer
+                call.answered = True
+        except Exception as exc:
+            for call in batch:
+                call.error = _copy(exc)
+        finally:
+            for call in batch:
+                if not call.answered and call.error is None:  # the round trip's time ran out
+                    call.error = self._no_answer()
+                call.done.set()
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """The batch is sent: the first call that waits sends the next one."""
+        if self._calls:
+            following = self._calls[0]
+            following.lead = True
+            following.done.set()
+        else:
+            self._sending = False
+
+    def _script(self, r: coredis.Redis[bytes], name: str, source: str) -> Any:
+        script = self._scripts.get(name)
+        if script is None:
+            script = self._scripts[name] = r.register_script(source)
+        return script
 
     async def _io(self, request: Callable[[], Awaitable[Any]]) -> Any:
         """Every round trip goes through here. It is shielded from cancellation (bounded by
