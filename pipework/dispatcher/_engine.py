@@ -453,8 +453,18 @@ class Engine:
     async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
         """Deliver signal ``name``: resumes the job if it is suspended waiting for it, or
         is kept until the job suspends for it if the job is still queued or running."""
-        job = await self.store.get(job_id)
         check_value(payload, root="payload")
+        lock = getattr(self.store, "lock", None)
+        if lock is None:  # an in-process store: the read-check-write has no checkpoint
+            await self._signal(job_id, name, payload)
+            return
+        # A shared store: a join's update (a branch ending here or in another process)
+        # must not land between this read and this write, or one of the two is lost.
+        async with lock(job_id):
+            await self._signal(job_id, name, payload)
+
+    async def _signal(self, job_id: str, name: str, payload: Any) -> None:
+        job = await self.store.get(job_id)
         if job.status in TERMINAL:
             raise SignalError(
                 f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"

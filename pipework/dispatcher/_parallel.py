@@ -65,12 +65,19 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
     job.join = JoinRecord(
         id=new_job_id(), path=(*d.path_of(job), top.index), join=join, deadline=deadline
     )
-    for index in decision.start:
-        await _start_branch(d, job, chain, index)
+    # The branches run only once the join is in the parent's record: on a shared store a
+    # branch could otherwise end, and report to a join not written yet, while the others
+    # are being created.
+    started = [await _start_branch(d, job, chain, index, run=False) for index in decision.start]
     await d.store.update(job)
+    for child_id in started:
+        d.queue.put_nowait(RunJob(child_id))
 
 
-async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) -> None:
+async def _start_branch(
+    d: Dispatcher, parent: Job, chain: Chain, index: int, *, run: bool = True
+) -> str:
+    """Create the branch's child job; ``run``: put its first event (else the caller does)."""
     record = parent.join
     assert record is not None
     stage = chain.node_at(record.path)
@@ -93,7 +100,9 @@ async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) ->
     d.start_frames(child, chain)
     record.children[index] = child.id
     await d.store.create(child)
-    d.queue.put_nowait(RunJob(child.id))
+    if run:
+        d.queue.put_nowait(RunJob(child.id))
+    return child.id
 
 
 def _start_state(
