@@ -25,6 +25,7 @@ from ._errors import ResourcePoolError as ResourcePoolError
 from ._errors import ResourceStartupError as ResourceStartupError
 from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
+from ._errors import StoreUnavailable as StoreUnavailable
 from ._errors import TemplateError as TemplateError
 from ._logging import JsonFormatter as JsonFormatter
 from ._metrics import Metrics as Metrics
@@ -141,6 +142,7 @@ __all__ = [
     "SignalError",
     "StateError",
     "Status",
+    "StoreUnavailable",
     "TemplateError",
     "WeightedPool",
     "Weights",

@@ -2,7 +2,8 @@
 
     PipeworkError                       base of everything pipework raises itself
     ├── Overloaded                      refused at once: nothing was accepted (HTTP 503)
-    │   └── Rejected                    refused by the worker pool, with a reason (HTTP 503)
+    │   ├── Rejected                    refused by the worker pool, with a reason (HTTP 503)
+    │   └── StoreUnavailable            the shared job store (Redis) cannot be reached (503)
     ├── DeadlineExceeded (TimeoutError) a pipe, stage, suspend or job ran out of time (504)
     ├── BackendError                    a backend answered badly or not at all (HTTP 502)
     ├── JobNotFound (LookupError)       no such job (HTTP 404)
@@ -68,6 +69,7 @@ __all__ = [
     "ResourceStartupError",
     "SignalError",
     "StateError",
+    "StoreUnavailable",
     "TemplateError",
     "TemplateSyntaxError",
 ]
@@ -105,6 +107,14 @@ class Rejected(Overloaded):
             raise ValueError(f"unknown rejection reason {reason!r}; expected one of {self.REASONS}")
         super().__init__(message, reason=reason, retry_after=retry_after)
         self.key = key
+
+
+class StoreUnavailable(Overloaded):
+    """The shared job store (Redis) cannot be reached, or did not answer in time: the work
+    is refused (HTTP 503), not lost; retry once it is back."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message, reason="store_unavailable", retry_after=retry_after)
 
 
 class DeadlineExceeded(PipeworkError, TimeoutError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 import pipework as pw
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
-pytestmark = pytest.mark.usefixtures("each_store")
 
 BEHAVIOURS = (
     "ok",
@@ -219,5 +217,5 @@ def plans(draw: st.DrawFn) -> Plan:
 # The store class is the same for every example: the fixture need not be reset.
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans())
-def test_misbehaving_pipes_never_stop_the_engine(plan: Plan, each_store: type[Any]) -> None:
-    trio.run(_scenario, plan, each_store, clock=trio.testing.MockClock(autojump_threshold=0))
+def test_misbehaving_pipes_never_stop_the_engine(plan: Plan, each_local_store: type[Any]) -> None:
+    trio.run(_scenario, plan, each_local_store, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -72,6 +72,7 @@ PUBLIC = [
     "SignalError",
     "StateError",
     "Status",
+    "StoreUnavailable",
     "TemplateError",
     "WeightedPool",
     "Weights",

@@ -386,8 +386,7 @@ async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
     async with engine:
         job_id = await engine.submit("c")
         await trio.testing.wait_all_tasks_blocked()
-        store = engine.store
-        assert isinstance(store, pw.MemoryJobStore)
+        store = engine.store  # whichever store the suite runs on
         parent = await store.get(job_id)
         assert parent.join is not None
         wire = msgpack.unpackb(msgpack.packb(parent.to_wire()))
@@ -415,8 +414,7 @@ async def test_branches_never_depend_on_retention(
             results = [await engine.wait(job_id) for job_id in ids]
         assert all(r["a"] == 1 and r["b"] == 2 for r in results)
         assert all(r["outcomes"]["c"]["outcome"] == "error" for r in results)
-        store = engine.store
-        assert isinstance(store, pw.MemoryJobStore)
+        store = engine.store  # whichever store the suite runs on
         assert len(await store.list()) == 20  # the parents, and no branch left behind
 
 

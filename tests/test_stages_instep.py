@@ -121,3 +121,21 @@ async def test_cancelling_the_parent_cancels_its_in_step_branches(
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(cleaned) == ["x", "y"]
         assert trio.current_time() == pytest.approx(1)
+
+
+async def test_parents_holding_every_slot_leave_their_branches_of_another_key_none(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A stage whose branches need slots of their own is forked: its parent's step ends at
+    the fork and holds nothing while they wait, so parents filling the pool cannot starve
+    their own branches (each would otherwise wait out its wait timeout and fail)."""
+    pool = pw.WeightedPool(2, wait_timeout=5.0)
+    engine = pw.Engine(pool=pool)
+    engine.chain(
+        "c", pw.all_of(sleeper("a", 1, key="users"), sleeper("b", 1, key="users")), timeout=60
+    )
+    async with engine:
+        ids = [await engine.submit("c") for _ in range(4)]
+        for job_id in ids:
+            assert await engine.wait(job_id) == {"a": 1, "b": 1}
+        assert pool.statistics().in_use == 0

@@ -48,6 +48,7 @@ _OWN_ERRORS: Final = frozenset({*_errors.__all__, JobGone.__name__})
 _KINDS: Final[Mapping[str, tuple[str, str]]] = {
     "Overloaded": ("overloaded", "Overloaded"),
     "Rejected": ("rejected", "Rejected by the worker pool"),
+    "StoreUnavailable": ("store-unavailable", "Job store unavailable"),
     "DeadlineExceeded": ("deadline-exceeded", "Deadline exceeded"),
     "BackendError": ("backend-failed", "Backend failed"),
     "JobGone": ("job-gone", "Job gone"),
@@ -61,15 +62,17 @@ _KINDS: Final[Mapping[str, tuple[str, str]]] = {
 
 
 # Refusals by the queue or the pool: their messages are operators' business.
-_REFUSALS: Final = frozenset({"Overloaded", "Rejected"})
+_REFUSALS: Final = frozenset({"Overloaded", "Rejected", "StoreUnavailable"})
 
 
-def _refusal_detail(retry_after: float | None) -> str:
+def _refusal_detail(retry_after: float | None, error_type: str = "Overloaded") -> str:
     when = f"after {max(1, math.ceil(retry_after))} s" if retry_after is not None else "later"
-    return (
-        "the server is too busy to take this request now; nothing was done: "
-        f"retry {when} (see Retry-After)"
+    why = (
+        "the server cannot reach its job store now"  # where it is: the operators' log
+        if error_type == "StoreUnavailable"
+        else "the server is too busy to take this request now"
     )
+    return f"{why}; nothing was done: retry {when} (see Retry-After)"
 
 
 class Problem(Exception):
@@ -148,7 +151,7 @@ def problem_for_error(
     if error.type in _REFUSALS and not expose:
         # The pool's and the queue's messages are for operators (their numbers, "raise the
         # key's limit"): they are in the log and /admin. The client learns what it can do.
-        detail = _refusal_detail(retry_after)
+        detail = _refusal_detail(retry_after, error.type)
     elif shown:
         detail = error.message
     else:

@@ -25,6 +25,7 @@ from .._errors import (
     DeadlineExceeded,
     InternalError,
     JobCancelled,
+    JobGone,
     JobNotFound,
     PipeContractError,
     PipeworkError,
@@ -115,6 +116,10 @@ class Dispatcher:
         self.on_finished: Callable[[Job], None] | None = None
         #: Called with a job's record after each change of its status or progress.
         self.changed: Callable[[Job], None] = lambda job: None
+        # A shared queue (Redis) keeps a step's event until the step ends, and says when an
+        # event was taken over from a process that died during its step.
+        self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
+        self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -266,6 +271,10 @@ class Dispatcher:
                 job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
+            if job.status is Status.RUNNING and self._reclaimed(event):
+                # Its step died with the process that ran it (a shared queue handed the
+                # event on): run it again from the cursor, the last pipe that finished.
+                job.transition(Status.QUEUED)
             if job.status is not Status.QUEUED:
                 return  # cancelled or finished while the event waited: nothing to run
             scope = trio.CancelScope()
@@ -335,12 +344,16 @@ class Dispatcher:
         finally:
             if not acked:
                 self.queue.ack(event)
+            if self._step_ended is not None:
+                self._step_ended(event)  # a shared queue lets go of the event only now
 
     async def _end_unsettled(
         self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
     ) -> None:
         """Finish a job its step left neither final nor waiting on purpose."""
         bugs = None if escaped is None else split_outside(escaped)[1]
+        if isinstance(bugs, JobNotFound) and await self._ended_elsewhere(job):
+            return
         if bugs is not None:
             # The bookkeeping (a store, metrics, the dispatcher itself) failed for this job.
             _log.error(
@@ -361,10 +374,34 @@ class Dispatcher:
         """The record of a branch running in its parent's step (it is in no store)."""
         return self._running.get(job_id) if job_id in self.unstored else None
 
+    async def _ended_elsewhere(self, job: Job) -> bool:
+        """Whether the store refused the step's write because the job ended meanwhile (a
+        cancel that reached a shared store while this step loaded the record): its end is
+        recorded, and the step has nothing left to write."""
+        try:
+            stored = await self.store.get(job.id)
+        except JobGone:
+            return True
+        except JobNotFound:
+            return job.parent is not None  # a branch's record goes once its end is reported
+        return stored.status in TERMINAL
+
     def limited(self, key: str) -> bool:
         """Whether work under ``key`` must hold a slot of its own (a pool that cannot say
         is taken to limit every key)."""
         return True if self._limited is None else self._limited(key)
+
+    def _shares_slot(self, job: Job, chain: Chain, stage: Parallel) -> bool:
+        """Whether every branch of the stage would run under the parent's slot (its key,
+        not limited). Only such a stage runs inside the step: a branch that needed a slot
+        of its own would wait for it while the parent holds one, and parents holding every
+        slot would leave their branches none (a stage forked as child jobs holds nothing
+        while its branches wait)."""
+        held = job.key
+        if self.limited(held):
+            return False
+        default = chain.key
+        return all((default if key is None else key) == held for key in stage.branch_keys)
 
     def _waited(self, key: str, seconds: float) -> None:
         self.metrics.observe(self.metrics.pool_wait, (self.key_label(key),), seconds)
@@ -378,10 +415,15 @@ class Dispatcher:
         job.transition(Status.RUNNING)
         if job.parent is None or job.id not in self.unstored:
             nowait = self.nowait
-            if nowait:
-                nowait[1](job)
-            else:
-                await self.store.update(job)  # readers see it running at once
+            try:
+                if nowait:
+                    nowait[1](job)
+                else:
+                    await self.store.update(job)  # readers see it running at once
+            except JobNotFound:
+                # Ended while this step loaded it (a cancel, here or in another process,
+                # reached a shared store first): there is nothing left to run.
+                return now
             self.changed(job)
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
@@ -408,7 +450,7 @@ class Dispatcher:
                 await self.finish(job, Status.DONE, result=result, now=now)
                 return now
             if isinstance(pipe, Parallel):
-                if not pipe.in_step:
+                if not pipe.in_step or not self._shares_slot(job, chain, pipe):
                     await fork(self, job, chain, pipe)  # the slot is released on return
                     return now
                 if not await InStepStage(self, job, chain, pipe).run():
@@ -435,14 +477,21 @@ class Dispatcher:
                         status=job.status.value,
                     )
                 return now
-            ended = await self._run_pipe(job, chain, pipe, now)
+            # A shared store's write of the cursor is left out when the step's next write
+            # carries it anyway, with nothing run in between: the job's end or its hand-off.
+            then_writes = (
+                flat is not None and self.nowait is None and _then_writes(flat, job, chain)
+            )
+            ended = await self._run_pipe(job, chain, pipe, now, write=not then_writes)
             if ended is None:
                 return now
             now = ended
             if len(frames) != 1:
                 flat = None
 
-    async def _run_pipe(self, job: Job, chain: Chain, pipe: Pipe, started: float) -> float | None:
+    async def _run_pipe(
+        self, job: Job, chain: Chain, pipe: Pipe, started: float, *, write: bool = True
+    ) -> float | None:
         """Run one pipe; the clock at its end to go on, None when the step ended (failure or
         suspension). Cancellation of the step travels on; every other outcome of the pipe
         ends here."""
@@ -497,7 +546,7 @@ class Dispatcher:
             job.state = ctx.state
         ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        if job.parent is None or job.id not in self.unstored:
+        if write and (job.parent is None or job.id not in self.unstored):
             nowait = self.nowait
             if nowait:
                 nowait[1](job)
@@ -950,6 +999,10 @@ class Dispatcher:
         await self.store.update(job)
 
 
+def _never(event: Any) -> bool:
+    return False
+
+
 def _is_job_timeout(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
@@ -1038,3 +1091,12 @@ def backend_trouble(exc: BaseException) -> bool:
     if type(exc) is OSError:  # trio's "all attempts to connect failed", socket errors
         return True
     return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)
+
+
+def _then_writes(flat: tuple[Pipe, ...], job: Job, chain: Chain) -> bool:
+    """Whether the pipe at the cursor of a flat sequence is its last, or the next one hands
+    the job off to another key: either way the step writes the record right after it."""
+    following = job.frames[0].index + 1
+    if following >= len(flat):
+        return True
+    return (flat[following].key or chain.key) != job.key

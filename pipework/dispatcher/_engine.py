@@ -148,6 +148,11 @@ class Engine:
             return
         await self._retired.setdefault(generation, trio.Event()).wait()
 
+    def _finished_elsewhere(self, job_id: str) -> None:
+        waiter = self._dispatcher._waiters.pop(job_id, None)
+        if waiter is not None:
+            waiter.set()
+
     def _job_finished(self, job: Job) -> None:
         jobs = self._plan_jobs.get(job.plan)
         if jobs is not None:
@@ -199,7 +204,15 @@ class Engine:
         if self._running is not None:
             raise RuntimeError("this engine is already running")
         async with AsyncExitStack() as stack:
+            # A shared store or queue (Redis) opens its connections first and closes them
+            # after the nursery: the steps' last writes still reach it.
+            for part in (self.store, self.queue):
+                if isinstance(part, AbstractAsyncContextManager):
+                    await stack.enter_async_context(part)
             nursery = await stack.enter_async_context(trio.open_nursery())
+            follow = getattr(self.store, "follow_finished", None)
+            if follow is not None:  # jobs parked here may finish in another process
+                await nursery.start(follow, self._finished_elsewhere)
             await nursery.start(self._dispatcher.run)
             self._running = stack.pop_all()  # started: the nursery stays open until __aexit__
         self._nursery = nursery
@@ -314,6 +327,9 @@ class Engine:
             except Overloaded:
                 await self.store.delete(job.id)
                 raise
+            flush = getattr(self.queue, "flush", None)
+            if flush is not None:  # a shared queue: the first event is in Redis before the id
+                await flush()
         except BaseException:
             if jobs is not None:
                 jobs.discard(job.id)
@@ -336,13 +352,28 @@ class Engine:
     async def wait(self, job_id: str) -> Any:
         """Wait for the job to end: its result, or its original exception raised here."""
         nowait = self._dispatcher.nowait
-        job = nowait[0](job_id) if nowait else await self.store.get(job_id)
-        while job.status not in TERMINAL:
-            await self._dispatcher.wait_finished(job_id)
-            job = nowait[0](job_id) if nowait else await self.store.get(job_id)
-        if job.status is Status.DONE:
-            return job.result
-        return _outcome(job, self._dispatcher.exceptions.get(job_id))
+        if nowait:  # an in-process store: no read waits, so no end can slip past one
+            job = nowait[0](job_id)
+            while job.status not in TERMINAL:
+                await self._dispatcher.wait_finished(job_id)
+                job = nowait[0](job_id)
+            if job.status is Status.DONE:
+                return job.result
+            return _outcome(job, self._dispatcher.exceptions.get(job_id))
+        waiters = self._dispatcher._waiters
+        while True:
+            # The waiter exists before the record is read: an end recorded while the read
+            # waits on a shared store still wakes it.
+            waiter = waiters.setdefault(job_id, trio.Event())
+            try:
+                job = await self.store.get(job_id)
+            except BaseException:
+                self._finished_elsewhere(job_id)  # wakes whoever shares the waiter
+                raise
+            if job.status in TERMINAL:
+                self._finished_elsewhere(job_id)
+                return _outcome(job, self._dispatcher.exceptions.get(job_id))
+            await waiter.wait()
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
@@ -423,8 +454,18 @@ class Engine:
     async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
         """Deliver signal ``name``: resumes the job if it is suspended waiting for it, or
         is kept until the job suspends for it if the job is still queued or running."""
-        job = await self.store.get(job_id)
         check_value(payload, root="payload")
+        lock = getattr(self.store, "lock", None)
+        if lock is None:  # an in-process store: the read-check-write has no checkpoint
+            await self._signal(job_id, name, payload)
+            return
+        # A shared store: a join's update (a branch ending here or in another process)
+        # must not land between this read and this write, or one of the two is lost.
+        async with lock(job_id):
+            await self._signal(job_id, name, payload)
+
+    async def _signal(self, job_id: str, name: str, payload: Any) -> None:
+        job = await self.store.get(job_id)
         if job.status in TERMINAL:
             raise SignalError(
                 f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"

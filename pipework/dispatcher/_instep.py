@@ -78,6 +78,11 @@ class InStepStage:
         # run under this step's slot have ended.
         self._settled = trio.Event()
         self._packed: bytes | None = None
+        # A shared store gets the parent's record from several awaits of this stage: they
+        # take turns (a later write never lands under an earlier one), and once the stage
+        # turned durable nothing reaches the join before its record is written.
+        self._writing: trio.Lock | None = None
+        self._written: trio.Event | None = None
 
     @property
     def over(self) -> bool:
@@ -215,8 +220,13 @@ class InStepStage:
         every branch end, as for a stage forked as child jobs, so readers in other processes
         see it; the process's own memory store needs no copy of what the step holds."""
         if self.d.nowait is None and not self._settled.is_set():
-            self.parent.join = self.record
-            await self.d.store.update(self.parent)
+            if self._writing is None:
+                self._writing = trio.Lock()
+            async with self._writing:
+                if self.durable:  # the join's record is the event handlers' now
+                    return
+                self.parent.join = self.record
+                await self.d.store.update(self.parent)
 
     async def report(self, branch: Job) -> None:
         """An in-step branch ended (called from its finish): tell the join."""
@@ -306,14 +316,24 @@ class InStepStage:
         d = self.d
         if not self.durable:
             self.durable = True
+            written = self._written = trio.Event()
             parent = self.parent
             parent.join = self.record
             # The parent is written once more, with its join; from now on it is the event
             # handlers' (and a store may hand them copies): this step no longer owns it.
-            await d.store.update(parent)
+            try:
+                if self._writing is None:
+                    await d.store.update(parent)
+                else:  # a progress write may be on its way: this one lands after it
+                    async with self._writing:
+                        await d.store.update(parent)
+            finally:
+                written.set()  # whoever waits goes on (a failed write fails the parent)
             if d._running.get(parent.id) is parent:
                 del d._running[parent.id]
             d.left_to_join.add(parent.id)
+        else:
+            await self._join_written()
         d.unstored.discard(branch.id)
         self.branches.pop(branch.branch or 0, None)
         await d.store.create(branch)
@@ -326,4 +346,13 @@ class InStepStage:
         self.branches.pop(branch.branch or 0, None)
         if not self.branches:
             self._settled.set()
+        await self._join_written()
         await report_branch(self.d, branch)
+
+    async def _join_written(self) -> None:
+        """Wait until the durable join is in the parent's record: a branch's end (or a
+        suspended branch's record, which a signal may end at once) must not reach a join
+        that a store, shared with other processes, does not hold yet."""
+        written = self._written
+        if written is not None and not written.is_set():
+            await written.wait()

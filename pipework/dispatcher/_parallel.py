@@ -65,12 +65,19 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
     job.join = JoinRecord(
         id=new_job_id(), path=(*d.path_of(job), top.index), join=join, deadline=deadline
     )
-    for index in decision.start:
-        await _start_branch(d, job, chain, index)
+    # The branches run only once the join is in the parent's record: on a shared store a
+    # branch could otherwise end, and report to a join not written yet, while the others
+    # are being created.
+    started = [await _start_branch(d, job, chain, index, run=False) for index in decision.start]
     await d.store.update(job)
+    for child_id in started:
+        d.queue.put_nowait(RunJob(child_id))
 
 
-async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) -> None:
+async def _start_branch(
+    d: Dispatcher, parent: Job, chain: Chain, index: int, *, run: bool = True
+) -> str:
+    """Create the branch's child job; ``run``: put its first event (else the caller does)."""
     record = parent.join
     assert record is not None
     stage = chain.node_at(record.path)
@@ -93,7 +100,9 @@ async def _start_branch(d: Dispatcher, parent: Job, chain: Chain, index: int) ->
     d.start_frames(child, chain)
     record.children[index] = child.id
     await d.store.create(child)
-    d.queue.put_nowait(RunJob(child.id))
+    if run:
+        d.queue.put_nowait(RunJob(child.id))
+    return child.id
 
 
 def _start_state(
@@ -151,12 +160,24 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
             error=error,
         )
     )
+    flush = getattr(d.queue, "flush", None)
+    if flush is not None:
+        # A shared queue: the report is in Redis before the record goes, so a process dying
+        # in between leaves a branch to rerun (its event is still pending), never a lost one.
+        await flush()
     await d.store.delete(child.id)
 
 
 async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
     try:
-        await _branch_done(d, event)
+        # A shared store holds the parent's record while its join changes: two branches
+        # ending at once in two processes must not both read it and one lose its update.
+        lock = getattr(d.store, "lock", None)
+        if lock is None:
+            await _branch_done(d, event)
+        else:
+            async with lock(event.parent_id):
+                await _branch_done(d, event)
     finally:
         d.queue.ack(event)
 

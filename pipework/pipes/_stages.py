@@ -106,6 +106,11 @@ class Parallel:
         nests another parallel stage or a graph node is detached (see dispatcher/_instep.py)."""
         return not any(self.detach) and not any(_nests_parallel(b) for b in self.branches)
 
+    @cached_property
+    def branch_keys(self) -> frozenset[str | None]:
+        """The admission keys the branches' pipes name (None: the chain's key)."""
+        return frozenset(_pipe_keys(self.branches))
+
     def new_join(self) -> Join:
         n = len(self.branches)
         if self.kind == "all_of":
@@ -118,6 +123,16 @@ class Parallel:
 
 
 Node = Pipe | Serial | Parallel
+
+
+def _pipe_keys(nodes: Sequence[object]) -> set[str | None]:
+    keys: set[str | None] = set()
+    for node in nodes:
+        if isinstance(node, Pipe):
+            keys.add(node.key)
+        elif isinstance(node, Serial | Parallel):
+            keys |= _pipe_keys(node.children)
+    return keys
 
 
 def _nests_parallel(node: object) -> bool:

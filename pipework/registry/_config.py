@@ -35,6 +35,7 @@ from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe
 from ._config_read import report_unknown
 from ._config_routes import RouteConfig, read_routes
 from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server, read_services
+from ._config_store import StoreSettings, read_store
 from ._registry import Registry
 
 __all__ = [
@@ -48,13 +49,14 @@ __all__ = [
     "PythonPipeConfig",
     "RouteConfig",
     "ServerConfig",
+    "StoreSettings",
     "build_registry",
     "config_from_dict",
     "load_config",
     "loads_config",
 ]
 
-SECTIONS: Final = ("server", "pool", "services", "pipes", "routes", "boards")
+SECTIONS: Final = ("server", "pool", "store", "services", "pipes", "routes", "boards")
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
 
@@ -71,6 +73,7 @@ class GatewayConfig:
     routes: Mapping[str, RouteConfig]
     warnings: tuple[Problem, ...] = ()
     boards: Mapping[str, BoardConfig] = field(default_factory=lambda: MappingProxyType({}))
+    store: StoreSettings = field(default_factory=StoreSettings)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -158,6 +161,7 @@ def config_from_dict(
             report_unknown(c, (key,), key, SECTIONS)
     server = read_server(c, data.get("server"))
     settings, pool_keys = read_pool(c, data.get("pool"))
+    store = read_store(c, data.get("store"))
     services, service_weights = read_services(c, data.get("services"), settings)
     declared_services = _names(data.get("services"))
     for key in list(pool_keys):
@@ -187,6 +191,7 @@ def config_from_dict(
         MappingProxyType(dict(pipes)),
         MappingProxyType(routes),
         boards=MappingProxyType(boards),
+        store=store,
     )
     if not c.has_errors:
         try:

@@ -82,9 +82,12 @@ class Gateway:
         async with AsyncExitStack() as stack:
             self._stack = stack
             backends = self._backends = await stack.enter_async_context(config.backends())
+            store, queue = config.store.build(queue_capacity=config.pool.queue_capacity)
             engine = self.engine = Engine(
                 pool=pool,
                 registry=build_registry(config, backends),
+                store=store,
+                queue=queue,
                 queue_capacity=config.pool.queue_capacity,
                 default_timeout=config.server.default_timeout,
                 # Histogram buckets at the file's timeouts (a reload keeps these buckets).

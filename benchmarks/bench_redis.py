@@ -1,0 +1,113 @@
+"""Distributed mode's cost: jobs per second through a 1-pipe chain and a 3-pipe chain with a
+hand-off between keys, with the job pool on Redis (and then the event queue too) against the
+in-memory store and queue, in the same run. 64 clients each submit a job and wait for it,
+again and again, as a busy server's requests do. The Redis server is a local
+``redis-server`` started for the run (no persistence), so the figures are one process's
+round trips to a Redis on the same machine."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+import pipework as pw
+from pipework.redis import RedisEventQueue, RedisJobStore
+
+from ._timing import median_of
+
+CLIENTS = 64
+
+
+async def _pipe(ctx: pw.Context) -> None:
+    await trio.lowlevel.checkpoint()
+
+
+@contextmanager
+def _redis_server() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("bench_redis needs redis-server (scripts/ensure-tools installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="pipework-bench-redis-") as directory:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
+                "--save", "", "--appendonly", "no"]  # fmt: skip
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(500):
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    time.sleep(0.01)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def _measure(jobs: int, chain_pipes: int, url: str | None, queue_too: bool) -> float:
+    prefix = f"bench{time.monotonic_ns()}"  # a fresh job pool and stream for every run
+    store = None if url is None else RedisJobStore(url, prefix=prefix, retain_count=jobs + 1)
+    queue = RedisEventQueue(url, prefix=prefix, capacity=jobs + 1) if url and queue_too else None
+    engine = pw.Engine(
+        pool=pw.WeightedPool(CLIENTS * 2, default=pw.Weights(max_waiting=jobs)),
+        queue_capacity=jobs + 1,
+        store=store or pw.MemoryJobStore(retain_count=jobs + 1),
+        queue=queue,
+    )
+    names = []
+    for n in range(chain_pipes):
+        engine.registry.add_pipe(pw.Pipe(_pipe, f"p{n}", key="a" if n < 2 else "b"))
+        names.append(f"p{n}")
+    engine.chain("c", *names)
+
+    async def main() -> float:
+        async with engine:
+            per_client = jobs // CLIENTS
+
+            async def client() -> None:
+                for _ in range(per_client):
+                    await engine.run("c")
+
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for _ in range(CLIENTS):
+                    nursery.start_soon(client)
+            return (time.perf_counter() - start) / (per_client * CLIENTS)
+
+    return trio.run(main)
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    jobs = 1_280 if quick else 6_400
+    repeats = 3 if quick else 5
+    rows = []
+    with _redis_server() as url:
+        for pipes in (1, 3):
+            shape = "1-pipe chain" if pipes == 1 else "3-pipe chain, one hand-off between keys"
+            memory = median_of(repeats, _measure, jobs, pipes, None, False)
+            for queue_too in (False, True):
+                redis = median_of(repeats, _measure, jobs, pipes, url, queue_too)
+                what = "job pool and event queue" if queue_too else "job pool"
+                rows.append(
+                    {
+                        "scenario": f"{shape}, {what} on Redis, {CLIENTS} clients, {jobs:,} jobs",
+                        "subject_us": redis * 1e6,
+                        "baseline": "the same on the in-memory store and queue",
+                        "baseline_us": memory * 1e6,
+                        "ratio": redis / memory,
+                        "goal": "throughput ≥ 0.3× (ratio ≤ 3.3×)",
+                        "note": f"{1 / redis:,.0f} jobs/s vs {1 / memory:,.0f} jobs/s",
+                    }
+                )
+    return rows

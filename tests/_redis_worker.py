@@ -1,0 +1,54 @@
+"""A pipework process that only works (it accepts nothing): ``python -m tests._redis_worker
+URL PREFIX``. The crash test kills it with SIGKILL in the middle of its jobs."""
+
+from __future__ import annotations
+
+import sys
+
+import trio
+
+import pipework as pw
+from pipework.redis import RedisEventQueue, RedisJobStore
+
+
+def declare(engine: pw.Engine, name: str) -> None:
+    """Two keys, so every job is handed off once between its two steps; "fan" runs two
+    branches in parallel first."""
+
+    @engine.pipe(key="a")
+    async def fetch(ctx: pw.Context) -> None:
+        await trio.sleep(0.02)
+        ctx.state["fetched_by"] = name
+
+    @engine.pipe(key="b")
+    async def store(ctx: pw.Context) -> None:
+        await trio.sleep(0.02)
+        ctx.state["stored_by"] = name
+
+    engine.chain("work", fetch, store, timeout=600)
+
+    def branch(label: str) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(0.02)
+            ctx.state[f"{label}_by"] = name
+
+        return pw.Pipe(run, label, key="a")
+
+    # A parallel stage: killed inside it, its branches are rerun elsewhere.
+    engine.chain("fan", pw.all_of(branch("left"), branch("right")), store, timeout=600)
+
+
+async def main(url: str, prefix: str) -> None:
+    engine = pw.Engine(
+        pool=pw.WeightedPool(16),
+        store=RedisJobStore(url, prefix=prefix),
+        queue=RedisEventQueue(url, prefix=prefix, consumer="doomed", claim_idle=1),
+    )
+    declare(engine, "doomed")
+    async with engine:
+        print("ready", flush=True)
+        await trio.sleep_forever()
+
+
+if __name__ == "__main__":
+    trio.run(main, sys.argv[1], sys.argv[2])

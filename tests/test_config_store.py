@@ -1,0 +1,119 @@
+"""``[store]``: memory by default, Redis when asked, every mistake named by its key path;
+a gateway served with ``backend = "redis"`` keeps its jobs there."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import pipework as pw
+from pipework.container import BoundAddress
+from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.registry._config import ConfigError, config_from_dict
+from pipework.registry._gateway import Gateway
+
+from ._redis import RedisServer
+from .test_gateway import backend, gateway_file
+
+ROUTES = {
+    "pipes": {"p": {"python": "tests.test_config_corpus:enrich"}},
+    "routes": {"r": {"path": "/r", "chain": ["p"]}},
+}
+
+
+def test_the_memory_store_is_the_default() -> None:
+    config = config_from_dict(ROUTES)
+    assert config.store.backend == "memory"
+    store, queue = config.store.build(queue_capacity=5)
+    assert isinstance(store, pw.MemoryJobStore)
+    assert queue is None  # the engine's own in-memory queue
+
+
+def test_the_redis_store_and_queue_are_built_from_the_file() -> None:
+    config = config_from_dict(
+        {
+            **ROUTES,
+            "store": {
+                "backend": "redis",
+                "url": "redis://redis.internal:6379/2",
+                "prefix": "shop",
+                "retain_seconds": 60,
+                "claim_idle": 5,
+            },
+        }
+    )
+    store, queue = config.store.build(queue_capacity=7)
+    assert isinstance(store, RedisJobStore)
+    assert (store.url, store.prefix, store.retain_seconds) == (
+        "redis://redis.internal:6379/2",
+        "shop",
+        60,
+    )
+    assert isinstance(queue, RedisEventQueue)
+    assert (queue.stream, queue.capacity, queue.claim_idle) == ("shop:events", 7, 5)
+
+
+def test_the_url_may_come_from_the_environment() -> None:
+    config = config_from_dict({**ROUTES, "store": {"backend": "redis", "url_env": "SHOP_REDIS"}})
+    store, _ = config.store.build(queue_capacity=1, environ={"SHOP_REDIS": "redis://x:1/0"})
+    assert isinstance(store, RedisJobStore)
+    assert store.url == "redis://x:1/0"
+    with pytest.raises(RuntimeError, match="'SHOP_REDIS', which is not set"):
+        config.store.build(queue_capacity=1, environ={})
+
+
+@pytest.mark.parametrize(
+    ("store", "path", "message"),
+    [
+        ({"backend": "redsi"}, "store.backend", "did you mean 'redis'?"),
+        ({"backend": "redis"}, "store.url", 'backend = "redis" needs url'),
+        ({"backend": "redis", "url": "http://x"}, "store.url", "starting with redis://"),
+        (
+            {"backend": "redis", "url": "redis://x", "url_env": "X"},
+            "store.url",
+            "set url or url_env, not both",
+        ),
+        ({"backend": "redis", "url": "redis://x", "prefix": "a:b"}, "store.prefix", "':'"),
+        ({"retain_count": 0}, "store.retain_count", ""),
+        ({"urls": "redis://x"}, "store.urls", "did you mean 'url'?"),
+    ],
+)
+def test_mistakes_are_named_by_their_key_path(
+    store: dict[str, object], path: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as failed:
+        config_from_dict({**ROUTES, "store": store})
+    problems = [p for p in failed.value.errors if p.path == path]
+    assert problems, failed.value.errors
+    assert message in problems[0].message
+
+
+async def test_a_gateway_on_the_redis_store_keeps_its_jobs_there(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    with trio.fail_after(20):
+        async with backend() as users:
+            path = tmp_path / "gateway.toml"
+            text = gateway_file(users.url)
+            text += f'\n[store]\nbackend = "redis"\nurl = "{redis_server.url}"\nprefix = "gw"\n'
+            path.write_text(text)
+            gateway = Gateway(str(path))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address: BoundAddress = await nursery.start(
+                    functools.partial(gateway.run, port=0, stop=stop)
+                )
+                async with httpx.AsyncClient(base_url=address.url) as client:
+                    answer = await client.get("/users/7")
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["id"] == "7"
+                assert gateway.engine is not None
+                store = gateway.engine.store
+                assert isinstance(store, RedisJobStore)
+                done = await store.list(pw.Status.DONE)
+                assert [job.chain for job in done] == ["user"]
+                stop.set()

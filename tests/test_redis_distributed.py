@@ -1,0 +1,325 @@
+"""Several engines on one Redis: the event queue's promises, and jobs that cross engines.
+
+Two engines in one trio run, each with its own clients, consumer and dispatcher, are two
+processes as far as Redis can tell. These tests run on the real clock (a Redis round trip
+is real time); each wait is bounded by ``fail_after``.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import pipework as pw
+from pipework.container import BoundAddress
+from pipework.dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
+from pipework.dispatcher._redis_queue import decode_event, encode_event
+from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.registry._gateway import Gateway
+
+from ._redis import RedisServer, start_redis
+from ._redis_worker import declare as declare_work
+from .test_gateway import backend, gateway_file
+
+
+def _prefix() -> str:
+    return f"d{secrets.token_hex(6)}"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        RunJob("a"),
+        Resume("a", "paid"),
+        Expire("a", 7),
+        BranchDone(
+            "p", "c", 2, "error", None, join_id="j", stage=(0, 3), error=("E", "m", "w", 502)
+        ),
+        BranchDone("p", "c", 0, "ok", {"set": {"k": [1, {"x": None}]}}, join_id="j", stage=()),
+    ],
+)
+def test_events_round_trip_through_the_stream_encoding(event: Event) -> None:
+    assert decode_event(encode_event(event)) == event
+
+
+async def test_new_work_is_bounded_and_events_of_accepted_jobs_always_taken(
+    redis_server: RedisServer,
+) -> None:
+    async with RedisEventQueue(redis_server.url, prefix=_prefix(), capacity=2) as queue:
+        queue.submit_nowait(RunJob("a"))
+        queue.submit_nowait(RunJob("b"))
+        with pytest.raises(pw.Overloaded, match=r"the event queue is full \(2 of 2"):
+            queue.submit_nowait(RunJob("c"))
+        queue.put_nowait(Resume("a", "go"))  # an accepted job's: never refused
+        await queue.flush()
+        with trio.fail_after(10):
+            got = await queue.get_batch()
+            while len(got) < 3:
+                got += await queue.get_batch()
+        assert got == [RunJob("a"), RunJob("b"), Resume("a", "go")]
+        assert queue.statistics().depth == 3
+        for event in got:
+            queue.ack(event)
+        assert queue.statistics().depth == 0
+        assert queue.statistics().refused == 1
+
+
+async def test_a_silent_consumers_events_are_claimed_by_another(
+    redis_server: RedisServer,
+) -> None:
+    prefix = _prefix()
+    dead = RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=0.3, consumer="dead")
+    async with dead:
+        for i in range(5):
+            dead.put_nowait(RunJob(f"j{i}"))
+        await dead.flush()
+        with trio.fail_after(10):
+            held = await dead.get_batch()
+            while len(held) < 5:
+                held += await dead.get_batch()
+        dead.ack(held[0])  # a step it started...
+        dead.step_ended(held[0])  # ...and ended: done with
+        dead.ack(held[1])  # a step it started and never ended; three it never started
+    # "dead" is gone without acknowledging: a live consumer claims what it held.
+    async with RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=0.3) as alive:
+        with trio.fail_after(10):
+            claimed = await alive.get_batch()
+            while len(claimed) < 4:
+                claimed += await alive.get_batch()
+        assert sorted(e.job_id for e in claimed if isinstance(e, RunJob)) == [
+            "j1",
+            "j2",
+            "j3",
+            "j4",
+        ]
+        # Each was taken over: a job found running lost its step with the dead consumer.
+        assert all(alive.reclaimed(e) for e in claimed)
+
+
+async def test_a_live_consumer_keeps_what_it_holds(redis_server: RedisServer) -> None:
+    """Events a consumer holds for longer than the idle time (waiting for a worker slot)
+    are not taken from it while it lives."""
+    prefix = _prefix()
+    async with RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=0.3) as holder:
+        holder.put_nowait(RunJob("slow"))
+        await holder.flush()
+        with trio.fail_after(10):
+            held = await holder.get_batch()
+        async with RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=0.3) as other:
+            with trio.move_on_after(1.2):  # four claim rounds of the other consumer
+                taken = await other.get_batch()
+                pytest.fail(f"a live consumer's event was claimed: {taken}")
+        holder.ack(held[0])
+
+
+@asynccontextmanager
+async def _engines(
+    server: RedisServer, declare: Callable[[pw.Engine, str], None], *, a_takes_work: bool
+) -> AsyncIterator[tuple[pw.Engine, pw.Engine]]:
+    """Engines "a" and "b" on one Redis, each with its own clients and consumer."""
+    prefix = _prefix()
+    engines = []
+    for name in ("a", "b"):
+        inflight = 0 if name == "a" and not a_takes_work else 8
+        engine = pw.Engine(
+            store=RedisJobStore(server.url, prefix=prefix),
+            queue=RedisEventQueue(server.url, prefix=prefix, consumer=name, max_inflight=inflight),
+        )
+        declare(engine, name)
+        engines.append(engine)
+    async with AsyncExitStack() as stack:
+        for engine in engines:
+            await stack.enter_async_context(engine)
+        yield engines[0], engines[1]
+
+
+async def test_a_job_parked_on_one_engine_completes_through_work_done_on_the_other(
+    redis_server: RedisServer,
+) -> None:
+    """Engine a only accepts (it takes no events): every step runs on b; a signal sent to
+    either engine resumes the job parked on a; a's waiter hears the end b recorded."""
+
+    def declare(engine: pw.Engine, name: str) -> None:
+        @engine.pipe(key="users")
+        async def load(ctx: pw.Context) -> None:
+            ctx.state["ran"] = [*ctx.state.get("ran", []), f"load@{name}"]
+
+        @engine.pipe(key="payments")
+        async def pay(ctx: pw.Context) -> None:
+            ctx.state["ran"] = [*ctx.state["ran"], f"pay@{name}"]
+            await ctx.suspend("paid", into="payment")
+
+        @engine.pipe(key="users")
+        async def confirm(ctx: pw.Context) -> None:
+            ctx.state["ran"] = [*ctx.state["ran"], f"confirm@{name}"]
+
+        engine.chain("order", load, pay, confirm)
+
+    async with _engines(redis_server, declare, a_takes_work=False) as (a, b):
+        with trio.fail_after(20):
+            job_id = await a.submit("order", {"n": 1})
+            for _ in range(2000):  # a's own observers hear nothing: b runs the steps
+                if (await a.status(job_id)).status is pw.Status.SUSPENDED:
+                    break
+                await trio.sleep(0.01)
+            assert (await b.status(job_id)).waiting_for == "paid"  # status from anywhere
+            await a.signal(job_id, "paid", {"amount": 12})
+            result = await a.wait(job_id)
+            # The same again, the signal sent to the engine that does not park the request.
+            again = await a.submit("order", {"n": 2})
+            for _ in range(2000):
+                if (await b.status(again)).status is pw.Status.SUSPENDED:
+                    break
+                await trio.sleep(0.01)
+            await b.signal(again, "paid", {"amount": 5})
+            second = await a.wait(again)
+    assert result["ran"] == ["load@b", "pay@b", "confirm@b"]
+    assert result["payment"] == {"amount": 12}
+    assert second["ran"] == ["load@b", "pay@b", "confirm@b"]
+    assert (second["n"], second["payment"]) == (2, {"amount": 5})
+
+
+async def test_jobs_shared_by_two_engines_all_complete_with_the_right_state(
+    redis_server: RedisServer,
+) -> None:
+    """Both engines take work: hand-offs between keys and the branches of a parallel stage
+    land on either, and every job ends with every step's effect exactly once."""
+
+    def declare(engine: pw.Engine, name: str) -> None:
+        def step(label: str) -> pw.Pipe:
+            async def run(ctx: pw.Context) -> None:
+                await trio.sleep(0.001)
+                ctx.state[label] = name
+
+            return pw.Pipe(run, label, key=label[0])
+
+        engine.chain(
+            "c",
+            step("x1"),
+            step("y1"),
+            pw.all_of(step("x2"), step("y2"), step("z2")),
+            step("z3"),
+        )
+
+    async with _engines(redis_server, declare, a_takes_work=True) as (a, b):
+        with trio.fail_after(60):
+            ids = [await (a if i % 2 else b).submit("c", {"i": i}) for i in range(30)]
+            results = [await (b if i % 2 else a).wait(job_id) for i, job_id in enumerate(ids)]
+    mixed = 0
+    for i, result in enumerate(results):
+        assert result["i"] == i
+        steps = {k: v for k, v in result.items() if k != "i"}
+        assert set(steps) == {"x1", "y1", "x2", "y2", "z2", "z3"}
+        assert set(steps.values()) <= {"a", "b"}
+        mixed += len(set(steps.values())) == 2
+    assert mixed > 0  # some jobs had steps on both engines
+
+
+async def test_while_redis_is_away_submissions_get_a_clear_503_and_recover_after(
+    tmp_path: Path,
+) -> None:
+    """A server of the test's own, stopped and started again: meanwhile the HTTP answer is
+    a 503 problem naming the store; once it is back, requests are served again."""
+    server = start_redis(tmp_path)
+    try:
+        with trio.fail_after(40):
+            async with backend() as users:
+                path = tmp_path / "gateway.toml"
+                text = gateway_file(users.url)
+                text += f'\n[store]\nbackend = "redis"\nurl = "{server.url}"\nclaim_idle = 1\n'
+                path.write_text(text)
+                gateway = Gateway(str(path))
+                stop = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    address: BoundAddress = await nursery.start(
+                        functools.partial(gateway.run, port=0, stop=stop)
+                    )
+                    async with httpx.AsyncClient(base_url=address.url, timeout=15) as client:
+                        assert (await client.get("/users/1")).status_code == 200
+                        server.stop()
+                        away = await client.get("/users/2")
+                        assert away.status_code == 503, away.text
+                        assert away.headers["content-type"] == "application/problem+json"
+                        assert away.json()["detail"].startswith(
+                            "the server cannot reach its job store now"
+                        )
+                        assert "redis:" not in away.text  # where it is: the log, not the client
+                        server.restart()
+                        status: int | str | None = None
+                        for _ in range(100):  # the clients reconnect on their own
+                            try:
+                                back = await client.get("/users/3")
+                            except httpx.TransportError as exc:
+                                status = repr(exc)  # a connection the 503 closed
+                                continue
+                            status = back.status_code
+                            if status == 200:
+                                break
+                            await trio.sleep(0.1)
+                        assert status == 200, status
+                        assert back.json()["id"] == "3"
+                    stop.set()
+    finally:
+        server.stop()
+
+
+@pytest.mark.hang_guard(real_seconds=240)
+@pytest.mark.parametrize(("chain", "jobs"), [("work", 1000), ("fan", 300)])
+async def test_kill_9_in_the_middle_of_the_jobs_loses_none(
+    redis_server: RedisServer, chain: str, jobs: int
+) -> None:
+    """A worker process is killed with SIGKILL while it runs 1,000 jobs (or 300 with a
+    parallel stage); another process claims its pending events (the steps and branches it
+    was running among them) and every accepted job ends done, with every step's effect:
+    none stays running, none is lost."""
+    prefix = _prefix()
+    front = pw.Engine(  # accepts and parks; takes no work
+        store=RedisJobStore(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix, max_inflight=0),
+    )
+    declare_work(front, "front")
+    command = [sys.executable, "-m", "tests._redis_worker", redis_server.url, prefix]
+    async with front, trio.open_nursery() as nursery:
+        worker: trio.Process = await nursery.start(
+            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert worker.stdout is not None
+        with trio.fail_after(30):
+            assert (await worker.stdout.receive_some()).startswith(b"ready")
+            ids = [await front.submit(chain, {"n": i}) for i in range(jobs)]
+            done, at_join = 0, 0
+            while done < 20 or (chain == "fan" and not at_join):  # well into them
+                await trio.sleep(0.02)
+                done = len(await front.store.list(pw.Status.DONE))
+                if chain == "fan":
+                    running = await front.store.list(pw.Status.RUNNING)
+                    at_join = sum(job.join is not None for job in running)
+        worker.kill()  # SIGKILL: no cleanup of any kind, parents waiting at their joins
+        await worker.wait()
+        assert len(await front.store.list(pw.Status.DONE)) < jobs  # it died mid-run
+
+        rescuer = pw.Engine(
+            pool=pw.WeightedPool(16),
+            store=RedisJobStore(redis_server.url, prefix=prefix),
+            queue=RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=1),
+        )
+        declare_work(rescuer, "rescuer")
+        async with rescuer:
+            with trio.fail_after(180):
+                results = [await front.wait(job_id) for job_id in ids]
+    assert [r["n"] for r in results] == list(range(jobs))
+    effects = ("fetched_by",) if chain == "work" else ("left_by", "right_by")
+    for r in results:
+        assert {r[effect] for effect in (*effects, "stored_by")} <= {"doomed", "rescuer"}
+    assert any(r["stored_by"] == "rescuer" for r in results)
+    statuses = [(await front.store.get(job_id)).status for job_id in ids]
+    assert statuses.count(pw.Status.DONE) == jobs

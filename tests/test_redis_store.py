@@ -1,0 +1,182 @@
+"""The Redis job store's own promises, beyond the engine suite that runs on it (each_store):
+gone vs unknown, the first end stands, atomic read-modify-write across clients, and a clear
+error when Redis is away."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import trio
+
+import pipework as pw
+from pipework.dispatcher._job import Job, new_job_id
+from pipework.redis import RedisJobStore
+
+from ._redis import RedisServer, TestRedisJobStore
+
+
+def _store(server: RedisServer, prefix: str | None = None, **options: Any) -> RedisJobStore:
+    return TestRedisJobStore(server.url, prefix=prefix or f"s{secrets.token_hex(6)}", **options)
+
+
+def _job(token_hash: str | None = None) -> Job:
+    return Job(
+        id=new_job_id(), chain="c", state={"n": 0}, correlation_id="x", token_hash=token_hash
+    )
+
+
+async def test_a_finished_job_is_kept_then_gone_and_an_unknown_id_is_not_found(
+    autojump_clock: trio.abc.Clock, redis_server: RedisServer
+) -> None:
+    async with _store(redis_server, retain_seconds=60) as store:
+        job = _job(token_hash="abc")
+        await store.create(job)
+        job.transition(pw.Status.FAILED)
+        await store.update(job)
+        assert (await store.get(job.id)).status is pw.Status.FAILED
+        assert [j.id for j in await store.list(pw.Status.FAILED)] == [job.id]
+        await trio.sleep(61)
+        with pytest.raises(pw.JobGone) as gone:
+            await store.get(job.id)
+        assert gone.value.token_hash == "abc"
+        assert await store.list(pw.Status.FAILED) == []
+        with pytest.raises(pw.JobNotFound) as unknown:
+            await store.get("never-there")
+        assert not isinstance(unknown.value, pw.JobGone)
+
+
+async def test_retention_by_count_drops_the_oldest_finished(redis_server: RedisServer) -> None:
+    async with _store(redis_server, retain_count=2) as store:
+        jobs = [_job() for _ in range(3)]
+        for job in jobs:
+            await store.create(job)
+            job.transition(pw.Status.CANCELLED)
+            await store.update(job)
+        with pytest.raises(pw.JobGone):
+            await store.get(jobs[0].id)
+        assert {j.id for j in await store.list()} == {jobs[1].id, jobs[2].id}
+
+
+async def test_the_first_end_stands_and_a_finished_job_is_never_brought_back(
+    redis_server: RedisServer,
+) -> None:
+    prefix = f"s{secrets.token_hex(6)}"
+    async with _store(redis_server, prefix) as one, _store(redis_server, prefix) as two:
+        job = _job()
+        await one.create(job)
+        with pytest.raises(ValueError, match="already exists"):
+            await two.create(job)
+        mine, theirs = await one.get(job.id), await two.get(job.id)
+        theirs.transition(pw.Status.CANCELLED)
+        await two.update(theirs)
+        mine.transition(pw.Status.RUNNING)
+        with pytest.raises(pw.JobNotFound, match="not active"):
+            await one.update(mine)  # a step that loaded it before the cancel landed
+        mine.transition(pw.Status.DONE)
+        await one.update(mine)  # a second end changes nothing
+        assert (await one.get(job.id)).status is pw.Status.CANCELLED
+        assert await one.list([pw.Status.QUEUED, pw.Status.RUNNING]) == []
+
+
+async def test_the_lock_loses_no_update_between_clients(redis_server: RedisServer) -> None:
+    """Two clients (as two processes would) each add to one record 50 times, each addition
+    a read-modify-write under the job's lock: every addition is there."""
+    prefix = f"s{secrets.token_hex(6)}"
+    async with _store(redis_server, prefix) as one, _store(redis_server, prefix) as two:
+        job = _job()
+        await one.create(job)
+
+        async def add(store: RedisJobStore) -> None:
+            for _ in range(50):
+                async with store.lock(job.id):
+                    record = await store.get(job.id)
+                    await trio.lowlevel.checkpoint()  # let the other one try meanwhile
+                    record.state["n"] += 1
+                    await store.update(record)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(add, one)
+            nursery.start_soon(add, two)
+        assert (await one.get(job.id)).state["n"] == 100
+
+
+_UNREACHABLE = """
+import socket, sys, trio
+from pipework.redis import RedisJobStore, StoreUnavailable
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # nothing listens here once the socket closes
+async def main():
+    store = RedisJobStore(f"redis://127.0.0.1:{port}/0", io_timeout=5)
+    try:
+        async with store:
+            await store.get("x")
+    except StoreUnavailable as exc:
+        print(exc.http_status, exc.reason, exc)
+        return
+    sys.exit("no StoreUnavailable")
+trio.run(main)
+"""
+
+
+def test_an_unreachable_redis_is_a_clear_503() -> None:
+    # In a process of its own: coredis leaves a failed connection's streams to the
+    # garbage collector, whose warnings this suite turns into errors.
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _UNREACHABLE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("503 store_unavailable the job store at redis://127.0.0.1:")
+    assert "cannot be reached" in done.stdout
+
+
+async def test_calls_made_together_share_round_trips_and_keep_their_own_answers(
+    redis_server: RedisServer,
+) -> None:
+    """Writes made while a round trip is on its way go together in the next one; each
+    caller still gets its own answer, a refused create its own error."""
+    store = _store(redis_server)
+    trips: list[int] = []
+    send = store._send_calls
+
+    async def counted() -> None:
+        trips.append(len(store._calls))
+        await send()
+
+    store._send_calls = counted  # type: ignore[method-assign]
+    async with store:
+        jobs = [_job() for _ in range(40)]
+        await store.create(jobs[0])
+        refused: list[str] = []
+
+        async def create(job: Job) -> None:
+            try:
+                await store.create(job)
+            except ValueError:
+                refused.append(job.id)
+
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(create, job)
+        assert refused == [jobs[0].id]
+        gets: dict[str, Job] = {}
+
+        async def get(job_id: str) -> None:
+            gets[job_id] = await store.get(job_id)
+
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(get, job.id)
+        assert {job_id: job.state for job_id, job in gets.items()} == {
+            job.id: {"n": 0} for job in jobs
+        }
+    assert sum(trips) == 81  # every call sent once
+    assert len(trips) < 81 // 2  # and most of them together
