@@ -34,7 +34,7 @@ from quart import Response, request, websocket
 from .._errors import JobNotFound
 from ..dispatcher._job import hash_token
 from ..dispatcher._status import TERMINAL
-from ._board import Boards, BoardSpec, Follower
+from ._board import Boards, BoardSpec, BoardUnavailable, Change, Follower
 from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_page import jobs_page
@@ -211,6 +211,18 @@ class BoardApi:
 
     # -- writes --------------------------------------------------------------------------
 
+    async def _write(self, change: Change) -> Version:
+        try:
+            return await self.boards.write(change)
+        except BoardUnavailable as exc:
+            raise Problem(
+                503,
+                "Board unavailable",
+                f"{exc}; nothing was written: retry later (see Retry-After)",
+                slug="board-unavailable",
+                headers={"Retry-After": _RETRY_AFTER},
+            ) from exc
+
     async def create(self, board: str) -> Response:
         spec = self._spec(board)
         self._may_write(spec)
@@ -218,7 +230,7 @@ class BoardApi:
         self._spec(board)  # a reload may have removed it while the body came
         resource = secrets.token_urlsafe(12)
         try:
-            version = self.boards.create(board, resource, data)
+            version = await self._write(Change(board, "create", resource, data))
         except BoardFull as exc:
             raise Problem(
                 503,
@@ -242,7 +254,7 @@ class BoardApi:
         data = await self._body()
         self._spec(board)  # a reload may have removed it while the body came
         try:
-            version = self.boards.update(board, resource, data)
+            version = await self._write(Change(board, "update", resource, data))
         except ResourceNotFound:
             raise self._not_found(board, resource) from None
         return _json(
@@ -254,7 +266,7 @@ class BoardApi:
         spec = self._spec(board)
         self._may_write(spec)
         try:
-            self.boards.delete(board, resource)
+            await self._write(Change(board, "delete", resource))
         except ResourceNotFound:
             raise self._not_found(board, resource) from None
         return Response(b"", status=204)
