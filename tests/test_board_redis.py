@@ -41,7 +41,7 @@ if importlib.util.find_spec("pipework.dispatcher._redis_store") is None:
     _store.RedisJobStore = object  # type: ignore[attr-defined]
     sys.modules.setdefault(_store.__name__, _store)
 
-from ._redis import RedisServer, redis_server, start_redis  # noqa: E402
+from ._redis import RedisServer, redis_server, start_redis
 
 __all__ = ["redis_server"]  # the session's Redis, a fixture
 
@@ -81,13 +81,15 @@ async def two_processes(url: str) -> AsyncIterator[tuple[Served, Served]]:
         yield a, b
 
 
-async def readable(served: Served, path: str) -> dict[str, Any]:
-    """The resource as ``served`` answers it, once that process has heard of it."""
+async def readable(served: Served, path: str, version: str | None = None) -> dict[str, Any]:
+    """The resource as ``served`` answers it, once that process has heard of it (at
+    ``version``, if given)."""
     while True:
         response = await served.client.get(path)
         if response.status_code == 200:
             body: dict[str, Any] = response.json()
-            return body
+            if version is None or body["version"] == version:
+                return body
         await trio.sleep(0.01)  # the other process's reader has not applied it yet
 
 
@@ -129,7 +131,7 @@ async def test_every_http_write_goes_through_the_backplane_and_answers_its_versi
 
 async def test_a_shared_board_refuses_writes_that_cannot_wait_for_their_version() -> None:
     boards = Boards(board_specs(), backplane=RedisBackplane("redis://127.0.0.1:1/0"))
-    with pytest.raises(TypeError, match="await boards.write"):
+    with pytest.raises(TypeError, match=r"await boards\.write"):
         boards.create("news", "r", 1)
     local = Boards([BoardSpec("jobs-like", SETTINGS, local=True)], backplane=boards.backplane)
     assert local.create("jobs-like", "r", 1).offset == 1  # a local board stays synchronous
@@ -157,9 +159,7 @@ def test_reconcile_brings_a_board_to_the_shared_state_and_old_positions_get_a_re
     # A new epoch: every resource is told again, positions from the old one are foreign.
     core.reconcile(6, 3, {"a": (9, 2), "c": (9, 3)}, 2.0)
     core.flush()
-    assert [(e.resource, e.version) for e in core.take(follower).events] == [
-        ("a", Version(6, 3))
-    ]
+    assert [(e.resource, e.version) for e in core.take(follower).events] == [("a", Version(6, 3))]
     stale = core.join(["c"], since=Version(5, 9))
     assert [e.kind for e in core.take(stale).events] == [Kind.RESYNC]
     with pytest.raises(ValueError, match="does not follow"):
@@ -208,8 +208,7 @@ async def test_a_reconnect_to_another_process_gets_exactly_what_it_missed(
             async with follow_sse(a, path) as (_, events):
                 last_id, _, _ = await events.next()
             missed = [await put(a, "news", resource, n) for n in (1, 2, 3)]
-            while (await b.client.get(path)).json()["version"] != missed[-1]:
-                await trio.sleep(0.01)  # b's reader is on its way
+            await readable(b, path, missed[-1])
             async with follow_sse(b, path, {"Last-Event-ID": str(last_id)}) as (_, events):
                 got = [await events.next() for _ in missed]
                 assert [(i, k, d["data"]) for i, k, d in got] == [
