@@ -256,7 +256,7 @@ async def test_redis_away_refuses_writes_clearly_and_followers_recover_after(
                     assert_problem(answer, 503, "board-unavailable")
                     await trio.sleep(0.05)  # the readers are reconnecting
                 version = answer.json()["version"]
-                seen = []
+                seen: list[tuple[str | None, str, Any]] = []
                 while not seen or seen[-1][0] != version:
                     seen.append(await events.next())
                 assert seen[-1][1:] == (
