@@ -30,6 +30,7 @@ from pipework.container._board import (
 )
 from pipework.container._board_core import BoardCore, BoardSettings, Kind, Version
 from pipework.container._board_redis import RedisBackplane
+from pipework.registry._gateway import Gateway
 
 from .test_board_http import WRITE, create, follow_sse, put
 from .test_container_harness import HANG_GUARD, SECRET, Served, assert_problem, bearer
@@ -81,11 +82,13 @@ async def two_processes(url: str) -> AsyncIterator[tuple[Served, Served]]:
         yield a, b
 
 
-async def readable(served: Served, path: str, version: str | None = None) -> dict[str, Any]:
-    """The resource as ``served`` answers it, once that process has heard of it (at
+async def readable(
+    client: httpx.AsyncClient, path: str, version: str | None = None
+) -> dict[str, Any]:
+    """The resource as ``client``'s process answers it, once that process has heard of it (at
     ``version``, if given)."""
     while True:
-        response = await served.client.get(path)
+        response = await client.get(path)
         if response.status_code == 200:
             body: dict[str, Any] = response.json()
             if version is None or body["version"] == version:
@@ -176,7 +179,7 @@ async def test_a_follower_on_one_process_gets_a_write_made_on_another(
         async with two_processes(redis_server.url) as (a, b):
             resource = await create(a, "news", {"n": 0})
             path = f"/boards/news/{resource}"
-            assert (await readable(b, path))["data"] == {"n": 0}
+            assert (await readable(b.client, path))["data"] == {"n": 0}
             async with follow_sse(b, path) as (_, events):
                 first_id, _, _ = await events.next()
                 version = await put(a, "news", resource, {"n": 1})
@@ -204,11 +207,11 @@ async def test_a_reconnect_to_another_process_gets_exactly_what_it_missed(
         async with two_processes(redis_server.url) as (a, b):
             resource = await create(a, "news", 0)
             path = f"/boards/news/{resource}"
-            await readable(b, path)
+            await readable(b.client, path)
             async with follow_sse(a, path) as (_, events):
                 last_id, _, _ = await events.next()
             missed = [await put(a, "news", resource, n) for n in (1, 2, 3)]
-            await readable(b, path, missed[-1])
+            await readable(b.client, path, missed[-1])
             async with follow_sse(b, path, {"Last-Event-ID": str(last_id)}) as (_, events):
                 got = [await events.next() for _ in missed]
                 assert [(i, k, d["data"]) for i, k, d in got] == [
@@ -236,7 +239,7 @@ async def test_redis_away_refuses_writes_clearly_and_followers_recover_after(
         async with two_processes(own_redis.url) as (a, b):
             resource = await create(a, "news", 0)
             path = f"/boards/news/{resource}"
-            await readable(b, path)
+            await readable(b.client, path)
             async with follow_sse(b, path) as (_, events):
                 before, _, _ = await events.next()
                 await trio.to_thread.run_sync(own_redis.stop)
@@ -268,3 +271,32 @@ async def test_redis_away_refuses_writes_clearly_and_followers_recover_after(
             async with follow_sse(b, path, {"Last-Event-ID": str(before)}) as (_, events):
                 _, kind, body = await events.next()
                 assert (kind, body["data"]) == ("resync", 2)
+
+
+async def test_two_gateways_on_one_redis_share_their_boards(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f'[boards]\nbackplane = "redis"\nurl = "{redis_server.url}"\n'
+        f'prefix = "g{secrets.token_hex(4)}"\n\n'
+        f'[boards.news]\npublic_read = true\nwrite_token = "{WRITE}"\nwindow = 0.01\n'
+    )
+    stop = trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            first: BoundAddress = await nursery.start(
+                functools.partial(Gateway(str(path)).run, port=0, stop=stop)
+            )
+            second: BoundAddress = await nursery.start(
+                functools.partial(Gateway(str(path)).run, port=0, stop=stop)
+            )
+            async with (
+                httpx.AsyncClient(base_url=first.url) as a,
+                httpx.AsyncClient(base_url=second.url) as b,
+            ):
+                created = await a.post("/boards/news", json={"n": 1}, headers=bearer(WRITE))
+                assert created.status_code == 201, created.text
+                resource = created.json()["id"]
+                assert await readable(b, f"/boards/news/{resource}") == created.json()
+            stop.set()
