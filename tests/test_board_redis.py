@@ -233,7 +233,7 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 async def test_redis_away_refuses_writes_clearly_and_followers_recover_after(
-    own_redis: RedisServer,
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with trio.fail_after(HANG_GUARD * 2):
         async with two_processes(own_redis.url) as (a, b):
@@ -247,6 +247,9 @@ async def test_redis_away_refuses_writes_clearly_and_followers_recover_after(
                 problem = assert_problem(refused, 503, "board-unavailable")
                 assert refused.headers["Retry-After"]
                 assert "nothing was written" in problem["detail"]
+                assert own_redis.url not in problem["detail"]  # where it is: the log's
+                refusals = [r for r in caplog.records if "was refused" in r.getMessage()]
+                assert f"127.0.0.1:{own_redis.port}" in refusals[0].getMessage()
                 # Reads and follows go on from each process's copy meanwhile.
                 assert (await b.client.get(path)).json()["data"] == 0
                 # Back, empty (no persistence): a process writes its copy back under a new

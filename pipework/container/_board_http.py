@@ -23,6 +23,7 @@ Past a follower limit: 503 with Retry-After. A follower whose send fails is drop
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
@@ -43,6 +44,8 @@ from ._jobs_api import JobsApi, job_document, job_token
 from ._problems import Problem
 
 __all__ = ["BoardApi", "sse_event", "sse_events"]
+
+_log = logging.getLogger("pipework.boards")
 
 _BEARER: Final = "bearer "
 _RETRY_AFTER: Final = "5"
@@ -215,10 +218,13 @@ class BoardApi:
         try:
             return await self.boards.write(change)
         except BoardUnavailable as exc:
+            # Where the backplane is, and why, is the operators' business: the log's.
+            _log.warning("a write to board %r was refused: %s", change.board, exc)
             raise Problem(
                 503,
                 "Board unavailable",
-                f"{exc}; nothing was written: retry later (see Retry-After)",
+                f"board {change.board!r} cannot take writes now; nothing was written: "
+                "retry later (see Retry-After)",
                 slug="board-unavailable",
                 headers={"Retry-After": _RETRY_AFTER},
             ) from exc
