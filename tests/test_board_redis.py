@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pipework as pw
 from pipework.container import BoundAddress, Container, ContainerConfig
@@ -303,3 +305,55 @@ async def test_two_gateways_on_one_redis_share_their_boards(
                 resource = created.json()["id"]
                 assert await readable(b, f"/boards/news/{resource}") == created.json()
             stop.set()
+
+
+def _apply(view: dict[str, Any], events: Any) -> None:
+    for event in events:
+        if event.kind is Kind.DELETE:
+            view.pop(event.resource, None)
+        else:
+            view[event.resource] = event.data
+
+
+@given(
+    local=st.dictionaries(st.sampled_from("abcd"), st.integers(0, 3)),
+    shared=st.dictionaries(st.sampled_from("abcde"), st.integers(0, 3)),
+    new_epoch=st.booleans(),
+    taken_before=st.booleans(),
+    ahead=st.integers(0, 5),
+)
+def test_after_a_reconcile_every_follower_holds_the_shared_state(
+    local: dict[str, int], shared: dict[str, int], new_epoch: bool, taken_before: bool, ahead: int
+) -> None:
+    core = BoardCore(BoardSettings(window=0.0, history=4), epoch=1)
+    for resource, data in local.items():
+        core.create(resource, data, 0.0)
+    core.flush()
+    follower = core.join(local) if local else None
+    view: dict[str, Any] = {}
+    if follower is not None and taken_before:
+        _apply(view, core.take(follower).events)
+    position = core.position
+    # The shared log is past this board's position if anything differs (or exactly there).
+    offset = position.offset + ahead + (shared != local)
+    # An unchanged resource keeps its version in the shared state; a changed one is newer.
+    state = {
+        r: ((core.read(r)[0].offset if r in core and core.read(r)[1] == d else offset), d)
+        for r, d in shared.items()
+    }
+    epoch = 2 if new_epoch else 1
+    core.reconcile(epoch, offset, state, 1.0)
+    core.flush()
+    if follower is not None:
+        _apply(view, core.take(follower).events)
+        assert view == {r: shared[r] for r in local if r in shared}
+    for resource in "abcde":
+        assert (resource in core) == (resource in shared)
+        if resource in shared:
+            assert core.read(resource)[1] == shared[resource]
+    # A follower joining at the old position converges too (exactly, or by a resync).
+    if state:
+        late = core.join(state, since=position)
+        seen: dict[str, Any] = {r: local.get(r) for r in state if r in local}
+        _apply(seen, core.take(late).events)
+        assert seen == shared
