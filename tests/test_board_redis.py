@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import coredis
 import httpx
 import pytest
 import trio
@@ -357,3 +358,20 @@ def test_after_a_reconcile_every_follower_holds_the_shared_state(
         seen: dict[str, Any] = {r: local.get(r) for r in state if r in local}
         _apply(seen, core.take(late).events)
         assert seen == shared
+
+
+async def test_an_unreadable_log_entry_is_logged_and_the_board_reloaded(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with two_processes(redis_server.url) as (a, b):
+            resource = await create(a, "news", 0)
+            path = f"/boards/news/{resource}"
+            await readable(b.client, path)
+            plane = b.container.boards.backplane
+            assert isinstance(plane, RedisBackplane)
+            async with coredis.Redis.from_url(redis_server.url) as redis:
+                await redis.xadd(f"{plane.prefix}:board:news:log", {"junk": "1"})
+            version = await put(a, "news", resource, 1)
+            assert (await readable(b.client, path, version))["data"] == 1
+            assert any("reader failed" in r.getMessage() for r in caplog.records)

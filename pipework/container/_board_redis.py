@@ -291,6 +291,13 @@ class RedisBackplane:
                 self._moved()
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except Exception:
+                # Anything else (an entry this version cannot read, a key of the wrong
+                # type): the boards are loaded afresh rather than the flush task ended.
+                _log.exception("pipework: the board backplane's reader failed; reloading")
+                self._read_from.clear()
+                self._moved()
+                await trio.sleep(1.0)
 
     async def _load_boards(self) -> None:
         shared = self._shared_boards()
