@@ -3,8 +3,11 @@ checked like every other section, each mistake named by its key path."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from pipework.__main__ import main
 from pipework.container._board_redis import RedisBackplane
 from pipework.registry._config import ConfigError, loads_config
 
@@ -63,3 +66,15 @@ def test_backplane_problems_are_reported_with_their_key_path(text: str, message:
 def test_a_url_without_the_redis_backplane_is_warned_about() -> None:
     config = loads_config('[boards]\nurl = "redis://127.0.0.1/0"\n')
     assert any("boards.url" in str(w) and "only with" in str(w) for w in config.warnings)
+
+
+def test_boards_on_the_local_backplane_are_refused_with_several_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text("[boards.news]\npublic_read = true\nwrite_token_env = 'W'\n")
+    assert main(["serve", str(path), "--port", "0", "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot serve with --workers 2 and the local board backplane" in err
+    assert "board(s) 'news'" in err
+    assert 'backplane = "redis"' in err
