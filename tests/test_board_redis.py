@@ -188,7 +188,7 @@ async def test_a_follower_on_one_process_gets_a_write_made_on_another(
                 version = await put(a, "news", resource, {"n": 1})
                 event_id, kind, body = await events.next()
                 assert (event_id, kind, body["data"]) == (version, "update", {"n": 1})
-                assert version > str(first_id)
+                assert Version.parse(version) > Version.parse(first_id)  # type: ignore[operator]
                 # and the other way round, with the same versions on both
                 version = await put(b, "news", resource, {"n": 2})
                 assert (await a.client.get(path)).json()["version"] == version
