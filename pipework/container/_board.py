@@ -2,9 +2,10 @@
 
 :class:`Boards` owns the :class:`~._board_core.BoardCore` of each board and drives them:
 writes go in through the board's backplane (synchronously on a board in one process, so an
-engine observer can publish from the dispatcher's tasks), one task flushes each board when its batch is due and wakes the followers the core names,
-and a :class:`Follower` waits for its events with :meth:`Follower.wait`. All decisions are
-the core's; this module only parks and wakes tasks.
+engine observer can publish from the dispatcher's tasks), one task flushes each board when
+its batch is due and wakes the followers the core names, and a :class:`Follower` waits for
+its events with :meth:`Follower.wait`. All decisions are the core's; this module only parks
+and wakes tasks.
 
 Every write goes through a :class:`Backplane`, which decides its version and applies it
 (:meth:`Boards.apply`) on every process that serves the board. :class:`LocalBackplane` (the
