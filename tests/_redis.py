@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import trio
+
 from pipework.dispatcher._redis_store import RedisJobStore
 
 __all__ = ["RedisServer", "TestRedisJobStore", "redis_server", "start_redis", "store_class"]
