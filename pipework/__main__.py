@@ -206,6 +206,10 @@ def _supervise(args: argparse.Namespace) -> int:
         grace = gateway.overrides.get("shutdown_grace", server.shutdown_grace)
         local = _file_store_is_local(gateway.config)
         served = [rc.route for rc in gateway.config.routes.values()]
+        boards = _local_boards_problem(gateway.config, args.workers)
+        if boards is not None:
+            print(boards, file=sys.stderr)
+            return 1
     else:
         engine = load_engine(args.target)
         host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
@@ -255,6 +259,19 @@ def _file_store_is_local(config: Any) -> bool:
     """Whether a gateway file keeps its jobs in each process's memory (the default)."""
     store = getattr(config, "store", None)
     return store is None or getattr(store, "backend", "memory") == "memory"
+
+
+def _local_boards_problem(config: Any, workers: int) -> str | None:
+    """Why a file's boards cannot be served by ``workers`` processes that each keep their
+    own: a write on one would never reach followers (or reads) on the others."""
+    if not config.boards or config.backplane.backplane != "local":
+        return None
+    return (
+        f"pipework: cannot serve with --workers {workers} and the local board backplane: "
+        f"board(s) {', '.join(map(repr, config.boards))} would live in each worker apart, "
+        "so a write on one worker reaches no follower on another. Serve with --workers 1 "
+        'or share the boards: [boards] backplane = "redis" (docs/configuration.md).'
+    )
 
 
 def _local_store_problem(served: list[Route], workers: int) -> str | None:

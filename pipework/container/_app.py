@@ -37,7 +37,7 @@ from .._metrics import Metrics
 from ..dispatcher._engine import PROBE_CHAIN, Engine
 from ..dispatcher._job import new_correlation_id
 from ._admin import AdminApi, Reload, admin_token
-from ._board import Boards, BoardSpec
+from ._board import Backplane, Boards, BoardSpec
 from ._board_http import BoardApi, add_board_rules
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_metrics import BoardCollector
@@ -137,7 +137,9 @@ class ContainerConfig:
 
 class Container:
     """Serves ``engine``'s routes (default: those registered on its registry), the job
-    API, signed callbacks, ``/healthz`` and ``/readyz``. ``app`` is the QuartTrio app."""
+    API, signed callbacks, ``/healthz`` and ``/readyz``. ``app`` is the QuartTrio app.
+    ``backplane`` carries the boards' writes (default: this process alone; a
+    ``RedisBackplane`` shares them with every process on the same Redis and prefix)."""
 
     def __init__(
         self,
@@ -148,6 +150,7 @@ class Container:
         signer: CallbackSigner | None = None,
         reload: Reload | None = None,
         boards: Iterable[BoardSpec] = (),
+        backplane: Backplane | None = None,
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
@@ -176,7 +179,7 @@ class Container:
             cancel_wait=config.cancel_wait,
             expose_errors=config.expose_errors,
         )
-        self.boards = Boards(boards)
+        self.boards = Boards(boards, backplane=backplane)
         self.job_board = JobBoard(self.boards, expose_errors=config.expose_errors)
         self.board_api = BoardApi(
             self.boards,

@@ -1,17 +1,19 @@
 """The push board's trio driver: one flush task for every board, and followers that wait.
 
 :class:`Boards` owns the :class:`~._board_core.BoardCore` of each board and drives them:
-writes go in synchronously (so an engine observer can publish from the dispatcher's tasks),
-one task flushes each board when its batch is due and wakes the followers the core names,
-and a :class:`Follower` waits for its events with :meth:`Follower.wait`. All decisions are
-the core's; this module only parks and wakes tasks.
+writes go in through the board's backplane (synchronously on a board in one process, so an
+engine observer can publish from the dispatcher's tasks), one task flushes each board when
+its batch is due and wakes the followers the core names, and a :class:`Follower` waits for
+its events with :meth:`Follower.wait`. All decisions are the core's; this module only parks
+and wakes tasks.
 
-Where a Redis backplane plugs in: every write becomes a :class:`Change` handed to a
-:class:`Backplane`, and the backplane calls :meth:`Boards.apply` with each change -- in
-this process at once (:class:`LocalBackplane`, the default); with Redis, a pub/sub channel
-per gateway would carry the changes to every process, each applying them to its own cores,
-so a follower on any process hears a write made on any other. The HTTP side only ever calls
-:class:`Boards`, so it does not change.
+Every write goes through a :class:`Backplane`, which decides its version and applies it
+(:meth:`Boards.apply`) on every process that serves the board. :class:`LocalBackplane` (the
+default) is one process: it applies at once and the board counts its own versions. A shared
+one (``_board_redis.RedisBackplane``) is the one authority on versions: a write's version is
+assigned where every process reads the changes in the same order, and ``await
+boards.write(...)`` returns it once the change is applied here too (a read after a write on
+the same process sees it). The HTTP side only ever calls :class:`Boards`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._board_core import (
 __all__ = [
     "Backplane",
     "BoardSpec",
+    "BoardUnavailable",
     "Boards",
     "Change",
     "Follower",
@@ -67,6 +70,9 @@ class BoardSpec:
     public_read: bool = False
     keepalive: float = 15.0
     long_poll: float = 30.0
+    #: In this process alone, whatever the backplane (the job board: a job's changes are
+    #: observed where it runs).
+    local: bool = False
 
     def __post_init__(self) -> None:
         if not self.keepalive > 0 or not self.long_poll > 0:
@@ -83,23 +89,52 @@ class Change:
     data: Any = None
 
 
-class Backplane(Protocol):
-    """Carries changes to every process's boards (see the module's docstring)."""
+class BoardUnavailable(Exception):
+    """A write could not reach the shared backplane (Redis away, or not answering in
+    time): nothing was written; retry later (HTTP 503)."""
 
-    def publish(self, change: Change) -> None:
-        """Send the change on; must not block (a remote backplane buffers, bounded)."""
-        ...
+
+class Backplane(Protocol):
+    """Carries every write to every process's boards, and decides its version.
+
+    ``connect`` hands it the boards once; ``run`` receives the writes other processes make
+    (until cancelled; it reports started at once, not only once connected); ``publish``
+    returns a write's version once the change is applied in this process, raising what the
+    core raises (:class:`ResourceExists`, :class:`ResourceNotFound`, :class:`BoardFull`)
+    or :class:`BoardUnavailable`. ``shared``: whether other processes hear the writes (then
+    writes need ``await``: the version comes from elsewhere)."""
+
+    shared: bool
+
+    def connect(self, boards: Boards) -> None: ...
+
+    async def publish(self, change: Change) -> Version: ...
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None: ...
 
 
 class LocalBackplane:
-    """One process: a change is applied here, at once."""
+    """One process: a change is applied here, at once, and the board counts the version."""
+
+    shared = False
 
     def __init__(self) -> None:
-        self.apply: Callable[[Change], Version] | None = None
+        self._boards: Boards | None = None
 
-    def publish(self, change: Change) -> None:
-        assert self.apply is not None, "the backplane is not connected to its boards"
-        self.apply(change)
+    def connect(self, boards: Boards) -> None:
+        self._boards = boards
+
+    def publish_now(self, change: Change) -> Version:
+        assert self._boards is not None, "the backplane is not connected to its boards"
+        return self._boards.apply(change)
+
+    async def publish(self, change: Change) -> Version:
+        return self.publish_now(change)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
 
 
 class Boards:
@@ -114,6 +149,7 @@ class Boards:
         specs: Iterable[BoardSpec] = (),
         *,
         clock: Callable[[], float] = trio.current_time,
+        backplane: Backplane | None = None,
     ) -> None:
         self.specs: dict[str, BoardSpec] = {}
         self.cores: dict[str, BoardCore] = {}
@@ -126,8 +162,12 @@ class Boards:
         self._beats: dict[BoardCore, float] = {}
         for spec in specs:
             self.add(spec)
-        self.backplane = LocalBackplane()
-        self.backplane.apply = self.apply
+        #: Where the boards' writes go; boards declared ``local`` (the job board) always
+        #: stay in this process.
+        self.backplane: Backplane = backplane or LocalBackplane()
+        self.backplane.connect(self)
+        self._local = LocalBackplane()
+        self._local.connect(self)
 
     def add(self, spec: BoardSpec) -> None:
         if spec.name in self.specs:
@@ -193,29 +233,62 @@ class Boards:
 
     # -- writes --------------------------------------------------------------------------
 
-    def apply(self, change: Change) -> Version:
-        """Apply a change to this process's board (what a backplane calls)."""
+    def plane(self, board: str) -> Backplane:
+        """The backplane that carries ``board``'s writes."""
+        spec = self.specs.get(board)
+        if spec is None:
+            raise KeyError(board)
+        return self._local if spec.local else self.backplane
+
+    async def write(self, change: Change) -> Version:
+        """Write through the board's backplane; the version, once applied here."""
+        return await self.plane(change.board).publish(change)
+
+    def post(self, change: Change) -> Version:
+        """Write at once, without awaiting: only on a board in this process alone (the
+        engine's observer publishes so, from the dispatcher's tasks)."""
+        plane = self.plane(change.board)
+        if not isinstance(plane, LocalBackplane):
+            raise TypeError(
+                f"board {change.board!r} is shared between processes: its writes take "
+                "`await boards.write(...)`"
+            )
+        return plane.publish_now(change)
+
+    def apply(self, change: Change, version: Version | None = None) -> Version:
+        """Apply a change to this process's board: what a backplane calls, with the
+        version it assigned (None: the board counts its own)."""
         core = self.cores[change.board]
         now = self._clock()
         if change.op == "create":
-            version = core.create(change.resource, change.data, now)
+            version = core.create(change.resource, change.data, now, version)
         elif change.op == "update":
-            version = core.update(change.resource, change.data, now)
+            version = core.update(change.resource, change.data, now, version)
         elif change.op == "delete":
-            version = core.delete(change.resource, now)
+            version = core.delete(change.resource, now, version)
         else:
             raise ValueError(f"unknown change {change.op!r}")
         self._kick.set()
         return version
 
+    def reconcile(
+        self, board: str, epoch: int, offset: int, state: Mapping[str, tuple[int, Any]]
+    ) -> None:
+        """Make ``board`` equal the shared ``state`` at ``Version(epoch, offset)`` (see
+        :meth:`BoardCore.reconcile`); what was pending is flushed first."""
+        core = self.cores[board]
+        self._wake(core, core.flush())
+        core.reconcile(epoch, offset, state, self._clock())
+        self._kick.set()
+
     def create(self, board: str, resource: str, data: Any) -> Version:
-        return self.apply(Change(board, "create", resource, data))
+        return self.post(Change(board, "create", resource, data))
 
     def update(self, board: str, resource: str, data: Any) -> Version:
-        return self.apply(Change(board, "update", resource, data))
+        return self.post(Change(board, "update", resource, data))
 
     def delete(self, board: str, resource: str) -> Version:
-        return self.apply(Change(board, "delete", resource))
+        return self.post(Change(board, "delete", resource))
 
     def read(self, board: str, resource: str) -> tuple[Version, Any]:
         return self.cores[board].read(resource)
@@ -250,8 +323,13 @@ class Boards:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Flush each board's batches when they are due, and beat its idle streams every
-        ``keepalive`` seconds, until cancelled."""
-        task_status.started()
+        ``keepalive`` seconds, until cancelled; the backplane receives beside it."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.backplane.run)
+            task_status.started()
+            await self._flush_loop()
+
+    async def _flush_loop(self) -> None:
         while True:
             self._kick = trio.Event()
             deadline = min(self._flush_due(), self._beat_due())

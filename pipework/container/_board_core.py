@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final
@@ -247,6 +247,10 @@ class BoardCore:
     def resources(self) -> Iterator[str]:
         return iter(self._resources)
 
+    def snapshot(self) -> dict[str, tuple[int, Any]]:
+        """Every resource's offset and state: what a shared log restarts from."""
+        return {r.id: (r.version.offset, r.data) for r in self._resources.values()}
+
     def followers_of(self, resource: str) -> int:
         found = self._resources.get(resource)
         return 0 if found is None else len(found.followers)
@@ -265,35 +269,41 @@ class BoardCore:
 
     # -- writes --------------------------------------------------------------------------
 
-    def create(self, resource: str, data: Any, now: float) -> Version:
+    def create(
+        self, resource: str, data: Any, now: float, version: Version | None = None
+    ) -> Version:
+        """``version``: the one a shared backplane assigned (this board's epoch, past its
+        position); without it the board counts its own."""
         if resource in self._resources or resource in self._deleted:
             raise ResourceExists(resource)
         if len(self._resources) >= self.settings.max_resources:
             raise BoardFull(
                 f"the board holds {len(self._resources)} resources, its limit", "resources"
             )
-        version = self._next_version()
+        version = self._next_version(version)
         self._resources[resource] = _Resource(
             resource, data, version, deque(maxlen=self.settings.history)
         )
         self._queue_change(Event(resource, Kind.UPDATE, version, data), now)
         return version
 
-    def update(self, resource: str, data: Any, now: float) -> Version:
+    def update(
+        self, resource: str, data: Any, now: float, version: Version | None = None
+    ) -> Version:
         found = self._resources.get(resource)
         if found is None:
             raise ResourceNotFound(resource)
-        version = self._next_version()
+        version = self._next_version(version)
         found.data, found.version = data, version
         self._queue_change(Event(resource, Kind.UPDATE, version, data), now)
         return version
 
-    def delete(self, resource: str, now: float) -> Version:
+    def delete(self, resource: str, now: float, version: Version | None = None) -> Version:
         """Remove the resource now; its followers get the delete with the next batch."""
         found = self._resources.get(resource)
         if found is None:
             raise ResourceNotFound(resource)
-        version = self._next_version()
+        version = self._next_version(version)
         found.version, found.data = version, None
         del self._resources[resource]
         # Whoever follows it still needs the delete: keep the record until the flush.
@@ -301,10 +311,62 @@ class BoardCore:
         self._queue_change(Event(resource, Kind.DELETE, version), now)
         return version
 
-    def _next_version(self) -> Version:
-        self._offset += 1
+    def _next_version(self, given: Version | None = None) -> Version:
+        if given is None:
+            self._offset += 1
+        elif given.epoch != self.epoch or given.offset <= self._offset:
+            # Applied out of order, a position would skip a change: refuse, change nothing.
+            raise ValueError(f"version {given} does not follow {self.position}")
+        else:
+            self._offset = given.offset
         self._changes += 1
         return Version(self.epoch, self._offset)
+
+    def reconcile(
+        self, epoch: int, offset: int, state: Mapping[str, tuple[int, Any]], now: float
+    ) -> None:
+        """Make this board equal ``state`` (resource -> (offset, data)), the shared state at
+        ``Version(epoch, offset)``: what a replica does when it missed changes (or the
+        shared log started over under a new epoch). Flush first: the pending batch must not
+        mix with what this queues.
+
+        Every resource that differs (every resource, when the epoch changed) gets one event
+        at ``Version(epoch, offset)``: an update with the shared state, or a delete. What a
+        history held before that position cannot say what this board missed, so a follower
+        joining behind it gets a ``resync``, never a gap."""
+        if self._pending:
+            raise RuntimeError("flush the pending batch before reconciling")
+        new_epoch = epoch != self.epoch
+        self.epoch, self._offset = epoch, offset
+        version = Version(epoch, offset)
+        touched: list[_Resource] = []
+        for resource_id in [r for r in self._resources if r not in state]:
+            found = self._resources.pop(resource_id)
+            found.version, found.data = version, None
+            self._deleted[resource_id] = found
+            self._changes += 1
+            self._queue_change(Event(resource_id, Kind.DELETE, version), now)
+            touched.append(found)
+        for resource_id, (at, data) in state.items():
+            known = self._resources.get(resource_id)
+            if known is not None and not new_epoch and known.version.offset == at:
+                continue
+            if known is None:
+                known = self._resources[resource_id] = _Resource(
+                    resource_id, data, version, deque(maxlen=self.settings.history)
+                )
+            found = known
+            found.data, found.version = data, version
+            self._changes += 1
+            self._queue_change(Event(resource_id, Kind.UPDATE, version, data), now)
+            touched.append(found)
+        for found in touched if not new_epoch else self._all_records():
+            if new_epoch:  # another epoch's offsets say nothing about this one's
+                found.history.clear()
+            found.evicted = max(found.evicted if not new_epoch else _NEVER, offset - 1)
+
+    def _all_records(self) -> list[_Resource]:
+        return [*self._resources.values(), *self._deleted.values()]
 
     def _queue_change(self, event: Event, now: float) -> None:
         pending = self._pending.get(event.resource)

@@ -23,6 +23,7 @@ Past a follower limit: 503 with Retry-After. A follower whose send fails is drop
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
@@ -34,7 +35,7 @@ from quart import Response, request, websocket
 from .._errors import JobNotFound
 from ..dispatcher._job import hash_token
 from ..dispatcher._status import TERMINAL
-from ._board import Boards, BoardSpec, Follower
+from ._board import Boards, BoardSpec, BoardUnavailable, Change, Follower
 from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_page import jobs_page
@@ -43,6 +44,8 @@ from ._jobs_api import JobsApi, job_document, job_token
 from ._problems import Problem
 
 __all__ = ["BoardApi", "sse_event", "sse_events"]
+
+_log = logging.getLogger("pipework.boards")
 
 _BEARER: Final = "bearer "
 _RETRY_AFTER: Final = "5"
@@ -211,6 +214,21 @@ class BoardApi:
 
     # -- writes --------------------------------------------------------------------------
 
+    async def _write(self, change: Change) -> Version:
+        try:
+            return await self.boards.write(change)
+        except BoardUnavailable as exc:
+            # Where the backplane is, and why, is the operators' business: the log's.
+            _log.warning("a write to board %r was refused: %s", change.board, exc)
+            raise Problem(
+                503,
+                "Board unavailable",
+                f"board {change.board!r} cannot take writes now; nothing was written: "
+                "retry later (see Retry-After)",
+                slug="board-unavailable",
+                headers={"Retry-After": _RETRY_AFTER},
+            ) from exc
+
     async def create(self, board: str) -> Response:
         spec = self._spec(board)
         self._may_write(spec)
@@ -218,7 +236,7 @@ class BoardApi:
         self._spec(board)  # a reload may have removed it while the body came
         resource = secrets.token_urlsafe(12)
         try:
-            version = self.boards.create(board, resource, data)
+            version = await self._write(Change(board, "create", resource, data))
         except BoardFull as exc:
             raise Problem(
                 503,
@@ -242,7 +260,7 @@ class BoardApi:
         data = await self._body()
         self._spec(board)  # a reload may have removed it while the body came
         try:
-            version = self.boards.update(board, resource, data)
+            version = await self._write(Change(board, "update", resource, data))
         except ResourceNotFound:
             raise self._not_found(board, resource) from None
         return _json(
@@ -254,7 +272,7 @@ class BoardApi:
         spec = self._spec(board)
         self._may_write(spec)
         try:
-            self.boards.delete(board, resource)
+            await self._write(Change(board, "delete", resource))
         except ResourceNotFound:
             raise self._not_found(board, resource) from None
         return Response(b"", status=204)

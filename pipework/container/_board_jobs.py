@@ -48,6 +48,7 @@ class JobBoard:
                 JOB_BOARD,
                 settings or BoardSettings(window=0.05, history=16),
                 keepalive=keepalive,
+                local=True,
             )
         )
         self.core = boards.cores[JOB_BOARD]

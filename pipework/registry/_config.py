@@ -28,7 +28,7 @@ import httpx
 from ..backends._http import Backends
 from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
-from ._config_boards import BoardConfig, read_boards
+from ._config_boards import BackplaneSettings, BoardConfig, read_boards
 from ._config_lines import scan_lines
 from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
 from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
@@ -74,6 +74,8 @@ class GatewayConfig:
     warnings: tuple[Problem, ...] = ()
     boards: Mapping[str, BoardConfig] = field(default_factory=lambda: MappingProxyType({}))
     store: StoreSettings = field(default_factory=StoreSettings)
+    #: ``[boards]``' own keys: what carries the boards' writes between processes.
+    backplane: BackplaneSettings = field(default_factory=BackplaneSettings)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -181,7 +183,7 @@ def config_from_dict(
     pipes = read_pipes(c, data.get("pipes"), declared_services)
     declared_pipes = _names(data.get("pipes"))
     routes, used = read_routes(c, data.get("routes"), declared_pipes)
-    boards = read_boards(c, data.get("boards"))
+    boards, backplane = read_boards(c, data.get("boards"))
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,
@@ -192,6 +194,7 @@ def config_from_dict(
         MappingProxyType(routes),
         boards=MappingProxyType(boards),
         store=store,
+        backplane=backplane,
     )
     if not c.has_errors:
         try:

@@ -1,20 +1,26 @@
 """The ``[boards.NAME]`` sections of a gateway file: push boards, their batching, limits
-and tokens (see docs/configuration.md#boards)."""
+and tokens; and ``[boards]``' own keys, the backplane that carries the boards' writes
+between processes (see docs/configuration.md#boards)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..container._board import BoardSpec
+from ..container._board import Backplane, BoardSpec
 from ..container._board_core import BoardSettings
 from ..container._board_jobs import JOB_BOARD
 from ._config_problems import Collector, KeyPath
 from ._config_read import Table, check_name, open_table
 
-__all__ = ["BOARD_KEYS", "BoardConfig", "read_boards"]
+__all__ = ["BACKPLANE_KEYS", "BOARD_KEYS", "BackplaneSettings", "BoardConfig", "read_boards"]
+
+#: ``[boards]``' own keys (not boards: a board is a table, ``[boards.NAME]``).
+BACKPLANE_KEYS: Final = ("backplane", "url", "url_env", "prefix")
+_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 
 BOARD_KEYS: Final = (
     "window",
@@ -69,15 +75,58 @@ class BoardConfig:
         )
 
 
-def read_boards(c: Collector, value: Any) -> dict[str, BoardConfig]:
+@dataclass(frozen=True, slots=True)
+class BackplaneSettings:
+    """``[boards] backplane``: ``local`` (each process's boards are its own) or ``redis``
+    (every process on the same server and ``prefix`` shares them); ``url`` or the
+    environment variable ``url_env`` names the server (a password belongs in the
+    environment, not in the file)."""
+
+    backplane: str = "local"
+    url: str | None = None
+    url_env: str | None = None
+    prefix: str = "pipework"
+
+    def url_value(self, environ: Mapping[str, str] | None = None) -> str:
+        if self.url is not None:
+            return self.url
+        assert self.url_env is not None
+        found = (os.environ if environ is None else environ).get(self.url_env)
+        if not found:
+            raise RuntimeError(
+                f"[boards] url_env names {self.url_env!r}, which is not set in the environment"
+            )
+        return found
+
+    def build(self, environ: Mapping[str, str] | None = None) -> Backplane | None:
+        """The backplane a container gets (None: its own, in-process)."""
+        if self.backplane == "local":
+            return None
+        from ..container._board_redis import RedisBackplane  # the optional extra
+
+        return RedisBackplane(self.url_value(environ), prefix=self.prefix)
+
+
+def read_boards(c: Collector, value: Any) -> tuple[dict[str, BoardConfig], BackplaneSettings]:
     if value is None:
-        return {}
+        return {}, BackplaneSettings()
     if not isinstance(value, dict):
         c.error(("boards",), "expected a table of boards, [boards.NAME]")
-        return {}
+        return {}, BackplaneSettings()
+    own = {k: v for k, v in value.items() if k in BACKPLANE_KEYS and not isinstance(v, dict)}
+    backplane = _backplane(c, Table(c, ("boards",), own))
     boards: dict[str, BoardConfig] = {}
     for name, spec in value.items():
         path: KeyPath = ("boards", name)
+        if name in own:
+            continue
+        if name in BACKPLANE_KEYS:
+            c.error(
+                path,
+                f"{name!r} is one of [boards]' own keys ({', '.join(BACKPLANE_KEYS)}), "
+                "not a board name; name the board otherwise",
+            )
+            continue
         if not check_name(c, path, name, "board"):
             continue
         if name == JOB_BOARD:
@@ -88,7 +137,32 @@ def read_boards(c: Collector, value: Any) -> dict[str, BoardConfig]:
             board = _board(c, t, name)
             if board is not None:
                 boards[name] = board
-    return boards
+    return boards, backplane
+
+
+def _backplane(c: Collector, t: Table) -> BackplaneSettings:
+    d = BackplaneSettings()
+    backplane = t.string("backplane", d.backplane, choices=("local", "redis"))
+    url = t.string("url", None)
+    url_env = t.string("url_env", None)
+    prefix = t.string("prefix", d.prefix)
+    if ":" in prefix:
+        c.error(t.at("prefix"), f"a key prefix may not contain ':', got {prefix!r}")
+    if url is not None and not url.startswith(_SCHEMES):
+        c.error(t.at("url"), f"expected a URL starting with {', '.join(_SCHEMES)}, got {url!r}")
+    if url is not None and url_env is not None:
+        c.error(t.at("url"), "set url or url_env, not both")
+    if backplane == "redis":
+        if url is None and url_env is None:
+            c.error(t.at("url"), 'backplane = "redis" needs url (or url_env) naming the server')
+        if importlib.util.find_spec("coredis") is None:
+            c.error(
+                t.at("backplane"),
+                "the redis backplane needs the redis extra: pip install 'pipework[redis]'",
+            )
+    elif url is not None or url_env is not None:
+        c.warn(t.at("url" if url is not None else "url_env"), 'used only with backplane = "redis"')
+    return BackplaneSettings(backplane=backplane, url=url, url_env=url_env, prefix=prefix)
 
 
 def _token(c: Collector, t: Table, key: str) -> tuple[str | None, str | None]:

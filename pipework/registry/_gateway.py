@@ -101,6 +101,7 @@ class Gateway:
                     config=replace(_container_config(config), **self.overrides),
                     reload=self.reload,
                     boards=[b.spec(os.environ) for b in config.boards.values()],
+                    backplane=config.backplane.build(os.environ),
                 )
                 await container.serve(
                     host=host or config.server.host,
@@ -140,6 +141,9 @@ class Gateway:
             live = container.admin.live if container.admin is not None else None
             kept, dropped = live.rebase(pool_config) if live is not None else (pool_config, [])
             weights = pool.reconfigure(kept)
+            if config.backplane != self.config.backplane:
+                # Followers hold this backplane's positions: it changes with a restart only.
+                _log.warning("reload: [boards] backplane settings change only at a restart")
             self.config = config
             retiring.start_soon(self._retire, engine, generation - 1, self._backends)
             self._backends = backends
