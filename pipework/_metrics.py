@@ -129,7 +129,7 @@ def _observer(child: Any) -> Callable[[float], None]:
         and bounds == sorted(bounds)
         and all(type(v) is _values.MutexValue for v in (child._sum, *buckets))
     ):
-        return child.observe  # type: ignore[no-any-return]
+        return child.observe  # type: ignore[no-any-return]  # prometheus-client's child is untyped
     total = child._sum = _PlainValue(child._sum.get())
     buckets[:] = [_PlainValue(v.get()) for v in buckets]
 
@@ -361,7 +361,7 @@ class Metrics:
             raise RuntimeError(f"{MULTIPROC_ENV} is not in effect in this process")
         registry = CollectorRegistry()
         # prometheus-client leaves it unannotated
-        MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]  # untyped in prometheus-client
         return generate_latest(registry)
 
 

@@ -157,7 +157,7 @@ class Supervisor:
             code = await process.wait()
             del self._processes[index]
             # prometheus-client leaves it unannotated
-            mark_process_dead(process.pid, self._metrics_dir)  # type: ignore[no-untyped-call]
+            mark_process_dead(process.pid, self._metrics_dir)  # type: ignore[no-untyped-call]  # untyped in prometheus-client
             if self._stopping.is_set():
                 _log.info("worker %d (pid %d) stopped", index, process.pid)
                 return

@@ -428,7 +428,7 @@ class Dispatcher:
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
         # sequence holding stages walks the cursor's frames (_advance).
-        flat = chain.node_at(job.root).flat if len(frames) == 1 else None  # type: ignore[union-attr]
+        flat = chain.node_at(job.root).flat if len(frames) == 1 else None  # type: ignore[union-attr]  # node_at answers any node; a root is a Serial
         while True:
             pipe: Pipe | Parallel | None
             if flat is not None:

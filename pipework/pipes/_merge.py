@@ -89,7 +89,7 @@ def packed_state(state: dict[str, Any]) -> bytes:
     Raises :class:`StateError` naming the first value msgpack cannot store.
     """
     try:
-        return msgpack.packb(state)  # type: ignore[no-any-return]
+        return msgpack.packb(state)  # type: ignore[no-any-return]  # msgpack ships no types
     except (TypeError, ValueError, OverflowError):
         check_value(state, root="state")  # raises with the key path
         raise

@@ -57,7 +57,7 @@ class Serial:
         """The children when every one is a pipe (most chains and branches): the engine
         then walks them as a list instead of through the cursor's frames."""
         items = self.items
-        return items if all(isinstance(i, Pipe) for i in items) else None  # type: ignore[return-value]
+        return items if all(isinstance(i, Pipe) for i in items) else None  # type: ignore[return-value]  # all() checked every item is a Pipe
 
 
 @dataclass(frozen=True, slots=True)
