@@ -272,7 +272,20 @@ class InStepStage:
             with scope:
                 key = branch.key
                 if flat is not None and key == self.parent.key and not d.limited(key):
-                    await self._run_flat(branch, flat)
+                    # The common branch: its pipes one after another under the parent's
+                    # slot, as _run_held walks a flat sequence, without its lookups (an
+                    # in-step stage's pipes share the parent's key; a branch writes no
+                    # record), and in this coroutine: one frame fewer on every resume.
+                    branch.transition(Status.RUNNING)
+                    top = branch.frames[0]
+                    now: float | None = trio.current_time()
+                    while now is not None and top.index < len(flat):
+                        now = await d._run_pipe(
+                            branch, self.chain, flat[top.index], now, write=False
+                        )
+                    if now is not None:  # else it failed, suspended or was cancelled: ended
+                        branch.frames.pop()
+                        await d.finish(branch, Status.DONE, now=now)
                 else:
                     await self._run_segments(branch)
         except BaseException as exc:
@@ -290,22 +303,6 @@ class InStepStage:
             outside, _ = split_outside(escaped)
             if outside is not None:
                 raise outside
-
-    async def _run_flat(self, branch: Job, flat: tuple[Pipe, ...]) -> None:
-        """The common branch: its pipes, one after another under the parent's slot (what
-        ``_run_held`` does for a flat sequence, without its lookups: an in-step stage's
-        pipes all share the parent's key, and a branch has no record to write)."""
-        d, chain = self.d, self.chain
-        branch.transition(Status.RUNNING)
-        top = branch.frames[0]
-        now = trio.current_time()
-        while top.index < len(flat):
-            ended = await d._run_pipe(branch, chain, flat[top.index], now, write=False)
-            if ended is None:
-                return  # it failed, suspended or was cancelled: its end is recorded
-            now = ended
-        branch.frames.pop()
-        await d.finish(branch, Status.DONE, now=now)
 
     async def _run_segments(self, branch: Job) -> None:
         """Run the branch's pipes, one key at a time: under the parent's slot when the key
