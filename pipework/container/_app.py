@@ -20,7 +20,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote_to_bytes
@@ -48,7 +48,7 @@ from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._modes import Parking, Submissions, shutting_down
 from ._problems import Problem, problem_for_exception, problem_for_http, render_problem
-from ._request import current_g, current_request, read_headers
+from ._request import Incoming, current_g, current_request, incoming, read_headers
 from ._routes import Route, routes_of
 from ._server import BoundAddress, serve
 
@@ -373,17 +373,19 @@ class Container:
 
     async def _dispatch_route(self, _rest: str = "") -> Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
-        if request.method == "OPTIONS":
-            allowed = self._matcher.allowed_methods(request.path)
+        req = current_request()
+        if req.method == "OPTIONS":
+            allowed = self._matcher.allowed_methods(req.path)
             if not allowed:
                 raise NotFound()
             return Response("", status=204, headers={"Allow": ", ".join(allowed)})
-        req = current_request()
         name = self._static.get((req.method, req.path))
         params: Mapping[str, str] = _NO_PARAMS
         if name is None:
             name, params = self._matcher.match(req.path, method=req.method)
-        current_g().route = name
+        ctx = incoming()
+        if ctx is not None:
+            ctx.route = name
         return await self.submissions.handle(self._by_name[name], params)
 
     async def _before_request(self) -> None:
@@ -399,8 +401,8 @@ class Container:
     def _count_response(self, response: Response) -> None:
         """Count every response (refusals before any job too) by endpoint, route and
         status class, and write the access log line."""
-        req, ctx = current_request(), current_g()
-        route = ctx.get("route") or ""
+        req, ctx = current_request(), incoming()
+        route = "" if ctx is None else ctx.route
         status = response.status_code
         # The counters' children, found once per label pair (a labels() call takes a lock).
         counter = self._counters.get((route, status // 100))
@@ -408,7 +410,7 @@ class Container:
             counter = self._counter(req, route, status)
         counter.inc()
         if self.config.access_log and _access_log.isEnabledFor(logging.INFO):
-            started = ctx.get("started")
+            started = None if ctx is None else ctx.started
             duration = None if started is None else round(time.perf_counter() - started, 6)
             _access_log.info(
                 "%s %s %d %.3fs request_id=%s",
@@ -444,7 +446,8 @@ class Container:
 
     def _check_headers(self) -> None:
         # hypercorn bounds only headers that arrive in pieces; this bounds them all.
-        size = current_g().header_bytes
+        ctx = incoming()
+        size = 0 if ctx is None else ctx.header_bytes
         if size > self.config.max_header_bytes:
             raise Problem(
                 431,
@@ -524,13 +527,14 @@ class _RequestGuard:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    def __call__(self, scope: Any, receive: Any, send: Any) -> Coroutine[Any, Any, None]:
+        # Returns the awaitable instead of awaiting it: no frame of its own per request.
         if scope.get("type") == "http":
             why = _malformed_request(scope)
             if why is not None:
-                await _send_problem(send, 400, "Bad Request", why, "malformed-request")
-                return
-        await self.app(scope, receive, send)
+                return _send_problem(send, 400, "Bad Request", why, "malformed-request")
+        result: Coroutine[Any, Any, None] = self.app(scope, receive, send)
+        return result
 
 
 def _malformed_request(scope: Mapping[str, Any]) -> str | None:
@@ -615,15 +619,15 @@ def _correlation_id() -> str:
 
 def _take_correlation_id() -> None:
     ctx = current_g()
-    ctx.started = time.perf_counter()
-    ctx.headers, ctx.header_bytes = headers, _ = read_headers(current_request().scope["headers"])
+    started = time.perf_counter()
+    headers, size = read_headers(current_request().scope["headers"])
+    ctx.pipework = record = Incoming(started, headers, size)
     # W3C trace context: passed on to the backends as sent, when well-formed.
     trace = headers.get("traceparent")
     if trace is not None:
         trace = trace.strip().lower()
-        if not _TRACEPARENT.match(trace) or _ZERO_IDS.search(trace):
-            trace = None
-    ctx.traceparent = trace
+        if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace):
+            record.traceparent = trace
     given = headers.get("x-request-id")
     ctx.correlation_id = (
         given if given is not None and _REQUEST_ID.match(given) else new_correlation_id()

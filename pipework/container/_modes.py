@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
 import trio
@@ -41,7 +42,7 @@ from ._bodies import (
 from ._idempotency import IdempotencyTable, check_key, fingerprint
 from ._jobs_api import job_document
 from ._problems import Problem, problem_for_exception
-from ._request import current_g, current_request
+from ._request import current_g, current_request, incoming
 from ._routes import Route
 
 __all__ = ["EventStream", "Parking", "Submissions", "shutting_down"]
@@ -152,6 +153,7 @@ class _Ticket:
 
 
 _NO_PREFERENCES: Final = Preferences()
+_NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 _NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
 
@@ -180,33 +182,74 @@ class Submissions:
         self.expose_errors = expose_errors
 
     async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
+        """Submit the request's job and answer as the route's mode says; a sync or auto
+        request parks in this one frame."""
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
         ticket, prefs = await self._accept(route, params)
-        if route.mode == "async":
+        mode = route.mode
+        if mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
-        if route.mode == "stream":
+        if mode == "stream":
             return await self._stream(ticket)
-        if route.mode == "sync":
-            return await self._park(route, ticket, wait=None)
-        wait = route.sync_wait
-        applied = []
-        if prefs.wait is not None and prefs.wait <= route.sync_wait:
-            wait = prefs.wait
-            applied.append(f"wait={prefs.wait:g}")
-        elif prefs.respond_async and prefs.wait is None:
-            wait = 0.0
-        return await self._park(
-            route, ticket, wait=wait, applied=applied, respond_async=prefs.respond_async
-        )
+        wait: float | None = None
+        applied: list[str] = []
+        if mode == "auto":
+            wait = route.sync_wait
+            if prefs.wait is not None and prefs.wait <= route.sync_wait:
+                wait = prefs.wait
+                applied.append(f"wait={prefs.wait:g}")
+            elif prefs.respond_async and prefs.wait is None:
+                wait = 0.0
+        media_type = JSON
+        ctx = incoming()
+        if ctx is not None:
+            if "accept" in ctx.headers:
+                media_type = choose_media_type(current_request())
+            ctx.headers = _NO_HEADERS  # read: a parked request keeps none of them
+        job_id = ticket.job_id
+        deadline = ticket.deadline + _SLACK
+        limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
+        # The wait, flat: this frame and one cancel scope between the view and the engine's
+        # wait, nothing else kept per parked request.
+        parking = self.parking
+        scope = parking.open(limit, job_id)
+        try:
+            with scope:
+                try:
+                    result = await self.engine.wait(job_id)
+                except Exception as exc:  # the job's own error, whatever a pipe raised
+                    raise await self.failure(job_id, exc) from None
+                response = Response(encode(result, media_type), content_type=media_type)
+                response.headers["X-Job-Id"] = job_id
+                if applied:
+                    response.headers["Preference-Applied"] = ", ".join(applied)
+                return response
+        except trio.Cancelled:
+            # Our own scope swallows its timeout, so this is from outside: the client hung
+            # up (or the server is stopping hard).
+            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
+                await self.cancel_quietly(job_id)
+            raise
+        finally:
+            parking.close(scope, job_id)
+        # The scope ran out: the job's deadline, the shutdown's grace, or the auto wait.
+        if parking.drained:
+            await self.cancel_quietly(job_id)
+            raise shutting_down()
+        if limit < deadline:
+            return await self._accepted(ticket, respond_async=prefs.respond_async, applied=applied)
+        await self.cancel_quietly(job_id)
+        raise _deadline_passed(job_id)
 
     async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
         # answered 4xx has started nothing.
         req = current_request()
-        headers: dict[str, str] = current_g().headers
+        ctx = incoming()
+        headers = _NO_HEADERS if ctx is None else ctx.headers
         prefs = _NO_PREFERENCES
         if "prefer" in headers:
             prefs = parse_prefer(req.headers.getlist("Prefer"))
@@ -290,16 +333,16 @@ class Submissions:
             timeout = self.engine.default_timeout
         if timeout is None:
             timeout = self.default_timeout
-        ctx = current_g()
+        ctx = incoming()
         # The engine sets the same deadline: it reads the clock before its first await.
         deadline = trio.current_time() + timeout
         job_id = await self.engine.submit(
             route.chain,
             state,
             timeout=timeout,
-            correlation_id=ctx.correlation_id,
+            correlation_id=current_g().correlation_id,
             token=token,
-            traceparent=ctx.get("traceparent"),
+            traceparent=None if ctx is None else ctx.traceparent,
             stream=route.mode == "stream",
             admit=admit,
         )
@@ -323,52 +366,6 @@ class Submissions:
         if preferences:
             response.headers["Preference-Applied"] = ", ".join(preferences)
         return response
-
-    async def _park(
-        self,
-        route: Route,
-        ticket: _Ticket,
-        *,
-        wait: float | None,
-        applied: list[str] | None = None,
-        respond_async: bool = False,
-    ) -> Response:
-        job_id = ticket.job_id
-        deadline = ticket.deadline + _SLACK
-        limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
-        # The wait, flat: one frame and one cancel scope between the handler and the
-        # engine's wait, nothing else kept per parked request.
-        parking = self.parking
-        scope = parking.open(limit, job_id)
-        try:
-            with scope:
-                try:
-                    result = await self.engine.wait(job_id)
-                except Exception as exc:  # the job's own error, whatever a pipe raised
-                    raise await self.failure(job_id, exc) from None
-                req = current_request()
-                media_type = JSON if "accept" not in current_g().headers else choose_media_type(req)
-                response = Response(encode(result, media_type), content_type=media_type)
-                response.headers["X-Job-Id"] = job_id
-                if applied:
-                    response.headers["Preference-Applied"] = ", ".join(applied)
-                return response
-        except trio.Cancelled:
-            # Our own scope swallows its timeout, so this is from outside: the client hung
-            # up (or the server is stopping hard).
-            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
-                await self.cancel_quietly(job_id)
-            raise
-        finally:
-            parking.close(scope, job_id)
-        # The scope ran out: the job's deadline, the shutdown's grace, or the auto wait.
-        if parking.drained:
-            await self.cancel_quietly(job_id)
-            raise shutting_down()
-        if limit < deadline:
-            return await self._accepted(ticket, respond_async=respond_async, applied=applied or ())
-        await self.cancel_quietly(job_id)
-        raise _deadline_passed(job_id)
 
     async def cancel_quietly(self, job_id: str) -> None:
         with trio.CancelScope(shield=True):

@@ -10,12 +10,34 @@ optional headers the container looks for.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 from quart import Request, g, request
 
-__all__ = ["current_g", "current_request", "read_headers"]
+__all__ = ["Incoming", "current_g", "current_request", "incoming", "read_headers"]
+
+
+class Incoming:
+    """What the container reads off a request once (its ``g.pipework``): one slotted
+    record, where attributes of ``g`` would each take a slot of its dict for as long as
+    the request is parked."""
+
+    __slots__ = ("header_bytes", "headers", "route", "started", "traceparent")
+
+    def __init__(self, started: float, headers: Mapping[str, str], header_bytes: int) -> None:
+        self.started = started
+        #: First value per lowercase name; emptied once the request has been read.
+        self.headers: Mapping[str, str] = headers
+        self.header_bytes = header_bytes
+        self.traceparent: str | None = None
+        self.route = ""  # the route's name, once matched
+
+
+def incoming() -> Incoming | None:
+    """This request's record (None before the container's first hook has run)."""
+    found: Incoming | None = current_g().get("pipework")
+    return found
 
 
 def current_request() -> Request:
