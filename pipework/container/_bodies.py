@@ -187,6 +187,8 @@ def _media_type(content_type: str | None, what: str) -> tuple[str, str | None]:
         raise _unsupported(
             f"the {what} has no Content-Type; send application/json or application/msgpack"
         )
+    if content_type == JSON:
+        return JSON, None  # the common case, without parsing
     media_type, options = parse_options_header(content_type)
     media_type = media_type.lower()
     if not _MEDIA_TYPE.match(media_type):
@@ -237,11 +239,18 @@ def _finite(text: str) -> float:
     return value
 
 
+# Made once: json.loads and json.dumps build a new decoder or encoder on every call that
+# passes options.
+_DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+
+
 def _decode_json(data: bytes, what: str) -> Any:
     try:
         # Decoded here, strictly: json.loads would take UTF-16 and UTF-32 bodies as well.
         text = data.decode("utf-8")
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+        if text.startswith("\ufeff"):  # as json.loads refuses it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:
         raise _malformed(what, "JSON", exc) from None
 
@@ -269,9 +278,7 @@ def encode(value: Any, media_type: str) -> bytes:
 
 def dumps_json(value: Any) -> str:
     try:
-        return json.dumps(
-            value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_bytes
-        )
+        return _ENCODER.encode(value)
     except (ValueError, TypeError) as exc:
         raise Problem(
             500,
@@ -285,6 +292,11 @@ def _bytes(value: object) -> str:
     if isinstance(value, bytes | bytearray | memoryview):
         return base64.b64encode(bytes(value)).decode("ascii")
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+_ENCODER: Final = json.JSONEncoder(
+    separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_bytes
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from ._bodies import (
 from ._idempotency import IdempotencyTable, check_key, fingerprint
 from ._jobs_api import job_document
 from ._problems import Problem, problem_for_exception
-from ._request import current_g, current_request, incoming
+from ._request import Incoming, current_g, current_request, incoming
 from ._routes import Route
 
 __all__ = ["EventStream", "Parking", "Submissions", "shutting_down"]
@@ -195,12 +195,12 @@ class Submissions:
         if mode == "stream":
             return await self._stream(ticket)
         wait: float | None = None
-        applied: list[str] = []
+        applied: tuple[str, ...] = ()  # a tuple: an empty one is shared, not kept per request
         if mode == "auto":
             wait = route.sync_wait
             if prefs.wait is not None and prefs.wait <= route.sync_wait:
                 wait = prefs.wait
-                applied.append(f"wait={prefs.wait:g}")
+                applied = (f"wait={prefs.wait:g}",)
             elif prefs.respond_async and prefs.wait is None:
                 wait = 0.0
         media_type = JSON
@@ -333,14 +333,15 @@ class Submissions:
             timeout = self.engine.default_timeout
         if timeout is None:
             timeout = self.default_timeout
-        ctx = incoming()
+        namespace = current_g()
+        ctx: Incoming | None = namespace.get("pipework")
         # The engine sets the same deadline: it reads the clock before its first await.
         deadline = trio.current_time() + timeout
         job_id = await self.engine.submit(
             route.chain,
             state,
             timeout=timeout,
-            correlation_id=current_g().correlation_id,
+            correlation_id=namespace.correlation_id,
             token=token,
             traceparent=None if ctx is None else ctx.traceparent,
             stream=route.mode == "stream",
