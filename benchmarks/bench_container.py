@@ -7,12 +7,11 @@ route (its pipe awaits one checkpoint) and to a bare route that reads the body a
 the same; rows are µs per request (1 / throughput; ratio = bare's req/s over pipework's) and
 p99 latency, best of the rounds, the two servers taking turns. **One backend call**: the
 same load on a sync route whose one pipe is the built-in HTTP pipe calling a raw trio
-responder in its own process (``GET /x``, answering ``42``), against the bare route above,
-in the same run. **Parking**: N connections on
-raw trio sockets each park one sync request (pipework: the first pipe suspends for a signal,
-so the job holds no worker; bare: the handler awaits a `trio.Event`); the row is the
-server's RSS growth per parked request in **KB** (not µs), then all are released and every
-answer is checked."""
+responder in its own process (`GET /x`, answering `42`), against the bare route above, in
+the same run. **Parking**: N connections on raw trio sockets each park one sync request
+(pipework: the first pipe suspends for a signal, so the job holds no worker; bare: the
+handler awaits a `trio.Event`); the row is the server's RSS growth per parked request in
+**KB** (not µs), then all are released and every answer is checked."""
 
 from __future__ import annotations
 
