@@ -5,7 +5,9 @@ on stdout once it listens, and serves until killed. KIND is:
 
 - ``pipework``: an engine and its container (hypercorn's trio worker), with a 1-pipe sync
   route ``POST /echo`` and a sync route ``POST /park`` whose first pipe suspends for signal
-  ``go`` (the request parks holding no worker) and whose second answers;
+  ``go`` (the request parks holding no worker) and whose second answers; with
+  ``--backend URL`` also a sync route ``POST /call`` whose one pipe is the built-in HTTP
+  pipe calling ``GET URL/x`` (the answer is the route's);
 - ``bare``: the bare quart-trio app of :mod:`benchmarks._bare_app` on the same server
   function with the same options and the same garbage-collector threshold a container
   serves with (``ContainerConfig.gc_threshold``), so the two differ only in their code;
@@ -22,11 +24,13 @@ import functools
 import json
 import resource
 import sys
+from contextlib import AsyncExitStack
 
 import trio
 from quart import Response
 
 import pipework as pw
+from pipework.backends._http_template import Template
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import BoundAddress, serve
 
@@ -48,7 +52,19 @@ def raise_open_files_limit() -> int:
     return hard
 
 
-def _pipework_container(parked_capacity: int) -> pw.Container:
+def _backend_route(engine: pw.Engine, registry: pw.Registry, url: str) -> pw.Backends:
+    backends = pw.Backends([pw.Service("backend", url, timeout=5.0, max_connections=64)])
+    backends.metrics = engine.metrics
+    call = pw.HttpCall("backend", Template.parse("/x"), into="x")
+    registry.add_pipe(pw.http_pipe("call_backend", call, backends))
+    engine.chain("call", "call_backend", result="x")
+    registry.route("call", path="/call", chain="call")
+    return backends
+
+
+def _pipework_container(
+    parked_capacity: int, backend: str | None = None
+) -> tuple[pw.Container, pw.Backends | None]:
     # Releasing the parked jobs resumes them all at once: they queue for the 64 workers,
     # for longer than the pool's default wait timeout (10 s) when there are thousands.
     weights = pw.Weights(max_waiting=parked_capacity, wait_timeout=PARK_TIMEOUT)
@@ -76,6 +92,7 @@ def _pipework_container(parked_capacity: int) -> pw.Container:
     engine.chain("park", wait_for_go, answer, result="answer")
     registry.route("echo", path="/echo", chain="echo")
     registry.route("park", path="/park", chain="park", timeout=PARK_TIMEOUT)
+    backends = None if backend is None else _backend_route(engine, registry, backend)
     container = pw.Container(engine)
 
     async def parked() -> Response:
@@ -91,16 +108,20 @@ def _pipework_container(parked_capacity: int) -> pw.Container:
 
     container.app.add_url_rule("/_bench/parked", "bench_parked", parked, methods=["GET"])
     container.app.add_url_rule("/_bench/release", "bench_release", release, methods=["POST"])
-    return container
+    return container, backends
 
 
 def _announce(address: BoundAddress) -> None:
     print(address.url, flush=True)
 
 
-async def _serve_pipework(parked_capacity: int) -> None:
-    container = _pipework_container(parked_capacity)
-    async with container.engine, trio.open_nursery() as nursery:
+async def _serve_pipework(parked_capacity: int, backend: str | None) -> None:
+    container, backends = _pipework_container(parked_capacity, backend)
+    async with AsyncExitStack() as stack:
+        if backends is not None:
+            await stack.enter_async_context(backends)
+        await stack.enter_async_context(container.engine)
+        nursery = await stack.enter_async_context(trio.open_nursery())
         address = await nursery.start(
             functools.partial(container.serve, hypercorn_options=HYPERCORN_OPTIONS)
         )
@@ -128,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._serve", description=__doc__)
     parser.add_argument("kind", choices=["pipework", "bare", "raw"])
     parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
+    parser.add_argument("--backend", help="pipework: serve POST /call, calling GET BACKEND/x")
     args = parser.parse_args(argv)
     raise_open_files_limit()
     if args.kind == "pipework":
-        trio.run(_serve_pipework, args.parked)
+        trio.run(_serve_pipework, args.parked, args.backend)
     elif args.kind == "bare":
         trio.run(_serve_bare)
     else:

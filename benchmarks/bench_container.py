@@ -5,11 +5,13 @@ it serves), measured in the same run. **Throughput**: `wrk -t2 -c64 -d5s --laten
 wrk, an in-repo trio client whose ceiling is reported) POSTing `{"n": 21}` to a 1-pipe sync
 route (its pipe awaits one checkpoint) and to a bare route that reads the body and awaits
 the same; rows are µs per request (1 / throughput; ratio = bare's req/s over pipework's) and
-p99 latency, best of the rounds, the two servers taking turns. **Parking**: N connections on
-raw trio sockets each park one sync request (pipework: the first pipe suspends for a signal,
-so the job holds no worker; bare: the handler awaits a `trio.Event`); the row is the
-server's RSS growth per parked request in **KB** (not µs), then all are released and every
-answer is checked."""
+p99 latency, best of the rounds, the two servers taking turns. **One backend call**: the
+same load on a sync route whose one pipe is the built-in HTTP pipe calling a raw trio
+responder in its own process (`GET /x`, answering `42`), against the bare route above, in
+the same run. **Parking**: N connections on raw trio sockets each park one sync request
+(pipework: the first pipe suspends for a signal, so the job holds no worker; bare: the
+handler awaits a `trio.Event`); the row is the server's RSS growth per parked request in
+**KB** (not µs), then all are released and every answer is checked."""
 
 from __future__ import annotations
 
@@ -91,6 +93,49 @@ def throughput(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
+def backend_call(quick: bool) -> list[dict[str, Any]]:
+    """A route calling one backend against the bare quart-trio route, in the same run."""
+    seconds, rounds = (5.0, 1) if quick else (5.0, 2)
+    load, tool = _loader()
+    results: dict[str, list[LoadResult]] = {"bare": [], "pipework": []}
+
+    def call_load(served: Server, seconds: float) -> LoadResult:
+        if tool.startswith("wrk"):
+            return _load.wrk(f"{served.url}/call", body=BODY, seconds=seconds)
+        return _load.python_load(served.host, served.port, path="/call", body=BODY, seconds=seconds)
+
+    with (
+        _load.server("raw") as backend,
+        _load.server("bare") as bare,
+        _load.server("pipework", "--backend", backend.url) as ours,
+    ):
+        _check_echo(bare)
+        request = _load.post_request("/call", BODY.encode(), close=True)
+        got = trio.run(_load.call, ours.host, ours.port, request)
+        if got != (200, ANSWER):
+            raise RuntimeError(f"the pipework server answered POST /call with {got!r}")
+        load(bare, 1.0)
+        call_load(ours, 1.0)
+        for _ in range(rounds):
+            results["bare"].append(load(bare, seconds))
+            results["pipework"].append(call_load(ours, seconds))
+    b, p = _load.best(results["bare"]), _load.best(results["pipework"])
+    runs = f"{rounds} × {seconds:g} s each, best" if rounds > 1 else f"{seconds:g} s each"
+    return [
+        {
+            "scenario": "container: sync route with one backend call (built-in HTTP pipe), "
+            "POST JSON, µs per request at 64 connections (1 / throughput)",
+            "subject_us": p.us_per_request,
+            "baseline": "bare quart-trio route: reads the body, awaits a checkpoint",
+            "baseline_us": b.us_per_request,
+            "ratio": b.rps / p.rps,
+            "goal": "≤ 1.67× (≥ 0.6× bare's req/s)",
+            "note": f"pipework {p.describe()}; bare {b.describe()} ({tool}, {runs}); the "
+            "backend: a raw trio-socket responder in its own process",
+        }
+    ]
+
+
 def _park_in(kind: str, count: int, time_limit: float) -> tuple[float, _load.ParkResult, int]:
     """KB of RSS per parked request, what the parking saw, and the RSS before (KB)."""
     with _load.server(kind, "--parked", str(count + 1000)) as served:
@@ -151,4 +196,4 @@ def parking(quick: bool) -> list[dict[str, Any]]:
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    return [*throughput(quick), *parking(quick)]
+    return [*throughput(quick), *backend_call(quick), *parking(quick)]

@@ -107,3 +107,39 @@ async def test_the_jobs_page_is_served_with_a_strict_policy() -> None:
             assert "default-src 'none'" in policy
             assert "<script>" in page.text
             assert "https://" not in page.text
+
+
+async def test_the_board_listens_to_the_engine_only_while_it_holds_an_active_job() -> None:
+    gate = Gate()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(gate)) as served:
+            engine = served.container.engine
+            accepted = (await served.client.post("/export", json={})).json()
+            await gate.progressed.wait()
+            # Nobody follows the job: no observer, so no job view per change.
+            assert engine._observers == []
+            path = f"/jobs/{accepted['id']}/events"
+            async with follow_sse(served, path, bearer(accepted["token"])) as (_, events):
+                _, _, first = await events.next()
+                assert first["data"]["status"] == "running"
+                assert len(engine._observers) == 1  # the followed job is still active
+                gate.release.set()
+                status = ""
+                while status != "done":
+                    _, _, body = await events.next()
+                    status = body["data"]["status"]
+            # Its end was published, and the board holds no active job any more.
+            assert engine._observers == []
+            # A job run while nobody follows is not on the board, and reaches it whole
+            # when someone follows it after its end.
+            quick = (await served.client.post("/quick", json={})).json()
+            await engine.wait(quick["id"])
+            async with follow_sse(
+                served, f"/jobs/{quick['id']}/events", bearer(quick["token"])
+            ) as (
+                _,
+                events,
+            ):
+                _, _, body = await events.next()
+                assert body["data"]["status"] == "done"
+            assert engine._observers == []

@@ -16,6 +16,7 @@ from pipework.container import CallbackSigner
 from pipework.container._bodies import (
     Preferences,
     build_state,
+    content_length,
     decode,
     encode,
     parse_prefer,
@@ -24,6 +25,7 @@ from pipework.container._bodies import (
 from pipework.container._idempotency import IdempotencyTable, check_key, fingerprint
 from pipework.container._modes import Parking
 from pipework.container._problems import Problem, problem_for_error, problem_for_exception
+from pipework.container._request import read_headers
 
 # -- routes --------------------------------------------------------------------------------
 
@@ -329,3 +331,51 @@ def test_error_mapping_and_what_is_shown() -> None:
         "correlation_id": "c",
         "extra": 1,
     }
+
+
+# -- headers read once -----------------------------------------------------------------------
+
+
+def test_headers_are_read_once_first_value_by_lowercase_name() -> None:
+    raw = [
+        (b"Host", b"example"),
+        (b"x-request-id", b"abc"),
+        (b"X-Request-ID", b"second"),
+        (b"prefer", b"respond-async"),
+        (b"x-name", "caf\u00e9".encode("latin-1")),
+    ]
+    headers, size = read_headers(raw)
+    assert headers == {
+        "host": "example",
+        "x-request-id": "abc",
+        "prefer": "respond-async",
+        "x-name": "caf\u00e9",
+    }
+    assert size == sum(len(name) + len(value) + 4 for name, value in raw)
+    assert read_headers([]) == ({}, 0)
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({}, None),
+        ({"content-length": "12"}, 12),
+        ({"content-length": " 7\t"}, 7),
+        ({"content-length": "0"}, 0),
+        ({"content-length": "-3"}, 0),
+        ({"content-length": "1_000"}, 0),
+        ({"content-length": "\u0661"}, 0),  # a non-ASCII digit is not a length
+        ({"content-length": "5", "transfer-encoding": "chunked"}, None),
+        ({"transfer-encoding": "gzip, chunked"}, None),
+        ({"content-length": "5", "transfer-encoding": "gzip"}, 5),
+    ],
+)
+def test_content_length_reads_as_werkzeug_does(
+    headers: dict[str, str], expected: int | None
+) -> None:
+    from werkzeug.sansio.utils import get_content_length
+
+    assert content_length(headers) == expected
+    assert expected == get_content_length(
+        headers.get("content-length"), headers.get("transfer-encoding")
+    )

@@ -20,13 +20,13 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 import trio
-from quart import Response, g, request
+from quart import Request, Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
@@ -48,6 +48,7 @@ from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._modes import Parking, Submissions, shutting_down
 from ._problems import Problem, problem_for_exception, problem_for_http, render_problem
+from ._request import Incoming, current_g, current_request, incoming, read_headers
 from ._routes import Route, routes_of
 from ._server import BoundAddress, serve
 
@@ -82,6 +83,7 @@ _TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f
 _ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 # Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
 _FLUSH_MARGIN: Final = 1.0
+_NO_PARAMS: Final[Mapping[str, str]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,7 @@ class Container:
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
+        self._counters: dict[tuple[str, int], Any] = {}
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
         self.signer = signer or CallbackSigner.from_config(
             config.callback_secret, base_url=config.public_url or ""
@@ -271,11 +274,9 @@ class Container:
         app.asgi_app = _RequestGuard(app.asgi_app)  # type: ignore[method-assign]  # Quart's documented middleware seam
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
-        app.before_request(_take_correlation_id)
-        app.before_request(self._check_headers)
-        app.before_request(_check_target)
-        app.after_request(_give_correlation_id)
-        app.after_request(self._count_response)
+        # One hook each way: Quart awaits every hook through its own wrapper, per request.
+        app.before_request(self._before_request)
+        app.after_request(self._after_request)
         app.register_error_handler(Problem, self._on_problem)
         app.register_error_handler(HTTPException, self._on_http_error)
         app.register_error_handler(Exception, self._on_error)
@@ -317,7 +318,7 @@ class Container:
 
     async def _start_boards(self) -> None:
         self._boards_scope = scope = trio.CancelScope()
-        self._unobserve = self.engine.observe(self.job_board.observe)
+        self._unobserve = self.job_board.attach(self.engine.observe)
         self._board_metrics = BoardCollector(self.boards)
         metrics = self.engine.metrics
         metrics.add_state(self._board_metrics)
@@ -352,6 +353,9 @@ class Container:
             self.engine.registry.get_chain(route.chain)  # fails now, with the known names
         rules = [Rule(r.rule, endpoint=r.name, methods=[r.method]) for r in routes]
         self._matcher: MapAdapter = Map(rules, strict_slashes=False).bind("localhost")
+        # A path without parameters is its own answer: the map is asked only for the rest
+        # (its static rules win over parameterised ones, so the answer is the same).
+        self._static = {(r.method, r.rule): r.name for r in routes if "<" not in r.rule}
         self._by_name = {route.name: route for route in routes}
         self.routes = routes
         app = getattr(self, "app", None)
@@ -369,57 +373,81 @@ class Container:
 
     async def _dispatch_route(self, _rest: str = "") -> Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
-        if request.method == "OPTIONS":
-            allowed = self._matcher.allowed_methods(request.path)
+        req = current_request()
+        if req.method == "OPTIONS":
+            allowed = self._matcher.allowed_methods(req.path)
             if not allowed:
                 raise NotFound()
             return Response("", status=204, headers={"Allow": ", ".join(allowed)})
-        name, params = self._matcher.match(request.path, method=request.method)
-        g.route = name
+        name = self._static.get((req.method, req.path))
+        params: Mapping[str, str] = _NO_PARAMS
+        if name is None:
+            name, params = self._matcher.match(req.path, method=req.method)
+        ctx = incoming()
+        if ctx is not None:
+            ctx.route = name
         return await self.submissions.handle(self._by_name[name], params)
 
-    async def _count_response(self, response: Response) -> Response:
+    async def _before_request(self) -> None:
+        _take_correlation_id()
+        self._check_headers()
+        _check_target()
+
+    async def _after_request(self, response: Response) -> Response:
+        self._count_response(response)
+        response.headers["X-Request-ID"] = _correlation_id()
+        return response
+
+    def _count_response(self, response: Response) -> None:
         """Count every response (refusals before any job too) by endpoint, route and
         status class, and write the access log line."""
-        route = g.get("route") or ""
-        rule = request.url_rule
-        if route:
-            endpoint = "route"
-        elif rule is None or rule.endpoint in ("routes", "routes_root"):
-            endpoint = "unmatched"  # no route for this method and path (404, 405)
-        else:
-            endpoint = _ENDPOINTS.get(rule.endpoint, rule.endpoint)
+        req, ctx = current_request(), incoming()
+        route = "" if ctx is None else ctx.route
         status = response.status_code
-        metrics = self.engine.metrics
-        if route:
-            metrics.route_responses.labels(route, f"{status // 100}xx").inc()
-        else:
-            metrics.http_responses.labels(endpoint, f"{status // 100}xx").inc()
+        # The counters' children, found once per label pair (a labels() call takes a lock).
+        counter = self._counters.get((route, status // 100))
+        if counter is None:
+            counter = self._counter(req, route, status)
+        counter.inc()
         if self.config.access_log and _access_log.isEnabledFor(logging.INFO):
-            started = g.get("started")
+            started = None if ctx is None else ctx.started
             duration = None if started is None else round(time.perf_counter() - started, 6)
             _access_log.info(
                 "%s %s %d %.3fs request_id=%s",
-                request.method,
-                request.path,
+                req.method,
+                req.path,
                 status,
                 duration or 0.0,
                 _correlation_id(),
                 extra={
                     "event": "request",
-                    "method": request.method,
-                    "path": request.path,
+                    "method": req.method,
+                    "path": req.path,
                     "status": status,
                     "duration": duration,
                     "correlation_id": _correlation_id(),
                     "route": route or None,
                 },
             )
-        return response
 
-    async def _check_headers(self) -> None:
+    def _counter(self, req: Request, route: str, status: int) -> Any:
+        metrics = self.engine.metrics
+        if route:
+            counter = metrics.route_responses.labels(route, f"{status // 100}xx")
+            self._counters[(route, status // 100)] = counter
+            return counter
+        rule = req.url_rule
+        if rule is None or rule.endpoint in ("routes", "routes_root"):
+            endpoint = "unmatched"  # no route for this method and path (404, 405)
+        else:
+            endpoint = _ENDPOINTS.get(rule.endpoint, rule.endpoint)
+        # Keyed by route only: the endpoint of a request without one depends on its rule.
+        return metrics.http_responses.labels(endpoint, f"{status // 100}xx")
+
+    def _check_headers(self) -> None:
         # hypercorn bounds only headers that arrive in pieces; this bounds them all.
-        size = sum(len(name) + len(value) + 4 for name, value in request.scope["headers"])
+        ctx = incoming()
+        size = 0 if ctx is None else ctx.header_bytes
         if size > self.config.max_header_bytes:
             raise Problem(
                 431,
@@ -499,13 +527,14 @@ class _RequestGuard:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    def __call__(self, scope: Any, receive: Any, send: Any) -> Coroutine[Any, Any, None]:
+        # Returns the awaitable instead of awaiting it: no frame of its own per request.
         if scope.get("type") == "http":
             why = _malformed_request(scope)
             if why is not None:
-                await _send_problem(send, 400, "Bad Request", why, "malformed-request")
-                return
-        await self.app(scope, receive, send)
+                return _send_problem(send, 400, "Bad Request", why, "malformed-request")
+        result: Coroutine[Any, Any, None] = self.app(scope, receive, send)
+        return result
 
 
 def _malformed_request(scope: Mapping[str, Any]) -> str | None:
@@ -536,11 +565,11 @@ async def _send_problem(send: Any, status: int, title: str, detail: str, slug: s
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _check_target() -> None:
+def _check_target() -> None:
     """One rule for the request target: its path and its query, once percent-decoded, are
     UTF-8, or the request is a 400. (The server would turn ``%FF`` in a path into U+FFFD
     and the query parser would keep it as ``%FF``: neither is what the client meant.)"""
-    scope = request.scope
+    scope = current_request().scope
     raw_path = scope.get("raw_path")
     path = (
         raw_path
@@ -549,6 +578,8 @@ async def _check_target() -> None:
     )
     query = scope.get("query_string", b"")
     for part, what in ((path, "path"), (query.replace(b"+", b" "), "query")):
+        if part.isascii() and b"%" not in part:
+            continue  # nothing to decode: ASCII is UTF-8
         try:
             unquote_to_bytes(part).decode("utf-8")
         except UnicodeDecodeError:
@@ -579,24 +610,28 @@ def _json(value: Any, status: int = 200) -> Response:
 
 
 def _correlation_id() -> str:
-    value = g.get("correlation_id")
+    ctx = current_g()
+    value = ctx.get("correlation_id")
     if value is None:
-        value = g.correlation_id = new_correlation_id()
+        value = ctx.correlation_id = new_correlation_id()
     return str(value)
 
 
-async def _take_correlation_id() -> None:
-    g.started = time.perf_counter()
+def _take_correlation_id() -> None:
+    ctx = current_g()
+    started = time.perf_counter()
+    headers, size = read_headers(current_request().scope["headers"])
+    ctx.pipework = record = Incoming(started, headers, size)
     # W3C trace context: passed on to the backends as sent, when well-formed.
-    trace = request.headers.get("traceparent", "").strip().lower()
-    g.traceparent = trace if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace) else None
-    given = request.headers.get("X-Request-ID", "")
-    g.correlation_id = given if _REQUEST_ID.match(given) else new_correlation_id()
-
-
-async def _give_correlation_id(response: Response) -> Response:
-    response.headers["X-Request-ID"] = _correlation_id()
-    return response
+    trace = headers.get("traceparent")
+    if trace is not None:
+        trace = trace.strip().lower()
+        if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace):
+            record.traceparent = trace
+    given = headers.get("x-request-id")
+    ctx.correlation_id = (
+        given if given is not None and _REQUEST_ID.match(given) else new_correlation_id()
+    )
 
 
 def create_app(

@@ -10,14 +10,20 @@ proves it holds the token before it follows.
 Finished jobs stay on the board so a late follower gets the final state at once; past
 ``max_finished`` the oldest finished ones are dropped from it (``GET /jobs/{id}`` still
 answers from the job store for as long as the store keeps them).
+
+Only a job still active on the board can change, so the board listens to the engine only
+while it holds one (:meth:`JobBoard.attach`): a request whose job nobody follows costs the
+engine no job view per change.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Final
 
+from ..dispatcher._engine import JobObserver
 from ..dispatcher._job import JobView
 from ..dispatcher._status import TERMINAL
 from ._board import Boards, BoardSpec
@@ -57,6 +63,37 @@ class JobBoard:
         self.max_finished = max_finished
         self.expose_errors = expose_errors
         self.keepalive = keepalive
+        # The jobs on the board that have not ended: what the engine's changes can reach.
+        self._active: set[str] = set()
+        self._subscribe: Callable[[JobObserver], Callable[[], None]] | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def attach(self, subscribe: Callable[[JobObserver], Callable[[], None]]) -> Callable[[], None]:
+        """Hear of job changes through ``subscribe`` (:meth:`Engine.observe`) whenever the
+        board holds an active job, and only then; returns the function that detaches."""
+        self._subscribe = subscribe
+        self._listen()
+
+        def detach() -> None:
+            self._subscribe = None
+            self._listen()
+
+        return detach
+
+    def _listen(self) -> None:
+        subscribe = self._subscribe
+        if subscribe is not None and self._active:
+            if self._unsubscribe is None:
+                self._unsubscribe = subscribe(self.observe)
+        elif self._unsubscribe is not None:
+            unsubscribe, self._unsubscribe = self._unsubscribe, None
+            unsubscribe()
+
+    def _ended(self, job_id: str) -> None:
+        if job_id in self._active:
+            self._active.discard(job_id)
+            if not self._active:
+                self._listen()
 
     def observe(self, view: JobView, token_hash: str | None) -> None:
         """The engine observer: publish the job's new document if anyone put the job on the
@@ -64,6 +101,8 @@ class JobBoard:
         document: it is on every request's path."""
         if view.id in self.core:
             self._apply(view, token_hash)
+        elif view.status in TERMINAL:
+            self._ended(view.id)  # taken off the board while it ran
 
     def _apply(self, view: JobView, token_hash: str | None) -> None:
         document = job_document(view, expose=self.expose_errors)
@@ -74,13 +113,18 @@ class JobBoard:
         else:
             self.boards.create(JOB_BOARD, view.id, document)
             self.owners[view.id] = token_hash
-        if view.status in TERMINAL:
-            self._finished[view.id] = None
-            while len(self._finished) > self.max_finished:
-                old, _ = self._finished.popitem(last=False)
-                self.owners.pop(old, None)
-                if old in self.core:
-                    self.boards.delete(JOB_BOARD, old)
+        if view.status not in TERMINAL:
+            if view.id not in self._active:
+                self._active.add(view.id)
+                self._listen()
+            return
+        self._ended(view.id)
+        self._finished[view.id] = None
+        while len(self._finished) > self.max_finished:
+            old, _ = self._finished.popitem(last=False)
+            self.owners.pop(old, None)
+            if old in self.core:
+                self.boards.delete(JOB_BOARD, old)
 
     def publish(self, view: JobView, token_hash: str | None) -> None:
         """Put a job on the board that is not there yet (one accepted before the board

@@ -15,17 +15,20 @@ import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
 import trio
 from prometheus_client import Gauge
 from quart import Response, g, request
+from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
 from ..dispatcher._engine import Engine
 from ..dispatcher._status import Status
 from ..pipes._state import check_state
 from ._bodies import (
+    JSON,
     Preferences,
     build_state,
     choose_media_type,
@@ -39,6 +42,7 @@ from ._bodies import (
 from ._idempotency import IdempotencyTable, check_key, fingerprint
 from ._jobs_api import job_document
 from ._problems import Problem, problem_for_exception
+from ._request import Incoming, current_g, current_request, incoming
 from ._routes import Route
 
 __all__ = ["EventStream", "Parking", "Submissions", "shutting_down"]
@@ -143,8 +147,14 @@ def _deadline_passed(job_id: str) -> Problem:
 @dataclass(frozen=True, slots=True)
 class _Ticket:
     job_id: str
-    token: str
+    token: str | None  # None: the route's answers never hand it out (sync, stream)
     replayed: bool
+    deadline: float  # the job's (trio time)
+
+
+_NO_PREFERENCES: Final = Preferences()
+_NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
+_NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
 
 class Submissions:
@@ -172,38 +182,84 @@ class Submissions:
         self.expose_errors = expose_errors
 
     async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
+        """Submit the request's job and answer as the route's mode says; a sync or auto
+        request parks in this one frame."""
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
         ticket, prefs = await self._accept(route, params)
-        if route.mode == "async":
+        mode = route.mode
+        if mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
-        if route.mode == "stream":
+        if mode == "stream":
             return await self._stream(ticket)
-        if route.mode == "sync":
-            return await self._park(route, ticket, wait=None)
-        wait = route.sync_wait
-        applied = []
-        if prefs.wait is not None and prefs.wait <= route.sync_wait:
-            wait = prefs.wait
-            applied.append(f"wait={prefs.wait:g}")
-        elif prefs.respond_async and prefs.wait is None:
-            wait = 0.0
-        return await self._park(
-            route, ticket, wait=wait, applied=applied, respond_async=prefs.respond_async
-        )
+        wait: float | None = None
+        applied: tuple[str, ...] = ()  # a tuple: an empty one is shared, not kept per request
+        if mode == "auto":
+            wait = route.sync_wait
+            if prefs.wait is not None and prefs.wait <= route.sync_wait:
+                wait = prefs.wait
+                applied = (f"wait={prefs.wait:g}",)
+            elif prefs.respond_async and prefs.wait is None:
+                wait = 0.0
+        media_type = JSON
+        ctx = incoming()
+        if ctx is not None:
+            if "accept" in ctx.headers:
+                media_type = choose_media_type(current_request())
+            ctx.headers = _NO_HEADERS  # read: a parked request keeps none of them
+        job_id = ticket.job_id
+        deadline = ticket.deadline + _SLACK
+        limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
+        # The wait, flat: this frame and one cancel scope between the view and the engine's
+        # wait, nothing else kept per parked request.
+        parking = self.parking
+        scope = parking.open(limit, job_id)
+        try:
+            with scope:
+                try:
+                    result = await self.engine.wait(job_id)
+                except Exception as exc:  # the job's own error, whatever a pipe raised
+                    raise await self.failure(job_id, exc) from None
+                response = Response(encode(result, media_type), content_type=media_type)
+                response.headers["X-Job-Id"] = job_id
+                if applied:
+                    response.headers["Preference-Applied"] = ", ".join(applied)
+                return response
+        except trio.Cancelled:
+            # Our own scope swallows its timeout, so this is from outside: the client hung
+            # up (or the server is stopping hard).
+            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
+                await self.cancel_quietly(job_id)
+            raise
+        finally:
+            parking.close(scope, job_id)
+        # The scope ran out: the job's deadline, the shutdown's grace, or the auto wait.
+        if parking.drained:
+            await self.cancel_quietly(job_id)
+            raise shutting_down()
+        if limit < deadline:
+            return await self._accepted(ticket, respond_async=prefs.respond_async, applied=applied)
+        await self.cancel_quietly(job_id)
+        raise _deadline_passed(job_id)
 
     async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
         # answered 4xx has started nothing.
-        prefs = parse_prefer(request.headers.getlist("Prefer"))
-        header = request.headers.get("Idempotency-Key")
+        req = current_request()
+        ctx = incoming()
+        headers = _NO_HEADERS if ctx is None else ctx.headers
+        prefs = _NO_PREFERENCES
+        if "prefer" in headers:
+            prefs = parse_prefer(req.headers.getlist("Prefer"))
+        header = headers.get("idempotency-key")
         key = None if header is None else f"{route.name}\n{check_key(header)}"
         limit = self.max_body if route.max_body is None else route.max_body
-        data = await read_body(request, limit=limit, time_limit=self.body_time_limit)
-        body = decode_object(data, request.headers.get("Content-Type"))
-        state = check_state(build_state(body, request.args, params))
+        data = await read_body(req, limit=limit, time_limit=self.body_time_limit, headers=headers)
+        body = decode_object(data, headers.get("content-type"))
+        query = req.args if req.scope.get("query_string") else _NO_QUERY
+        state = check_state(build_state(body, query, params))
         # An async answer promises the job will run: its admission is decided now (503 +
         # Retry-After if the pool would refuse it), and it then waits for its slot.
         admit = route.mode == "async"
@@ -215,9 +271,10 @@ class Submissions:
         self, route: Route, state: dict[str, Any], key: str | None, *, admit: bool
     ) -> _Ticket:
         if key is None:
-            token = secrets.token_urlsafe(32)
-            job_id = await self._new_job(route, state, token, admit=admit)
-            return _Ticket(job_id, token, replayed=False)
+            # A sync or stream answer never carries the owner token: none is made.
+            token = None if route.mode in ("sync", "stream") else secrets.token_urlsafe(32)
+            deadline, job_id = await self._new_job(route, state, token, admit=admit)
+            return _Ticket(job_id, token, replayed=False, deadline=deadline)
         digest = fingerprint(route.method, request.path, state)
         with trio.move_on_after(_CLAIM_WAIT):
             while True:
@@ -242,7 +299,7 @@ class Submissions:
                     # A cancelled or dropped job frees its key: the retry starts afresh.
                     self.idempotency.forget(key, claim)
                     continue
-                return _Ticket(claim.job_id, claim.token, replayed=True)
+                return _Ticket(claim.job_id, claim.token, replayed=True, deadline=view.deadline)
         raise Problem(
             409,
             "Idempotency-Key in use",
@@ -257,17 +314,18 @@ class Submissions:
         token = secrets.token_urlsafe(32)
         claim = self.idempotency.claim(key, digest, token)
         try:
-            job_id = await self._new_job(route, state, token, admit=admit)
+            _, job_id = await self._new_job(route, state, token, admit=admit)
             view = await self.engine.status(job_id)
         except BaseException:
             self.idempotency.forget(key, claim)
             raise
         self.idempotency.bind(key, claim, job_id, view.deadline + self.retain_seconds)
-        return _Ticket(job_id, token, replayed=False)
+        return _Ticket(job_id, token, replayed=False, deadline=view.deadline)
 
     async def _new_job(
-        self, route: Route, state: dict[str, Any], token: str, *, admit: bool
-    ) -> str:
+        self, route: Route, state: dict[str, Any], token: str | None, *, admit: bool
+    ) -> tuple[float, str]:
+        """The new job's deadline and id."""
         timeout = route.timeout
         if timeout is None:
             timeout = self.engine.registry.get_chain(route.chain).timeout
@@ -275,16 +333,21 @@ class Submissions:
             timeout = self.engine.default_timeout
         if timeout is None:
             timeout = self.default_timeout
-        return await self.engine.submit(
+        namespace = current_g()
+        ctx: Incoming | None = namespace.get("pipework")
+        # The engine sets the same deadline: it reads the clock before its first await.
+        deadline = trio.current_time() + timeout
+        job_id = await self.engine.submit(
             route.chain,
             state,
             timeout=timeout,
-            correlation_id=g.correlation_id,
+            correlation_id=namespace.correlation_id,
             token=token,
-            traceparent=g.get("traceparent"),
+            traceparent=None if ctx is None else ctx.traceparent,
             stream=route.mode == "stream",
             admit=admit,
         )
+        return deadline, job_id
 
     # -- answering -----------------------------------------------------------------------
 
@@ -298,56 +361,12 @@ class Submissions:
         response = Response(encode(document, media_type), status=202, content_type=media_type)
         response.headers["Location"] = f"/jobs/{ticket.job_id}"
         response.headers["X-Job-Id"] = ticket.job_id
-        response.headers["X-Job-Token"] = ticket.token
+        if ticket.token is not None:  # always, for the modes that answer 202
+            response.headers["X-Job-Token"] = ticket.token
         preferences = ["respond-async", *applied] if respond_async else list(applied)
         if preferences:
             response.headers["Preference-Applied"] = ", ".join(preferences)
         return response
-
-    async def _park(
-        self,
-        route: Route,
-        ticket: _Ticket,
-        *,
-        wait: float | None,
-        applied: list[str] | None = None,
-        respond_async: bool = False,
-    ) -> Response:
-        job_id = ticket.job_id
-        deadline = (await self.engine.status(job_id)).deadline + _SLACK
-        limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
-        # The wait, flat: one frame and one cancel scope between the handler and the
-        # engine's wait, nothing else kept per parked request.
-        parking = self.parking
-        scope = parking.open(limit, job_id)
-        try:
-            with scope:
-                try:
-                    result = await self.engine.wait(job_id)
-                except Exception as exc:  # the job's own error, whatever a pipe raised
-                    raise await self.failure(job_id, exc) from None
-                media_type = choose_media_type(request)
-                response = Response(encode(result, media_type), content_type=media_type)
-                response.headers["X-Job-Id"] = job_id
-                if applied:
-                    response.headers["Preference-Applied"] = ", ".join(applied)
-                return response
-        except trio.Cancelled:
-            # Our own scope swallows its timeout, so this is from outside: the client hung
-            # up (or the server is stopping hard).
-            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
-                await self.cancel_quietly(job_id)
-            raise
-        finally:
-            parking.close(scope, job_id)
-        # The scope ran out: the job's deadline, the shutdown's grace, or the auto wait.
-        if parking.drained:
-            await self.cancel_quietly(job_id)
-            raise shutting_down()
-        if limit < deadline:
-            return await self._accepted(ticket, respond_async=respond_async, applied=applied or ())
-        await self.cancel_quietly(job_id)
-        raise _deadline_passed(job_id)
 
     async def cancel_quietly(self, job_id: str) -> None:
         with trio.CancelScope(shield=True):
@@ -380,7 +399,7 @@ class Submissions:
                 slug="stream-taken",
                 headers={"Location": f"/jobs/{ticket.job_id}"},
             )
-        deadline = (await self.engine.status(ticket.job_id)).deadline + _SLACK
+        deadline = ticket.deadline + _SLACK
         events = EventStream(self, ticket.job_id, deadline, g.correlation_id, request.path)
         try:
             await events.start()

@@ -354,8 +354,10 @@ class Engine:
         nowait = self._dispatcher.nowait
         if nowait:  # an in-process store: no read waits, so no end can slip past one
             job = nowait[0](job_id)
+            waiters = self._dispatcher._waiters
             while job.status not in TERMINAL:
-                await self._dispatcher.wait_finished(job_id)
+                # The waiter's wait awaited here: no frame between a parked request and it.
+                await waiters.setdefault(job_id, trio.Event()).wait()
                 job = nowait[0](job_id)
             if job.status is Status.DONE:
                 return job.result
