@@ -58,7 +58,9 @@ def _redis_server() -> Iterator[str]:
 def _measure(jobs: int, chain_pipes: int, url: str | None, queue_too: bool) -> float:
     prefix = f"bench{time.monotonic_ns()}"  # a fresh job pool and stream for every run
     store = None if url is None else RedisJobStore(url, prefix=prefix, retain_count=jobs + 1)
-    queue = RedisEventQueue(url, prefix=prefix, capacity=jobs + 1) if url and queue_too else None
+    queue = None
+    if url is not None and store is not None and queue_too:  # as [store] backend = "redis" does
+        queue = RedisEventQueue(url, prefix=prefix, capacity=jobs + 1, store=store)
     engine = pw.Engine(
         pool=pw.WeightedPool(CLIENTS * 2, default=pw.Weights(max_waiting=jobs)),
         queue_capacity=jobs + 1,

@@ -41,10 +41,10 @@ from typing import Any, Final
 import msgpack
 import trio
 
-from .._errors import Overloaded
+from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._queue import QueueStatistics
-from ._redis_store import _UNREACHABLE, _public
+from ._redis_store import _UNREACHABLE, RedisJobStore, _public
 from ._resp import Arg, Connection, ReplyError
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
@@ -106,8 +106,11 @@ class RedisEventQueue:
 
     ``consumer`` names this process in the group (default: host, pid and a random tail);
     ``claim_idle`` is how long an event may sit unacknowledged with its consumer silent
-    before another consumer takes it. Use as an async context manager (an
-    :class:`~pipework.Engine` given it does so).
+    before another consumer takes it. ``store``: a :class:`RedisJobStore` on the same
+    server whose round trips the queue's writes, acknowledgements and claims share (what
+    ``[store] backend = "redis"`` builds): a job's record and its events then travel
+    together. Use as an async context manager (an :class:`~pipework.Engine` given it does
+    so).
     """
 
     def __init__(
@@ -122,7 +125,13 @@ class RedisEventQueue:
         claim_idle: float = 30.0,
         max_inflight: int = 256,
         block: float = 1.0,
+        store: RedisJobStore | None = None,
     ) -> None:
+        if store is not None and store.url != url:
+            raise ValueError(
+                f"the queue shares the store's connection: give both the same URL "
+                f"(the store's is {_public(store.url)}, the queue's {_public(url)})"
+            )
         if capacity < 1:
             raise ValueError(f"queue capacity must be at least 1, got {capacity}")
         if claim_idle <= 0:
@@ -138,6 +147,7 @@ class RedisEventQueue:
         self.stream = f"{prefix}:events"
         # Writes, acknowledgements and claims take turns on one connection; the blocking
         # read has one of its own.
+        self._store = store
         self._connection: Connection | None = None
         self._reader: Connection | None = None
         self._turn = trio.Lock()
@@ -203,7 +213,10 @@ class RedisEventQueue:
             await connection.aclose()
 
     async def _call(self, commands: list[list[Arg]]) -> list[Any]:
-        """One round trip on the shared connection (opened again if it was lost)."""
+        """One round trip: in the store's next one, or on the queue's own connection
+        (opened again if it was lost)."""
+        if self._store is not None:
+            return await self._store.pipeline(commands)
         async with self._turn:
             connection = self._connection
             if connection is None or connection.closed:
@@ -430,7 +443,7 @@ class RedisEventQueue:
         while True:
             try:
                 return await fn(*args)
-            except _UNREACHABLE as exc:
+            except (*_UNREACHABLE, StoreUnavailable) as exc:
                 _log.warning(
                     "pipework: %s on %s failed (%s); retrying in %gs",
                     what,

@@ -40,7 +40,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Final
@@ -50,7 +50,7 @@ import trio
 
 from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ._job import Job
-from ._resp import Arg, Connection, ReplyError
+from ._resp import Arg, Command, Connection, ReplyError, encode_args
 from ._status import ACTIVE, TERMINAL, Status
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
@@ -73,8 +73,9 @@ redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
 
-# KEYS: job, finished, gone. ARGV: blob, status, id, prefix, terminal (0/1), retain_until,
-# record ttl ms, tombstone ttl ms, token hash, retain count, the writer's origin. An end is
+# KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
+# hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
+# ms, retain count, the writer's origin (see RedisJobStore._tail). An end is
 # published only if someone elsewhere may wait for it: the job came from another process
 # (its origin), or a process that did not create it waits for it (the field ``w``).
 _UPDATE: Final = (
@@ -84,17 +85,17 @@ _UPDATE: Final = (
 local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
 if not cur[1] then return {-1, 0} end
 if terminal[cur[1]] then
-  if ARGV[5] == '1' then return {0, tonumber(cur[2])} end
+  if ARGV[4] == '1' then return {0, tonumber(cur[2])} end
   return {-2, 0}
 end
 local v = tonumber(cur[2]) + 1
-local p = ARGV[4]
+local p = ARGV[7]
 redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v)
-if ARGV[5] == '1' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[7])
-  redis.call('ZADD', KEYS[2], ARGV[6], ARGV[3])
-  redis.call('SET', KEYS[3], ARGV[9], 'PX', ARGV[8])
+if ARGV[4] == '1' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[8])
+  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
+  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[9])
   if cur[3] ~= ARGV[11] or cur[4] then redis.call('PUBLISH', p .. ':finished', ARGV[3]) end
   local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[10])
   if extra > 0 then
@@ -178,18 +179,24 @@ _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceErr
 
 
 class _Call:
-    """One command waiting for its round trip; ``lead``: it sends the next batch."""
+    """Commands waiting for their round trip (one, or a caller's pipeline: ``many``);
+    ``lead``: it sends the next batch."""
 
-    __slots__ = ("answered", "command", "done", "error", "lead", "result", "script")
+    __slots__ = ("answered", "commands", "error", "lead", "many", "result", "script", "task")
 
-    def __init__(self, command: list[Arg], script: str | None) -> None:
-        self.command = command
-        self.script = script
-        self.done = trio.Event()
+    def __init__(self, commands: Sequence[Command], script: str | None, many: bool) -> None:
+        self.commands = commands
+        self.script = script  # the script whose EVALSHA the one command is
+        self.many = many
+        self.task: trio.lowlevel.Task | None = None  # parked until its answer or its turn
         self.result: Any = None
         self.error: BaseException | None = None
         self.answered = False
         self.lead = False
+
+
+def _no_abort(_: Any) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.FAILED
 
 
 def _copy(exc: Exception) -> Exception:
@@ -249,6 +256,9 @@ class RedisJobStore:
         self._active: dict[str, Job] = {}
         #: Ends recorded here (the record as written), for this process's waiters.
         self._ended: dict[str, Job] = {}
+        self._update_head = b"*%d\r\n%b" % (17, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._tail_values: list[Arg] = []
+        self._tail_bytes = b""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -272,34 +282,42 @@ class RedisJobStore:
             f"the job store at {_public(self.url)} cannot be reached ({exc}); retry later"
         )
 
-    async def _run(self, command: list[Arg], script: str | None = None) -> Any:
+    async def _run(self, command: Command, script: str | None = None) -> Any:
         """Run one command (``script``: the name of one of the store's scripts, whose
         ``EVALSHA`` it is). Calls made while a round trip is on its way are sent together in
         the next one (one pipeline): under load a round trip's cost is shared by every call
         it carries."""
-        call = _Call(command, script)
+        return await self._call(_Call([command], script, many=False))
+
+    async def pipeline(self, commands: Sequence[Command]) -> list[Any]:
+        """Send the commands in this store's next round trip, in order, and return their
+        replies (an error reply as a :class:`ReplyError` in its place): the event queue's
+        writes share the store's round trips this way."""
+        result: list[Any] = await self._call(_Call(commands, None, many=True))
+        return result
+
+    async def _call(self, call: _Call) -> Any:
         self._calls.append(call)
-        led = False
-        with trio.move_on_after(self.io_timeout, shield=True):
-            if self._sending:
-                await call.done.wait()  # its answer, or its turn to send the next batch
-            else:
-                self._sending = call.lead = True
-            if call.lead:
-                led = True
+        if self._sending:
+            # Its answer, or its turn to send the next batch: a wait that cancellation
+            # does not end (as if shielded), bounded by the round trips before its own.
+            call.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(_no_abort)
+        else:
+            self._sending = call.lead = True
+        if call.lead:
+            with trio.move_on_after(self.io_timeout, shield=True):
                 # Every task that is ready runs first, so the calls it makes join this
                 # batch: a round trip costs mostly the wake-ups it causes, here and in Redis.
                 await trio.lowlevel.checkpoint()
                 await self._send_calls()
-            if call.error is not None:
-                raise call.error
-            return call.result
-        if not led:  # its time ran out before its batch went
-            if call in self._calls:
+            if not call.answered and call.error is None:  # its time ran out before it went
                 self._calls.remove(call)
-            if call.lead:
-                self._hand_on()  # it had been handed the turn: the next call takes it
-        raise self._no_answer()
+                self._hand_on()
+                call.error = self._no_answer()
+        if call.error is not None:
+            raise call.error
+        return call.result
 
     async def _script(self, name: str, keys: list[str], args: list[Arg]) -> Any:
         return await self._run(["EVALSHA", _SHAS[name], len(keys), *keys, *args], name)
@@ -316,11 +334,18 @@ class RedisJobStore:
                 replies = await self._wait(functools.partial(self._round_trip, batch))
             except _UNREACHABLE as exc:
                 raise self._unavailable(exc) from exc
-            for call, reply in zip(batch, replies, strict=True):
-                if isinstance(reply, ReplyError):
-                    call.error = self._refused(reply)
+            at = 0
+            for call in batch:
+                if call.many:
+                    call.result = replies[at : at + len(call.commands)]
+                    at += len(call.commands)
                 else:
-                    call.result = reply
+                    reply = replies[at]
+                    at += 1
+                    if isinstance(reply, ReplyError):
+                        call.error = self._refused(reply)
+                    else:
+                        call.result = reply
                 call.answered = True
         except Exception as exc:
             for call in batch:
@@ -329,7 +354,9 @@ class RedisJobStore:
             for call in batch:
                 if not call.answered and call.error is None:  # the round trip's time ran out
                     call.error = self._no_answer()
-                call.done.set()
+                if call.task is not None:
+                    trio.lowlevel.reschedule(call.task)
+                    call.task = None
             self._hand_on()
 
     async def _round_trip(self, batch: list[_Call]) -> list[Any]:
@@ -341,7 +368,8 @@ class RedisJobStore:
             if self._entered:
                 self._connection = connection
         try:
-            replies = await connection.call([call.command for call in batch])
+            commands = [command for call in batch for command in call.commands]
+            replies = await connection.call(commands)
             # Scripts Redis does not know yet (a new or restarted server) are loaded, and
             # the calls that needed them sent again.
             missing = [
@@ -350,9 +378,10 @@ class RedisJobStore:
                 if isinstance(reply, ReplyError) and reply.code == "NOSCRIPT"
             ]
             if missing:
-                names = sorted({name for i in missing if (name := batch[i].script)})
-                loads: list[list[Arg]] = [["SCRIPT", "LOAD", _SOURCES[n]] for n in names]
-                again = await connection.call(loads + [batch[i].command for i in missing])
+                scripts = [call.script for call in batch for _ in call.commands]
+                names = sorted({name for i in missing if (name := scripts[i])})
+                loads: list[Command] = [["SCRIPT", "LOAD", _SOURCES[n]] for n in names]
+                again = await connection.call(loads + [commands[i] for i in missing])
                 for i, reply in zip(missing, again[len(loads) :], strict=True):
                     replies[i] = reply
             return replies
@@ -374,7 +403,9 @@ class RedisJobStore:
         if self._calls:
             following = self._calls[0]
             following.lead = True
-            following.done.set()
+            if following.task is not None:
+                trio.lowlevel.reschedule(following.task)
+                following.task = None
         else:
             self._sending = False
 
@@ -475,24 +506,20 @@ class RedisJobStore:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
-        code, version = await self._script(
-            "update",
-            [self._key(job.id), f"{self.prefix}:finished", self._gone(job.id)],
-            [
-                self._encode(job),
-                job.status.value,
-                job.id,
-                self.prefix,
-                "1" if terminal else "0",
-                repr(_moved(job.retain_until, self._shift()) if terminal else 0.0),
-                int((self.retain_seconds + _SLACK_SECONDS) * 1000),
-                int(self.tombstone_seconds * 1000),
-                job.token_hash or "",
-                self.retain_count,
-                # With several engines on this store, an end recorded here may have a
-                # waiter in another one: published always.
-                self._origin if self._following <= 1 else "",
-            ],
+        key = self._key(job.id)
+        varying: list[Arg] = [
+            key,
+            f"{self.prefix}:finished",
+            self._gone(job.id),
+            self._encode(job),
+            job.status.value,
+            job.id,
+            "1" if terminal else "0",
+            repr(_moved(job.retain_until, self._shift()) if terminal else 0.0),
+            job.token_hash or "",
+        ]
+        code, version = await self._run(
+            b"%b%b%b" % (self._update_head, encode_args(varying), self._tail()), "update"
         )
         if code == 1:
             job.version = int(version)
@@ -534,6 +561,23 @@ class RedisJobStore:
 
     def _gone(self, job_id: str) -> str:
         return f"{self.prefix}:gone:{job_id}"
+
+    def _tail(self) -> bytes:
+        """The arguments every update sends alike, encoded once (see _UPDATE)."""
+        # With several engines on this store, an end recorded here may have a waiter in
+        # another one: published always.
+        origin = self._origin if self._following <= 1 else ""
+        values: list[Arg] = [
+            self.prefix,
+            int((self.retain_seconds + _SLACK_SECONDS) * 1000),
+            int(self.tombstone_seconds * 1000),
+            self.retain_count,
+            origin,
+        ]
+        if values != self._tail_values:
+            self._tail_values = values
+            self._tail_bytes = encode_args(values)
+        return self._tail_bytes
 
     # -- other processes' ends ----------------------------------------------------------
 

@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-__all__ = ["Arg", "Connection", "ConnectionLost", "ReplyError", "encode"]
+__all__ = ["Arg", "Command", "Connection", "ConnectionLost", "ReplyError", "encode", "encode_args"]
 
 _CRLF: Final = b"\r\n"
 _READ_SIZE: Final = 1 << 16
@@ -47,24 +47,30 @@ class _Incomplete(Exception):
 
 #: A command argument: bytes as they are, the others as their text.
 Arg = bytes | str | int | float
+#: A command: its arguments, or the command already encoded (:func:`encode`).
+Command = Sequence[Arg] | bytes
 
 
 def encode(command: Sequence[Arg]) -> bytes:
     """One command as a RESP array of bulk strings."""
-    parts = [b"*%d\r\n" % len(command)]
+    return b"*%d\r\n%b" % (len(command), encode_args(command))
+
+
+def encode_args(args: Sequence[Arg]) -> bytes:
+    """Arguments as RESP bulk strings, without the array's header: a caller that sends the
+    same arguments often encodes them once (see :data:`Command`)."""
+    parts: list[bytes] = []
     append = parts.append
-    for arg in command:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
+    for arg in args:
+        if type(arg) is str:
             data = arg.encode()
+        elif isinstance(arg, bytes):
+            data = arg
         elif isinstance(arg, int):
             data = b"%d" % arg
         else:
-            data = repr(arg).encode()
-        append(b"$%d\r\n" % len(data))
-        append(data)
-        append(_CRLF)
+            data = str(arg).encode()
+        append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(parts)
 
 
@@ -154,14 +160,14 @@ class Connection:
         if stream is not None:
             await trio.aclose_forcefully(stream)
 
-    async def call(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
+    async def call(self, commands: Sequence[Command]) -> list[Any]:
         """Send the commands in one write and return their replies, in order."""
         await self.send(commands)
         return await self.read(len(commands))
 
-    async def send(self, commands: Sequence[Sequence[Arg]]) -> None:
+    async def send(self, commands: Sequence[Command]) -> None:
         stream = self._usable()
-        data = b"".join([encode(c) for c in commands])
+        data = b"".join([c if type(c) is bytes else encode(c) for c in commands])
         try:
             await stream.send_all(data)
         except BaseException as exc:
