@@ -45,13 +45,17 @@ from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._queue import QueueStatistics
 from ._redis_store import _UNREACHABLE, RedisJobStore, _public
-from ._resp import Arg, Connection, ReplyError
+from ._resp import Arg, Command, Connection, ReplyError
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 
 _log = logging.getLogger("pipework.dispatcher")
 
 _FIELD: Final = b"e"
+
+#: How long after the last events a store's round trips brought the blocking read
+#: resumes (a process whose store is busy reads in its round trips).
+_QUIET: Final = 0.01
 
 
 def encode_event(event: Event) -> bytes:
@@ -150,6 +154,8 @@ class RedisEventQueue:
         self._store = store
         self._connection: Connection | None = None
         self._reader: Connection | None = None
+        self._reading = False  # the blocking read is on its way
+        self._last_read = -math.inf  # when a read last brought events (trio clock)
         self._turn = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._outbox: list[tuple[int, bytes]] = []
@@ -183,6 +189,10 @@ class RedisEventQueue:
         nursery = await nursery_manager.__aenter__()
         self._running = nursery_manager
         self._nursery = nursery
+        if self._store is not None:
+            if self._store.rider is not None:
+                raise RuntimeError("a job store carries the reads of one event queue only")
+            self._store.rider = self
         for task in (self._write_loop, self._read_loop, self._claim_loop):
             nursery.start_soon(task)
         return self
@@ -195,6 +205,8 @@ class RedisEventQueue:
     ) -> None:
         nursery_manager = self._running
         assert self._nursery is not None
+        if self._store is not None and self._store.rider is self:
+            self._store.rider = None
         # What the engine's last steps put and acknowledged is still sent, briefly.
         with trio.move_on_after(2, shield=True):
             await self.flush()
@@ -365,14 +377,47 @@ class RedisEventQueue:
                 while len(self._inflight) >= self.max_inflight:
                     self._room = trio.Event()
                     await self._room.wait()
+                if self._store is not None:
+                    # While the store's round trips bring events (board), they read; a
+                    # blocking read waits for new events only once they have gone quiet.
+                    await self._quiet()
                 count = self.max_inflight - len(self._inflight)
-                reply = await self._retrying("reading events", self._read, count)
+                self._reading = True
+                try:
+                    reply = await self._retrying("reading events", self._read, count)
+                finally:
+                    self._reading = False
                 if reply:
+                    self._last_read = trio.current_time()
                     self._deliver(reply[0][1])
         finally:
             reader, self._reader = self._reader, None
             if reader is not None:
                 await reader.aclose()
+
+    async def _quiet(self) -> None:
+        while True:
+            quiet = self._last_read + _QUIET - trio.current_time()
+            if quiet <= 0:
+                return
+            await trio.sleep(quiet)
+
+    def board(self) -> Command | None:
+        """The read that rides along in the store's next round trip (after the events it
+        writes, which so come back at once), unless the blocking read is waiting."""
+        room = self.max_inflight - len(self._inflight)
+        if self._reading or room <= 0 or self._running is None:
+            return None
+        return [
+            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", room,
+            "STREAMS", self.stream, ">",
+        ]  # fmt: skip
+
+    def alight(self, reply: Any) -> None:
+        if isinstance(reply, ReplyError) or not reply or self._running is None:
+            return  # an error reaches the blocking read too (NOGROUP: the group is made)
+        self._last_read = trio.current_time()
+        self._deliver(reply[0][1])
 
     async def _read(self, count: int) -> Any:
         """One blocking ``XREADGROUP`` on the reader's own connection."""

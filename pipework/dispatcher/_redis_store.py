@@ -43,7 +43,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgpack
 import trio
@@ -195,6 +195,16 @@ class _Call:
         self.lead = False
 
 
+class _Rider(Protocol):
+    """A command sent at the end of each of the store's round trips, if it has one then,
+    and told its reply (the event queue reads new events so: those it has just written
+    come back in the same round trip)."""
+
+    def board(self) -> Command | None: ...
+
+    def alight(self, reply: Any) -> None: ...
+
+
 def _no_abort(_: Any) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
 
@@ -256,6 +266,8 @@ class RedisJobStore:
         self._active: dict[str, Job] = {}
         #: Ends recorded here (the record as written), for this process's waiters.
         self._ended: dict[str, Job] = {}
+        #: What rides along in every round trip (the event queue's reads, see _Rider).
+        self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (17, encode_args(["EVALSHA", _SHAS["update"], 3]))
         self._tail_values: list[Arg] = []
         self._tail_bytes = b""
@@ -369,7 +381,13 @@ class RedisJobStore:
                 self._connection = connection
         try:
             commands = [command for call in batch for command in call.commands]
-            replies = await connection.call(commands)
+            rider = self.rider
+            extra = None if rider is None else rider.board()
+            if rider is None or extra is None:
+                replies = await connection.call(commands)
+            else:
+                replies = await connection.call([*commands, extra])
+                rider.alight(replies.pop())
             # Scripts Redis does not know yet (a new or restarted server) are loaded, and
             # the calls that needed them sent again.
             missing = [

@@ -149,10 +149,11 @@ class Connection:
             hello.append(["AUTH", *user, unquote(parts.password)])
         if db not in ("", "0"):
             hello.append(["SELECT", int(db)])
-        refused = [r for r in await connection.call(hello) if isinstance(r, ReplyError)]
-        if refused:
-            await connection.aclose()
-            raise refused[0]
+        if hello:
+            refused = [r for r in await connection.call(hello) if isinstance(r, ReplyError)]
+            if refused:
+                await connection.aclose()
+                raise refused[0]
         return connection
 
     async def aclose(self) -> None:
