@@ -524,9 +524,11 @@ class RedisJobStore:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
-        key = self._key(job.id)
+            # Written or not, its waiters read it from now on: a write that fails after
+            # Redis applied it must not leave it known as active here.
+            self._active.pop(job.id, None)
         varying: list[Arg] = [
-            key,
+            self._key(job.id),
             f"{self.prefix}:finished",
             self._gone(job.id),
             self._encode(job),
@@ -542,7 +544,6 @@ class RedisJobStore:
         if code == 1:
             job.version = int(version)
             if terminal:
-                self._active.pop(job.id, None)
                 self._ended[job.id] = job
                 if len(self._ended) > _ENDED_KEPT:
                     del self._ended[next(iter(self._ended))]
