@@ -5,8 +5,9 @@ Layout under ``prefix`` (one logical Redis, not Redis Cluster: the scripts name 
 build themselves):
 
 - ``{p}:job:{id}`` a hash: ``d`` the record as msgpack (:meth:`Job.to_wire`), ``s`` its
-  status, ``v`` its version. The version lives outside the blob so a script can compare and
-  bump it without decoding the record.
+  status, ``v`` its version, ``o`` the store that created it, ``w`` set once a process
+  that did not create it waits for its end. The version lives outside the blob so a script
+  can compare and bump it without decoding the record.
 - ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:gone:{id}`` a tombstone (the owner-token hash, "" for none) written when the job
@@ -18,7 +19,16 @@ overwrites, an update of a finished job never brings it back (a second terminal 
 changes nothing; a non-terminal one is refused as for the memory store), and finishing a job
 moves it between the indexes, writes its tombstone and drops the oldest finished records
 beyond ``retain_count`` in the same step. Read-modify-write sequences that span several
-commands (a join's record when two branches end at once) take :meth:`lock`.
+commands (a join's record when two branches end at once) take :meth:`lock`. A read is one
+``HMGET``. The calls made while a round trip is on its way go together in the next one, on
+the store's one connection (:mod:`._resp`), with the event queue's writes and reads when it
+shares the store (see :class:`RedisEventQueue`).
+
+**Ends.** An end is published on ``{p}:finished`` only when a process other than the one
+that records it may wait for it: the job was created elsewhere, or its record is marked
+``w`` (:meth:`read_awaited`). The creating process's waiters are woken by its own
+dispatcher; they take an end recorded here from memory, and a job created here whose end
+was not heard of needs no read while every subscription is live.
 
 **Time.** The engine's deadlines are absolute trio times, and each process's trio clock has
 its own origin. A record carries its writer's offset from the wall clock (measured once, when
