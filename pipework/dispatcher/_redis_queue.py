@@ -3,9 +3,14 @@ the same server and prefix takes its share of the events, and a dead one's are c
 
 The queue's interface is synchronous where the dispatcher must not wait (``submit_nowait``,
 ``put_nowait``, ``ack``), so those only touch memory: events go to an outbox that a task
-writes with ``XADD`` (a batch per round trip), and acknowledgements to one that a task sends
-with ``XACK``. :meth:`flush` waits until every event put so far is in Redis; the engine calls
-it before it answers a submission, so an accepted job's first event is never only in memory.
+writes with ``XADD`` (a batch per round trip), and acknowledgements to one that the same
+task sends with ``XACK``, each in a round trip after the one that wrote what was put before
+it. :meth:`flush` waits until every event put so far is in Redis; the engine calls it
+before it answers a submission, so an accepted job's first event is never only in memory.
+Given the job store (``store=``), the queue sends those in the store's round trips, and a
+non-blocking ``XREADGROUP`` rides at the end of each of them (:meth:`board`): the events a
+round trip writes come back in it. A blocking read on a connection of its own waits for
+events only once those reads have brought nothing for a moment.
 
 - **Bounded new work.** ``depth`` is the group's pending entries (delivered, not yet
   acknowledged) plus its lag (not yet delivered), refreshed after every batch written or
