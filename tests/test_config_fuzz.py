@@ -178,3 +178,11 @@ def test_mutated_configs_load_or_raise_config_error(data: dict[str, Any]) -> Non
 def test_the_unmutated_config_loads() -> None:
     config = outcome(lambda: config_from_dict(copy.deepcopy(FULL)))
     assert isinstance(config, GatewayConfig)
+
+
+def test_a_name_with_a_line_break_keeps_each_problem_on_one_line() -> None:
+    data = copy.deepcopy(FULL)
+    data["services"] = {"\n": []}
+    problems = outcome(lambda: config_from_dict(data))
+    assert isinstance(problems, list)
+    assert any("declared: \\n" in message for _, _, message in problems)

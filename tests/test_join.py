@@ -433,3 +433,25 @@ def test_merged_and_start_deltas_count_every_change_exactly_once(
         assert set(join.to_merge) <= ok_core
         assert len(join.to_merge) == join.need
     assert join.to_merge == rewire(join).to_merge
+
+
+@given(joins(), st.data())
+def test_fresh_runs_of_one_shape_are_independent(join: Join, data: st.DataObject) -> None:
+    """A stage builds its join's shape once and starts each run from ``fresh()``: a run
+    decides as a join built anew does, whatever an earlier run of the same shape did."""
+    unstarted = join.to_wire()
+    for _ in range(2):
+        run, anew = join.fresh(), Join.from_wire(unstarted)
+        assert run.to_wire() == unstarted
+        decision = run.start()
+        assert anew.start() == decision
+        while run.running:
+            i = data.draw(st.sampled_from(run.running))
+            outcome = data.draw(st.sampled_from(OUTCOMES))
+            before = run.outcomes
+            decision = run.branch_done(i, outcome)
+            assert anew.branch_done(i, outcome) == decision
+            check(run, before, decision)
+        assert run.to_wire() == anew.to_wire()
+        assert run.to_merge == anew.to_merge
+    assert join.to_wire() == unstarted  # the shape itself never runs

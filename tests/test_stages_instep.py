@@ -139,3 +139,86 @@ async def test_parents_holding_every_slot_leave_their_branches_of_another_key_no
         for job_id in ids:
             assert await engine.wait(job_id) == {"a": 1, "b": 1}
         assert pool.statistics().in_use == 0
+
+
+async def test_branches_of_several_pipes_run_each_in_order_within_the_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A branch of pipes only runs them one after another in its own task: each sees what
+    the one before it wrote, and the parent merges what each branch wrote last."""
+    pool = pw.WeightedPool(4)
+    engine = pw.Engine(pool=pool)
+
+    def step(name: str, seconds: float) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            await trio.sleep(seconds)
+            trail = ctx.state.get(name, [])
+            ctx.state[name] = [*trail, ctx.pipe.name]
+
+        return pw.Pipe(run, f"{name}{seconds:g}")
+
+    engine.chain(
+        "c",
+        pw.all_of(pw.serial(step("a", 1), step("a", 2), step("a", 3)), pw.serial(step("b", 4))),
+        step("after", 1),
+    )
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5)
+        assert pool.statistics().in_use == 1  # one step: the branches share its slot
+        assert await engine.wait(job_id) == {
+            "a": ["a1", "a2", "a3"],
+            "b": ["b4"],
+            "after": ["after1"],
+        }
+        assert trio.current_time() - start == pytest.approx(7)
+
+
+async def test_an_in_step_branch_pipe_timeout_fails_the_stage_at_that_pipe(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+    engine.chain(
+        "c",
+        pw.all_of(
+            pw.serial(sleeper("quick", 1), pw.Pipe(sleeper("slow", 10).fn, "slow", timeout=2)),
+            sleeper("other", 20),
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        with pytest.raises(pw.DeadlineExceeded) as caught:
+            await engine.wait(job_id)
+        assert caught.value.scope == "pipe"
+        assert "pipe 'slow'" in caught.value.where
+        assert trio.current_time() - start == pytest.approx(3)  # the sibling was cancelled
+
+
+async def test_an_in_step_branch_with_a_timeout_of_its_own_keeps_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A branch whose sequence has a timeout (or holds a stage) starts from the cursor the
+    chain's walk gives it, with its own limit, and still runs in the parent's step."""
+    pool = pw.WeightedPool(4)
+    engine = pw.Engine(pool=pool)
+    engine.chain(
+        "c",
+        pw.all_of(
+            pw.serial(sleeper("a", 1), sleeper("b", 10), timeout=3),
+            pw.serial(sleeper("c", 1), pw.serial(sleeper("d", 1))),
+            settle=True,
+        ),
+    )
+    async with engine:
+        start = trio.current_time()
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5)
+        assert pool.statistics().in_use == 1  # forked, its branches would hold two
+        result = await engine.wait(job_id)
+        assert trio.current_time() - start == pytest.approx(3)
+        assert (result["c"], result["d"]) == (1, 1)
+        assert "a" not in result  # the timed-out branch's writes are not merged
+        assert result["outcomes"]["branch[0]"]["outcome"] == "timed_out"
+        assert result["outcomes"]["branch[1]"] == {"outcome": "ok"}

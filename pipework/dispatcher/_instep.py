@@ -32,9 +32,10 @@ import trio
 from .._errors import MergeConflict, Rejected
 from ..pipes._join import Decision, Outcome
 from ..pipes._merge import delta, merge, packed_state, unpacked_state
+from ..pipes._pipe import Pipe
 from ..pipes._stages import Chain, Parallel
 from ._boundary import split_outside
-from ._job import Job, JoinRecord, new_job_id
+from ._job import Frame, Job, JoinRecord, new_job_id
 from ._parallel import (
     _callback,
     _error_of,
@@ -101,7 +102,8 @@ class InStepStage:
         d.in_step[self.record.id] = self
         try:
             self._apply(self.join.start())
-            await self._record_progress()
+            if d.nowait is None:
+                await self._record_progress()
             if not self._settled.is_set():
                 await self._settled.wait()
         except BaseException:
@@ -167,6 +169,8 @@ class InStepStage:
 
     def _start(self, index: int) -> None:
         d, parent, record = self.d, self.parent, self.record
+        root = self.stage.branches[index]
+        flat = root.flat
         branch = Job(
             # Unguessable as the join's id is; a branch needs no random read of its own.
             id=f"{record.id}.{index}",
@@ -185,12 +189,18 @@ class InStepStage:
             created_at=parent.created_at,
             updated_at=parent.updated_at,
         )
-        d.start_frames(branch, self.chain)
+        if flat is not None and root.timeout is None:
+            # What start_frames finds for a branch of pipes only, without walking the chain.
+            branch.frames = [Frame(0, branch.deadline)]
+            branch.key = flat[0].key or self.chain.key
+        else:
+            d.start_frames(branch, self.chain)
+            flat = None
         record.children[index] = branch.id
         self.branches[index] = branch
         # In the dispatcher's nursery, not the step's: a loser that is slow to stop must not
         # hold the parent up (its late result is ignored, as a forked branch's is).
-        d.spawn(self._run_branch, branch)
+        d.spawn(self._run_branch, branch, flat)
 
     def _start_state(self, index: int) -> dict[str, Any]:
         """A snapshot of the parent's state (packed once for all the branches; each unpacks
@@ -243,13 +253,15 @@ class InStepStage:
         if self.stage.kind == "graph":
             _callback(self.d, branch, outcome)
         self._apply(self.join.branch_done(index, outcome))
-        await self._record_progress()
+        if self.d.nowait is None:
+            await self._record_progress()
 
     # -- a branch ------------------------------------------------------------------------
 
-    async def _run_branch(self, branch: Job) -> None:
+    async def _run_branch(self, branch: Job, flat: tuple[Pipe, ...] | None) -> None:
         """One branch, as a step does one job: whatever it raises ends here as its outcome;
-        only a cancellation from outside the stage travels on."""
+        only a cancellation from outside the stage travels on. ``flat``: the branch's pipes,
+        when it is a sequence of pipes only (no stage, no timeout of its own)."""
         d = self.d
         scope = trio.CancelScope()
         d._scopes[branch.id] = scope
@@ -258,7 +270,24 @@ class InStepStage:
         escaped: BaseException | None = None
         try:
             with scope:
-                await self._run_segments(branch)
+                key = branch.key
+                if flat is not None and key == self.parent.key and not d.limited(key):
+                    # The common branch: its pipes one after another under the parent's
+                    # slot, as _run_held walks a flat sequence, without its lookups (an
+                    # in-step stage's pipes share the parent's key; a branch writes no
+                    # record), and in this coroutine: one frame fewer on every resume.
+                    branch.transition(Status.RUNNING)
+                    top = branch.frames[0]
+                    now: float | None = trio.current_time()
+                    while now is not None and top.index < len(flat):
+                        now = await d._run_pipe(
+                            branch, self.chain, flat[top.index], now, write=False
+                        )
+                    if now is not None:  # else it failed, suspended or was cancelled: ended
+                        branch.frames.pop()
+                        await d.finish(branch, Status.DONE, now=now)
+                else:
+                    await self._run_segments(branch)
         except BaseException as exc:
             escaped = exc
         finally:

@@ -80,6 +80,10 @@ class Decision:
     failures: tuple[int, ...] = ()
 
 
+#: An event that asks for nothing (frozen, so one instance serves every such answer).
+_NOTHING: Final = Decision()
+
+
 class Join:
     """The bookkeeping of one parallel stage run. Build one with :meth:`all_of`,
     :meth:`any_of`, :meth:`quorum` or :meth:`graph`, call :meth:`start` once, then
@@ -88,12 +92,16 @@ class Join:
     __slots__ = (
         "_core",
         "_detach",
+        "_failed",
         "_failures",
+        "_graph",
         "_merge",
+        "_ok",
         "_parents",
         "_resolved",
         "_started",
         "_status",
+        "_waiting",
         "kind",
         "max_concurrency",
         "need",
@@ -123,14 +131,39 @@ class Join:
         self.need = need
         self.settle = settle
         self.max_concurrency = max_concurrency
-        self._parents = [list(p) for p in parents] or [[] for _ in range(n)]
-        self._detach = list(detach) or [False] * n
-        self._core = [i for i in range(n) if not self._detach[i]]
+        # The stage's shape never changes once built: fresh runs share it (see fresh()).
+        self._parents = tuple(tuple(p) for p in parents) or ((),) * n
+        self._detach = tuple(detach) or (False,) * n
+        self._core = tuple(i for i in range(n) if not self._detach[i])
+        self._graph = any(self._parents)
+        self._reset()
+
+    def _reset(self) -> None:
+        n = len(self._parents)
         self._status = [_WAITING] * n
         self._started = False
         self._resolved: Resolution | None = None
         self._merge: list[int] = []
         self._failures: list[int] = []
+        # Counts kept as branches move, so that an event needs no scan of every branch:
+        # core branches ok and failed, and branches of any kind still waiting.
+        self._ok = self._failed = 0
+        self._waiting = n
+
+    def fresh(self) -> Join:
+        """A new, unstarted run of the same stage: its shape (kind, parents, detached nodes)
+        is shared, already checked, and only the per-run bookkeeping is new."""
+        join = Join.__new__(Join)
+        join.kind = self.kind
+        join.need = self.need
+        join.settle = self.settle
+        join.max_concurrency = self.max_concurrency
+        join._parents = self._parents
+        join._detach = self._detach
+        join._core = self._core
+        join._graph = self._graph
+        join._reset()
+        return join
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -188,12 +221,12 @@ class Join:
     @property
     def parents(self) -> tuple[tuple[int, ...], ...]:
         """Each branch's parents (empty unless this is a graph)."""
-        return tuple(tuple(p) for p in self._parents)
+        return self._parents
 
     @property
     def detached(self) -> tuple[bool, ...]:
         """Which branches are fire-and-forget (none unless this is a graph)."""
-        return tuple(self._detach)
+        return self._detach
 
     @property
     def outcomes(self) -> tuple[str, ...]:
@@ -243,6 +276,8 @@ class Join:
         declaration order: for a graph node, the :meth:`frontier` of its ancestors (all of
         which succeeded before it could start), so that it reads what they wrote, each change
         once. Empty for a root and for every other kind of stage."""
+        if not self._parents[i]:
+            return ()
         return self.frontier(self.ancestors(i))
 
     def ancestors(self, i: int) -> frozenset[int]:
@@ -295,24 +330,34 @@ class Join:
         if self._status[i] == _WAITING:
             raise RuntimeError(f"branch {i} reported {outcome!r} but was never started: {self!r}")
         if self._status[i] != _RUNNING:
-            return Decision()  # a second report, or one for a branch withdrawn unstarted
+            return _NOTHING  # a second report, or one for a branch withdrawn unstarted
         self._status[i] = outcome
+        if not self._detach[i]:
+            if outcome == "ok":
+                self._ok += 1
+            else:
+                self._failed += 1
         if self._resolved is not None:
-            return Decision()  # late: recorded for the merge step, decides nothing
+            return _NOTHING  # late: recorded for the merge step, decides nothing
         return self._step()
 
     def _step(self) -> Decision:
-        ok = [i for i in self._core if self._status[i] == "ok"]
-        failed = [i for i in self._core if self._status[i] in _FAILURES]
-        still_open = len(self._core) - len(ok) - len(failed)
-        if len(ok) >= self.need and not (self.settle and still_open):
-            return self._resolve("ok", merge=ok)
+        ok, failed = self._ok, self._failed
+        still_open = len(self._core) - ok - failed
+        if ok >= self.need and not (self.settle and still_open):
+            return self._resolve("ok", merge=self._core_with(("ok",)))
         if failed and (
-            (self.settle and not still_open)
-            or (not self.settle and len(ok) + still_open < self.need)
+            (self.settle and not still_open) or (not self.settle and ok + still_open < self.need)
         ):
-            return self._resolve("failed", failures=failed)
-        return Decision(start=self._fill())
+            return self._resolve("failed", failures=self._core_with(_FAILURES))
+        if not self._waiting:
+            return _NOTHING
+        start = self._fill()
+        return Decision(start=start) if start else _NOTHING
+
+    def _core_with(self, outcomes: Iterable[str]) -> list[int]:
+        status = self._status
+        return [i for i in self._core if status[i] in outcomes]
 
     def _ready(self, i: int) -> bool:
         return self._status[i] == _WAITING and all(
@@ -320,11 +365,17 @@ class Join:
         )
 
     def _fill(self) -> tuple[int, ...]:
-        room = self.n if self.max_concurrency is None else self.max_concurrency
-        room -= self._status.count(_RUNNING)
-        start = [i for i in range(self.n) if self._ready(i)][: max(room, 0)]
+        status = self._status
+        if self._graph:
+            start = [i for i in range(len(status)) if self._ready(i)]
+        else:  # no edges: every waiting branch is ready
+            start = [i for i, s in enumerate(status) if s == _WAITING]
+        if self.max_concurrency is not None:
+            room = self.max_concurrency - status.count(_RUNNING)
+            start = start[: max(room, 0)]
         for i in start:
-            self._status[i] = _RUNNING
+            status[i] = _RUNNING
+        self._waiting -= len(start)
         return tuple(start)
 
     def _resolve(
@@ -334,13 +385,15 @@ class Join:
         self._merge = list(merge)
         self._failures = list(failures)
         start: list[int] = []
-        if resolution == "ok":
+        if resolution == "ok" and True in self._detach:
             # Detached nodes still waiting are all ready now: no core node is left to wait for.
             start = [i for i in range(self.n) if self._detach[i] and self._ready(i)]
             for i in start:
                 self._status[i] = _RUNNING
         cancel = [i for i, s in enumerate(self._status) if s == _RUNNING and not self._detach[i]]
-        self._status = [_NOT_STARTED if s == _WAITING else s for s in self._status]
+        if self._waiting:
+            self._status = [_NOT_STARTED if s == _WAITING else s for s in self._status]
+            self._waiting = 0
         return Decision(
             start=tuple(start),
             cancel=tuple(cancel),
@@ -381,7 +434,10 @@ class Join:
             parents=wire["parents"],
             detach=wire["detach"],
         )
-        join._status = list(wire["status"])
+        join._status = status = list(wire["status"])
+        join._ok = sum(1 for i in join._core if status[i] == "ok")
+        join._failed = sum(1 for i in join._core if status[i] in _FAILURES)
+        join._waiting = status.count(_WAITING)
         join._started = wire["started"]
         join._resolved = wire["resolved"]
         join._merge = list(wire["merge"])

@@ -106,6 +106,9 @@ def same_value(a: Any, b: Any) -> bool:
     a tuple equals the list it becomes."""
     if a is b:
         return True
+    kind = type(a)
+    if kind is type(b) and kind in _PLAIN:  # the common case: no NaN, no bool among ints
+        return bool(a == b)
     kind = _kind(a)
     if kind is not _kind(b):
         return False
@@ -116,6 +119,10 @@ def same_value(a: Any, b: Any) -> bool:
     if kind is float:
         return bool(a == b or (math.isnan(a) and math.isnan(b)))
     return bool(a == b)
+
+
+#: Types whose values msgpack stores as they compare: equal exactly when ``==`` says so.
+_PLAIN: Final = frozenset({str, int, bytes, type(None)})
 
 
 def _kind(value: Any) -> type:
@@ -165,7 +172,9 @@ class Delta:
 def delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> Delta:
     """The top-level keys ``after`` added, changed or removed relative to ``before``."""
     changed = {k: v for k, v in after.items() if k not in before or not same_value(before[k], v)}
-    return Delta(changed=changed, removed=tuple(k for k in before if k not in after))
+    if before.keys() <= after.keys():  # the common case: nothing removed
+        return Delta(changed=changed)
+    return Delta(changed=changed, removed=tuple([k for k in before if k not in after]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,11 +229,19 @@ def merge(
     with them (it is a shallow copy): drop the deltas afterwards. ``where`` (the stage path)
     goes into any :class:`MergeConflict`.
     """
-    rules = MergePolicy.of(policy)
+    rules = policy if isinstance(policy, MergePolicy) else MergePolicy.of(policy)
     touched: dict[str, list[tuple[str, Any]]] = {}
     for branch, d in deltas:
-        for key in d.touched:
-            touched.setdefault(key, []).append((branch, d.value(key)))
+        if d.removed:
+            for key in d.touched:
+                touched.setdefault(key, []).append((branch, d.value(key)))
+            continue
+        for key, value in d.changed.items():
+            changes = touched.get(key)
+            if changes is None:
+                touched[key] = [(branch, value)]
+            else:
+                changes.append((branch, value))
     merged = dict(state)
     for key, changes in touched.items():
         rule = rules.rule(key)

@@ -112,6 +112,11 @@ class Parallel:
         return frozenset(_pipe_keys(self.branches))
 
     def new_join(self) -> Join:
+        """A fresh join for one run of this stage (its shape built and checked once)."""
+        return self._join_shape.fresh()
+
+    @cached_property
+    def _join_shape(self) -> Join:
         n = len(self.branches)
         if self.kind == "all_of":
             return Join.all_of(n, settle=self.settle, max_concurrency=self.max_concurrency)

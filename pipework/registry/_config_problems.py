@@ -32,6 +32,7 @@ __all__ = [
 KeyPath: TypeAlias = tuple[str | int, ...]
 
 _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+\Z")
+_ESCAPES: Final = {c: repr(chr(c))[1:-1] for c in (*range(0x20), 0x7F)}
 
 
 def format_path(path: KeyPath) -> str:
@@ -62,6 +63,8 @@ class Collector:
         self._add(path, message, "warning")
 
     def _add(self, path: KeyPath, message: str, severity: Severity) -> None:
+        # A name from the file may hold a line break; a problem stays one line.
+        message = message.translate(_ESCAPES)
         problem = Problem(format_path(path), message, self.line_of(path), severity)
         self._found.append((path, problem))
 
