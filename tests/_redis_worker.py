@@ -1,5 +1,7 @@
 """A pipework process that only works (it accepts nothing): ``python -m tests._redis_worker
-URL PREFIX``. The crash test kills it with SIGKILL in the middle of its jobs."""
+URL PREFIX [shared]``. The crash test kills it with SIGKILL in the middle of its jobs.
+``shared``: its queue shares the store's round trips, as ``[store] backend = "redis"``
+builds them."""
 
 from __future__ import annotations
 
@@ -38,11 +40,14 @@ def declare(engine: pw.Engine, name: str) -> None:
     engine.chain("fan", pw.all_of(branch("left"), branch("right")), store, timeout=600)
 
 
-async def main(url: str, prefix: str) -> None:
+async def main(url: str, prefix: str, shared: bool) -> None:
+    store = RedisJobStore(url, prefix=prefix)
     engine = pw.Engine(
         pool=pw.WeightedPool(16),
-        store=RedisJobStore(url, prefix=prefix),
-        queue=RedisEventQueue(url, prefix=prefix, consumer="doomed", claim_idle=1),
+        store=store,
+        queue=RedisEventQueue(
+            url, prefix=prefix, consumer="doomed", claim_idle=1, store=store if shared else None
+        ),
     )
     declare(engine, "doomed")
     async with engine:
@@ -51,4 +56,4 @@ async def main(url: str, prefix: str) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1], sys.argv[2])
+    trio.run(main, sys.argv[1], sys.argv[2], sys.argv[3:] == ["shared"])

@@ -8,6 +8,7 @@ is real time); each wait is bounded by ``fail_after``.
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 import subprocess
 import sys
@@ -320,6 +321,91 @@ async def test_kill_9_in_the_middle_of_the_jobs_loses_none(
     effects = ("fetched_by",) if chain == "work" else ("left_by", "right_by")
     for r in results:
         assert {r[effect] for effect in (*effects, "stored_by")} <= {"doomed", "rescuer"}
+    assert any(r["stored_by"] == "rescuer" for r in results)
+    statuses = [(await front.store.get(job_id)).status for job_id in ids]
+    assert statuses.count(pw.Status.DONE) == jobs
+
+
+async def test_engines_whose_queues_share_their_stores_round_trips_share_work(
+    redis_server: RedisServer,
+) -> None:
+    """As ``[store] backend = "redis"`` builds them: each engine's queue writes, acknowledges
+    and reads in its store's round trips. Jobs submitted on either engine and waited for on
+    either (its end recorded by the engine that did not create it, or by the one that did
+    while the other waits) all complete, with every step's effect."""
+    prefix = _prefix()
+    engines = []
+    for name in ("a", "b"):
+        store = RedisJobStore(redis_server.url, prefix=prefix)
+        queue = RedisEventQueue(redis_server.url, prefix=prefix, consumer=name, store=store)
+        engine = pw.Engine(store=store, queue=queue)
+
+        def step(label: str, name: str = name) -> pw.Pipe:
+            async def run(ctx: pw.Context) -> None:
+                await trio.sleep(0.001)
+                ctx.state[label] = name
+
+            return pw.Pipe(run, label, key=label[0])
+
+        engine.chain("c", step("x1"), step("y1"), step("x2"))
+        engines.append(engine)
+    a, b = engines
+    async with a, b:
+        with trio.fail_after(60):
+            ids = [await (a if i % 2 else b).submit("c", {"i": i}) for i in range(60)]
+            results = [await (b if i % 3 else a).wait(job_id) for i, job_id in enumerate(ids)]
+        read_in_round_trips = [e.queue._last_read > -math.inf for e in engines]  # type: ignore[attr-defined]  # the Redis queue's own record
+    for i, result in enumerate(results):
+        assert result["i"] == i
+        assert set(result) == {"i", "x1", "y1", "x2"}
+        assert set(result.values()) - {i} <= {"a", "b"}
+    assert any(read_in_round_trips)
+
+
+@pytest.mark.hang_guard(real_seconds=240)
+async def test_kill_9_loses_none_when_the_queue_shares_the_stores_round_trips(
+    redis_server: RedisServer,
+) -> None:
+    """The crash test's promise, with the worker's queue reading and writing in its store's
+    round trips (what ``[store] backend = "redis"`` builds): every accepted job ends."""
+    prefix = _prefix()
+    store = RedisJobStore(redis_server.url, prefix=prefix)
+    front = pw.Engine(
+        store=store,
+        queue=RedisEventQueue(redis_server.url, prefix=prefix, max_inflight=0, store=store),
+    )
+    declare_work(front, "front")
+    jobs = 300
+    command = [sys.executable, "-m", "tests._redis_worker", redis_server.url, prefix, "shared"]
+    async with front, trio.open_nursery() as nursery:
+        worker: trio.Process = await nursery.start(
+            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert worker.stdout is not None
+        with trio.fail_after(30):
+            assert (await worker.stdout.receive_some()).startswith(b"ready")
+            ids = [await front.submit("work", {"n": i}) for i in range(jobs)]
+            done = 0
+            while done < 20:  # well into them
+                await trio.sleep(0.02)
+                done = len(await front.store.list(pw.Status.DONE))
+        worker.kill()
+        await worker.wait()
+        assert len(await front.store.list(pw.Status.DONE)) < jobs  # it died mid-run
+
+        rescue_store = RedisJobStore(redis_server.url, prefix=prefix)
+        rescuer = pw.Engine(
+            pool=pw.WeightedPool(16),
+            store=rescue_store,
+            queue=RedisEventQueue(
+                redis_server.url, prefix=prefix, claim_idle=1, store=rescue_store
+            ),
+        )
+        declare_work(rescuer, "rescuer")
+        async with rescuer:
+            with trio.fail_after(180):
+                results = [await front.wait(job_id) for job_id in ids]
+    assert [r["n"] for r in results] == list(range(jobs))
     assert any(r["stored_by"] == "rescuer" for r in results)
     statuses = [(await front.store.get(job_id)).status for job_id in ids]
     assert statuses.count(pw.Status.DONE) == jobs

@@ -363,12 +363,14 @@ class Engine:
                 return job.result
             return _outcome(job, self._dispatcher.exceptions.get(job_id))
         waiters = self._dispatcher._waiters
+        # A shared store may know the record without reading it (a job it ended itself).
+        read = getattr(self.store, "read_awaited", self.store.get)
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
             waiter = waiters.setdefault(job_id, trio.Event())
             try:
-                job = await self.store.get(job_id)
+                job = await read(job_id)
             except BaseException:
                 self._finished_elsewhere(job_id)  # wakes whoever shares the waiter
                 raise

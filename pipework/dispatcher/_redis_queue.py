@@ -3,9 +3,14 @@ the same server and prefix takes its share of the events, and a dead one's are c
 
 The queue's interface is synchronous where the dispatcher must not wait (``submit_nowait``,
 ``put_nowait``, ``ack``), so those only touch memory: events go to an outbox that a task
-writes with ``XADD`` (a batch per round trip), and acknowledgements to one that a task sends
-with ``XACK``. :meth:`flush` waits until every event put so far is in Redis; the engine calls
-it before it answers a submission, so an accepted job's first event is never only in memory.
+writes with ``XADD`` (a batch per round trip), and acknowledgements to one that the same
+task sends with ``XACK``, each in a round trip after the one that wrote what was put before
+it. :meth:`flush` waits until every event put so far is in Redis; the engine calls it
+before it answers a submission, so an accepted job's first event is never only in memory.
+Given the job store (``store=``), the queue sends those in the store's round trips, and a
+non-blocking ``XREADGROUP`` rides at the end of each of them (:meth:`board`): the events a
+round trip writes come back in it. A blocking read on a connection of its own waits for
+events only once those reads have brought nothing for a moment.
 
 - **Bounded new work.** ``depth`` is the group's pending entries (delivered, not yet
   acknowledged) plus its lag (not yet delivered), refreshed after every batch written or
@@ -30,7 +35,6 @@ it before it answers a submission, so an accepted job's first event is never onl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -39,21 +43,24 @@ import socket
 from types import TracebackType
 from typing import Any, Final
 
-import coredis
-import coredis.exceptions
 import msgpack
 import trio
 
-from .._errors import Overloaded
+from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._queue import QueueStatistics
-from ._redis_store import _public
+from ._redis_store import _UNREACHABLE, RedisJobStore, _public
+from ._resp import Arg, Command, Connection, ReplyError
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 
 _log = logging.getLogger("pipework.dispatcher")
 
 _FIELD: Final = b"e"
+
+#: How long after the last events a store's round trips brought the blocking read
+#: resumes (a process whose store is busy reads in its round trips).
+_QUIET: Final = 0.01
 
 
 def encode_event(event: Event) -> bytes:
@@ -108,8 +115,11 @@ class RedisEventQueue:
 
     ``consumer`` names this process in the group (default: host, pid and a random tail);
     ``claim_idle`` is how long an event may sit unacknowledged with its consumer silent
-    before another consumer takes it. Use as an async context manager (an
-    :class:`~pipework.Engine` given it does so).
+    before another consumer takes it. ``store``: a :class:`RedisJobStore` on the same
+    server whose round trips the queue's writes, acknowledgements and claims share (what
+    ``[store] backend = "redis"`` builds): a job's record and its events then travel
+    together. Use as an async context manager (an :class:`~pipework.Engine` given it does
+    so).
     """
 
     def __init__(
@@ -124,7 +134,13 @@ class RedisEventQueue:
         claim_idle: float = 30.0,
         max_inflight: int = 256,
         block: float = 1.0,
+        store: RedisJobStore | None = None,
     ) -> None:
+        if store is not None and store.url != url:
+            raise ValueError(
+                f"the queue shares the store's connection: give both the same URL "
+                f"(the store's is {_public(store.url)}, the queue's {_public(url)})"
+            )
         if capacity < 1:
             raise ValueError(f"queue capacity must be at least 1, got {capacity}")
         if claim_idle <= 0:
@@ -138,15 +154,23 @@ class RedisEventQueue:
         self.max_inflight = max_inflight
         self.block = block
         self.stream = f"{prefix}:events"
-        self._client: coredis.Redis[bytes] | None = None
+        # Writes, acknowledgements and claims take turns on one connection; the blocking
+        # read has one of its own.
+        self._store = store
+        self._connection: Connection | None = None
+        self._reader: Connection | None = None
+        self._reading = False  # the blocking read is on its way
+        self._last_read = -math.inf  # when a read last brought events (trio clock)
+        self._turn = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._outbox: list[tuple[int, bytes]] = []
         self._put = 0  # events put so far
         self._written = 0  # events written to Redis so far
-        self._have_outbox = trio.Event()
         self._wrote = trio.Event()
-        self._acks: list[bytes] = []
-        self._have_acks = trio.Event()
+        # Entry ids to acknowledge, each with the count of events put before it was: what a
+        # step put (a hand-off, a branch's end) is in Redis before its event is acknowledged.
+        self._acks: list[tuple[bytes, int]] = []
+        self._have_work = trio.Event()
         self._send, self._receive = trio.open_memory_channel[Event](math.inf)
         self._inflight: dict[int, tuple[Event, bytes]] = {}  # id(event) -> (event, entry id)
         self._started: dict[int, tuple[Event, bytes]] = {}  # steps running: not acked yet
@@ -160,20 +184,21 @@ class RedisEventQueue:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> RedisEventQueue:
-        client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url)
-        await client.__aenter__()
         try:
-            self._client = client
             await self._create_group()
             await self._refresh_depth()
-            nursery_manager = trio.open_nursery()
-            nursery = await nursery_manager.__aenter__()
         except BaseException:
-            await client.__aexit__(None, None, None)
+            await self._close()
             raise
-        self._running = (client, nursery_manager)
+        nursery_manager = trio.open_nursery()
+        nursery = await nursery_manager.__aenter__()
+        self._running = nursery_manager
         self._nursery = nursery
-        for task in (self._write_loop, self._read_loop, self._ack_loop, self._claim_loop):
+        if self._store is not None:
+            if self._store.rider is not None:
+                raise RuntimeError("a job store carries the reads of one event queue only")
+            self._store.rider = self
+        for task in (self._write_loop, self._read_loop, self._claim_loop):
             nursery.start_soon(task)
         return self
 
@@ -183,24 +208,44 @@ class RedisEventQueue:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        client, nursery_manager = self._running
+        nursery_manager = self._running
         assert self._nursery is not None
+        if self._store is not None and self._store.rider is self:
+            self._store.rider = None
         # What the engine's last steps put and acknowledged is still sent, briefly.
         with trio.move_on_after(2, shield=True):
             await self.flush()
-            await self._send_acks()
+            while self._acks:
+                await self._send_outbox()
         self._nursery.cancel_scope.cancel()
         try:
             await nursery_manager.__aexit__(None, None, None)
         finally:
-            self._running = self._nursery = self._client = None
-            await client.__aexit__(None, None, None)
+            self._running = self._nursery = None
+            await self._close()
+
+    async def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.aclose()
+
+    async def _call(self, commands: list[list[Arg]]) -> list[Any]:
+        """One round trip: in the store's next one, or on the queue's own connection
+        (opened again if it was lost)."""
+        if self._store is not None:
+            return await self._store.pipeline(commands)
+        async with self._turn:
+            connection = self._connection
+            if connection is None or connection.closed:
+                connection = self._connection = await Connection.open(self.url)
+            return await connection.call(commands)
 
     async def _create_group(self) -> None:
-        assert self._client is not None
-        # Another process may have made the group first.
-        with contextlib.suppress(coredis.exceptions.StreamDuplicateConsumerGroupError):
-            await self._client.xgroup_create(self.stream, self.group, identifier="0", mkstream=True)
+        (reply,) = await self._call(
+            [["XGROUP", "CREATE", self.stream, self.group, "0", "MKSTREAM"]]
+        )
+        if isinstance(reply, ReplyError) and reply.code != "BUSYGROUP":
+            raise reply  # BUSYGROUP: another process made the group first
 
     # -- the EventQueue interface --------------------------------------------------------
 
@@ -220,7 +265,7 @@ class RedisEventQueue:
         self._put += 1
         self._accepted += 1
         self._outbox.append((self._put, encode_event(event)))
-        self._have_outbox.set()
+        self._have_work.set()
 
     async def get(self) -> Event:
         return await self._receive.receive()
@@ -247,8 +292,8 @@ class RedisEventQueue:
             # during the step, another one takes the event and runs the step again.
             self._started[id(event)] = held
             return
-        self._acks.append(held[1])
-        self._have_acks.set()
+        self._acks.append((held[1], self._put))
+        self._have_work.set()
 
     def step_ended(self, event: Event) -> None:
         """The step the event started has ended (finished, handed off, suspended, failed):
@@ -256,8 +301,8 @@ class RedisEventQueue:
         held = self._started.pop(id(event), None)
         self._claimed.discard(id(event))
         if held is not None:
-            self._acks.append(held[1])
-            self._have_acks.set()
+            self._acks.append((held[1], self._put))
+            self._have_work.set()
 
     def reclaimed(self, event: Event) -> bool:
         """Whether the event was taken over from a consumer that fell silent: a job it finds
@@ -279,91 +324,134 @@ class RedisEventQueue:
         return self._shared_depth + len(self._outbox)
 
     async def _refresh_depth(self) -> None:
-        assert self._client is not None
-        try:
-            groups = await self._client.xinfo_groups(self.stream)
-        except coredis.exceptions.ResponseError:
+        (reply,) = await self._call([["XINFO", "GROUPS", self.stream]])
+        self._depth_from(reply)
+
+    def _depth_from(self, reply: Any) -> None:
+        if isinstance(reply, ReplyError):
             return  # the stream is gone (Redis restarted empty): the reader recreates it
-        for info in groups:
-            if info.get(b"name") == self.group.encode():
-                pending = info.get(b"pending") or 0
-                lag = info.get(b"lag") or 0
+        for info in reply:
+            fields = dict(zip(info[::2], info[1::2], strict=True))
+            if fields.get(b"name") == self.group.encode():
+                pending = fields.get(b"pending") or 0
+                lag = fields.get(b"lag") or 0
                 self._shared_depth = int(pending) + int(lag)
 
     async def _write_loop(self) -> None:
         while True:
-            await self._have_outbox.wait()
-            self._have_outbox = trio.Event()
-            while self._outbox:
-                batch, self._outbox = self._outbox, []
-                await self._retrying("writing events", self._write, batch)
+            await self._have_work.wait()
+            self._have_work = trio.Event()
+            while self._outbox or self._acks:
+                await self._retrying("writing events", self._send_outbox)
 
-    async def _write(self, batch: list[tuple[int, bytes]]) -> None:
-        assert self._client is not None
-        async with self._client.pipeline(transaction=False) as pipe:
-            for _, data in batch:
-                pipe.xadd(self.stream, {_FIELD: data})
-        self._written = batch[-1][0]
-        self._shared_depth += len(batch)
-        self._wrote.set()
-        self._wrote = trio.Event()
+    async def _send_outbox(self) -> None:
+        """One round trip: every event put so far (``XADD``), then the acknowledgements whose
+        events' steps put nothing still unwritten (``XACK``) and the group's depth. An
+        acknowledgement that must follow this round's events goes in the next round."""
+        batch, self._outbox = self._outbox, []
+        written = self._written
+        ready = [entry for entry, put in self._acks if put <= written]
+        commands: list[list[Arg]] = [["XADD", self.stream, "*", _FIELD, d] for _, d in batch]
+        if ready:
+            commands.append(["XACK", self.stream, self.group, *ready])
+            commands.append(["XINFO", "GROUPS", self.stream])
+        try:
+            replies = await self._call(commands)
+        except BaseException:
+            self._outbox[:0] = batch
+            raise
+        for reply in replies[: len(batch)]:
+            if isinstance(reply, ReplyError):  # not written: put back, tried again
+                self._outbox[:0] = batch
+                raise reply
+        if batch:
+            self._written = batch[-1][0]
+            self._shared_depth += len(batch)
+            self._wrote.set()
+            self._wrote = trio.Event()
+        if ready:
+            acked = set(ready)
+            self._acks = [a for a in self._acks if a[0] not in acked]
+            if isinstance(replies[-2], ReplyError):
+                raise replies[-2]
+            self._depth_from(replies[-1])
 
     async def _read_loop(self) -> None:
+        try:
+            while True:
+                while len(self._inflight) >= self.max_inflight:
+                    self._room = trio.Event()
+                    await self._room.wait()
+                if self._store is not None:
+                    # While the store's round trips bring events (board), they read; a
+                    # blocking read waits for new events only once they have gone quiet.
+                    await self._quiet()
+                count = self.max_inflight - len(self._inflight)
+                self._reading = True
+                try:
+                    reply = await self._retrying("reading events", self._read, count)
+                finally:
+                    self._reading = False
+                if reply:
+                    self._last_read = trio.current_time()
+                    self._deliver(reply[0][1])
+        finally:
+            reader, self._reader = self._reader, None
+            if reader is not None:
+                await reader.aclose()
+
+    async def _quiet(self) -> None:
         while True:
-            while len(self._inflight) >= self.max_inflight:
-                self._room = trio.Event()
-                await self._room.wait()
-            count = self.max_inflight - len(self._inflight)
-            reply = await self._retrying("reading events", self._read, count)
-            if reply:
-                self._deliver(reply)
+            quiet = self._last_read + _QUIET - trio.current_time()
+            if quiet <= 0:
+                return
+            await trio.sleep(quiet)
+
+    def board(self) -> Command | None:
+        """The read that rides along in the store's next round trip (after the events it
+        writes, which so come back at once), unless the blocking read is waiting."""
+        room = self.max_inflight - len(self._inflight)
+        if self._reading or room <= 0 or self._running is None:
+            return None
+        return [
+            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", room,
+            "STREAMS", self.stream, ">",
+        ]  # fmt: skip
+
+    def alight(self, reply: Any) -> None:
+        if isinstance(reply, ReplyError) or not reply or self._running is None:
+            return  # an error reaches the blocking read too (NOGROUP: the group is made)
+        self._last_read = trio.current_time()
+        self._deliver(reply[0][1])
 
     async def _read(self, count: int) -> Any:
-        assert self._client is not None
-        reply = await self._client.xreadgroup(
-            self.group,
-            self.consumer,
-            streams={self.stream: ">"},
-            count=count,
-            block=int(self.block * 1000),
-        )
-        return [] if not reply else reply.get(self.stream.encode(), ())
+        """One blocking ``XREADGROUP`` on the reader's own connection."""
+        if self._reader is None or self._reader.closed:
+            self._reader = await Connection.open(self.url)
+        command: list[Arg] = [
+            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count,
+            "BLOCK", int(self.block * 1000), "STREAMS", self.stream, ">",
+        ]  # fmt: skip
+        (reply,) = await self._reader.call([command])
+        if isinstance(reply, ReplyError):
+            raise reply
+        return reply
 
     def _deliver(self, entries: Any, *, claimed: bool = False) -> None:
-        for entry in entries:
-            if entry.field_values is None:  # trimmed away meanwhile
+        for identifier, fields in entries:
+            if fields is None:  # trimmed away meanwhile
                 continue
             try:
-                event = decode_event(entry.field_values[_FIELD])
+                event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
             except Exception:
-                _log.exception("pipework: an unreadable event %r was dropped", entry.identifier)
-                self._acks.append(entry.identifier)
-                self._have_acks.set()
+                _log.exception("pipework: an unreadable event %r was dropped", identifier)
+                self._acks.append((identifier, 0))
+                self._have_work.set()
                 continue
-            self._inflight[id(event)] = (event, entry.identifier)
+            self._inflight[id(event)] = (event, identifier)
             if claimed:
                 self._claimed.add(id(event))
             self._send.send_nowait(event)
-
-    async def _ack_loop(self) -> None:
-        while True:
-            await self._have_acks.wait()
-            self._have_acks = trio.Event()
-            await self._retrying("acknowledging events", self._send_acks)
-
-    async def _send_acks(self) -> None:
-        if not self._acks or self._client is None:
-            return
-        # What a step put (a hand-off, a branch's end) is in Redis before the step's event
-        # is acknowledged: a process dying in between leaves the event to be claimed.
-        await self.flush()
-        ids, self._acks = self._acks, []
-        try:
-            await self._client.xack(self.stream, self.group, ids)
-        except BaseException:
-            self._acks[:0] = ids
-            raise
-        await self._refresh_depth()
 
     async def _claim_loop(self) -> None:
         while True:
@@ -371,26 +459,31 @@ class RedisEventQueue:
             await self._retrying("claiming events", self._claim)
 
     async def _claim(self) -> None:
-        assert self._client is not None
         held = [identifier for _, identifier in self._inflight.values()]
         held += [identifier for _, identifier in self._started.values()]
         if held:  # still ours: not idle, whatever they wait for
-            await self._client.xclaim(self.stream, self.group, self.consumer, 0, held, justid=True)
+            (reply,) = await self._call(
+                [["XCLAIM", self.stream, self.group, self.consumer, 0, *held, "JUSTID"]]
+            )
+            if isinstance(reply, ReplyError):
+                raise reply
         mine = set(held)
-        start: Any = "0-0"
+        start: bytes = b"0-0"
         idle = int(self.claim_idle * 1000)
         while True:
-            reply = await self._client.xautoclaim(
-                self.stream, self.group, self.consumer, idle, start, count=100
+            (reply,) = await self._call(
+                [["XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start, "COUNT", 100]]
             )
+            if isinstance(reply, ReplyError):
+                raise reply
             start, entries = reply[0], reply[1]
-            claimed = [e for e in entries if e.identifier not in mine]
+            claimed = [e for e in entries if e[0] not in mine]
             if claimed:
                 _log.warning(
                     "pipework: claimed %d events left pending by a silent consumer", len(claimed)
                 )
                 self._deliver(claimed, claimed=True)
-            if start in (b"0-0", "0-0"):
+            if start == b"0-0":
                 return
 
     async def _retrying(self, what: str, fn: Any, *args: Any) -> Any:
@@ -400,7 +493,7 @@ class RedisEventQueue:
         while True:
             try:
                 return await fn(*args)
-            except (coredis.exceptions.ConnectionError, OSError) as exc:
+            except (*_UNREACHABLE, StoreUnavailable) as exc:
                 _log.warning(
                     "pipework: %s on %s failed (%s); retrying in %gs",
                     what,
@@ -408,7 +501,9 @@ class RedisEventQueue:
                     exc,
                     delay,
                 )
-            except coredis.exceptions.StreamConsumerGroupError:
+            except ReplyError as exc:
+                if exc.code != "NOGROUP":
+                    raise
                 # Redis came back without its data (no persistence): the stream and its
                 # group are new, and what was in them is lost (docs/scaling.md).
                 _log.error("pipework: the event stream %s was lost; recreating it", self.stream)

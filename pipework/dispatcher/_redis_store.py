@@ -5,8 +5,9 @@ Layout under ``prefix`` (one logical Redis, not Redis Cluster: the scripts name 
 build themselves):
 
 - ``{p}:job:{id}`` a hash: ``d`` the record as msgpack (:meth:`Job.to_wire`), ``s`` its
-  status, ``v`` its version. The version lives outside the blob so a script can compare and
-  bump it without decoding the record.
+  status, ``v`` its version, ``o`` the store that created it, ``w`` set once a process
+  that did not create it waits for its end. The version lives outside the blob so a script
+  can compare and bump it without decoding the record.
 - ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:gone:{id}`` a tombstone (the owner-token hash, "" for none) written when the job
@@ -18,7 +19,16 @@ overwrites, an update of a finished job never brings it back (a second terminal 
 changes nothing; a non-terminal one is refused as for the memory store), and finishing a job
 moves it between the indexes, writes its tombstone and drops the oldest finished records
 beyond ``retain_count`` in the same step. Read-modify-write sequences that span several
-commands (a join's record when two branches end at once) take :meth:`lock`.
+commands (a join's record when two branches end at once) take :meth:`lock`. A read is one
+``HMGET``. The calls made while a round trip is on its way go together in the next one, on
+the store's one connection (:mod:`._resp`), with the event queue's writes and reads when it
+shares the store (see :class:`RedisEventQueue`).
+
+**Ends.** An end is published on ``{p}:finished`` only when a process other than the one
+that records it may wait for it: the job was created elsewhere, or its record is marked
+``w`` (:meth:`read_awaited`). The creating process's waiters are woken by its own
+dispatcher; they take an end recorded here from memory, and a job created here whose end
+was not heard of needs no read while every subscription is live.
 
 **Time.** The engine's deadlines are absolute trio times, and each process's trio clock has
 its own origin. A record carries its writer's offset from the wall clock (measured once, when
@@ -34,21 +44,23 @@ again.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
+import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-import coredis
-import coredis.exceptions
 import msgpack
 import trio
 
 from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ._job import Job
+from ._resp import Arg, Command, Connection, ReplyError, encode_args
 from ._status import ACTIVE, TERMINAL, Status
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
@@ -58,38 +70,43 @@ _log = logging.getLogger("pipework.dispatcher")
 #: The wall-clock TTL a finished record gets beyond its retention: a safety net only.
 _SLACK_SECONDS: Final = 60.0
 
-_TERMINAL_VALUES: Final = ",".join(sorted(s.value for s in TERMINAL))
+#: How many ends recorded here are kept for this process's waiters (each taken once).
+_ENDED_KEPT: Final = 4096
+
+#: The terminal statuses as a Lua table literal.
+_TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL) + "}"
 
 _CREATE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3])
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
 
-# KEYS: job, finished, gone. ARGV: blob, status, id, prefix, terminal (0/1), retain_until,
-# record ttl ms, tombstone ttl ms, token hash, retain count.
+# KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
+# hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
+# ms, retain count, the writer's origin (see RedisJobStore._tail). An end is
+# published only if someone elsewhere may wait for it: the job came from another process
+# (its origin), or a process that did not create it waits for it (the field ``w``).
 _UPDATE: Final = (
-    """
-local terminal = {}
-for s in string.gmatch('"""
-    + _TERMINAL_VALUES
-    + """', '[^,]+') do terminal[s] = true end
-local cur = redis.call('HMGET', KEYS[1], 's', 'v')
+    "local terminal = "
+    + _TERMINAL_LUA
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
 if not cur[1] then return {-1, 0} end
 if terminal[cur[1]] then
-  if ARGV[5] == '1' then return {0, tonumber(cur[2])} end
+  if ARGV[4] == '1' then return {0, tonumber(cur[2])} end
   return {-2, 0}
 end
 local v = tonumber(cur[2]) + 1
-local p = ARGV[4]
+local p = ARGV[7]
 redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v)
-if ARGV[5] == '1' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[7])
-  redis.call('ZADD', KEYS[2], ARGV[6], ARGV[3])
-  redis.call('SET', KEYS[3], ARGV[9], 'PX', ARGV[8])
-  redis.call('PUBLISH', p .. ':finished', ARGV[3])
+if ARGV[4] == '1' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[8])
+  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
+  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[9])
+  if cur[3] ~= ARGV[11] or cur[4] then redis.call('PUBLISH', p .. ':finished', ARGV[3]) end
   local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[10])
   if extra > 0 then
     local old = redis.call('ZPOPMIN', KEYS[2], extra)
@@ -102,14 +119,22 @@ return {1, v}
 """
 )
 
-# KEYS: job, gone.
-_GET: Final = """
-local r = redis.call('HMGET', KEYS[1], 'd', 'v')
-if r[1] then return {r[1], r[2]} end
+# KEYS: job, gone. The record for a waiter (Engine.wait) in a process that may not hear of
+# the job's end otherwise: marked so that its end is published (see _UPDATE).
+_AWAITED: Final = (
+    "local terminal = "
+    + _TERMINAL_LUA
+    + """
+local r = redis.call('HMGET', KEYS[1], 'd', 'v', 's')
+if r[1] then
+  if not terminal[r[3]] then redis.call('HSET', KEYS[1], 'w', '1') end
+  return {r[1], r[2]}
+end
 local g = redis.call('GET', KEYS[2])
 if g then return {false, false, g} end
 return {}
 """
+)
 
 # KEYS: job, finished. ARGV: id, prefix. Drops a record whatever its status.
 _DELETE: Final = """
@@ -148,31 +173,50 @@ return 0
 """
 
 
-_UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError)
+_SOURCES: Final = {
+    "create": _CREATE,
+    "update": _UPDATE,
+    "awaited": _AWAITED,
+    "delete": _DELETE,
+    "expire": _EXPIRE,
+    "list": _LIST,
+    "release": _RELEASE,
+}
+_SHAS: Final = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in _SOURCES.items()}
+
+#: What a lost or refused connection raises (a batch cut short, a refused connect).
+_UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class _Call:
-    """One script call waiting for its round trip; ``lead``: it sends the next batch."""
+    """Commands waiting for their round trip (one, or a caller's pipeline: ``many``);
+    ``lead``: it sends the next batch."""
 
-    __slots__ = ("answered", "args", "done", "error", "keys", "lead", "name", "result", "source")
+    __slots__ = ("answered", "commands", "error", "lead", "many", "result", "script", "task")
 
-    def __init__(self, name: str, source: str, keys: list[str], args: list[Any]) -> None:
-        self.name = name
-        self.source = source
-        self.keys = keys
-        self.args = args
-        self.done = trio.Event()
+    def __init__(self, commands: Sequence[Command], script: str | None, many: bool) -> None:
+        self.commands = commands
+        self.script = script  # the script whose EVALSHA the one command is
+        self.many = many
+        self.task: trio.lowlevel.Task | None = None  # parked until its answer or its turn
         self.result: Any = None
         self.error: BaseException | None = None
         self.answered = False
         self.lead = False
 
 
-class _Failed:
-    __slots__ = ("error",)
+class _Rider(Protocol):
+    """A command sent at the end of each of the store's round trips, if it has one then,
+    and told its reply (the event queue reads new events so: those it has just written
+    come back in the same round trip)."""
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def board(self) -> Command | None: ...
+
+    def alight(self, reply: Any) -> None: ...
+
+
+def _no_abort(_: Any) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.FAILED
 
 
 def _copy(exc: Exception) -> Exception:
@@ -185,20 +229,19 @@ def _copy(exc: Exception) -> Exception:
 
 
 class RedisJobStore:
-    """Job records on Redis. ``url`` is where (``redis://host:port/db``); ``client`` an
-    already opened :class:`coredis.Redis` to share instead. ``prefix`` keeps several
-    deployments (or tests) apart on one server. Retention as for the memory store;
+    """Job records on Redis. ``url`` is where (``redis://[user:password@]host:port/db``,
+    ``rediss://`` for TLS, ``unix:///path?db=N``). ``prefix`` keeps several deployments
+    (or tests) apart on one server. Retention as for the memory store;
     ``tombstone_seconds`` is how long a dropped id still answers "gone".
 
-    Use it as an async context manager (an :class:`~pipework.Engine` given it does so): it
-    opens its client on entry and closes it on the last exit.
+    Use it as an async context manager (an :class:`~pipework.Engine` given it does so): its
+    connection closes on the last exit.
     """
 
     def __init__(
         self,
         url: str = "redis://localhost:6379/0",
         *,
-        client: coredis.Redis[bytes] | None = None,
         prefix: str = "pipework",
         retain_seconds: float = 3600.0,
         retain_count: int = 10_000,
@@ -217,22 +260,31 @@ class RedisJobStore:
         self.tombstone_seconds = tombstone_seconds
         self.lock_seconds = lock_seconds
         self.io_timeout = io_timeout
-        self._own = client is None
-        self._client: coredis.Redis[bytes] | None = client
+        self._connection: Connection | None = None
         self._entered = 0
         self._offset: float | None = None
         self._locks: dict[str, tuple[trio.Lock, int]] = {}
-        self._scripts: dict[str, Any] = {}
         self._calls: list[_Call] = []  # waiting for the next round trip
         self._sending = False  # a round trip is on its way
+        #: This store's name in the records it creates (see _UPDATE).
+        self._origin = secrets.token_hex(8)
+        # Subscriptions to the ends of other processes' jobs: running, and subscribed now.
+        self._following = 0
+        self._subscribed = 0
+        #: Jobs created here whose end has not been heard of: while every subscription is
+        #: live, an end recorded anywhere reaches this process, so a waiter need not read.
+        self._active: dict[str, Job] = {}
+        #: Ends recorded here (the record as written), for this process's waiters.
+        self._ended: dict[str, Job] = {}
+        #: What rides along in every round trip (the event queue's reads, see _Rider).
+        self.rider: _Rider | None = None
+        self._update_head = b"*%d\r\n%b" % (17, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._tail_values: list[Arg] = []
+        self._tail_bytes = b""
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> RedisJobStore:
-        if self._own and self._entered == 0:
-            client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url)
-            await client.__aenter__()
-            self._client = client
         self._entered += 1
         return self
 
@@ -243,60 +295,54 @@ class RedisJobStore:
         tb: TracebackType | None,
     ) -> None:
         self._entered -= 1
-        if self._own and self._entered == 0 and self._client is not None:
-            client, self._client, self._scripts = self._client, None, {}
-            # The caller's exception is not the client's: it must not come back wrapped in a
-            # group from the client's own task group.
-            await client.__aexit__(None, None, None)
-
-    @asynccontextmanager
-    async def _redis(self) -> AsyncIterator[coredis.Redis[bytes]]:
-        """The open client; outside ``async with`` (a caller reading after its engine
-        stopped), a client for this call only."""
-        try:
-            if self._client is not None:
-                yield self._client
-                return
-            async with self:
-                assert self._client is not None
-                yield self._client
-        except _UNREACHABLE as exc:
-            raise self._unavailable(exc) from exc
-        except BaseExceptionGroup as group:  # the client's task group reports it so
-            unreachable, rest = group.split(_UNREACHABLE)
-            if unreachable is None or rest is not None:
-                raise
-            raise self._unavailable(unreachable.exceptions[0]) from group
+        if self._entered == 0 and self._connection is not None:
+            connection, self._connection = self._connection, None
+            await connection.aclose()
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(
             f"the job store at {_public(self.url)} cannot be reached ({exc}); retry later"
         )
 
-    async def _run(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one of the store's scripts. Calls made while a round trip is on its way are
-        sent together in the next one (one pipeline): under load a round trip's client
-        work, which is most of its cost, is shared by every call it carries."""
-        call = _Call(name, source, keys, args)
+    async def _run(self, command: Command, script: str | None = None) -> Any:
+        """Run one command (``script``: the name of one of the store's scripts, whose
+        ``EVALSHA`` it is). Calls made while a round trip is on its way are sent together in
+        the next one (one pipeline): under load a round trip's cost is shared by every call
+        it carries."""
+        return await self._call(_Call([command], script, many=False))
+
+    async def pipeline(self, commands: Sequence[Command]) -> list[Any]:
+        """Send the commands in this store's next round trip, in order, and return their
+        replies (an error reply as a :class:`ReplyError` in its place): the event queue's
+        writes share the store's round trips this way."""
+        result: list[Any] = await self._call(_Call(commands, None, many=True))
+        return result
+
+    async def _call(self, call: _Call) -> Any:
         self._calls.append(call)
-        led = False
-        with trio.move_on_after(self.io_timeout, shield=True):
-            if self._sending:
-                await call.done.wait()  # its answer, or its turn to send the next batch
-            else:
-                self._sending = call.lead = True
-            if call.lead:
-                led = True
+        if self._sending:
+            # Its answer, or its turn to send the next batch: a wait that cancellation
+            # does not end (as if shielded), bounded by the round trips before its own.
+            call.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(_no_abort)
+        else:
+            self._sending = call.lead = True
+        if call.lead:
+            with trio.move_on_after(self.io_timeout, shield=True):
+                # Every task that is ready runs first, so the calls it makes join this
+                # batch: a round trip costs mostly the wake-ups it causes, here and in Redis.
+                await trio.lowlevel.checkpoint()
                 await self._send_calls()
-            if call.error is not None:
-                raise call.error
-            return call.result
-        if not led:  # its time ran out before its batch went
-            if call in self._calls:
+            if not call.answered and call.error is None:  # its time ran out before it went
                 self._calls.remove(call)
-            if call.lead:
-                self._hand_on()  # it had been handed the turn: the next call takes it
-        raise self._no_answer()
+                self._hand_on()
+                call.error = self._no_answer()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    async def _script(self, name: str, keys: list[str], args: list[Arg]) -> Any:
+        return await self._run(["EVALSHA", _SHAS[name], len(keys), *keys, *args], name)
 
     def _no_answer(self) -> StoreUnavailable:
         return StoreUnavailable(
@@ -306,29 +352,22 @@ class RedisJobStore:
     async def _send_calls(self) -> None:
         batch, self._calls = self._calls, []
         try:
-            async with self._redis() as r:
-                scripts = [self._script(r, call.name, call.source) for call in batch]
-
-                async def send() -> list[Any]:
-                    async with r.pipeline(transaction=False, raise_on_error=False) as pipe:
-                        requests = [
-                            script(keys=call.keys, args=call.args, client=pipe)
-                            for script, call in zip(scripts, batch, strict=True)
-                        ]
-                    answers: list[Any] = []
-                    for request in requests:  # answered already: no round trip here
-                        try:
-                            answers.append(await request)
-                        except Exception as exc:  # that script's own error, for its caller
-                            answers.append(_Failed(exc))
-                    return answers
-
-                answers = await self._wait(send)
-            for call, answer in zip(batch, answers, strict=True):
-                if isinstance(answer, _Failed):
-                    call.error = answer.error
+            try:
+                replies = await self._wait(functools.partial(self._round_trip, batch))
+            except _UNREACHABLE as exc:
+                raise self._unavailable(exc) from exc
+            at = 0
+            for call in batch:
+                if call.many:
+                    call.result = replies[at : at + len(call.commands)]
+                    at += len(call.commands)
                 else:
-                    call.result = answer
+                    reply = replies[at]
+                    at += 1
+                    if isinstance(reply, ReplyError):
+                        call.error = self._refused(reply)
+                    else:
+                        call.result = reply
                 call.answered = True
         except Exception as exc:
             for call in batch:
@@ -337,35 +376,69 @@ class RedisJobStore:
             for call in batch:
                 if not call.answered and call.error is None:  # the round trip's time ran out
                     call.error = self._no_answer()
-                call.done.set()
+                if call.task is not None:
+                    trio.lowlevel.reschedule(call.task)
+                    call.task = None
             self._hand_on()
+
+    async def _round_trip(self, batch: list[_Call]) -> list[Any]:
+        """One batch on the store's connection (opened if there is none; outside ``async
+        with``, a connection for this batch only)."""
+        connection = self._connection
+        if connection is None or connection.closed:
+            connection = await Connection.open(self.url)
+            if self._entered:
+                self._connection = connection
+        try:
+            commands = [command for call in batch for command in call.commands]
+            rider = self.rider
+            extra = None if rider is None else rider.board()
+            if rider is None or extra is None:
+                replies = await connection.call(commands)
+            else:
+                replies = await connection.call([*commands, extra])
+                rider.alight(replies.pop())
+            # Scripts Redis does not know yet (a new or restarted server) are loaded, and
+            # the calls that needed them sent again.
+            missing = [
+                i
+                for i, reply in enumerate(replies)
+                if isinstance(reply, ReplyError) and reply.code == "NOSCRIPT"
+            ]
+            if missing:
+                scripts = [call.script for call in batch for _ in call.commands]
+                names = sorted({name for i in missing if (name := scripts[i])})
+                loads: list[Command] = [["SCRIPT", "LOAD", _SOURCES[n]] for n in names]
+                again = await connection.call(loads + [commands[i] for i in missing])
+                for i, reply in zip(missing, again[len(loads) :], strict=True):
+                    replies[i] = reply
+            return replies
+        finally:
+            if connection is not self._connection:
+                await connection.aclose()
+
+    def _refused(self, reply: ReplyError) -> Exception:
+        """A command's error reply, for its caller: a server that is loading its data or
+        cannot write is unavailable for now; anything else is a bug, raised as it is."""
+        if reply.code in ("LOADING", "MASTERDOWN", "READONLY", "BUSY", "OOM", "MISCONF"):
+            return StoreUnavailable(
+                f"the job store at {_public(self.url)} refused the command ({reply}); retry later"
+            )
+        return reply
 
     def _hand_on(self) -> None:
         """The batch is sent: the first call that waits sends the next one."""
         if self._calls:
             following = self._calls[0]
             following.lead = True
-            following.done.set()
+            if following.task is not None:
+                trio.lowlevel.reschedule(following.task)
+                following.task = None
         else:
             self._sending = False
 
-    def _script(self, r: coredis.Redis[bytes], name: str, source: str) -> Any:
-        script = self._scripts.get(name)
-        if script is None:
-            script = self._scripts[name] = r.register_script(source)
-        return script
-
-    async def _io(self, request: Callable[[], Awaitable[Any]]) -> Any:
-        """Every round trip goes through here. It is shielded from cancellation (bounded by
-        ``io_timeout``): a write the caller was cancelled during has happened or not, never
-        "perhaps", and the client's connection is never left with an answer nobody reads."""
-        with trio.move_on_after(self.io_timeout, shield=True):
-            return await self._wait(request)
-        raise StoreUnavailable(
-            f"the job store at {_public(self.url)} did not answer within {self.io_timeout:g}s"
-        )
-
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
+        """Every round trip goes through here (tests under a mock clock wrap it)."""
         return await request()
 
     # -- time ----------------------------------------------------------------------------
@@ -402,27 +475,56 @@ class RedisJobStore:
         return f"{self.prefix}:job:{job_id}"
 
     async def create(self, job: Job) -> None:
-        created = await self._run(
+        created = await self._script(
             "create",
-            _CREATE,
             [self._key(job.id), f"{self.prefix}:st:{job.status.value}"],
-            [self._encode(job), job.status.value, job.version, job.id],
+            [self._encode(job), job.status.value, job.version, job.id, self._origin],
         )
         if not created:
             raise ValueError(f"job {job.id} already exists")
+        if self._hearing():
+            self._active[job.id] = job
 
     async def get(self, job_id: str) -> Job:
-        reply = await self._run("get", _GET, [self._key(job_id), self._gone(job_id)], [])
-        if reply and reply[0] is not None:
-            job = self._decode(reply[0], reply[1])
+        # A plain read: one HMGET is atomic, and far cheaper than a script.
+        blob, version = await self._run(["HMGET", self._key(job_id), "d", "v"])
+        return await self._found(job_id, blob, version, None)
+
+    async def read_awaited(self, job_id: str) -> Job:
+        """The job's record for a caller about to wait for its end (``Engine.wait``): its
+        status tells whether to wait. A job this process created and whose end it has not
+        heard of, or whose end it recorded, needs no read; any other read marks the record
+        so that its end is published to every process."""
+        job = self._ended.pop(job_id, None)
+        if job is not None and (job.retain_until is None or job.retain_until > trio.current_time()):
+            return job
+        job = self._active.get(job_id)
+        if job is not None and self._hearing():
+            return job
+        reply = await self._script("awaited", [self._key(job_id), self._gone(job_id)], [])
+        if not reply:
+            return await self._found(job_id, None, None, None)
+        return await self._found(job_id, reply[0], reply[1], reply[2] if len(reply) > 2 else None)
+
+    def _hearing(self) -> bool:
+        """Whether every end recorded elsewhere reaches this process now."""
+        return self._following > 0 and self._subscribed == self._following
+
+    async def _found(
+        self, job_id: str, blob: bytes | None, version: Any, tombstone: bytes | None
+    ) -> Job:
+        if blob is not None:
+            job = self._decode(blob, version)
             if job.retain_until is None or job.retain_until > trio.current_time():
                 return job
             await self._expire()  # its time has come on the trio clock
             token_hash: str | None = job.token_hash
-        elif len(reply) == 3:
-            token_hash = reply[2].decode() or None
         else:
-            raise JobNotFound(f"no job with id {job_id!r}")
+            if tombstone is None:
+                tombstone = await self._run(["GET", self._gone(job_id)])
+            if tombstone is None:
+                raise JobNotFound(f"no job with id {job_id!r}")
+            token_hash = tombstone.decode() or None
         raise JobGone(
             f"job {job_id} finished and was dropped after its retention time",
             token_hash=token_hash,
@@ -432,33 +534,39 @@ class RedisJobStore:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
+            # Written or not, its waiters read it from now on: a write that fails after
+            # Redis applied it must not leave it known as active here.
+            self._active.pop(job.id, None)
+        varying: list[Arg] = [
+            self._key(job.id),
+            f"{self.prefix}:finished",
+            self._gone(job.id),
+            self._encode(job),
+            job.status.value,
+            job.id,
+            "1" if terminal else "0",
+            repr(_moved(job.retain_until, self._shift()) if terminal else 0.0),
+            job.token_hash or "",
+        ]
         code, version = await self._run(
-            "update",
-            _UPDATE,
-            [self._key(job.id), f"{self.prefix}:finished", self._gone(job.id)],
-            [
-                self._encode(job),
-                job.status.value,
-                job.id,
-                self.prefix,
-                "1" if terminal else "0",
-                repr(_moved(job.retain_until, self._shift()) if terminal else 0.0),
-                int((self.retain_seconds + _SLACK_SECONDS) * 1000),
-                int(self.tombstone_seconds * 1000),
-                job.token_hash or "",
-                self.retain_count,
-            ],
+            b"%b%b%b" % (self._update_head, encode_args(varying), self._tail()), "update"
         )
         if code == 1:
             job.version = int(version)
+            if terminal:
+                self._ended[job.id] = job
+                if len(self._ended) > _ENDED_KEPT:
+                    del self._ended[next(iter(self._ended))]
         elif code == 0:
             job.version = int(version)  # already final: the first end stands
         else:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
 
     async def delete(self, job_id: str) -> None:
-        await self._run(
-            "delete", _DELETE, [self._key(job_id), f"{self.prefix}:finished"], [job_id, self.prefix]
+        self._active.pop(job_id, None)
+        self._ended.pop(job_id, None)
+        await self._script(
+            "delete", [self._key(job_id), f"{self.prefix}:finished"], [job_id, self.prefix]
         )
 
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]:
@@ -472,16 +580,33 @@ class RedisJobStore:
         keys = [f"{self.prefix}:st:{s.value}" for s in sorted(wanted & ACTIVE)]
         if wanted & TERMINAL:
             keys.append(f"{self.prefix}:finished")
-        reply = await self._run("list", _LIST, keys, [self.prefix])
+        reply = await self._script("list", keys, [self.prefix])
         jobs = [self._decode(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
         return [job for job in jobs if job.status in wanted]
 
     async def _expire(self) -> None:
         now = trio.current_time() + self._shift()
-        await self._run("expire", _EXPIRE, [f"{self.prefix}:finished"], [repr(now), self.prefix])
+        await self._script("expire", [f"{self.prefix}:finished"], [repr(now), self.prefix])
 
     def _gone(self, job_id: str) -> str:
         return f"{self.prefix}:gone:{job_id}"
+
+    def _tail(self) -> bytes:
+        """The arguments every update sends alike, encoded once (see _UPDATE)."""
+        # With several engines on this store, an end recorded here may have a waiter in
+        # another one: published always.
+        origin = self._origin if self._following <= 1 else ""
+        values: list[Arg] = [
+            self.prefix,
+            int((self.retain_seconds + _SLACK_SECONDS) * 1000),
+            int(self.tombstone_seconds * 1000),
+            self.retain_count,
+            origin,
+        ]
+        if values != self._tail_values:
+            self._tail_values = values
+            self._tail_bytes = encode_args(values)
+        return self._tail_bytes
 
     # -- other processes' ends ----------------------------------------------------------
 
@@ -496,23 +621,41 @@ class RedisJobStore:
         another process ran hears of its end. Reconnects while Redis is away."""
         channel = f"{self.prefix}:finished"
         started = False
-        while True:
-            try:
-                async with (
-                    self._redis() as r,
-                    r.pubsub(channels=[channel], ignore_subscribe_messages=True) as messages,
-                ):
+        self._following += 1
+        try:
+            while True:
+                connection = None
+                subscribed = False
+                try:
+                    connection = await Connection.open(self.url)
+                    await connection.call([["SUBSCRIBE", channel]])
+                    subscribed = True
+                    self._subscribed += 1
                     if not started:
                         started = True
                         task_status.started()
-                    async for message in messages:
-                        data = message["data"]
-                        finished(data.decode() if isinstance(data, bytes) else str(data))
-            except StoreUnavailable as exc:
-                _log.warning("pipework: following finished jobs: %s", exc)
-                if not started:
-                    raise
-            await trio.sleep(1.0)  # the subscription ended (Redis restarted): subscribe again
+                    while True:
+                        kind, _, data = (await connection.read(1))[0]
+                        if kind == b"message":
+                            job_id = data.decode()
+                            self._active.pop(job_id, None)  # before the waiter wakes
+                            finished(job_id)
+                except _UNREACHABLE as exc:
+                    _log.warning("pipework: following finished jobs: %s", self._unavailable(exc))
+                    if not started:
+                        raise self._unavailable(exc) from exc
+                finally:
+                    if subscribed:
+                        # Ends published until it subscribes again are not heard: whoever
+                        # waits reads the record from now on.
+                        self._subscribed -= 1
+                        self._active.clear()
+                    if connection is not None:
+                        await connection.aclose()
+                await trio.sleep(1.0)  # the subscription ended (Redis restarted): again
+        finally:
+            self._following -= 1
+            self._active.clear()
 
     # -- exclusive sections --------------------------------------------------------------
 
@@ -528,21 +671,17 @@ class RedisJobStore:
                 token = f"{id(self)}:{trio.current_time()}:{time.time()}"
                 key = f"{self.prefix}:lock:{job_id}"
                 px = int(self.lock_seconds * 1000)
-                async with self._redis() as r:
-                    while True:
-                        taken = await self._io(
-                            lambda: r.set(key, token, condition=coredis.PureToken.NX, px=px)
-                        )
-                        if taken:
-                            break
-                        # Another process holds it, and no event can cross processes:
-                        # poll briefly (a holder keeps it for one join's bookkeeping).
-                        await trio.sleep(0.002)
+                while True:
+                    if await self._run(["SET", key, token, "NX", "PX", px]):
+                        break
+                    # Another process holds it, and no event can cross processes: poll
+                    # briefly (a holder keeps it for one join's bookkeeping).
+                    await trio.sleep(0.002)
                 try:
                     yield
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._run("release", _RELEASE, [key], [token])
+                        await self._script("release", [key], [token])
         finally:
             local, users = self._locks[job_id]
             if users == 1:

@@ -65,17 +65,21 @@ class StoreSettings:
         from ..redis import RedisEventQueue, RedisJobStore  # the optional extra
 
         url = self.url_value(environ)
-        return (
-            RedisJobStore(
-                url,
-                prefix=self.prefix,
-                retain_seconds=self.retain_seconds,
-                retain_count=self.retain_count,
-            ),
-            RedisEventQueue(
-                url, prefix=self.prefix, capacity=queue_capacity, claim_idle=self.claim_idle
-            ),
+        shared = RedisJobStore(
+            url,
+            prefix=self.prefix,
+            retain_seconds=self.retain_seconds,
+            retain_count=self.retain_count,
         )
+        # The queue's writes share the store's round trips (one connection for both).
+        queue = RedisEventQueue(
+            url,
+            prefix=self.prefix,
+            capacity=queue_capacity,
+            claim_idle=self.claim_idle,
+            store=shared,
+        )
+        return shared, queue
 
 
 def read_store(c: Collector, value: Any) -> StoreSettings:
