@@ -482,77 +482,87 @@ class Dispatcher:
             then_writes = (
                 flat is not None and self.nowait is None and _then_writes(flat, job, chain)
             )
-            ended = await self._run_pipe(job, chain, pipe, now, write=not then_writes)
-            if ended is None:
-                return now
-            now = ended
+            # The pipe runs in this frame (no coroutine of its own): one object and one frame
+            # fewer per pipe, and every one a step holds across its awaits costs collections.
+            top = frames[-1]
+            pipe_deadline = math.inf if pipe.timeout is None else now + pipe.timeout
+            deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
+            # A thread cannot be stopped: a blocking pipe works on a copy of the state that
+            # is adopted only if it ends in time and uncancelled.
+            ctx = Context(
+                state=snapshot(job.state) if pipe.blocking else job.state,
+                job_id=job.id,
+                correlation_id=job.correlation_id,
+                chain=chain.name,
+                pipe=pipe,
+                where=chain,
+                position=self.path_of(job),
+                key=held,
+                deadline=deadline,
+                ops=self,
+                traceparent=job.traceparent,
+            )
+            try:
+                if deadline == math.inf:
+                    await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
+                    # A pipe that swallowed the step's cancellation (or a thread that could
+                    # not see it) must not carry on as if it had not come.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                else:
+                    await self._call_within(pipe, ctx, job)
+                check_state(ctx.state)
+            except BaseException as raised:  # sorted out there; a cancellation travels on
+                resumed = await self._pipe_raised(job, chain, pipe, now, raised, ctx, top)
+                if resumed is None:
+                    return now
+                now = resumed
+            else:
+                if pipe.blocking:
+                    job.state = ctx.state
+                now = self._pipe_ended(job, pipe, now, "ok")
+                top.index += 1
+                if not then_writes and (job.parent is None or job.id not in self.unstored):
+                    nowait = self.nowait
+                    if nowait:
+                        nowait[1](job)
+                    else:
+                        await self.store.update(job)
             if len(frames) != 1:
                 flat = None
 
-    async def _run_pipe(
-        self, job: Job, chain: Chain, pipe: Pipe, started: float, *, write: bool = True
+    async def _pipe_raised(
+        self,
+        job: Job,
+        chain: Chain,
+        pipe: Pipe,
+        started: float,
+        raised: BaseException,
+        ctx: Context,
+        top: Frame,
     ) -> float | None:
-        """Run one pipe; the clock at its end to go on, None when the step ended (failure or
-        suspension). Cancellation of the step travels on; every other outcome of the pipe
-        ends here."""
-        top = job.frames[-1]
-        pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
-        deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
-        # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
-        # adopted only if it ends in time and uncancelled.
-        ctx = Context(
-            state=snapshot(job.state) if pipe.blocking else job.state,
-            job_id=job.id,
-            correlation_id=job.correlation_id,
-            chain=chain.name,
-            pipe=pipe,
-            where=chain,
-            position=self.path_of(job),
-            key=job.key,
-            deadline=deadline,
-            ops=self,
-            traceparent=job.traceparent,
-        )
-        try:
-            if deadline == math.inf:
-                await _invoke(pipe, ctx)  # no limit anywhere: nothing to arm
-                # A pipe that swallowed the step's cancellation (or a thread that could not
-                # see it) must not carry on as if it had not come.
-                await trio.lowlevel.checkpoint_if_cancelled()
-            else:
-                await self._call_within(pipe, ctx, job)
-            check_state(ctx.state)
-        except Suspend as suspend:
+        """What a pipe raised, sorted out: the clock to go on at (a suspension whose signal
+        had come), None when the step ended (failure, timeout, suspension). Cancellation of
+        the step travels on."""
+        if isinstance(raised, Suspend):
             ended = self._pipe_ended(job, pipe, started, "suspended")
             top.index += 1
             # A signal that came while the pipe ran lets the step go on at once.
-            return ended if await self._suspend(job, chain, suspend, ctx.path) else None
-        except _Timeout:
+            return ended if await self._suspend(job, chain, raised, ctx.path) else None
+        if isinstance(raised, _Timeout):
+            pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
             timeout = self._timeout(job, chain, pipe_deadline, top, ctx.path)
             # The step's scope stays cancelled once a deadline passed: record the end shielded.
             with trio.CancelScope(shield=True):
                 await self._pipe_failed(job, pipe, started, timeout, ctx.path)
             return None
-        except BaseException as raised:  # sorted out here: cancellation, or the job's error
-            cancellation = _cancellation_in(raised, lambda: ctx.path)
-            if cancellation is not None:
-                # The step's (or the engine's) cancellation: the step boundary ends the job.
-                self._pipe_ended(job, pipe, started, "cancelled")
-                raise cancellation from None
-            exc = _pipe_error(raised, ctx.path)
-            await self._pipe_failed(job, pipe, started, exc, ctx.path)
-            return None
-        if pipe.blocking:
-            job.state = ctx.state
-        ended = self._pipe_ended(job, pipe, started, "ok")
-        top.index += 1
-        if write and (job.parent is None or job.id not in self.unstored):
-            nowait = self.nowait
-            if nowait:
-                nowait[1](job)
-            else:
-                await self.store.update(job)
-        return ended
+        cancellation = _cancellation_in(raised, lambda: ctx.path)
+        if cancellation is not None:
+            # The step's (or the engine's) cancellation: the step boundary ends the job.
+            self._pipe_ended(job, pipe, started, "cancelled")
+            raise cancellation from None
+        exc = _pipe_error(raised, ctx.path)
+        await self._pipe_failed(job, pipe, started, exc, ctx.path)
+        return None
 
     async def _pipe_failed(
         self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str
@@ -984,7 +994,10 @@ class Dispatcher:
         if stream is not None:
             await stream.send(chunk)
             return
-        job.output.append(chunk)
+        if isinstance(job.output, list):
+            job.output.append(chunk)
+        else:
+            job.output = [chunk]
         if not own:  # the step writes its own job back; a branch's parent is written here
             await self.store.update(job)
 

@@ -181,7 +181,9 @@ class Job:
     suspend_into: str | None = None
     suspend_deadline: float | None = None
     signals: dict[str, Any] = field(default_factory=dict)
-    output: list[Any] = field(default_factory=list)
+    #: Chunks a pipe emitted with no stream reading them: none until the first (an empty
+    #: tuple, not a list per job: every object a record holds is one more for the collector).
+    output: list[Any] | tuple[()] = ()
     cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
@@ -248,7 +250,7 @@ class Job:
             "suspend_into": self.suspend_into,
             "suspend_deadline": self.suspend_deadline,
             "signals": self.signals,
-            "output": self.output,
+            "output": list(self.output),
             "cancel_requested": self.cancel_requested,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
