@@ -271,10 +271,15 @@ class Metrics:
 
     def observe(self, family: Histogram, labels: tuple[str, ...], value: float) -> None:
         """``family.labels(*labels).observe(value)``, with the child cached."""
+        self.observer(family, labels)(value)
+
+    def observer(self, family: Histogram, labels: tuple[str, ...]) -> Callable[[float], None]:
+        """The cached ``observe`` of one labelled child: a hot path keeps it and calls it
+        with no label lookup at all."""
         observe = self._children.get((family, labels))
         if observe is None:
             observe = self._children[(family, labels)] = _observer(family.labels(*labels))
-        observe(value)
+        return observe
 
     def watch(
         self,

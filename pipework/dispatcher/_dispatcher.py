@@ -86,6 +86,11 @@ class Dispatcher:
             pool, "release_nowait", None
         )
         self._scopes: dict[str, trio.CancelScope] = {}
+        # The observers of the two series every job feeds, by pipe and by route: no label
+        # tuples built and hashed per observation (label values are bounded by registration).
+        self._pipe_ok: dict[str, Callable[[float], None]] = {}
+        self._job_done: dict[str, Callable[[float], None]] = {}
+        self._waits: dict[str, Callable[[float], None]] = {}  # by key label
         #: Parallel stages running inside their parent's step, by join id (see _instep.py),
         #: and the ids of their branches that have no record in the store.
         self.in_step: dict[str, InStepStage] = {}
@@ -404,7 +409,11 @@ class Dispatcher:
         return all((default if key is None else key) == held for key in stage.branch_keys)
 
     def _waited(self, key: str, seconds: float) -> None:
-        self.metrics.observe(self.metrics.pool_wait, (self.key_label(key),), seconds)
+        label = self.key_label(key)  # the pool's configured keys may change: asked each time
+        observe = self._waits.get(label)
+        if observe is None:
+            observe = self._waits[label] = self.metrics.observer(self.metrics.pool_wait, (label,))
+        observe(seconds)
 
     async def _run_held(self, job: Job, now: float) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
@@ -585,7 +594,15 @@ class Dispatcher:
         if job.plan == INTERNAL_PLAN:
             return now  # the engine's own probe: no user pipe to measure, nothing to learn
         duration = now - started
-        self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
+        if outcome == "ok":
+            observe = self._pipe_ok.get(pipe.name)
+            if observe is None:
+                metrics = self.metrics
+                observe = metrics.observer(metrics.pipe_duration, (pipe.name, outcome))
+                self._pipe_ok[pipe.name] = observe
+            observe(duration)
+        else:
+            self.metrics.observe(self.metrics.pipe_duration, (pipe.name, outcome), duration)
         # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
         # bug in a pipe says nothing about the backend's capacity; a cancel says nothing.
         if outcome in ("ok", "suspended"):
@@ -902,7 +919,15 @@ class Dispatcher:
         self.changed(job)
         duration = (trio.current_time() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
-            self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
+            if status is Status.DONE:
+                observe = self._job_done.get(job.chain)
+                if observe is None:
+                    metrics = self.metrics
+                    observe = metrics.observer(metrics.job_duration, (job.chain, status.value))
+                    self._job_done[job.chain] = observe
+                observe(duration)
+            else:
+                self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
         level = logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING
         if job_logger.isEnabledFor(level):
             self._log_end(job, status, level, duration, where)
