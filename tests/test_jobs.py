@@ -232,3 +232,12 @@ async def test_the_copying_store_hands_out_a_fresh_copy_on_every_read() -> None:
     await store.update(first)  # ...until it is written back
     assert (await store.get("j1")).state == {"a": [1, 2, 3]}
     assert first.version == 1
+
+
+def test_a_record_has_no_output_list_until_it_has_output() -> None:
+    # A new record shares one empty tuple (no list per job); it stores as an empty list.
+    job = make_job()
+    assert job.output == ()
+    assert job.to_wire()["output"] == []
+    back = Job.from_wire(msgpack.unpackb(msgpack.packb(job.to_wire())))
+    assert back.output == []

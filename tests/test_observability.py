@@ -227,3 +227,35 @@ async def test_one_correlation_id_finds_every_stage_of_a_request(
     assert line["correlation_id"] == "req-42"
     assert line["event"] == "job finished"
     assert line["job_id"] == job_id
+
+
+async def test_each_series_counts_its_own_jobs_when_observers_are_kept() -> None:
+    # The engine keeps the observer of each pipe's, route's and key's series after the first
+    # observation: later jobs must still land in their own series, sums included.
+    engine = pw.Engine(pool=pw.WeightedPool(4, keys={"api": pw.Weights(reserve=1)}))
+
+    @engine.pipe(key="api")
+    async def first(ctx: pw.Context) -> None:
+        await trio.sleep(0)
+
+    @engine.pipe
+    async def second(ctx: pw.Context) -> None:
+        await trio.sleep(0)
+
+    engine.chain("one", first)
+    engine.chain("both", first, second)
+    async with engine:
+        for _ in range(3):
+            await engine.run("one")
+        for _ in range(2):
+            await engine.run("both")
+    samples = scrape(engine)
+    pipe = "pipework_pipe_duration_seconds_count"
+    assert value(samples, pipe, pipe="first", outcome="ok") == 5
+    assert value(samples, pipe, pipe="second", outcome="ok") == 2
+    job = "pipework_job_duration_seconds_count"
+    assert value(samples, job, route="one", outcome="done") == 3
+    assert value(samples, job, route="both", outcome="done") == 2
+    wait = "pipework_pool_wait_seconds_count"
+    assert value(samples, wait, key="api") == 5  # every job's first step
+    assert value(samples, wait, key="default") == 2  # the hand-off of each "both" job
