@@ -236,11 +236,11 @@ async def test_each_series_counts_its_own_jobs_when_observers_are_kept() -> None
 
     @engine.pipe(key="api")
     async def first(ctx: pw.Context) -> None:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
     @engine.pipe
     async def second(ctx: pw.Context) -> None:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
     engine.chain("one", first)
     engine.chain("both", first, second)

@@ -59,8 +59,8 @@ _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest
 #: steps per scheduler pass rather than hundreds at once: steps that start together hold
 #: their objects together (more of them survive into older GC generations, so collections
 #: run more often and take longer), and beyond the free slots they queue in the pool
-#: (measured: a 1-pipe job 4.2× a bare task with 256, 3.7× with 32; with 64 workers,
-#: 2.9× and 1.5×; see docs/design.md).
+#: (measured: a 1-pipe job at 4.2 times a bare task with 256, 3.7 with 32; with 64
+#: workers, 2.9 and 1.5; see docs/design.md).
 _BATCH: Final = 32
 
 #: The plan generation of the engine's own chains (the readiness probe): below every user
