@@ -547,6 +547,49 @@ class Dispatcher:
             if len(frames) != 1:
                 flat = None
 
+    async def _run_pipe(
+        self, job: Job, chain: Chain, pipe: Pipe, started: float, *, write: bool = True
+    ) -> float | None:
+        """Run one pipe, as :meth:`_run_held` does in its own loop (an in-step branch's
+        flat sequence calls this): the clock at its end to go on, None when the step ended
+        (failure or suspension). Cancellation of the step travels on."""
+        top = job.frames[-1]
+        pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
+        deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
+        ctx = Context(
+            state=snapshot(job.state) if pipe.blocking else job.state,
+            job_id=job.id,
+            correlation_id=job.correlation_id,
+            chain=chain.name,
+            pipe=pipe,
+            where=chain,
+            position=self.path_of(job),
+            key=job.key,
+            deadline=deadline,
+            ops=self,
+            traceparent=job.traceparent,
+        )
+        try:
+            if deadline == math.inf:
+                await _invoke(pipe, ctx)
+                await trio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await self._call_within(pipe, ctx, job)
+            check_state(ctx.state)
+        except BaseException as raised:  # sorted out there; a cancellation travels on
+            return await self._pipe_raised(job, chain, pipe, started, raised, ctx, top)
+        if pipe.blocking:
+            job.state = ctx.state
+        ended = self._pipe_ended(job, pipe, started, "ok")
+        top.index += 1
+        if write and (job.parent is None or job.id not in self.unstored):
+            nowait = self.nowait
+            if nowait:
+                nowait[1](job)
+            else:
+                await self.store.update(job)
+        return ended
+
     async def _pipe_raised(
         self,
         job: Job,
