@@ -20,6 +20,8 @@ it before it answers a submission, so an accepted job's first event is never onl
   it still holds (``XCLAIM ... JUSTID``) and claims every entry idle for ``claim_idle``
   seconds (``XAUTOCLAIM``): those are a dead consumer's, and run here. Delivery is at least
   once: the dispatcher already ignores an event whose job has moved on.
+- **Suspend timers** live in Redis too (:class:`~._redis_timers.RedisTimers`): a timer set
+  here fires on whichever process is alive when it is due, once.
 - **A dead consumer's steps.** A ``RunJob`` or ``Resume`` stops counting toward the depth
   when its step gets a worker slot (``ack``), but it is acknowledged in the group only when
   the step ends (``step_ended``); until then its consumer keeps it fresh. A process that
@@ -47,7 +49,9 @@ import trio
 from .._errors import Overloaded
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._queue import QueueStatistics
+from ._redis_relay import RedisRelay
 from ._redis_store import _public
+from ._redis_timers import RedisTimers
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 
@@ -124,6 +128,7 @@ class RedisEventQueue:
         claim_idle: float = 30.0,
         max_inflight: int = 256,
         block: float = 1.0,
+        timer_poll: float = 1.0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"queue capacity must be at least 1, got {capacity}")
@@ -156,6 +161,20 @@ class RedisEventQueue:
         self._accepted = 0
         self._refused = 0
         self._running: Any = None
+        self._timers = RedisTimers(
+            self._connected,
+            prefix=prefix,
+            stream=self.stream,
+            field=_FIELD,
+            retrying=self._retrying,
+            poll=timer_poll,
+        )
+        #: Progress, chunks and cancels between processes (the engine runs it).
+        self.relay = RedisRelay(url, prefix=prefix)
+
+    def _connected(self) -> coredis.Redis[bytes]:
+        assert self._client is not None, "the event queue is not open"
+        return self._client
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -166,14 +185,26 @@ class RedisEventQueue:
             self._client = client
             await self._create_group()
             await self._refresh_depth()
-            nursery_manager = trio.open_nursery()
-            nursery = await nursery_manager.__aenter__()
+            await self.relay.__aenter__()
+            try:
+                nursery_manager = trio.open_nursery()
+                nursery = await nursery_manager.__aenter__()
+            except BaseException:
+                await self.relay.__aexit__(None, None, None)
+                raise
         except BaseException:
             await client.__aexit__(None, None, None)
             raise
         self._running = (client, nursery_manager)
         self._nursery = nursery
-        for task in (self._write_loop, self._read_loop, self._ack_loop, self._claim_loop):
+        tasks = (
+            self._write_loop,
+            self._read_loop,
+            self._ack_loop,
+            self._claim_loop,
+            self._timers.run,
+        )
+        for task in tasks:
             nursery.start_soon(task)
         return self
 
@@ -194,7 +225,10 @@ class RedisEventQueue:
             await nursery_manager.__aexit__(None, None, None)
         finally:
             self._running = self._nursery = self._client = None
-            await client.__aexit__(None, None, None)
+            try:
+                await self.relay.__aexit__(None, None, None)
+            finally:
+                await client.__aexit__(None, None, None)
 
     async def _create_group(self) -> None:
         assert self._client is not None
@@ -272,6 +306,12 @@ class RedisEventQueue:
         target = self._put
         while self._written < target:
             await self._wrote.wait()
+        await self._timers.flush()
+
+    def expire_at(self, deadline: float, job_id: str, version: int) -> None:
+        """A suspended job's timer: ``Expire(job_id, version)`` goes on the stream at
+        ``deadline`` (trio time), once, from whichever process is alive then."""
+        self._timers.add(deadline, encode_event(Expire(job_id, version)))
 
     # -- the tasks -----------------------------------------------------------------------
 
