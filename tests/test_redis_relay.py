@@ -10,6 +10,7 @@ timers' own schedule is tested on the mock clock.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import subprocess
@@ -31,6 +32,9 @@ from pipework.redis import RedisEventQueue, RedisJobStore
 
 from ._redis import RedisServer
 from ._redis_worker import declare as declare_work
+from .test_board_http import follow_sse, serving
+from .test_board_jobs import Gate
+from .test_container_harness import HANG_GUARD, bearer
 
 
 def _prefix() -> str:
@@ -344,3 +348,58 @@ async def test_a_suspended_jobs_timeout_fires_after_the_process_that_suspended_i
     assert fired == jobs
     statuses = [(await front.store.get(job_id)).status for job_id in ids]
     assert statuses == [pw.Status.FAILED] * jobs
+
+
+# -- through the container ---------------------------------------------------------------
+
+
+def _exporting(engine: pw.Engine, gate: Gate) -> None:
+    @engine.pipe
+    async def export(ctx: pw.Context) -> None:
+        await ctx.progress(1, 4, "first batch")
+        gate.progressed.set()
+        await gate.release.wait()
+        await ctx.progress(4, 4, "written")
+        ctx.state["rows"] = 4
+
+    engine.chain("export", export)
+
+
+async def test_an_sse_follower_on_one_process_sees_a_job_run_on_another(
+    redis_server: RedisServer,
+) -> None:
+    """The container of engine "a" accepts the job and holds its follower; every step runs
+    on engine "b": the follower gets the progress made there, and the end."""
+    prefix = _prefix()
+    gate = Gate()
+    registry = pw.Registry()
+    front = pw.Engine(
+        registry=registry,
+        store=RedisJobStore(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix, max_inflight=0),
+    )
+    _exporting(front, gate)
+    registry.route("export", path="/export", chain="export", mode="async")
+    worker = pw.Engine(
+        store=RedisJobStore(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix),
+    )
+    _exporting(worker, gate)
+    with trio.fail_after(HANG_GUARD):
+        async with worker, serving(front) as served:
+            accepted = (await served.client.post("/export", json={})).json()
+            job_id, token = accepted["id"], accepted["token"]
+            await gate.progressed.wait()
+            async with follow_sse(served, f"/jobs/{job_id}/events", bearer(token)) as (_, events):
+                _, _, first = await events.next()
+                assert first["data"]["status"] == "running"
+                assert first["data"]["progress"]["done"] == 1
+                gate.release.set()
+                bodies = []
+                while not bodies or bodies[-1]["data"]["status"] != "done":
+                    bodies.append((await events.next())[2])
+                with contextlib.suppress(EOFError):
+                    await events.next()
+                    raise AssertionError("the stream went on after the final state")
+    assert bodies[-1]["data"]["progress"]["message"] == "written"
+    assert bodies[-1]["data"]["links"]["result"] == f"/jobs/{job_id}/result"

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
 
@@ -510,8 +510,10 @@ class Engine:
         Only for jobs submitted with ``stream=True``, and only once."""
         if job_id in self._relayed:  # its steps may run in other processes
             self._relayed.discard(job_id)
-            async for chunk in self._relay.chunks(job_id):
-                yield chunk
+            # Closed with this generator, not left to the garbage collector.
+            async with aclosing(self._relay.chunks(job_id)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             await self.wait(job_id)
             return
         try:

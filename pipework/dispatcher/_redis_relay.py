@@ -138,25 +138,42 @@ class RedisRelay:
     ) -> None:
         """Listen and relay until cancelled."""
         self._target = target
-        broadcast = [f"{self.prefix}:cancel", f"{self.prefix}:finished"]
-        client = self._redis()
         try:
-            async with (
-                client.pubsub(channels=broadcast, ignore_subscribe_messages=True) as pubsub,
-                trio.open_nursery() as nursery,
-            ):
-                self._pubsub = pubsub
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._listen)
+                self.running = True
                 nursery.start_soon(self._watch_loop)
                 nursery.start_soon(self._read_loop)
                 nursery.start_soon(self._cancel_loop)
                 nursery.start_soon(self._lease_loop)
-                self.running = True
                 task_status.started()
-                async for message in pubsub:
-                    self._on_message(message)
         finally:
             self.running = False
-            self._pubsub = None
+
+    async def _listen(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """The process's one subscription: the broadcast channels and the channel of every
+        job followed here, subscribed again after Redis came back."""
+        broadcast = [f"{self.prefix}:cancel", f"{self.prefix}:finished"]
+        started = False
+        while True:
+            channels = broadcast + [self._key("relay", job_id) for job_id in self._channels]
+            try:
+                async with self._redis().pubsub(
+                    channels=channels, ignore_subscribe_messages=True
+                ) as pubsub:
+                    self._pubsub = pubsub
+                    if not started:
+                        started = True
+                        task_status.started()
+                    async for message in pubsub:
+                        self._on_message(message)
+            except (coredis.exceptions.RedisError, OSError, TimeoutError) as exc:
+                if not started:
+                    raise
+                _log.warning("pipework: the relay's subscription ended (%s); again in 1s", exc)
+            finally:
+                self._pubsub = None
+            await trio.sleep(1.0)
 
     def _on_message(self, message: Any) -> None:
         channel = message["channel"]
@@ -256,7 +273,7 @@ class RedisRelay:
     async def _subscribe(self, job_id: str) -> None:
         users = self._channels.get(job_id, 0)
         self._channels[job_id] = users + 1
-        if users == 0:
+        if users == 0 and self._pubsub is not None:  # else subscribed when it reconnects
             await self._pubsub.subscribe(self._key("relay", job_id))
 
     async def _unsubscribe(self, job_id: str) -> None:
