@@ -395,7 +395,7 @@ async def test_an_sse_follower_on_one_process_sees_a_job_run_on_another(
                 assert first["data"]["status"] == "running"
                 assert first["data"]["progress"]["done"] == 1
                 gate.release.set()
-                bodies = []
+                bodies: list[Any] = []
                 while not bodies or bodies[-1]["data"]["status"] != "done":
                     bodies.append((await events.next())[2])
                 with contextlib.suppress(EOFError):

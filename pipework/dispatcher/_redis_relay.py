@@ -84,11 +84,12 @@ class RelayTarget(Protocol):
 
 
 class _Reader:
-    __slots__ = ("ended", "notice")
+    __slots__ = ("ended", "notice", "recheck")
 
     def __init__(self) -> None:
         self.notice = trio.Event()
         self.ended = False
+        self.recheck = False  # notices may have been lost: look at the record
 
 
 class RedisRelay:
@@ -162,7 +163,9 @@ class RedisRelay:
                     channels=channels, ignore_subscribe_messages=True
                 ) as pubsub:
                     self._pubsub = pubsub
-                    if not started:
+                    if started:
+                        self._resubscribed()
+                    else:
                         started = True
                         task_status.started()
                     async for message in pubsub:
@@ -194,6 +197,15 @@ class RedisRelay:
             told = self._watched.get(job_id)
             if told is not None and int(data) > told:
                 self._mark_dirty(job_id)
+
+    def _resubscribed(self) -> None:
+        """The subscription was made again: what was published meanwhile is lost, so every
+        followed job is read again, and every reader looks whether its job has ended."""
+        for job_id in self._watched:
+            self._mark_dirty(job_id)
+        for reader in self._readers.values():
+            reader.recheck = True
+            reader.notice.set()
 
     def _ended(self, job_id: str) -> None:
         reader = self._readers.get(job_id)
@@ -335,6 +347,12 @@ class RedisRelay:
                     continue
                 if ended:
                     return
+                if reader.recheck and self._target is not None:
+                    reader.recheck = False
+                    job = await self._target.read(job_id)
+                    if job.status in TERMINAL:
+                        reader.ended = True
+                        continue
                 await reader.notice.wait()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
