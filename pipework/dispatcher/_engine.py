@@ -325,24 +325,24 @@ class Engine:
             jobs.add(job.id)
         relayed = stream and self._relay is not None
         try:
+            if relayed:  # its steps may run anywhere: marked before its first event
+                await self._relay.open_stream(job.id)
             nowait = self._dispatcher.nowait
             if nowait:
                 nowait[2](job)
             else:
                 await self.store.create(job)
-            if relayed:  # its steps may run anywhere: marked before its first event
-                await self._relay.open_stream(job.id)
             try:
                 self.queue.submit_nowait(RunJob(job.id))
             except Overloaded:
-                if relayed:
-                    await self._relay.close_stream(job.id)
                 await self.store.delete(job.id)
                 raise
             flush = getattr(self.queue, "flush", None)
             if flush is not None:  # a shared queue: the first event is in Redis before the id
                 await flush()
         except BaseException:
+            if relayed:
+                self._relay.close_stream(job.id)
             if jobs is not None:
                 jobs.discard(job.id)
                 self._retire_if_idle(generation)

@@ -109,6 +109,7 @@ class RedisRelay:
         self._dirty: dict[str, None] = {}  # watched jobs to read again, in order
         self._have_dirty = trio.Event()
         self._to_watch: list[str] = []
+        self._to_release: list[str] = []  # streams let go: their keys and channel
         self._have_watch = trio.Event()
         self._cancels: list[str] = []
         self._have_cancels = trio.Event()
@@ -185,6 +186,13 @@ class RedisRelay:
         data = data.decode() if isinstance(data, bytes) else str(data)
         kind, _, job_id = channel[len(self.prefix) + 1 :].partition(":")
         assert self._target is not None
+        try:
+            self._dispatch(kind, job_id, data)
+        except Exception:  # one odd message must not end the subscription
+            _log.exception("pipework: the relay could not handle %r on %s", data, channel)
+
+    def _dispatch(self, kind: str, job_id: str, data: str) -> None:
+        assert self._target is not None
         if kind == "cancel":
             self._target.interrupt(data)
         elif kind == "finished":
@@ -240,6 +248,12 @@ class RedisRelay:
         while True:
             await self._have_watch.wait()
             self._have_watch = trio.Event()
+            released, self._to_release = self._to_release, []
+            for job_id in released:
+                with contextlib.suppress(coredis.exceptions.RedisError, OSError):
+                    keys = [self._key("streamed", job_id), self._key("chunks", job_id)]
+                    await self._redis().delete(keys)
+                await self._unsubscribe(job_id)
             batch, self._to_watch = self._to_watch, []
             for job_id in batch:
                 try:
@@ -301,7 +315,8 @@ class RedisRelay:
         while True:
             await trio.sleep(self.lease / 3)
             keys = [self._key("watch", job_id) for job_id in self._watched]
-            keys += [self._key("streamed", job_id) for job_id in self._readers]
+            for job_id in self._readers:  # a slow reader's backlog stays too
+                keys += [self._key("streamed", job_id), self._key("chunks", job_id)]
             if not keys:
                 continue
             try:
@@ -320,14 +335,12 @@ class RedisRelay:
         await self._subscribe(job_id)
         await self._redis().set(self._key("streamed", job_id), b"1", px=int(self.lease * 1000))
 
-    async def close_stream(self, job_id: str) -> None:
-        """Let the job's stream go (read to its end, or never read)."""
-        if self._readers.pop(job_id, None) is None:
-            return
-        with contextlib.suppress(coredis.exceptions.RedisError, OSError):
-            keys = [self._key("streamed", job_id), self._key("chunks", job_id)]
-            await self._redis().delete(keys)
-        await self._unsubscribe(job_id)
+    def close_stream(self, job_id: str) -> None:
+        """Let the job's stream go (read to its end, left early, or never read): its keys
+        and its channel are let go by the relay's task."""
+        if self._readers.pop(job_id, None) is not None:
+            self._to_release.append(job_id)
+            self._have_watch.set()
 
     async def chunks(self, job_id: str, *, batch: int = 64) -> AsyncIterator[Any]:
         """The job's chunks in order, until it has ended and every one was read."""
@@ -355,8 +368,7 @@ class RedisRelay:
                         continue
                 await reader.notice.wait()
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await self.close_stream(job_id)
+            self.close_stream(job_id)
 
     async def emit(self, job_id: str, chunk: Any) -> bool:
         """Append a chunk to a streamed job's stream; False for a job that is not streamed
