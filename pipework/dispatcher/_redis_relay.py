@@ -161,7 +161,10 @@ class RedisRelay:
             channels = broadcast + [self._key("relay", job_id) for job_id in self._channels]
             try:
                 async with self._redis().pubsub(
-                    channels=channels, ignore_subscribe_messages=True
+                    channels=channels,
+                    ignore_subscribe_messages=True,
+                    # A loaded machine may take more than the client's default second.
+                    subscription_timeout=10,
                 ) as pubsub:
                     self._pubsub = pubsub
                     if started:
