@@ -156,7 +156,15 @@ class Engine:
         if waiter is not None:
             waiter.set()
 
+    def _heard_finished(self, job_id: str) -> None:
+        """A job ended, in this process or another (the store published it)."""
+        self._finished_elsewhere(job_id)
+        if self._relay is not None:
+            self._relay.ended(job_id)
+
     def _job_finished(self, job: Job) -> None:
+        if self._relay is not None and job.status in TERMINAL:
+            self._relay.ended(job.id)
         jobs = self._plan_jobs.get(job.plan)
         if jobs is not None:
             jobs.discard(job.id)
@@ -215,7 +223,7 @@ class Engine:
             nursery = await stack.enter_async_context(trio.open_nursery())
             follow = getattr(self.store, "follow_finished", None)
             if follow is not None:  # jobs parked here may finish in another process
-                await nursery.start(follow, self._finished_elsewhere)
+                await nursery.start(follow, self._heard_finished)
             if self._relay is not None:
                 await nursery.start(self._relay.run, _RelayTarget(self))
                 self._dispatcher.cancel_elsewhere = self._relay.cancel

@@ -155,7 +155,9 @@ class RedisRelay:
     async def _listen(self, *, task_status: trio.TaskStatus[None]) -> None:
         """The process's one subscription: the broadcast channels and the channel of every
         job followed here, subscribed again after Redis came back."""
-        broadcast = [f"{self.prefix}:cancel", f"{self.prefix}:finished"]
+        # Ends are not listened for here: the engine hears them already (the store's
+        # subscription) and tells :meth:`ended`, so each end is decoded once per process.
+        broadcast = [f"{self.prefix}:cancel"]
         started = False
         while True:
             channels = broadcast + [self._key("relay", job_id) for job_id in self._channels]
@@ -198,8 +200,6 @@ class RedisRelay:
         assert self._target is not None
         if kind == "cancel":
             self._target.interrupt(data)
-        elif kind == "finished":
-            self._ended(data)
         elif data == "c":  # a chunk was appended
             reader = self._readers.get(job_id)
             if reader is not None:
@@ -218,7 +218,8 @@ class RedisRelay:
             reader.recheck = True
             reader.notice.set()
 
-    def _ended(self, job_id: str) -> None:
+    def ended(self, job_id: str) -> None:
+        """The job has ended (here or in another process)."""
         reader = self._readers.get(job_id)
         if reader is not None:
             reader.ended = True
