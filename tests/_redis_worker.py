@@ -15,7 +15,7 @@ from pipework.redis import RedisEventQueue, RedisJobStore
 
 def declare(engine: pw.Engine, name: str) -> None:
     """Two keys, so every job is handed off once between its two steps; "fan" runs two
-    branches in parallel first."""
+    branches in parallel first; "wait" suspends with a timeout."""
 
     @engine.pipe(key="a")
     async def fetch(ctx: pw.Context) -> None:
@@ -38,6 +38,13 @@ def declare(engine: pw.Engine, name: str) -> None:
 
     # A parallel stage: killed inside it, its branches are rerun elsewhere.
     engine.chain("fan", pw.all_of(branch("left"), branch("right")), store, timeout=600)
+
+    @engine.pipe(key="a")
+    async def hold(ctx: pw.Context) -> None:
+        await ctx.suspend("approved", into="approval", timeout=5)
+
+    # Suspended with a timeout: killed meanwhile, its timer fires in another process.
+    engine.chain("wait", hold, timeout=600)
 
 
 async def main(url: str, prefix: str, shared: bool) -> None:

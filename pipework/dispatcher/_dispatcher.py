@@ -120,6 +120,15 @@ class Dispatcher:
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
         self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        # A shared queue keeps suspend timers where they outlive this process.
+        self._durable_expire: Callable[[float, str, int], None] | None = getattr(
+            queue, "expire_at", None
+        )
+        #: Set when a job's steps may run in other processes: a cancel of a job not running
+        #: here is told to them, and a streamed job's chunks go to where its reader is
+        #: (True when taken; False leaves them in the record).
+        self.cancel_elsewhere: Callable[[str], None] | None = None
+        self.emit_elsewhere: Callable[[str, Any], Awaitable[bool]] | None = None
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -276,6 +285,8 @@ class Dispatcher:
                 # event on): run it again from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
             if job.status is not Status.QUEUED:
+                if job.status is Status.SUSPENDED and self._reclaimed(event):
+                    self._rearm(job)  # its step died before its timer was surely stored
                 return  # cancelled or finished while the event waited: nothing to run
             scope = trio.CancelScope()
             self._scopes[job.id] = scope
@@ -760,9 +771,18 @@ class Dispatcher:
         )
 
     def _expire_at(self, deadline: float, job_id: str, version: int) -> None:
+        if self._durable_expire is not None:
+            self._durable_expire(deadline, job_id, version)
+            return
         if not self._deadlines or deadline < self._deadlines[0][0]:
             self._deadline_moved.set()  # the serving task sleeps until a later one
         heapq.heappush(self._deadlines, (deadline, job_id, version))
+
+    def _rearm(self, job: Job) -> None:
+        """Set a suspended job's timer again (a timer already set is the same one: it fires
+        once; one that fired already finds the job moved on)."""
+        if job.suspend_deadline is not None and job.suspend_deadline < math.inf:
+            self._expire_at(job.suspend_deadline, job.id, job.version)
 
     async def _expire_when_due(self) -> None:
         """Put an Expire event for every suspension whose deadline has come."""
@@ -830,6 +850,19 @@ class Dispatcher:
             await self.finish(
                 job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
             )
+            if self.cancel_elsewhere is not None:  # a step of it may run in another process
+                self.cancel_elsewhere(job.id)
+
+    def interrupt(self, job_id: str) -> None:
+        """Cancel the step running ``job_id`` here, if one is (a cancel recorded by another
+        process): the step ends the job once the pipe's cleanup has run."""
+        scope = self._scopes.get(job_id)
+        if scope is None:
+            return
+        running = self._running.get(job_id)
+        if running is not None:
+            running.cancel_requested = True
+        scope.cancel()
 
     async def finish(
         self,
@@ -983,6 +1016,8 @@ class Dispatcher:
         stream = self._streams.get(job.id)
         if stream is not None:
             await stream.send(chunk)
+            return
+        if self.emit_elsewhere is not None and await self.emit_elsewhere(job.id, chunk):
             return
         job.output.append(chunk)
         if not own:  # the step writes its own job back; a branch's parent is written here

@@ -25,6 +25,8 @@ events only once those reads have brought nothing for a moment.
   it still holds (``XCLAIM ... JUSTID``) and claims every entry idle for ``claim_idle``
   seconds (``XAUTOCLAIM``): those are a dead consumer's, and run here. Delivery is at least
   once: the dispatcher already ignores an event whose job has moved on.
+- **Suspend timers** live in Redis too (:class:`~._redis_timers.RedisTimers`): a timer set
+  here fires on whichever process is alive when it is due, once.
 - **A dead consumer's steps.** A ``RunJob`` or ``Resume`` stops counting toward the depth
   when its step gets a worker slot (``ack``), but it is acknowledged in the group only when
   the step ends (``step_ended``); until then its consumer keeps it fresh. A process that
@@ -49,7 +51,9 @@ import trio
 from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._queue import QueueStatistics
+from ._redis_relay import RedisRelay
 from ._redis_store import _UNREACHABLE, RedisJobStore, _public
+from ._redis_timers import RedisTimers
 from ._resp import Arg, Command, Connection, ReplyError
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
@@ -135,6 +139,7 @@ class RedisEventQueue:
         max_inflight: int = 256,
         block: float = 1.0,
         store: RedisJobStore | None = None,
+        timer_poll: float = 1.0,
     ) -> None:
         if store is not None and store.url != url:
             raise ValueError(
@@ -180,6 +185,16 @@ class RedisEventQueue:
         self._accepted = 0
         self._refused = 0
         self._running: Any = None
+        self._timers = RedisTimers(
+            self._call,
+            prefix=prefix,
+            stream=self.stream,
+            field=_FIELD,
+            retrying=self._retrying,
+            poll=timer_poll,
+        )
+        #: Progress, chunks and cancels between processes (the engine runs it).
+        self.relay = RedisRelay(url, prefix=prefix)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -187,6 +202,7 @@ class RedisEventQueue:
         try:
             await self._create_group()
             await self._refresh_depth()
+            await self.relay.__aenter__()
         except BaseException:
             await self._close()
             raise
@@ -198,7 +214,7 @@ class RedisEventQueue:
             if self._store.rider is not None:
                 raise RuntimeError("a job store carries the reads of one event queue only")
             self._store.rider = self
-        for task in (self._write_loop, self._read_loop, self._claim_loop):
+        for task in (self._write_loop, self._read_loop, self._claim_loop, self._timers.run):
             nursery.start_soon(task)
         return self
 
@@ -222,7 +238,10 @@ class RedisEventQueue:
             await nursery_manager.__aexit__(None, None, None)
         finally:
             self._running = self._nursery = None
-            await self._close()
+            try:
+                await self.relay.__aexit__(None, None, None)
+            finally:
+                await self._close()
 
     async def _close(self) -> None:
         connection, self._connection = self._connection, None
@@ -317,6 +336,12 @@ class RedisEventQueue:
         target = self._put
         while self._written < target:
             await self._wrote.wait()
+        await self._timers.flush()
+
+    def expire_at(self, deadline: float, job_id: str, version: int) -> None:
+        """A suspended job's timer: ``Expire(job_id, version)`` goes on the stream at
+        ``deadline`` (trio time), once, from whichever process is alive then."""
+        self._timers.add(deadline, encode_event(Expire(job_id, version)))
 
     # -- the tasks -----------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ build themselves):
   can compare and bump it without decoding the record.
 - ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
+- ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
+  publishes the new version on ``{p}:relay:{id}`` (see ``_redis_relay.py``).
 - ``{p}:gone:{id}`` a tombstone (the owner-token hash, "" for none) written when the job
   finishes and kept ``tombstone_seconds``: once the record is dropped, ``get`` raises
   :class:`JobGone` rather than :class:`JobNotFound`.
@@ -102,6 +104,9 @@ local v = tonumber(cur[2]) + 1
 local p = ARGV[7]
 redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v)
+if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
+  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
+end
 if ARGV[4] == '1' then
   redis.call('PEXPIRE', KEYS[1], ARGV[8])
   redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
