@@ -172,9 +172,10 @@ class RedisEventQueue:
         self._put = 0  # events put so far
         self._written = 0  # events written to Redis so far
         self._wrote = trio.Event()
-        # Entry ids to acknowledge, each with the count of events put before it was: what a
-        # step put (a hand-off, a branch's end) is in Redis before its event is acknowledged.
-        self._acks: list[tuple[bytes, int]] = []
+        # Entry ids to acknowledge, each with the counts of events put and suspend timers
+        # added before it was: what a step put (a hand-off, a branch's end, its timer) is in
+        # Redis before its event is acknowledged.
+        self._acks: list[tuple[bytes, int, int]] = []
         self._have_work = trio.Event()
         self._send, self._receive = trio.open_memory_channel[Event](math.inf)
         self._inflight: dict[int, tuple[Event, bytes]] = {}  # id(event) -> (event, entry id)
@@ -192,6 +193,7 @@ class RedisEventQueue:
             field=_FIELD,
             retrying=self._retrying,
             poll=timer_poll,
+            written=self._wake,
         )
         #: Progress, chunks and cancels between processes (the engine runs it).
         self.relay = RedisRelay(url, prefix=prefix)
@@ -231,7 +233,7 @@ class RedisEventQueue:
         # What the engine's last steps put and acknowledged is still sent, briefly.
         with trio.move_on_after(2, shield=True):
             await self.flush()
-            while self._acks:
+            while self._ready():
                 await self._send_outbox()
         self._nursery.cancel_scope.cancel()
         try:
@@ -311,7 +313,7 @@ class RedisEventQueue:
             # during the step, another one takes the event and runs the step again.
             self._started[id(event)] = held
             return
-        self._acks.append((held[1], self._put))
+        self._acks.append((held[1], self._put, self._timers.added))
         self._have_work.set()
 
     def step_ended(self, event: Event) -> None:
@@ -320,7 +322,7 @@ class RedisEventQueue:
         held = self._started.pop(id(event), None)
         self._claimed.discard(id(event))
         if held is not None:
-            self._acks.append((held[1], self._put))
+            self._acks.append((held[1], self._put, self._timers.added))
             self._have_work.set()
 
     def reclaimed(self, event: Event) -> bool:
@@ -366,16 +368,24 @@ class RedisEventQueue:
         while True:
             await self._have_work.wait()
             self._have_work = trio.Event()
-            while self._outbox or self._acks:
+            while self._outbox or self._ready():
                 await self._retrying("writing events", self._send_outbox)
+
+    def _wake(self) -> None:
+        self._have_work.set()
+
+    def _ready(self) -> list[bytes]:
+        """The acknowledgements whose steps' events and timers are all in Redis (one whose
+        step's timer is not waits for the timers' task, which wakes the write loop)."""
+        written, timed = self._written, self._timers.written
+        return [entry for entry, put, timers in self._acks if put <= written and timers <= timed]
 
     async def _send_outbox(self) -> None:
         """One round trip: every event put so far (``XADD``), then the acknowledgements whose
         events' steps put nothing still unwritten (``XACK``) and the group's depth. An
         acknowledgement that must follow this round's events goes in the next round."""
         batch, self._outbox = self._outbox, []
-        written = self._written
-        ready = [entry for entry, put in self._acks if put <= written]
+        ready = self._ready()
         commands: list[list[Arg]] = [["XADD", self.stream, "*", _FIELD, d] for _, d in batch]
         if ready:
             commands.append(["XACK", self.stream, self.group, *ready])
@@ -470,7 +480,7 @@ class RedisEventQueue:
                 event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
             except Exception:
                 _log.exception("pipework: an unreadable event %r was dropped", identifier)
-                self._acks.append((identifier, 0))
+                self._acks.append((identifier, 0, 0))
                 self._have_work.set()
                 continue
             self._inflight[id(event)] = (event, identifier)

@@ -49,7 +49,9 @@ class RedisTimers:
     ``add`` only touches memory (the dispatcher calls it from a step); :meth:`run` writes
     what was added and fires what is due, in ``call``'s round trips (the queue's: on its
     own connection or in the job store's), through ``retrying`` (which waits out a Redis
-    that is away). :meth:`flush` waits until every timer added so far is in Redis.
+    that is away). :meth:`flush` waits until every timer added so far is in Redis;
+    ``written`` is called each time more are (the queue acknowledges a step's event only
+    once the timer it set is).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class RedisTimers:
         retrying: Callable[..., Awaitable[Any]],
         poll: float = 1.0,
         batch: int = 100,
+        written: Callable[[], None] = lambda: None,
     ) -> None:
         if poll <= 0:
             raise ValueError(f"the timer poll interval must be positive, got {poll}")
@@ -72,10 +75,11 @@ class RedisTimers:
         self.poll = poll
         self.batch = batch
         self._retrying = retrying
+        self._on_written = written
         self._offset: float | None = None
         self._outbox: list[tuple[float, bytes]] = []
-        self._added = 0
-        self._written = 0
+        self.added = 0  # timers added so far
+        self.written = 0  # timers written to Redis so far
         self._wrote = trio.Event()
         self._wake = trio.Event()
         self._mine: list[float] = []  # deadlines set here: the loop wakes at the earliest
@@ -92,14 +96,14 @@ class RedisTimers:
         # To the millisecond, rounded down: a score rounded up would not be due when its
         # deadline comes.
         self._outbox.append((math.floor((deadline + self.shift()) * 1000) / 1000, event))
-        self._added += 1
+        self.added += 1
         heapq.heappush(self._mine, deadline)
         self._wake.set()  # to write it now, and to wake by its deadline
 
     async def flush(self) -> None:
         """Wait until every timer added so far is in Redis."""
-        target = self._added
-        while self._written < target:
+        target = self.added
+        while self.written < target:
             await self._wrote.wait()
 
     async def run(self) -> None:
@@ -131,9 +135,10 @@ class RedisTimers:
         except BaseException:
             self._outbox[:0] = batch
             raise
-        self._written += len(batch)
+        self.written += len(batch)
         self._wrote.set()
         self._wrote = trio.Event()
+        self._on_written()
 
     async def _claim(self, now: float) -> None:
         score = repr(now + self.shift())
