@@ -24,7 +24,7 @@ import pytest
 import trio
 
 import pipework as pw
-from pipework.dispatcher._events import Expire
+from pipework.dispatcher._events import Expire, RunJob
 from pipework.dispatcher._job import JobView
 from pipework.dispatcher._redis_queue import decode_event, encode_event
 from pipework.dispatcher._redis_timers import RedisTimers
@@ -367,6 +367,57 @@ async def test_suspend_timers_fire_once_on_time_and_outlive_the_process_that_set
             await trio.sleep_until(start + 60)
             assert len(await fired()) == 2  # fired once each, whatever polls came after
             nursery.cancel_scope.cancel()
+
+
+async def test_a_steps_event_is_acknowledged_only_once_its_timer_is_in_redis(
+    redis_server: RedisServer, shared: bool
+) -> None:
+    """A step that suspended with a timer ends: its event stays pending in the group until
+    the timer is written (a process dying in between leaves the event to be claimed, and
+    the claimed step sets the timer again). A step that set no timer is acknowledged
+    meanwhile."""
+    prefix = _prefix()
+    parts = _pair(redis_server.url, prefix, shared=shared)
+    store: RedisJobStore = parts["store"]
+    queue: RedisEventQueue = parts["queue"]
+    timers = queue._timers
+    call, release = timers._call, trio.Event()
+
+    async def held(commands: list[list[Arg]]) -> list[Any]:
+        if commands[0][0] == "ZADD":
+            await release.wait()
+        return await call(commands)
+
+    timers._call = held
+    probe = await Connection.open(redis_server.url)
+
+    async def pending() -> int:
+        (reply,) = await probe.call([["XPENDING", f"{prefix}:events", queue.group]])
+        return int(reply[0])
+
+    try:
+        async with store, queue:
+            with trio.fail_after(30):
+                queue.put_nowait(RunJob("plain"))
+                queue.put_nowait(RunJob("suspending"))
+                first, second = await queue.get(), await queue.get()
+                queue.ack(first)
+                queue.ack(second)
+                queue.step_ended(first)  # set no timer
+                queue.expire_at(trio.current_time() + 600, "suspending", 2)
+                queue.step_ended(second)  # after its timer
+                await _until(lambda: _equals(pending, 1))  # the first one's ack went
+                assert timers.written == 0
+                release.set()
+                await _until(lambda: _equals(pending, 0))
+                (count,) = await probe.call([["ZCARD", f"{prefix}:timers"]])
+                assert count == 1
+    finally:
+        await probe.aclose()
+
+
+async def _equals(read: Callable[[], Awaitable[int]], value: int) -> bool:
+    return await read() == value
 
 
 @pytest.mark.hang_guard(real_seconds=120)
