@@ -988,15 +988,22 @@ class Dispatcher:
         if not own:  # the step writes its own job back; a branch's parent is written here
             await self.store.update(job)
 
-    async def keep_signal(self, job: Job, name: str, payload: Any) -> None:
+    async def keep_signal(self, job: Job, name: str, payload: Any) -> bool:
         """Keep an early signal on an active job until it suspends for it. A job in a step
-        here keeps it on the step's own record, which the step writes back."""
+        here keeps it on the step's own record, which the step writes back. False if the
+        record changed since ``job`` was read from a shared store (a step wrote it
+        meanwhile, without the lock the caller holds): nothing is kept; read it again."""
         running = self._running.get(job.id)
         if running is not None:
             running.signals[name] = payload
-            return
+            return True
         job.signals[name] = payload
-        await self.store.update(job)
+        unless_changed = getattr(self.store, "update_unless_changed", None)
+        if unless_changed is None:  # an in-process store: no step wrote since the read
+            await self.store.update(job)
+            return True
+        kept: bool = await unless_changed(job)
+        return kept
 
 
 def _never(event: Any) -> bool:

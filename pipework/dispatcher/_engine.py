@@ -465,22 +465,28 @@ class Engine:
             await self._signal(job_id, name, payload)
 
     async def _signal(self, job_id: str, name: str, payload: Any) -> None:
-        job = await self.store.get(job_id)
-        if job.status in TERMINAL:
-            raise SignalError(
-                f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"
-            )
-        target = await self._dispatcher.find_waiting(job, name)
-        if target is not None:
-            await self._dispatcher.deliver(target, name, payload)
-            return
-        if job.status is Status.SUSPENDED:
-            raise SignalError(
-                f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, not {name!r}"
-            )
-        if name in job.signals:
-            raise SignalError(f"signal {name!r} is already pending for job {job_id}")
-        await self._dispatcher.keep_signal(job, name, payload)
+        # Kept only on the record as it still is: a step that wrote it since it was read
+        # (forked a stage, say) sends the signal round again, on what the step wrote.
+        while True:
+            job = await self.store.get(job_id)
+            if job.status in TERMINAL:
+                raise SignalError(
+                    f"job {job_id} is {job.status.value}; "
+                    f"signal {name!r} can only reach an active job"
+                )
+            target = await self._dispatcher.find_waiting(job, name)
+            if target is not None:
+                await self._dispatcher.deliver(target, name, payload)
+                return
+            if job.status is Status.SUSPENDED:
+                raise SignalError(
+                    f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, "
+                    f"not {name!r}"
+                )
+            if name in job.signals:
+                raise SignalError(f"signal {name!r} is already pending for job {job_id}")
+            if await self._dispatcher.keep_signal(job, name, payload):
+                return
 
     async def stream(self, job_id: str) -> AsyncIterator[Any]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.

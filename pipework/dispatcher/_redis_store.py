@@ -68,7 +68,8 @@ return 1
 """
 
 # KEYS: job, finished, gone. ARGV: blob, status, id, prefix, terminal (0/1), retain_until,
-# record ttl ms, tombstone ttl ms, token hash, retain count.
+# record ttl ms, tombstone ttl ms, token hash, retain count, the version the record must
+# still have ("" for any).
 _UPDATE: Final = (
     """
 local terminal = {}
@@ -80,6 +81,9 @@ if not cur[1] then return {-1, 0} end
 if terminal[cur[1]] then
   if ARGV[5] == '1' then return {0, tonumber(cur[2])} end
   return {-2, 0}
+end
+if ARGV[11] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[11]) then
+  return {-3, tonumber(cur[2])}
 end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[4]
@@ -429,6 +433,17 @@ class RedisJobStore:
         )
 
     async def update(self, job: Job) -> None:
+        await self._update(job, "")
+
+    async def update_unless_changed(self, job: Job) -> bool:
+        """``update``, only if nobody wrote the record since ``job`` was read from it (its
+        version is still ``job.version``); False if somebody did, and nothing is written.
+        For a write made from a record read a while ago, under :meth:`lock`, that a step
+        (which writes without the lock) may have moved on meanwhile: a signal kept for
+        the job must not bring back the record as it was before the step's write."""
+        return await self._update(job, str(job.version))
+
+    async def _update(self, job: Job, expected: str) -> bool:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
@@ -447,14 +462,18 @@ class RedisJobStore:
                 int(self.tombstone_seconds * 1000),
                 job.token_hash or "",
                 self.retain_count,
+                expected,
             ],
         )
+        if code == -3:
+            return False  # written by somebody else since it was read
         if code == 1:
             job.version = int(version)
         elif code == 0:
             job.version = int(version)  # already final: the first end stands
         else:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
+        return True
 
     async def delete(self, job_id: str) -> None:
         await self._run(
