@@ -42,6 +42,11 @@ __all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
 
 _log = logging.getLogger("pipework.engine")
 
+#: How often a request parked on a job that another process may finish looks at the
+#: record again: an end published while this process's subscription was away (Redis
+#: restarted, the client reconnected) is not heard again.
+_RECHECK_SECONDS: Final = 5.0
+
 #: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
 JobObserver = Callable[[JobView, str | None], None]
 
@@ -361,6 +366,9 @@ class Engine:
                 return job.result
             return _outcome(job, self._dispatcher.exceptions.get(job_id))
         waiters = self._dispatcher._waiters
+        # Ends recorded elsewhere are heard through a subscription that may miss some.
+        follows = getattr(self.store, "follow_finished", None) is not None
+        recheck = _RECHECK_SECONDS if follows else math.inf
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
@@ -373,7 +381,8 @@ class Engine:
             if job.status in TERMINAL:
                 self._finished_elsewhere(job_id)
                 return _outcome(job, self._dispatcher.exceptions.get(job_id))
-            await waiter.wait()
+            with trio.move_on_after(recheck):
+                await waiter.wait()
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""

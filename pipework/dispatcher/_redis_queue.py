@@ -379,9 +379,13 @@ class RedisEventQueue:
         mine = set(held)
         start: Any = "0-0"
         idle = int(self.claim_idle * 1000)
-        while True:
+        # Claims count toward max_inflight as reads do: a consumer with a full pool leaves
+        # a dead one's events to the others (or to its next round) rather than taking them
+        # all at once, to wait for its slots past their wait timeout.
+        room = self.max_inflight - len(self._inflight)
+        while room > 0:
             reply = await self._client.xautoclaim(
-                self.stream, self.group, self.consumer, idle, start, count=100
+                self.stream, self.group, self.consumer, idle, start, count=min(100, room)
             )
             start, entries = reply[0], reply[1]
             claimed = [e for e in entries if e.identifier not in mine]
@@ -390,6 +394,7 @@ class RedisEventQueue:
                     "pipework: claimed %d events left pending by a silent consumer", len(claimed)
                 )
                 self._deliver(claimed, claimed=True)
+                room -= len(claimed)
             if start in (b"0-0", "0-0"):
                 return
 
