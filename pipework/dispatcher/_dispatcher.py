@@ -119,7 +119,7 @@ class Dispatcher:
         # A shared queue (Redis) keeps a step's event until the step ends, and says when an
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
-        self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        self.reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -271,7 +271,7 @@ class Dispatcher:
                 job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
-            if job.status is Status.RUNNING and self._reclaimed(event):
+            if job.status is Status.RUNNING and self.reclaimed(event):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on): run it again from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
