@@ -119,7 +119,7 @@ class Dispatcher:
         # A shared queue (Redis) keeps a step's event until the step ends, and says when an
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
-        self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        self.reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
         # A shared queue keeps suspend timers where they outlive this process.
         self._durable_expire: Callable[[float, str, int], None] | None = getattr(
             queue, "expire_at", None
@@ -280,12 +280,12 @@ class Dispatcher:
                 job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
-            if job.status is Status.RUNNING and self._reclaimed(event):
+            if job.status is Status.RUNNING and self.reclaimed(event):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on): run it again from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
             if job.status is not Status.QUEUED:
-                if job.status is Status.SUSPENDED and self._reclaimed(event):
+                if job.status is Status.SUSPENDED and self.reclaimed(event):
                     self._rearm(job)  # its step died before its timer was surely stored
                 return  # cancelled or finished while the event waited: nothing to run
             scope = trio.CancelScope()
@@ -1023,15 +1023,22 @@ class Dispatcher:
         if not own:  # the step writes its own job back; a branch's parent is written here
             await self.store.update(job)
 
-    async def keep_signal(self, job: Job, name: str, payload: Any) -> None:
+    async def keep_signal(self, job: Job, name: str, payload: Any) -> bool:
         """Keep an early signal on an active job until it suspends for it. A job in a step
-        here keeps it on the step's own record, which the step writes back."""
+        here keeps it on the step's own record, which the step writes back. False if the
+        record changed since ``job`` was read from a shared store (a step wrote it
+        meanwhile, without the lock the caller holds): nothing is kept; read it again."""
         running = self._running.get(job.id)
         if running is not None:
             running.signals[name] = payload
-            return
+            return True
         job.signals[name] = payload
-        await self.store.update(job)
+        unless_changed = getattr(self.store, "update_unless_changed", None)
+        if unless_changed is None:  # an in-process store: no step wrote since the read
+            await self.store.update(job)
+            return True
+        kept: bool = await unless_changed(job)
+        return kept
 
 
 def _never(event: Any) -> bool:

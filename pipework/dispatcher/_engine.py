@@ -42,6 +42,11 @@ __all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
 
 _log = logging.getLogger("pipework.engine")
 
+#: How often a request parked on a job that another process may finish looks at the
+#: record again: an end published while this process's subscription was away (Redis
+#: restarted, the client reconnected) is not heard again.
+_RECHECK_SECONDS: Final = 5.0
+
 #: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
 JobObserver = Callable[[JobView, str | None], None]
 
@@ -387,6 +392,9 @@ class Engine:
         waiters = self._dispatcher._waiters
         # A shared store may know the record without reading it (a job it ended itself).
         read = getattr(self.store, "read_awaited", self.store.get)
+        # Ends recorded elsewhere are heard through a subscription that may miss some.
+        follows = getattr(self.store, "follow_finished", None) is not None
+        recheck = _RECHECK_SECONDS if follows else math.inf
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
@@ -399,7 +407,8 @@ class Engine:
             if job.status in TERMINAL:
                 self._finished_elsewhere(job_id)
                 return _outcome(job, self._dispatcher.exceptions.get(job_id))
-            await waiter.wait()
+            with trio.move_on_after(recheck):
+                await waiter.wait()
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
@@ -500,22 +509,28 @@ class Engine:
             await self._signal(job_id, name, payload)
 
     async def _signal(self, job_id: str, name: str, payload: Any) -> None:
-        job = await self.store.get(job_id)
-        if job.status in TERMINAL:
-            raise SignalError(
-                f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"
-            )
-        target = await self._dispatcher.find_waiting(job, name)
-        if target is not None:
-            await self._dispatcher.deliver(target, name, payload)
-            return
-        if job.status is Status.SUSPENDED:
-            raise SignalError(
-                f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, not {name!r}"
-            )
-        if name in job.signals:
-            raise SignalError(f"signal {name!r} is already pending for job {job_id}")
-        await self._dispatcher.keep_signal(job, name, payload)
+        # Kept only on the record as it still is: a step that wrote it since it was read
+        # (forked a stage, say) sends the signal round again, on what the step wrote.
+        while True:
+            job = await self.store.get(job_id)
+            if job.status in TERMINAL:
+                raise SignalError(
+                    f"job {job_id} is {job.status.value}; "
+                    f"signal {name!r} can only reach an active job"
+                )
+            target = await self._dispatcher.find_waiting(job, name)
+            if target is not None:
+                await self._dispatcher.deliver(target, name, payload)
+                return
+            if job.status is Status.SUSPENDED:
+                raise SignalError(
+                    f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, "
+                    f"not {name!r}"
+                )
+            if name in job.signals:
+                raise SignalError(f"signal {name!r} is already pending for job {job_id}")
+            if await self._dispatcher.keep_signal(job, name, payload):
+                return
 
     async def stream(self, job_id: str) -> AsyncIterator[Any]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.

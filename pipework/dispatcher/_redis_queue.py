@@ -505,9 +505,25 @@ class RedisEventQueue:
         mine = set(held)
         start: bytes = b"0-0"
         idle = int(self.claim_idle * 1000)
-        while True:
+        # Claims count toward max_inflight as reads do: a consumer with a full pool leaves
+        # a dead one's events to the others (or to its next round) rather than taking them
+        # all at once, to wait for its slots past their wait timeout.
+        room = self.max_inflight - len(self._inflight)
+        while room > 0:
+            count = min(100, room)
             (reply,) = await self._call(
-                [["XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start, "COUNT", 100]]
+                [
+                    [
+                        "XAUTOCLAIM",
+                        self.stream,
+                        self.group,
+                        self.consumer,
+                        idle,
+                        start,
+                        "COUNT",
+                        count,
+                    ]
+                ]
             )
             if isinstance(reply, ReplyError):
                 raise reply
@@ -518,6 +534,7 @@ class RedisEventQueue:
                     "pipework: claimed %d events left pending by a silent consumer", len(claimed)
                 )
                 self._deliver(claimed, claimed=True)
+                room -= len(claimed)
             if start == b"0-0":
                 return
 
