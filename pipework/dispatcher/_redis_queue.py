@@ -510,21 +510,11 @@ class RedisEventQueue:
         # all at once, to wait for its slots past their wait timeout.
         room = self.max_inflight - len(self._inflight)
         while room > 0:
-            count = min(100, room)
-            (reply,) = await self._call(
-                [
-                    [
-                        "XAUTOCLAIM",
-                        self.stream,
-                        self.group,
-                        self.consumer,
-                        idle,
-                        start,
-                        "COUNT",
-                        count,
-                    ]
-                ]
-            )
+            command: list[Arg] = [
+                "XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start,
+                "COUNT", min(100, room),
+            ]  # fmt: skip
+            (reply,) = await self._call([command])
             if isinstance(reply, ReplyError):
                 raise reply
             start, entries = reply[0], reply[1]
