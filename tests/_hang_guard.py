@@ -12,9 +12,12 @@ Three bounds, each for a kind of hang the others cannot see:
   Either bound cancels the test body, lets its cleanup run, and fails the test with where
   the test was waiting.
 - **process.** Code that never reaches a checkpoint (a busy loop, a blocking call, a sync
-  test) cannot be cancelled: after ``hang_guard_exit_seconds`` of real time on any test,
-  ``faulthandler`` prints every thread's stack and ends the process, so CI fails instead of
-  waiting for its own timeout.
+  test) cannot be cancelled, nor can a wait inside a shielded cancel scope: after
+  ``hang_guard_exit_seconds`` of real time on any test (or the test's own real-time bound
+  plus a minute, if its marker raises it past that), ``faulthandler`` prints every thread's
+  stack and ends the process, so CI fails instead of waiting for its own timeout. Just
+  before, the guard names the test, and where it was waiting if the real-time bound had
+  already fired: a trio task's frames are on no thread's stack.
 
 The guard wraps the test function itself, in the test's own task: the test's exceptions
 and outcomes (skip, xfail) pass through unchanged. Async fixtures' setup and teardown are
@@ -82,14 +85,46 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     config.stash[_stderr].close()
 
 
+# The watch of the trio test running now, for the process bound's last words.
+_watch: pytest.StashKey[_Watch] = pytest.StashKey()
+
+#: How long the process bound waits beyond a real-time bound raised by a marker.
+_EXIT_MARGIN = 60.0
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     seconds = float(item.config.getini("hang_guard_exit_seconds"))
-    faulthandler.dump_traceback_later(seconds, exit=True, file=item.config.stash[_stderr])
+    marker = item.get_closest_marker("hang_guard")
+    if marker is not None and "real_seconds" in marker.kwargs:
+        seconds = max(seconds, float(marker.kwargs["real_seconds"]) + _EXIT_MARGIN)
+    stderr = item.config.stash[_stderr]
+    # Said just before faulthandler ends the process (a thread of Python's own, so it may
+    # not get its turn if something holds the GIL; the stacks come regardless).
+    last_words = threading.Timer(max(seconds - 1.0, seconds * 0.9), _say_which, (item, seconds))
+    last_words.daemon = True
+    last_words.start()
+    faulthandler.dump_traceback_later(seconds, exit=True, file=stderr)
     try:
         return (yield)
     finally:
         faulthandler.cancel_dump_traceback_later()
+        last_words.cancel()
+        if _watch in item.stash:
+            del item.stash[_watch]
+
+
+def _say_which(item: pytest.Item, seconds: float) -> None:
+    stderr = item.config.stash[_stderr]
+    said = f"\nhang guard: {item.nodeid} has run for about {seconds:g}s of real time"
+    watch = item.stash.get(_watch, None)
+    if watch is not None and watch.reason is not None:
+        said += (
+            f"; {watch.reason}, but it did not end when cancelled (a shielded wait?); "
+            f"it was waiting at:\n{watch.where}"
+        )
+    stderr.write(said + "\nthe process ends now, with every thread's stack:\n")
+    stderr.flush()
 
 
 # tryfirst: wrap the test before pytest-trio wraps it in trio.run.
@@ -104,21 +139,23 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
             real_seconds = marker.kwargs.get("real_seconds", real_seconds)
         hypothesis = getattr(item.obj, "hypothesis", None)
         if hypothesis is not None:
-            hypothesis.inner_test = _guarded(hypothesis.inner_test, trio_seconds, real_seconds)
+            hypothesis.inner_test = _guarded(
+                hypothesis.inner_test, trio_seconds, real_seconds, item
+            )
         else:
-            item.obj = _guarded(item.obj, trio_seconds, real_seconds)
+            item.obj = _guarded(item.obj, trio_seconds, real_seconds, item)
     return (yield)
 
 
 def _guarded(
-    test: Callable[..., Any], trio_seconds: float, real_seconds: float
+    test: Callable[..., Any], trio_seconds: float, real_seconds: float, item: pytest.Item
 ) -> Callable[..., Any]:
     if not inspect.iscoroutinefunction(test) or getattr(test, "_hang_guarded", False):
         return test  # already wrapped (by us, or by pytest-trio on an earlier run)
 
     @functools.wraps(test)
     async def guarded(**kwargs: Any) -> None:
-        await _run_guarded(functools.partial(test, **kwargs), trio_seconds, real_seconds)
+        await _run_guarded(functools.partial(test, **kwargs), trio_seconds, real_seconds, item)
 
     guarded._hang_guarded = True  # type: ignore[attr-defined]  # a marker on a function object
     return guarded
@@ -150,12 +187,15 @@ class _Watch:
 
 
 async def _run_guarded(
-    body: Callable[[], Awaitable[None]], trio_seconds: float, real_seconds: float
+    body: Callable[[], Awaitable[None]],
+    trio_seconds: float,
+    real_seconds: float,
+    item: pytest.Item,
 ) -> None:
     clock = trio.lowlevel.current_clock()
     token = trio.lowlevel.current_trio_token()
     with trio.CancelScope() as scope:
-        watch = _Watch(scope)
+        watch = item.stash[_watch] = _Watch(scope)
         timers = trio.CancelScope()
         if isinstance(clock, trio.testing.MockClock):
             trio.lowlevel.spawn_system_task(_trio_clock_bound, watch, timers, trio_seconds)

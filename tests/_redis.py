@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import trio
 
-from pipework.dispatcher._redis_store import RedisJobStore
+from pipework.dispatcher._redis_store import RedisJobStore, StoreUnavailable
 
 __all__ = ["RedisServer", "TestRedisJobStore", "redis_server", "start_redis", "store_class"]
 
@@ -120,7 +120,14 @@ def redis_server() -> Iterator[RedisServer]:
 class TestRedisJobStore(RedisJobStore):
     """The Redis store for the engine's suite, which runs on trio's MockClock: while a
     round trip waits on the socket, a task spins through checkpoints, so an autojumping
-    clock does not take the wait for idleness and leap to the next deadline."""
+    clock does not take the wait for idleness and leap to the next deadline.
+
+    The clock stands still meanwhile, so the store's own bound (``io_timeout`` on the trio
+    clock) cannot end a round trip that never ends, nor can anything inside it that waits
+    on the clock (the client's retry back-off): the spin is bounded in real time instead,
+    and a round trip past ``io_timeout`` real seconds fails with the store's error. The
+    round trip is shielded, so without this bound the test would spin until the hang
+    guard's process bound killed the run."""
 
     __test__ = False  # not a test class, whatever its name
 
@@ -131,6 +138,7 @@ class TestRedisJobStore(RedisJobStore):
 
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
         result: list[Any] = []
+        give_up = time.monotonic() + self.io_timeout
 
         async def wait() -> None:
             result.append(await request())
@@ -138,8 +146,14 @@ class TestRedisJobStore(RedisJobStore):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
-            while True:
+            while time.monotonic() < give_up:
                 await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+        if not result:
+            raise StoreUnavailable(
+                f"the job store at {self.url} did not answer within {self.io_timeout:g}s "
+                "of real time (the test's trio clock stands still while it waits)"
+            )
         return result[0]
 
 

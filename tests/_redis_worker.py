@@ -12,10 +12,16 @@ import trio
 import pipework as pw
 from pipework.redis import RedisEventQueue, RedisJobStore
 
+#: The crash test's pools let a step wait for its slot as long as its job's own timeout
+#: allows: its workers hold hundreds of events for 16 slots, and on a loaded machine a
+#: bound on the slot wait would fail jobs (Rejected) that the count then misses, whatever
+#: the crash left behind.
+SLOT_WAIT = None
+
 
 def declare(engine: pw.Engine, name: str) -> None:
     """Two keys, so every job is handed off once between its two steps; "fan" runs two
-    branches in parallel first."""
+    branches in parallel first; "wait" suspends with a timeout."""
 
     @engine.pipe(key="a")
     async def fetch(ctx: pw.Context) -> None:
@@ -39,11 +45,18 @@ def declare(engine: pw.Engine, name: str) -> None:
     # A parallel stage: killed inside it, its branches are rerun elsewhere.
     engine.chain("fan", pw.all_of(branch("left"), branch("right")), store, timeout=600)
 
+    @engine.pipe(key="a")
+    async def hold(ctx: pw.Context) -> None:
+        await ctx.suspend("approved", into="approval", timeout=5)
+
+    # Suspended with a timeout: killed meanwhile, its timer fires in another process.
+    engine.chain("wait", hold, timeout=600)
+
 
 async def main(url: str, prefix: str, shared: bool) -> None:
     store = RedisJobStore(url, prefix=prefix)
     engine = pw.Engine(
-        pool=pw.WeightedPool(16),
+        pool=pw.WeightedPool(16, wait_timeout=SLOT_WAIT),
         store=store,
         queue=RedisEventQueue(
             url, prefix=prefix, consumer="doomed", claim_idle=1, store=store if shared else None

@@ -49,7 +49,7 @@ def each_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 @pytest.fixture(params=["memory", "copying"])
 def each_local_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> type[Any]:
     """``each_store`` without Redis, for the misbehaving-pipes property test: on the Redis
-    store one of its examples in a few hundred can wait forever on a reply (an open issue,
+    store one run of its examples in about ten still does not end (an open issue,
     docs/scaling.md), which a property test must not paper over with a timeout."""
     store: type[Any] = pw.MemoryJobStore if request.param == "memory" else CopyingJobStore
     monkeypatch.setattr(_engine, "MemoryJobStore", store)

@@ -117,3 +117,55 @@ def test_a_test_that_never_yields_ends_the_run_with_every_stack(
     result = _run(guarded)
     assert result.ret != 0
     result.stderr.fnmatch_lines(["Timeout (0:00:02)!", "*test_busy.py*line [23] in test_busy_loop"])
+
+
+def test_a_shielded_wait_ends_the_run_naming_the_test_and_where_it_waited(
+    guarded: pytest.Pytester,
+) -> None:
+    """A wait inside a shielded scope outlives the real-time bound's cancellation: the
+    process bound ends it, and says first which test it was and where the real-time bound
+    found it waiting (a trio task's frames are on no thread's stack)."""
+    guarded.makepyfile(
+        test_shielded="""
+        import trio
+
+        async def spin_forever() -> None:
+            while True:
+                await trio.lowlevel.checkpoint()
+
+        async def test_shielded_spin() -> None:
+            with trio.CancelScope(shield=True):
+                await spin_forever()
+        """
+    )
+    result = _run(guarded)
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(
+        [
+            "hang guard: test_shielded.py::test_shielded_spin has run for about 2s of real "
+            "time; the test ran for more than 1s of real time, but it did not end when "
+            "cancelled (a shielded wait?); it was waiting at:",
+            "*test_shielded.py*, in test_shielded_spin",
+            "*await spin_forever()",
+            "*test_shielded.py*, in spin_forever",
+            "the process ends now, with every thread's stack:",
+            "Timeout (0:00:02)!",
+        ]
+    )
+
+
+def test_a_marker_that_raises_the_real_bound_raises_the_process_bound(
+    guarded: pytest.Pytester,
+) -> None:
+    guarded.makepyfile(
+        test_long="""
+        import time
+        import pytest
+
+        @pytest.mark.hang_guard(real_seconds=1)
+        def test_sync_and_longer_than_the_exit_bound() -> None:
+            time.sleep(3)  # a sync test: only the process bound watches it
+        """
+    )
+    result = _run(guarded)
+    result.assert_outcomes(passed=1)

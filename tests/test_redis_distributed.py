@@ -28,6 +28,7 @@ from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.registry._gateway import Gateway
 
 from ._redis import RedisServer, start_redis
+from ._redis_worker import SLOT_WAIT
 from ._redis_worker import declare as declare_work
 from .test_gateway import backend, gateway_file
 
@@ -309,7 +310,7 @@ async def test_kill_9_in_the_middle_of_the_jobs_loses_none(
         assert len(await front.store.list(pw.Status.DONE)) < jobs  # it died mid-run
 
         rescuer = pw.Engine(
-            pool=pw.WeightedPool(16),
+            pool=pw.WeightedPool(16, wait_timeout=SLOT_WAIT),
             store=RedisJobStore(redis_server.url, prefix=prefix),
             queue=RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=1),
         )
@@ -409,3 +410,43 @@ async def test_kill_9_loses_none_when_the_queue_shares_the_stores_round_trips(
     assert any(r["stored_by"] == "rescuer" for r in results)
     statuses = [(await front.store.get(job_id)).status for job_id in ids]
     assert statuses.count(pw.Status.DONE) == jobs
+
+
+class _Deaf(RedisJobStore):
+    """A store whose subscription to other processes' ends hears none of them, as one that
+    was away while they were published (Redis restarted, the client reconnecting)."""
+
+    async def follow_finished(
+        self,
+        finished: Callable[[str], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+
+async def test_a_request_parked_where_the_end_was_not_heard_still_completes(
+    redis_server: RedisServer,
+) -> None:
+    """Engine a only accepts and parks; b runs the job and publishes its end, which a's
+    subscription misses: a looks at the record again now and then, and answers."""
+    prefix = _prefix()
+    a = pw.Engine(
+        store=_Deaf(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix, max_inflight=0),
+    )
+    b = pw.Engine(
+        store=RedisJobStore(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix),
+    )
+    for name, engine in (("a", a), ("b", b)):
+
+        @engine.pipe(name="work")
+        async def work(ctx: pw.Context, name: str = name) -> None:
+            ctx.state["by"] = name
+
+        engine.chain("c", work)
+    async with a, b:
+        with trio.fail_after(30):
+            assert await a.run("c") == {"by": "b"}

@@ -7,10 +7,12 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import pipework as pw
 from pipework.dispatcher._job import Job, new_job_id
@@ -180,3 +182,65 @@ async def test_calls_made_together_share_round_trips_and_keep_their_own_answers(
         }
     assert sum(trips) == 81  # every call sent once
     assert len(trips) < 81 // 2  # and most of them together
+
+
+class _HeldRead(TestRedisJobStore):
+    """A store whose next read of one job waits, once it has read, for ``hold()``."""
+
+    held: tuple[str, Callable[[], Awaitable[None]]] | None = None
+
+    async def get(self, job_id: str) -> Job:
+        job = await super().get(job_id)
+        if self.held is not None and self.held[0] == job_id:
+            hold = self.held[1]
+            self.held = None
+            await hold()
+        return job
+
+
+async def test_a_signal_kept_on_a_record_a_step_wrote_since_it_was_read_loses_nothing(
+    autojump_clock: trio.abc.Clock, redis_server: RedisServer
+) -> None:
+    """A signal reads the record; the job's step forks a parallel stage meanwhile (it
+    writes the join into the record, without the per-job lock the signal holds) and ends;
+    then the signal keeps itself on the record. It must not write back the record it read:
+    the join would be lost, the branches' ends ignored, and the job would never end."""
+    store = _HeldRead(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    engine = pw.Engine(store=store)
+    gate, branches = trio.Event(), trio.Event()
+
+    async def first(ctx: pw.Context) -> None:
+        await gate.wait()
+
+    async def branch(ctx: pw.Context) -> None:
+        await branches.wait()
+        ctx.state[ctx.pipe.name] = True
+
+    engine.chain(
+        "c",
+        pw.Pipe(first, "first"),
+        pw.all_of(pw.Pipe(branch, "x", key="x"), pw.Pipe(branch, "y", key="y")),
+    )
+    async with engine:
+        job_id = await engine.submit("c")
+
+        async def forked() -> None:  # the step goes on, forks the stage and ends
+            gate.set()
+            for _ in range(1000):
+                if (await RedisJobStore.get(store, job_id)).join is not None:
+                    break
+                await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+
+        for _ in range(1000):
+            if (await store.get(job_id)).status is pw.Status.RUNNING:
+                break
+            await trio.sleep(0.01)
+        store.held = (job_id, forked)
+        await engine.signal(job_id, "go", 1)  # read while the step runs, kept after it
+        record = await store.get(job_id)
+        assert record.join is not None  # the fork's write stands...
+        assert record.signals == {"go": 1}  # ...with the signal on it
+        branches.set()
+        with trio.fail_after(60):
+            assert await engine.wait(job_id) == {"x": True, "y": True}

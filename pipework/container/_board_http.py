@@ -348,6 +348,7 @@ class BoardApi:
 
     def _on_board(self, view: Any, token: str | None) -> None:
         self.job_board.publish(view, None if token is None else hash_token(token))
+        self.jobs.engine.watch(view.id)  # its steps may run in another process
 
     async def job_events(self, job_id: str) -> Response:
         """``GET /jobs/{id}/events``: the job's document on every change, ending with its

@@ -132,7 +132,16 @@ class Dispatcher:
         # A shared queue (Redis) keeps a step's event until the step ends, and says when an
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
-        self._reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        self.reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        # A shared queue keeps suspend timers where they outlive this process.
+        self._durable_expire: Callable[[float, str, int], None] | None = getattr(
+            queue, "expire_at", None
+        )
+        #: Set when a job's steps may run in other processes: a cancel of a job not running
+        #: here is told to them, and a streamed job's chunks go to where its reader is
+        #: (True when taken; False leaves them in the record).
+        self.cancel_elsewhere: Callable[[str], None] | None = None
+        self.emit_elsewhere: Callable[[str, Any], Awaitable[bool]] | None = None
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
@@ -284,11 +293,13 @@ class Dispatcher:
                 job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
             except PipeworkError:
                 return
-            if job.status is Status.RUNNING and self._reclaimed(event):
+            if job.status is Status.RUNNING and self.reclaimed(event):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on): run it again from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
             if job.status is not Status.QUEUED:
+                if job.status is Status.SUSPENDED and self.reclaimed(event):
+                    self._rearm(job)  # its step died before its timer was surely stored
                 return  # cancelled or finished while the event waited: nothing to run
             scope = trio.CancelScope()
             self._scopes[job.id] = scope
@@ -838,9 +849,18 @@ class Dispatcher:
         )
 
     def _expire_at(self, deadline: float, job_id: str, version: int) -> None:
+        if self._durable_expire is not None:
+            self._durable_expire(deadline, job_id, version)
+            return
         if not self._deadlines or deadline < self._deadlines[0][0]:
             self._deadline_moved.set()  # the serving task sleeps until a later one
         heapq.heappush(self._deadlines, (deadline, job_id, version))
+
+    def _rearm(self, job: Job) -> None:
+        """Set a suspended job's timer again (a timer already set is the same one: it fires
+        once; one that fired already finds the job moved on)."""
+        if job.suspend_deadline is not None and job.suspend_deadline < math.inf:
+            self._expire_at(job.suspend_deadline, job.id, job.version)
 
     async def _expire_when_due(self) -> None:
         """Put an Expire event for every suspension whose deadline has come."""
@@ -908,6 +928,19 @@ class Dispatcher:
             await self.finish(
                 job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
             )
+            if self.cancel_elsewhere is not None:  # a step of it may run in another process
+                self.cancel_elsewhere(job.id)
+
+    def interrupt(self, job_id: str) -> None:
+        """Cancel the step running ``job_id`` here, if one is (a cancel recorded by another
+        process): the step ends the job once the pipe's cleanup has run."""
+        scope = self._scopes.get(job_id)
+        if scope is None:
+            return
+        running = self._running.get(job_id)
+        if running is not None:
+            running.cancel_requested = True
+        scope.cancel()
 
     async def finish(
         self,
@@ -1070,6 +1103,8 @@ class Dispatcher:
         if stream is not None:
             await stream.send(chunk)
             return
+        if self.emit_elsewhere is not None and await self.emit_elsewhere(job.id, chunk):
+            return
         if isinstance(job.output, list):
             job.output.append(chunk)
         else:
@@ -1077,15 +1112,22 @@ class Dispatcher:
         if not own:  # the step writes its own job back; a branch's parent is written here
             await self.store.update(job)
 
-    async def keep_signal(self, job: Job, name: str, payload: Any) -> None:
+    async def keep_signal(self, job: Job, name: str, payload: Any) -> bool:
         """Keep an early signal on an active job until it suspends for it. A job in a step
-        here keeps it on the step's own record, which the step writes back."""
+        here keeps it on the step's own record, which the step writes back. False if the
+        record changed since ``job`` was read from a shared store (a step wrote it
+        meanwhile, without the lock the caller holds): nothing is kept; read it again."""
         running = self._running.get(job.id)
         if running is not None:
             running.signals[name] = payload
-            return
+            return True
         job.signals[name] = payload
-        await self.store.update(job)
+        unless_changed = getattr(self.store, "update_unless_changed", None)
+        if unless_changed is None:  # an in-process store: no step wrote since the read
+            await self.store.update(job)
+            return True
+        kept: bool = await unless_changed(job)
+        return kept
 
 
 def _never(event: Any) -> bool:

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
 
@@ -41,6 +41,11 @@ from ._weighted import WeightedPool
 __all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
 
 _log = logging.getLogger("pipework.engine")
+
+#: How often a request parked on a job that another process may finish looks at the
+#: record again: an end published while this process's subscription was away (Redis
+#: restarted, the client reconnected) is not heard again.
+_RECHECK_SECONDS: Final = 5.0
 
 #: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
 JobObserver = Callable[[JobView, str | None], None]
@@ -122,6 +127,9 @@ class Engine:
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
         self._observers: list[JobObserver] = []
         self._dispatcher.changed = self._changed
+        # A shared queue's relay (Redis): steps of a job may run in other processes.
+        self._relay: Any = getattr(self.queue, "relay", None)
+        self._relayed: set[str] = set()  # streamed jobs whose chunks come through it
 
     @property
     def plan_generation(self) -> int:
@@ -153,7 +161,15 @@ class Engine:
         if waiter is not None:
             waiter.set()
 
+    def _heard_finished(self, job_id: str) -> None:
+        """A job ended, in this process or another (the store published it)."""
+        self._finished_elsewhere(job_id)
+        if self._relay is not None:
+            self._relay.ended(job_id)
+
     def _job_finished(self, job: Job) -> None:
+        if self._relay is not None and job.status in TERMINAL:
+            self._relay.ended(job.id)
         jobs = self._plan_jobs.get(job.plan)
         if jobs is not None:
             jobs.discard(job.id)
@@ -212,7 +228,11 @@ class Engine:
             nursery = await stack.enter_async_context(trio.open_nursery())
             follow = getattr(self.store, "follow_finished", None)
             if follow is not None:  # jobs parked here may finish in another process
-                await nursery.start(follow, self._finished_elsewhere)
+                await nursery.start(follow, self._heard_finished)
+            if self._relay is not None:
+                await nursery.start(self._relay.run, _RelayTarget(self))
+                self._dispatcher.cancel_elsewhere = self._relay.cancel
+                self._dispatcher.emit_elsewhere = self._relay.emit
             await nursery.start(self._dispatcher.run)
             self._running = stack.pop_all()  # started: the nursery stays open until __aexit__
         self._nursery = nursery
@@ -316,7 +336,10 @@ class Engine:
         jobs = self._plan_jobs.get(generation)
         if jobs is not None:
             jobs.add(job.id)
+        relayed = stream and self._relay is not None
         try:
+            if relayed:  # its steps may run anywhere: marked before its first event
+                await self._relay.open_stream(job.id)
             nowait = self._dispatcher.nowait
             if nowait:
                 nowait[2](job)
@@ -331,12 +354,16 @@ class Engine:
             if flush is not None:  # a shared queue: the first event is in Redis before the id
                 await flush()
         except BaseException:
+            if relayed:
+                self._relay.close_stream(job.id)
             if jobs is not None:
                 jobs.discard(job.id)
                 self._retire_if_idle(generation)
             raise
         self._changed(job)
-        if stream:
+        if relayed:
+            self._relayed.add(job.id)
+        elif stream:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
         if job_logger.isEnabledFor(logging.INFO):
             log_job(
@@ -365,6 +392,9 @@ class Engine:
         waiters = self._dispatcher._waiters
         # A shared store may know the record without reading it (a job it ended itself).
         read = getattr(self.store, "read_awaited", self.store.get)
+        # Ends recorded elsewhere are heard through a subscription that may miss some.
+        follows = getattr(self.store, "follow_finished", None) is not None
+        recheck = _RECHECK_SECONDS if follows else math.inf
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
@@ -377,7 +407,8 @@ class Engine:
             if job.status in TERMINAL:
                 self._finished_elsewhere(job_id)
                 return _outcome(job, self._dispatcher.exceptions.get(job_id))
-            await waiter.wait()
+            with trio.move_on_after(recheck):
+                await waiter.wait()
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
@@ -436,12 +467,21 @@ class Engine:
     def _changed(self, job: Job) -> None:
         if not self._observers or job.parent is not None or job.plan == INTERNAL_PLAN:
             return
+        if self._relay is not None:
+            self._relay.seen(job)
         view = job.view()
         for observer in list(self._observers):
             try:
                 observer(view, job.token_hash)
             except Exception:
                 _log.exception("pipework: a job observer failed on job %s", job.id)
+
+    def watch(self, job_id: str) -> None:
+        """Tell this engine's observers of the job's changes (status, progress) made by
+        other processes too, until it ends: for a follower held here of a job that may run
+        elsewhere. Nothing to do when every step runs in this process (the memory queue)."""
+        if self._relay is not None:
+            self._relay.watch(job_id)
 
     def set_callback_factory(self, factory: Callable[[str, str, float], str] | None) -> None:
         """Let pipes hand out callback URLs: ``factory(job_id, signal, ttl) -> url``."""
@@ -469,26 +509,40 @@ class Engine:
             await self._signal(job_id, name, payload)
 
     async def _signal(self, job_id: str, name: str, payload: Any) -> None:
-        job = await self.store.get(job_id)
-        if job.status in TERMINAL:
-            raise SignalError(
-                f"job {job_id} is {job.status.value}; signal {name!r} can only reach an active job"
-            )
-        target = await self._dispatcher.find_waiting(job, name)
-        if target is not None:
-            await self._dispatcher.deliver(target, name, payload)
-            return
-        if job.status is Status.SUSPENDED:
-            raise SignalError(
-                f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, not {name!r}"
-            )
-        if name in job.signals:
-            raise SignalError(f"signal {name!r} is already pending for job {job_id}")
-        await self._dispatcher.keep_signal(job, name, payload)
+        # Kept only on the record as it still is: a step that wrote it since it was read
+        # (forked a stage, say) sends the signal round again, on what the step wrote.
+        while True:
+            job = await self.store.get(job_id)
+            if job.status in TERMINAL:
+                raise SignalError(
+                    f"job {job_id} is {job.status.value}; "
+                    f"signal {name!r} can only reach an active job"
+                )
+            target = await self._dispatcher.find_waiting(job, name)
+            if target is not None:
+                await self._dispatcher.deliver(target, name, payload)
+                return
+            if job.status is Status.SUSPENDED:
+                raise SignalError(
+                    f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, "
+                    f"not {name!r}"
+                )
+            if name in job.signals:
+                raise SignalError(f"signal {name!r} is already pending for job {job_id}")
+            if await self._dispatcher.keep_signal(job, name, payload):
+                return
 
     async def stream(self, job_id: str) -> AsyncIterator[Any]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.
         Only for jobs submitted with ``stream=True``, and only once."""
+        if job_id in self._relayed:  # its steps may run in other processes
+            self._relayed.discard(job_id)
+            # Closed with this generator, not left to the garbage collector.
+            async with aclosing(self._relay.chunks(job_id)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            await self.wait(job_id)
+            return
         try:
             receive = self._receivers.pop(job_id)
         except KeyError:
@@ -499,6 +553,22 @@ class Engine:
             async for chunk in receive:
                 yield chunk
         await self.wait(job_id)
+
+
+class _RelayTarget:
+    """What a relay acts on: this engine's steps, store and observers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def interrupt(self, job_id: str) -> None:
+        self._engine._dispatcher.interrupt(job_id)
+
+    async def read(self, job_id: str) -> Job:
+        return await self._engine.store.get(job_id)
+
+    def changed(self, job: Job) -> None:
+        self._engine._changed(job)
 
 
 def _internal_registry() -> Catalogue:

@@ -196,6 +196,11 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     record = parent.join
     if parent.status in TERMINAL or record is None or record.id != event.join_id:
         d.branch_errors.pop(event.branch_id, None)
+        if parent.status is Status.QUEUED and d.reclaimed(event):
+            # The process that took this end in died after it sent the parent on (the
+            # record says queued), perhaps before the parent's event reached the shared
+            # queue: send it again. A duplicate finds the parent no longer queued.
+            d.queue.put_nowait(RunJob(parent.id))
         return  # the stage is over: a late branch changes nothing
     join = record.join
     decision = join.branch_done(event.index, event.outcome)

@@ -25,6 +25,8 @@ events only once those reads have brought nothing for a moment.
   it still holds (``XCLAIM ... JUSTID``) and claims every entry idle for ``claim_idle``
   seconds (``XAUTOCLAIM``): those are a dead consumer's, and run here. Delivery is at least
   once: the dispatcher already ignores an event whose job has moved on.
+- **Suspend timers** live in Redis too (:class:`~._redis_timers.RedisTimers`): a timer set
+  here fires on whichever process is alive when it is due, once.
 - **A dead consumer's steps.** A ``RunJob`` or ``Resume`` stops counting toward the depth
   when its step gets a worker slot (``ack``), but it is acknowledged in the group only when
   the step ends (``step_ended``); until then its consumer keeps it fresh. A process that
@@ -49,7 +51,9 @@ import trio
 from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._queue import QueueStatistics
+from ._redis_relay import RedisRelay
 from ._redis_store import _UNREACHABLE, RedisJobStore, _public
+from ._redis_timers import RedisTimers
 from ._resp import Arg, Command, Connection, ReplyError
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
@@ -135,6 +139,7 @@ class RedisEventQueue:
         max_inflight: int = 256,
         block: float = 1.0,
         store: RedisJobStore | None = None,
+        timer_poll: float = 1.0,
     ) -> None:
         if store is not None and store.url != url:
             raise ValueError(
@@ -167,9 +172,10 @@ class RedisEventQueue:
         self._put = 0  # events put so far
         self._written = 0  # events written to Redis so far
         self._wrote = trio.Event()
-        # Entry ids to acknowledge, each with the count of events put before it was: what a
-        # step put (a hand-off, a branch's end) is in Redis before its event is acknowledged.
-        self._acks: list[tuple[bytes, int]] = []
+        # Entry ids to acknowledge, each with the counts of events put and suspend timers
+        # added before it was: what a step put (a hand-off, a branch's end, its timer) is in
+        # Redis before its event is acknowledged.
+        self._acks: list[tuple[bytes, int, int]] = []
         self._have_work = trio.Event()
         self._send, self._receive = trio.open_memory_channel[Event](math.inf)
         self._inflight: dict[int, tuple[Event, bytes]] = {}  # id(event) -> (event, entry id)
@@ -180,6 +186,17 @@ class RedisEventQueue:
         self._accepted = 0
         self._refused = 0
         self._running: Any = None
+        self._timers = RedisTimers(
+            self._call,
+            prefix=prefix,
+            stream=self.stream,
+            field=_FIELD,
+            retrying=self._retrying,
+            poll=timer_poll,
+            written=self._wake,
+        )
+        #: Progress, chunks and cancels between processes (the engine runs it).
+        self.relay = RedisRelay(url, prefix=prefix)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -187,6 +204,7 @@ class RedisEventQueue:
         try:
             await self._create_group()
             await self._refresh_depth()
+            await self.relay.__aenter__()
         except BaseException:
             await self._close()
             raise
@@ -198,7 +216,7 @@ class RedisEventQueue:
             if self._store.rider is not None:
                 raise RuntimeError("a job store carries the reads of one event queue only")
             self._store.rider = self
-        for task in (self._write_loop, self._read_loop, self._claim_loop):
+        for task in (self._write_loop, self._read_loop, self._claim_loop, self._timers.run):
             nursery.start_soon(task)
         return self
 
@@ -215,14 +233,17 @@ class RedisEventQueue:
         # What the engine's last steps put and acknowledged is still sent, briefly.
         with trio.move_on_after(2, shield=True):
             await self.flush()
-            while self._acks:
+            while self._ready():
                 await self._send_outbox()
         self._nursery.cancel_scope.cancel()
         try:
             await nursery_manager.__aexit__(None, None, None)
         finally:
             self._running = self._nursery = None
-            await self._close()
+            try:
+                await self.relay.__aexit__(None, None, None)
+            finally:
+                await self._close()
 
     async def _close(self) -> None:
         connection, self._connection = self._connection, None
@@ -292,7 +313,7 @@ class RedisEventQueue:
             # during the step, another one takes the event and runs the step again.
             self._started[id(event)] = held
             return
-        self._acks.append((held[1], self._put))
+        self._acks.append((held[1], self._put, self._timers.added))
         self._have_work.set()
 
     def step_ended(self, event: Event) -> None:
@@ -301,7 +322,7 @@ class RedisEventQueue:
         held = self._started.pop(id(event), None)
         self._claimed.discard(id(event))
         if held is not None:
-            self._acks.append((held[1], self._put))
+            self._acks.append((held[1], self._put, self._timers.added))
             self._have_work.set()
 
     def reclaimed(self, event: Event) -> bool:
@@ -317,6 +338,12 @@ class RedisEventQueue:
         target = self._put
         while self._written < target:
             await self._wrote.wait()
+        await self._timers.flush()
+
+    def expire_at(self, deadline: float, job_id: str, version: int) -> None:
+        """A suspended job's timer: ``Expire(job_id, version)`` goes on the stream at
+        ``deadline`` (trio time), once, from whichever process is alive then."""
+        self._timers.add(deadline, encode_event(Expire(job_id, version)))
 
     # -- the tasks -----------------------------------------------------------------------
 
@@ -341,16 +368,24 @@ class RedisEventQueue:
         while True:
             await self._have_work.wait()
             self._have_work = trio.Event()
-            while self._outbox or self._acks:
+            while self._outbox or self._ready():
                 await self._retrying("writing events", self._send_outbox)
+
+    def _wake(self) -> None:
+        self._have_work.set()
+
+    def _ready(self) -> list[bytes]:
+        """The acknowledgements whose steps' events and timers are all in Redis (one whose
+        step's timer is not waits for the timers' task, which wakes the write loop)."""
+        written, timed = self._written, self._timers.written
+        return [entry for entry, put, timers in self._acks if put <= written and timers <= timed]
 
     async def _send_outbox(self) -> None:
         """One round trip: every event put so far (``XADD``), then the acknowledgements whose
         events' steps put nothing still unwritten (``XACK``) and the group's depth. An
         acknowledgement that must follow this round's events goes in the next round."""
         batch, self._outbox = self._outbox, []
-        written = self._written
-        ready = [entry for entry, put in self._acks if put <= written]
+        ready = self._ready()
         commands: list[list[Arg]] = [["XADD", self.stream, "*", _FIELD, d] for _, d in batch]
         if ready:
             commands.append(["XACK", self.stream, self.group, *ready])
@@ -445,7 +480,7 @@ class RedisEventQueue:
                 event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
             except Exception:
                 _log.exception("pipework: an unreadable event %r was dropped", identifier)
-                self._acks.append((identifier, 0))
+                self._acks.append((identifier, 0, 0))
                 self._have_work.set()
                 continue
             self._inflight[id(event)] = (event, identifier)
@@ -470,10 +505,16 @@ class RedisEventQueue:
         mine = set(held)
         start: bytes = b"0-0"
         idle = int(self.claim_idle * 1000)
-        while True:
-            (reply,) = await self._call(
-                [["XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start, "COUNT", 100]]
-            )
+        # Claims count toward max_inflight as reads do: a consumer with a full pool leaves
+        # a dead one's events to the others (or to its next round) rather than taking them
+        # all at once, to wait for its slots past their wait timeout.
+        room = self.max_inflight - len(self._inflight)
+        while room > 0:
+            command: list[Arg] = [
+                "XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start,
+                "COUNT", min(100, room),
+            ]  # fmt: skip
+            (reply,) = await self._call([command])
             if isinstance(reply, ReplyError):
                 raise reply
             start, entries = reply[0], reply[1]
@@ -483,6 +524,7 @@ class RedisEventQueue:
                     "pipework: claimed %d events left pending by a silent consumer", len(claimed)
                 )
                 self._deliver(claimed, claimed=True)
+                room -= len(claimed)
             if start == b"0-0":
                 return
 

@@ -10,6 +10,8 @@ build themselves):
   can compare and bump it without decoding the record.
 - ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
+- ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
+  publishes the new version on ``{p}:relay:{id}`` (see ``_redis_relay.py``).
 - ``{p}:gone:{id}`` a tombstone (the owner-token hash, "" for none) written when the job
   finishes and kept ``tombstone_seconds``: once the record is dropped, ``get`` raises
   :class:`JobGone` rather than :class:`JobNotFound`.
@@ -85,9 +87,10 @@ return 1
 
 # KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
 # hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
-# ms, retain count, the writer's origin (see RedisJobStore._tail). An end is
-# published only if someone elsewhere may wait for it: the job came from another process
-# (its origin), or a process that did not create it waits for it (the field ``w``).
+# ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
+# the record must still have ("" for any). An end is published only if someone elsewhere
+# may wait for it: the job came from another process (its origin), or a process that did
+# not create it waits for it (the field ``w``).
 _UPDATE: Final = (
     "local terminal = "
     + _TERMINAL_LUA
@@ -98,10 +101,16 @@ if terminal[cur[1]] then
   if ARGV[4] == '1' then return {0, tonumber(cur[2])} end
   return {-2, 0}
 end
+if ARGV[12] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[12]) then
+  return {-3, tonumber(cur[2])}
+end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[7]
 redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v)
+if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
+  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
+end
 if ARGV[4] == '1' then
   redis.call('PEXPIRE', KEYS[1], ARGV[8])
   redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
@@ -183,6 +192,9 @@ _SOURCES: Final = {
     "release": _RELEASE,
 }
 _SHAS: Final = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in _SOURCES.items()}
+
+#: The update script's last argument when the record may have any version.
+_ANY_VERSION: Final = encode_args([""])
 
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -278,7 +290,7 @@ class RedisJobStore:
         self._ended: dict[str, Job] = {}
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
-        self._update_head = b"*%d\r\n%b" % (17, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
         self._tail_values: list[Arg] = []
         self._tail_bytes = b""
 
@@ -531,6 +543,17 @@ class RedisJobStore:
         )
 
     async def update(self, job: Job) -> None:
+        await self._update(job, "")
+
+    async def update_unless_changed(self, job: Job) -> bool:
+        """``update``, only if nobody wrote the record since ``job`` was read from it (its
+        version is still ``job.version``); False if somebody did, and nothing is written.
+        For a write made from a record read a while ago, under :meth:`lock`, that a step
+        (which writes without the lock) may have moved on meanwhile: a signal kept for
+        the job must not bring back the record as it was before the step's write."""
+        return await self._update(job, str(job.version))
+
+    async def _update(self, job: Job, expected: str) -> bool:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
@@ -549,8 +572,17 @@ class RedisJobStore:
             job.token_hash or "",
         ]
         code, version = await self._run(
-            b"%b%b%b" % (self._update_head, encode_args(varying), self._tail()), "update"
+            b"%b%b%b%b"
+            % (
+                self._update_head,
+                encode_args(varying),
+                self._tail(),
+                _ANY_VERSION if expected == "" else encode_args([expected]),
+            ),
+            "update",
         )
+        if code == -3:
+            return False  # written by somebody else since it was read
         if code == 1:
             job.version = int(version)
             if terminal:
@@ -561,6 +593,7 @@ class RedisJobStore:
             job.version = int(version)  # already final: the first end stands
         else:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
+        return True
 
     async def delete(self, job_id: str) -> None:
         self._active.pop(job_id, None)
