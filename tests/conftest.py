@@ -44,13 +44,3 @@ def each_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         store = store_class(request.getfixturevalue("redis_server"))
     monkeypatch.setattr(_engine, "MemoryJobStore", store)
     return store
-
-
-@pytest.fixture(params=["memory", "copying"])
-def each_local_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> type[Any]:
-    """``each_store`` without Redis, for the misbehaving-pipes property test: on the Redis
-    store one run of its examples in about ten still does not end (an open issue,
-    docs/scaling.md), which a property test must not paper over with a timeout."""
-    store: type[Any] = pw.MemoryJobStore if request.param == "memory" else CopyingJobStore
-    monkeypatch.setattr(_engine, "MemoryJobStore", store)
-    return store

@@ -176,6 +176,39 @@ async def test_signal_that_arrives_while_running_is_kept() -> None:
         assert await engine.wait(job_id) == {"done": "early"}
 
 
+async def test_an_early_signal_kept_at_a_join_resumes_one_branch(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A signal sent to a parent waiting at its join before any branch suspends for it is
+    kept on the parent, and taken by one branch only, however many suspend for it at once;
+    the join still hears every branch's end and the job finishes."""
+    engine = make_engine()
+
+    async def wait_for_go(ctx: pw.Context) -> None:
+        await trio.sleep(1)
+        await ctx.suspend("go", timeout=5)
+
+    async def fail(ctx: pw.Context) -> None:
+        await trio.sleep(1)
+        raise ValueError("a branch's bug")
+
+    # Keys of their own: the stage forks child jobs, and the parent waits in the store.
+    first = engine.pipe(name="first", key="a")(wait_for_go)
+    second = engine.pipe(name="second", key="b")(wait_for_go)
+    third = engine.pipe(name="third", key="c")(fail)
+    engine.chain("c", pw.all_of(first, second, third, settle=True, merge="last"))
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5)
+        await engine.signal(job_id, "go", "once")
+        with trio.fail_after(60):
+            result = await engine.wait(job_id)
+    outcomes = {name: info["outcome"] for name, info in result["outcomes"].items()}
+    assert sorted([outcomes["first"], outcomes["second"]]) == ["ok", "timed_out"]
+    assert outcomes["third"] == "error"
+    assert result["go"] == "once"
+
+
 async def test_signal_errors_are_clear() -> None:
     engine = make_engine()
 

@@ -766,10 +766,8 @@ class Dispatcher:
                 await self.finish(job, Status.CANCELLED, exc=exc)
                 return False
         holder = await self._mailbox_with(job, suspend.signal)
-        if holder is not None:  # it came while we ran: no need to park
-            job.state[suspend.into] = holder.signals.pop(suspend.signal)
-            if holder is not job:
-                await self.store.update(holder)
+        if holder is not None and await self._take_kept(job, holder, suspend):
+            # It came while we ran: no need to park.
             if not unstored:
                 await self.store.update(job)
             return True
@@ -812,6 +810,49 @@ class Dispatcher:
             # A parent in a step keeps early signals on the step's record.
             current = self._running.get(current.parent) or await self.store.get(current.parent)
         return None
+
+    async def _take_kept(self, job: Job, holder: Job, suspend: Suspend) -> bool:
+        """Take the early signal ``holder`` keeps into ``job``'s state; False if a sibling
+        suspending for it took it first (one signal resumes one branch)."""
+        if holder is job:
+            job.state[suspend.into] = job.signals.pop(suspend.signal)
+            return True
+        taken: list[Any] = []
+
+        def take(parent: Job) -> bool:
+            if suspend.signal not in parent.signals:
+                return False
+            taken.append(parent.signals.pop(suspend.signal))
+            return True
+
+        if await self._change_parent(holder, take) is None:
+            return False
+        job.state[suspend.into] = taken[0]
+        return True
+
+    async def _change_parent(self, parent: Job, change: Callable[[Job], bool]) -> Job | None:
+        """Apply ``change`` to a branch's parent (or root) and write it back; the record
+        written, or None if ``change`` found nothing to do or the parent ended.
+
+        A parent no step here holds is read again and written under its lock on a shared
+        store: its branches' ends change its join meanwhile, and writing back the copy read
+        before would lose them (the parent would wait at its join for ever)."""
+        lock = getattr(self.store, "lock", None)
+        if lock is None or self._running.get(parent.id) is parent:
+            # In this process's memory: no checkpoint between the read and the change.
+            if not change(parent):
+                return None
+            await self.store.update(parent)
+            return parent
+        async with lock(parent.id):
+            try:
+                parent = await self.store.get(parent.id)
+                if parent.status in TERMINAL or not change(parent):
+                    return None
+                await self.store.update(parent)
+            except JobNotFound:
+                return None  # it ended and was dropped: its end cancels its branches
+        return parent
 
     async def find_waiting(self, job: Job, signal: str) -> Job | None:
         """The job or one of its branches (depth first) suspended waiting for ``signal``."""
@@ -1069,12 +1110,16 @@ class Dispatcher:
             await self.store.update(job)
             self.changed(job)
             return
+
         # A pipe inside a parallel branch reports on the job its caller follows.
-        root = await self._root_of(ctx.job_id)
-        root.progress = Progress(done, total, message, branch=ctx.path)
-        root.updated_at = time.time()
-        await self.store.update(root)
-        self.changed(root)
+        def report(root: Job) -> bool:
+            root.progress = Progress(done, total, message, branch=ctx.path)
+            root.updated_at = time.time()
+            return True
+
+        root = await self._change_parent(await self._root_of(ctx.job_id), report)
+        if root is not None:
+            self.changed(root)
 
     async def _root_of(self, job_id: str) -> Job:
         """The top-level job a branch (at any depth) belongs to."""
@@ -1105,12 +1150,15 @@ class Dispatcher:
             return
         if self.emit_elsewhere is not None and await self.emit_elsewhere(job.id, chunk):
             return
-        if isinstance(job.output, list):
-            job.output.append(chunk)
-        else:
-            job.output = [chunk]
-        if not own:  # the step writes its own job back; a branch's parent is written here
-            await self.store.update(job)
+        if own:  # the step writes its own job back
+            _append_output(job, chunk)
+        else:  # a branch's parent is written here
+
+            def append(root: Job) -> bool:
+                _append_output(root, chunk)
+                return True
+
+            await self._change_parent(job, append)
 
     async def keep_signal(self, job: Job, name: str, payload: Any) -> bool:
         """Keep an early signal on an active job until it suspends for it. A job in a step
@@ -1231,3 +1279,11 @@ def _then_writes(flat: tuple[Pipe, ...], job: Job, chain: Chain) -> bool:
     if following >= len(flat):
         return True
     return (flat[following].key or chain.key) != job.key
+
+
+def _append_output(job: Job, chunk: Any) -> None:
+    # A record has no output list until its first chunk (most jobs never emit).
+    if isinstance(job.output, list):
+        job.output.append(chunk)
+    else:
+        job.output = [chunk]
