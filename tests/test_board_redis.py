@@ -177,7 +177,7 @@ async def test_a_follower_on_one_process_gets_a_write_made_on_another(
                 version = await put(a, "news", resource, {"n": 1})
                 event_id, kind, body = await events.next()
                 assert (event_id, kind, body["data"]) == (version, "update", {"n": 1})
-                assert Version.parse(version) > Version.parse(first_id)  # type: ignore[operator]
+                assert Version.parse(version) > Version.parse(first_id)  # type: ignore[operator]  # ids written by the board always parse
                 # and the other way round, with the same versions on both
                 version = await put(b, "news", resource, {"n": 2})
                 assert (await a.client.get(path)).json()["version"] == version
@@ -261,7 +261,7 @@ async def test_redis_away_refuses_writes_clearly_and_followers_recover_after(
                     "update",
                     {"id": resource, "event": "update", "version": version, "data": 2},
                 )
-                assert Version.parse(version).epoch != Version.parse(before).epoch  # type: ignore[union-attr]
+                assert Version.parse(version).epoch != Version.parse(before).epoch  # type: ignore[union-attr]  # ids written by the board always parse
             # A position from before the restart is foreign now: a resync, never a gap.
             async with follow_sse(b, path, {"Last-Event-ID": str(before)}) as (_, events):
                 _, kind, body = await events.next()

@@ -153,7 +153,7 @@ async def test_calls_made_together_share_round_trips_and_keep_their_own_answers(
         trips.append(len(store._calls))
         await send()
 
-    store._send_calls = counted  # type: ignore[method-assign]
+    store._send_calls = counted  # type: ignore[method-assign]  # counts the round trips of this store only
     async with store:
         jobs = [_job() for _ in range(40)]
         await store.create(jobs[0])
