@@ -13,13 +13,7 @@ of the repetitions.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -28,35 +22,11 @@ from pipework.container._board import Backplane, Boards, BoardSpec, Change
 from pipework.container._board_core import BoardSettings, Version
 from pipework.container._board_redis import RedisBackplane
 
+from ._redis import redis_server
 from ._timing import median_of
 
 BASELINE = "LocalBackplane"
 WRITERS = 8
-
-
-@contextmanager
-def _redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("bench_board_redis needs redis-server (scripts/ensure-tools)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="pipework-bench-board-") as directory:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
-                "--save", "", "--appendonly", "no"]  # fmt: skip
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            for _ in range(500):
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=1):
-                        break
-                except OSError:
-                    time.sleep(0.01)  # the server is starting; this is outside any trio run
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
 
 def _boards(backplane: Backplane | None) -> Boards:
@@ -110,7 +80,7 @@ def _measure(writes: int, url: str | None, scenario: str) -> float:
 def run(quick: bool) -> list[dict[str, Any]]:
     writes, repeats = (400, 3) if quick else (4000, 5)
     rows = []
-    with _redis_server() as url:
+    with redis_server("bench_board_redis") as url:
         for scenario, label in (
             ("here", "a write, awaited until applied in its process"),
             ("elsewhere", "a write, awaited until applied in a second process"),

@@ -14,14 +14,8 @@ machine, which shares its two cores."""
 
 from __future__ import annotations
 
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import coredis
@@ -31,36 +25,13 @@ import pipework as pw
 from pipework.dispatcher._resp import Connection
 from pipework.redis import RedisEventQueue, RedisJobStore
 
+from ._redis import redis_server
+
 CLIENTS = 64
 
 
 async def _pipe(ctx: pw.Context) -> None:
     await trio.lowlevel.checkpoint()
-
-
-@contextmanager
-def _redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("bench_redis needs redis-server (scripts/ensure-tools installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="pipework-bench-redis-") as directory:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
-                "--save", "", "--appendonly", "no"]  # fmt: skip
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            for _ in range(500):
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=1):
-                        break
-                except OSError:
-                    time.sleep(0.01)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
 
 def _measure(jobs: int, chain_pipes: int, url: str | None, queue_too: bool) -> float:
@@ -143,7 +114,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     jobs = 1_280 if quick else 6_400
     repeats = 3 if quick else 7
     rows = []
-    with _redis_server() as url:
+    with redis_server("bench_redis") as url:
         for pipes in (1, 3):
             shape = "1-pipe chain" if pipes == 1 else "3-pipe chain, one hand-off between keys"
             # The three take turns, so a change in the machine's load (two cores shared with
