@@ -4,6 +4,7 @@ with the original exceptions kept — and leaves every other job running."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import random
@@ -147,6 +148,54 @@ async def test_a_pipe_that_swallows_its_timeout_still_times_out(
             await engine.run("c")
         assert info.value.scope == "pipe"
         assert trio.current_time() - start == pytest.approx(2)
+        await _assert_engine_serves_on(engine)
+
+
+_STEP_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("step_var", default="unset")
+
+
+async def test_a_context_variable_a_pipe_sets_stays_with_its_step() -> None:
+    # Steps share their runners' tasks: each still starts in a context of its own.
+    engine = _engine()
+    seen: dict[str, tuple[str, str]] = {}
+
+    @engine.pipe
+    async def marks(ctx: pw.Context) -> None:
+        before = _STEP_VAR.get()
+        _STEP_VAR.set(ctx.job_id)
+        await trio.lowlevel.checkpoint()
+        seen[ctx.job_id] = (before, _STEP_VAR.get())
+
+    engine.chain("c", marks)
+    async with engine:
+        ids = [await engine.submit("c") for _ in range(3)]
+        for job_id in ids:
+            await engine.wait(job_id)
+        for _ in range(3):  # one after another: each step on the runner the last one left
+            ids.append(await engine.submit("c"))
+            await engine.wait(ids[-1])
+    assert seen == {job_id: ("unset", job_id) for job_id in ids}
+
+
+async def test_a_cancelled_step_leaves_its_runner_serving(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The cancel spends the runner's scope: the next steps run in a fresh one, uncancelled.
+    engine = _engine()
+
+    @engine.pipe
+    async def slow(ctx: pw.Context) -> None:
+        await trio.sleep(10)
+
+    engine.chain("c", slow)
+    async with engine:
+        for _ in range(3):
+            job_id = await engine.submit("c")
+            await trio.sleep(1)
+            await engine.cancel(job_id)
+            with pytest.raises(pw.JobCancelled):
+                await engine.wait(job_id)
+            assert (await engine.run("healthy"))["ok"] is True
         await _assert_engine_serves_on(engine)
 
 

@@ -47,6 +47,7 @@ from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
 from ._retained import Retained
+from ._runners import StepRunners
 from ._status import TERMINAL, Status
 from ._store import JobStore, nowait_access
 
@@ -93,7 +94,9 @@ class Dispatcher:
         self._release: Callable[[object, float, float], None] | None = getattr(
             pool, "release_nowait", None
         )
+        #: The scope each running step runs in (its runner's): a cancel goes through it.
         self._scopes: dict[str, trio.CancelScope] = {}
+        self.runners = StepRunners(self._step)
         # The observers of the two series every job feeds, by pipe and by route: no label
         # tuples built and hashed per observation (label values are bounded by registration).
         self._pipe_ok: dict[str, Callable[[float], None]] = {}
@@ -163,12 +166,12 @@ class Dispatcher:
             nursery.start_soon(self._expire_when_due)
             task_status.started()
             handlers = self._handlers
-            step, start_soon = self._step, nursery.start_soon
+            start = self.runners.start
             while True:
                 for event in await self.queue.get_batch(_BATCH):
                     try:
                         if type(event) is RunJob or type(event) is Resume:
-                            start_soon(step, event)  # the common event, without a handler call
+                            start(nursery, event)  # the common event, without a handler call
                             continue
                         await handlers[type(event)](event)
                     except Exception as exc:
@@ -206,7 +209,8 @@ class Dispatcher:
         self._nursery.start_soon(fn, *args)
 
     async def _on_run(self, event: RunJob | Resume) -> None:
-        self.spawn(self._step, event)
+        assert self._nursery is not None, "the dispatcher is not running"
+        self.runners.start(self._nursery, event)
 
     # -- cursor --------------------------------------------------------------------------
 
@@ -219,7 +223,9 @@ class Dispatcher:
             if limit < frame.deadline:
                 frame = Frame(0, limit, 0)
         job.frames = [frame]
-        job.key = self._next_key(job, chain)
+        flat = root.flat if isinstance(root, Serial) else None
+        # A sequence of pipes (most chains): its first pipe's key, with no walk.
+        job.key = (flat[0].key or chain.key) if flat else self._next_key(job, chain)
 
     def _next_key(self, job: Job, chain: Chain) -> str:
         """The admission key of the job's next step, found without entering any stage: a
@@ -280,8 +286,9 @@ class Dispatcher:
 
     # -- a step --------------------------------------------------------------------------
 
-    async def _step(self, event: RunJob | Resume) -> None:
-        """One step of one job: the boundary that always leaves its job final or waiting.
+    async def _step(self, event: RunJob | Resume, scope: trio.CancelScope) -> None:
+        """One step of one job, in ``scope`` (its runner's, entered and uncancelled): the
+        boundary that always leaves its job final or waiting.
 
         Whatever a pipe or the bookkeeping raises — errors, exception groups, cancellations
         from inside a library's nursery — ends here as this job's outcome; only the engine's
@@ -301,49 +308,47 @@ class Dispatcher:
                 if job.status is Status.SUSPENDED and self.reclaimed(event):
                     self._rearm(job)  # its step died before its timer was surely stored
                 return  # cancelled or finished while the event waited: nothing to run
-            scope = trio.CancelScope()
             self._scopes[job.id] = scope
             self._running[job.id] = job
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
             now = trio.current_time()
             try:
-                with scope:
-                    # The uncontended grant: no schedule point (the step's task has just been
-                    # scheduled) and no context manager; a step that would wait or be
-                    # refused takes the pool's ``slot`` below.
-                    held = None if self._grant is None else self._grant(job.key)
-                    if held is not None:
-                        ended = None
-                        try:
+                # The uncontended grant: no schedule point (the step's task has just been
+                # scheduled) and no context manager; a step that would wait or be
+                # refused takes the pool's ``slot`` below.
+                held = None if self._grant is None else self._grant(job.key)
+                if held is not None:
+                    ended = None
+                    try:
+                        self.queue.ack(event)
+                        acked = True
+                        self._waited(job.key, 0.0)
+                        ended = await self._run_held(job, now)
+                        settled = True
+                    finally:
+                        assert self._release is not None
+                        end = trio.current_time() if ended is None else ended
+                        self._release(held, now, end)
+                else:
+                    # A resumed job carries an outside fact (a payment, an approval): it
+                    # waits out the load up to its deadline rather than be refused, as
+                    # does a job admitted when it was accepted (an async job's 202).
+                    # Every other step fails fast under load, as the pool's bounds intend.
+                    continuing = isinstance(event, Resume) or job.admitted
+                    slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
+                    try:
+                        async with slot:
                             self.queue.ack(event)
                             acked = True
-                            self._waited(job.key, 0.0)
-                            ended = await self._run_held(job, now)
+                            granted = trio.current_time()
+                            self._waited(job.key, granted - now)
+                            await self._run_held(job, granted)
                             settled = True
-                        finally:
-                            assert self._release is not None
-                            end = trio.current_time() if ended is None else ended
-                            self._release(held, now, end)
-                    else:
-                        # A resumed job carries an outside fact (a payment, an approval): it
-                        # waits out the load up to its deadline rather than be refused, as
-                        # does a job admitted when it was accepted (an async job's 202).
-                        # Every other step fails fast under load, as the pool's bounds intend.
-                        continuing = isinstance(event, Resume) or job.admitted
-                        slot = self.pool.slot(job.key, deadline=job.deadline, continuing=continuing)
-                        try:
-                            async with slot:
-                                self.queue.ack(event)
-                                acked = True
-                                granted = trio.current_time()
-                                self._waited(job.key, granted - now)
-                                await self._run_held(job, granted)
-                                settled = True
-                        except Rejected as exc:
-                            self._waited(job.key, trio.current_time() - now)
-                            self.note(exc, job, f"admission key {job.key!r}")
-                            await self.finish(job, Status.FAILED, exc=exc)
+                    except Rejected as exc:
+                        self._waited(job.key, trio.current_time() - now)
+                        self.note(exc, job, f"admission key {job.key!r}")
+                        await self.finish(job, Status.FAILED, exc=exc)
             except BaseException as exc:  # the step boundary: what belongs outside is re-raised
                 escaped = exc
             finally:

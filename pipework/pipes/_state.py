@@ -28,11 +28,21 @@ def check_state(state: object, *, root: str = "state") -> dict[str, Any]:
     return state
 
 
+#: Packers kept for reuse: ``msgpack.packb`` makes a new one per call, and each allocates a
+#: megabyte buffer. A caller takes one off the list and puts it back (list pops and appends
+#: are atomic, so threads never share one); a packer that raised is dropped, not reused.
+_packers: list[msgpack.Packer] = []
+
+
 def check_value(value: object, *, root: str = "value") -> None:
     """Raise :class:`StateError` with the key path if msgpack cannot store ``value``."""
     try:
+        packer = _packers.pop()
+    except IndexError:
+        packer = msgpack.Packer()
+    try:
         # The C packer is the fast path; only a failure pays for the walk that names the path.
-        msgpack.packb(value)
+        packer.pack(value)
     except (TypeError, ValueError, OverflowError) as exc:
         path, why = _find(value, root, 0)
         if not path:  # the packer refused what the walk accepts: say what it said
@@ -42,6 +52,7 @@ def check_value(value: object, *, root: str = "value") -> None:
             "(use str, bytes, int, float, bool, None, list or dict)",
             path=path,
         ) from exc
+    _packers.append(packer)
 
 
 # The C packer's own nesting bound; the walk stops there too (and stays far from Python's).
