@@ -510,11 +510,9 @@ class Dispatcher:
                         status=job.status.value,
                     )
                 return now
-            # A shared store's write of the cursor is left out when the step's next write
-            # carries it anyway, with nothing run in between: the job's end or its hand-off.
-            then_writes = (
-                flat is not None and self.nowait is None and _then_writes(flat, job, chain)
-            )
+            # The write of the cursor is left out when the step's next write carries it
+            # anyway, with nothing run in between: the job's end or its hand-off.
+            then_writes = flat is not None and _then_writes(flat, job, chain)
             # The pipe runs in this frame (no coroutine of its own): one object and one frame
             # fewer per pipe, and every one a step holds across its awaits costs collections.
             top = frames[-1]
