@@ -480,7 +480,8 @@ class Dispatcher:
                     result = job.state
                 else:
                     result = job.state.get(chain.result)
-                await self.finish(job, Status.DONE, result=result, now=now)
+                if not self._done_nowait(job, result, now):
+                    await self.finish(job, Status.DONE, result=result, now=now)
                 return now
             if isinstance(pipe, Parallel):
                 if not pipe.in_step or not self._shares_slot(job, chain, pipe):
@@ -1002,15 +1003,40 @@ class Dispatcher:
         try:
             await self._record_end(job, status, result, exc, where, now)
         finally:
-            # Whoever waits hears of the end even if recording it failed.
-            if self.on_finished is not None and job.parent is None:
-                self.on_finished(job)
-            stream = self._streams.pop(job.id, None)
-            if stream is not None:
-                stream.close()
-            waiter = self._waiters.pop(job.id, None)
-            if waiter is not None:
-                waiter.set()
+            self._heard_of_end(job)  # even if recording it failed
+
+    def _done_nowait(self, job: Job, result: Any, now: float) -> bool:
+        """``finish(job, DONE)`` with no await (no coroutines for the common end) when
+        nothing in it waits: a top-level job with no join, on a store that answers at once.
+        False, with nothing done, otherwise."""
+        nowait = self.nowait
+        if nowait is None or job.parent is not None or job.join is not None:
+            return False
+        if job.status in TERMINAL:
+            return True
+        try:
+            previous = job.status
+            self._mark_end(job, Status.DONE, result, None, "")
+            try:
+                nowait[1](job)
+            except BaseException:
+                job.status = previous  # not recorded: ending it may be tried again
+                raise
+            self._ended(job, Status.DONE, "", now)
+        finally:
+            self._heard_of_end(job)
+        return True
+
+    def _heard_of_end(self, job: Job) -> None:
+        """Tell whoever waits for the job that it ended."""
+        if self.on_finished is not None and job.parent is None:
+            self.on_finished(job)
+        stream = self._streams.pop(job.id, None)
+        if stream is not None:
+            stream.close()
+        waiter = self._waiters.pop(job.id, None)
+        if waiter is not None:
+            waiter.set()
 
     async def _record_end(
         self,
@@ -1022,6 +1048,32 @@ class Dispatcher:
         now: float | None,
     ) -> None:
         previous = job.status
+        self._mark_end(job, status, result, exc, where)
+        if job.parent is None:  # a branch's record is dropped once it reports
+            try:
+                nowait = self.nowait
+                if nowait:
+                    nowait[1](job)
+                else:
+                    await self.store.update(job)
+            except BaseException:
+                job.status = previous  # not recorded: ending it may be tried again
+                raise
+        self._ended(job, status, where, now)
+        if job.join is not None:
+            await cancel_branches(self, job)
+        if job.parent is not None:
+            stage = None if job.join_id is None else self.in_step.get(job.join_id)
+            if stage is None or job.id not in self.unstored:
+                await report_branch(self, job)
+            elif stage.durable:
+                await stage.report_late(job)
+            else:
+                await stage.report(job)
+
+    def _mark_end(
+        self, job: Job, status: Status, result: Any, exc: BaseException | None, where: str
+    ) -> None:
         job.transition(status)
         job.finished_at = time.time()
         job.waiting_for = None
@@ -1034,16 +1086,9 @@ class Dispatcher:
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
-        if job.parent is None:  # a branch's record is dropped once it reports
-            try:
-                nowait = self.nowait
-                if nowait:
-                    nowait[1](job)
-                else:
-                    await self.store.update(job)
-            except BaseException:
-                job.status = previous  # not recorded: ending it may be tried again
-                raise
+
+    def _ended(self, job: Job, status: Status, where: str, now: float | None) -> None:
+        """What follows a recorded end: observers, the job's duration, its log line."""
         self.changed(job)
         duration = (trio.current_time() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
@@ -1059,16 +1104,6 @@ class Dispatcher:
         level = logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING
         if job_logger.isEnabledFor(level):
             self._log_end(job, status, level, duration, where)
-        if job.join is not None:
-            await cancel_branches(self, job)
-        if job.parent is not None:
-            stage = None if job.join_id is None else self.in_step.get(job.join_id)
-            if stage is None or job.id not in self.unstored:
-                await report_branch(self, job)
-            elif stage.durable:
-                await stage.report_late(job)
-            else:
-                await stage.report(job)
 
     @staticmethod
     def _log_end(job: Job, status: Status, level: int, duration: float, where: str) -> None:
