@@ -21,7 +21,7 @@ import trio
 __all__ = ["StepRunners"]
 
 #: Parked runners kept at most; a runner finding this many parked ends instead. Twice the
-#: dispatcher's batch: enough for the steps of one pass while the previous pass's finish.
+#: dispatcher's batch: enough for one pass's steps while the previous pass's steps end.
 IDLE_MAX: Final = 64
 
 
