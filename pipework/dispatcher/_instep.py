@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from functools import cache, cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -67,7 +67,7 @@ def _load_invoke() -> Callable[[Pipe, Context], Awaitable[None]]:
     return invoke
 
 
-@cache
+@lru_cache(maxsize=1024)
 def _roots(path: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
     """The root path of each branch of the stage at ``path``: the same tuples for every run
     of it (a stage's path is its place in its chain; chains are few)."""
