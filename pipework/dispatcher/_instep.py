@@ -24,16 +24,19 @@ nodes (which the parent must not wait for), are forked as child jobs (``_paralle
 
 from __future__ import annotations
 
-from functools import cached_property
+import math
+from collections.abc import Awaitable, Callable
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .._errors import MergeConflict, Rejected
 from ..pipes._join import Decision, Outcome
-from ..pipes._merge import delta, merge, packed_state, unpacked_state
-from ..pipes._pipe import Pipe
+from ..pipes._merge import delta, merge, packed_state, snapshot, unpacked_state
+from ..pipes._pipe import Context, Pipe
 from ..pipes._stages import Chain, Parallel
+from ..pipes._state import check_state
 from ._boundary import split_outside
 from ._job import Frame, Job, JoinRecord, new_job_id
 from ._parallel import (
@@ -51,6 +54,24 @@ if TYPE_CHECKING:
     from ._dispatcher import Dispatcher
 
 __all__ = ["InStepStage"]
+
+# The dispatcher's call of a pipe, taken once the dispatcher is importable (it imports this).
+_invoke: Callable[[Pipe, Context], Awaitable[None]] | None = None
+
+
+def _load_invoke() -> Callable[[Pipe, Context], Awaitable[None]]:
+    global _invoke
+    from ._dispatcher import _invoke as invoke
+
+    _invoke = invoke
+    return invoke
+
+
+@lru_cache(maxsize=1024)
+def _roots(path: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """The root path of each branch of the stage at ``path``: the same tuples for every run
+    of it (a stage's path is its place in its chain; chains are few)."""
+    return tuple((*path, index) for index in range(n))
 
 
 class InStepStage:
@@ -76,8 +97,10 @@ class InStepStage:
         self.conflict: MergeConflict | None = None
         # Set once the parent may go on: the join resolved (losers are cancelled, not waited
         # for: their late results are ignored), or it went durable and the branches that
-        # run under this step's slot have ended.
-        self._settled = trio.Event()
+        # run under this step's slot have ended. The step's task waits for it parked, not
+        # on a trio.Event: one waiter needs no parking lot (objects the collector walks).
+        self.settled = False
+        self._waiter: trio.lowlevel.Task | None = None
         self._packed: bytes | None = None
         # A shared store gets the parent's record from several awaits of this stage: they
         # take turns (a later write never lands under an earlier one), and once the stage
@@ -88,7 +111,7 @@ class InStepStage:
     @property
     def over(self) -> bool:
         """Resolved in the step: a branch that ends now changes nothing."""
-        return self._settled.is_set() and not self.durable
+        return self.settled and not self.durable
 
     @cached_property
     def where(self) -> str:
@@ -104,8 +127,9 @@ class InStepStage:
             self._apply(self.join.start())
             if d.nowait is None:
                 await self._record_progress()
-            if not self._settled.is_set():
-                await self._settled.wait()
+            if not self.settled:
+                self._waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
         except BaseException:
             # The step was cancelled (the job, or the engine stopping): so are its branches.
             for index in list(self.branches):
@@ -148,6 +172,17 @@ class InStepStage:
         await d.finish(parent, status, exc=failure, where=self.where)
         return False
 
+    def _settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None:
+                trio.lowlevel.reschedule(waiter)
+
+    def _abort_wait(self, _: Any) -> trio.lowlevel.Abort:
+        self._waiter = None  # the step was cancelled while it waited
+        return trio.lowlevel.Abort.SUCCEEDED
+
     # -- the join's decisions ------------------------------------------------------------
 
     def _apply(self, decision: Decision) -> None:
@@ -165,7 +200,7 @@ class InStepStage:
         if self.conflict is not None or (decision.resolved is not None and not self.durable):
             for index in list(self.branches):
                 self._cancel(index)
-            self._settled.set()
+            self._settle()
 
     def _start(self, index: int) -> None:
         d, parent, record = self.d, self.parent, self.record
@@ -179,7 +214,7 @@ class InStepStage:
             correlation_id=parent.correlation_id,
             traceparent=parent.traceparent,
             deadline=record.deadline,
-            root=(*record.path, index),
+            root=_roots(record.path, len(self.stage.branches))[index],
             parent=parent.id,
             branch=index,
             join_id=record.id,
@@ -229,7 +264,7 @@ class InStepStage:
         """A store without a synchronous path (a shared one) gets the join's progress at
         every branch end, as for a stage forked as child jobs, so readers in other processes
         see it; the process's own memory store needs no copy of what the step holds."""
-        if self.d.nowait is None and not self._settled.is_set():
+        if self.d.nowait is None and not self.settled:
             if self._writing is None:
                 self._writing = trio.Lock()
             async with self._writing:
@@ -269,25 +304,67 @@ class InStepStage:
         d.unstored.add(branch.id)
         escaped: BaseException | None = None
         try:
-            with scope:
+            # Entered and exited by hand, as ``with`` does, without holding the scope's
+            # bound ``__exit__`` for the branch's whole life (one object fewer per branch
+            # for the collector to walk while thousands wait).
+            scope.__enter__()
+            try:
                 key = branch.key
-                if flat is not None and key == self.parent.key and not d.limited(key):
+                if flat is None or key != self.parent.key or d.limited(key):
+                    await self._run_segments(branch)
+                else:
                     # The common branch: its pipes one after another under the parent's
-                    # slot, as _run_held walks a flat sequence, without its lookups (an
-                    # in-step stage's pipes share the parent's key; a branch writes no
-                    # record), and in this coroutine: one frame fewer on every resume.
+                    # slot, each run as ``Dispatcher._run_pipe`` runs one but in this
+                    # coroutine (one coroutine and one frame fewer per pipe, on every
+                    # resume), without the lookups of _run_held (an in-step stage's pipes
+                    # share the parent's key; a branch writes no record).
                     branch.transition(Status.RUNNING)
+                    chain = self.chain
                     top = branch.frames[0]
+                    invoke = _invoke or _load_invoke()
                     now: float | None = trio.current_time()
                     while now is not None and top.index < len(flat):
-                        now = await d._run_pipe(
-                            branch, self.chain, flat[top.index], now, write=False
+                        pipe = flat[top.index]
+                        limit = math.inf if pipe.timeout is None else now + pipe.timeout
+                        deadline = top.deadline if limit > top.deadline else limit
+                        ctx = Context(
+                            state=snapshot(branch.state) if pipe.blocking else branch.state,
+                            job_id=branch.id,
+                            correlation_id=branch.correlation_id,
+                            chain=chain.name,
+                            pipe=pipe,
+                            where=chain,
+                            position=branch.root,  # a branch of one frame: its path
+                            key=key,
+                            deadline=deadline,
+                            ops=d,
+                            traceparent=branch.traceparent,
                         )
-                    if now is not None:  # else it failed, suspended or was cancelled: ended
+                        try:
+                            if deadline == math.inf:
+                                await invoke(pipe, ctx)
+                                # A pipe that swallowed the cancellation must not carry on
+                                # as if it had not come.
+                                await trio.lowlevel.checkpoint_if_cancelled()
+                            else:
+                                await d._call_within(pipe, ctx, branch)
+                            check_state(ctx.state)
+                        except BaseException as raised:  # a cancellation travels on
+                            # None: it failed or suspended, and ended there.
+                            now = await d._pipe_raised(branch, chain, pipe, now, raised, ctx, top)
+                            continue
+                        if pipe.blocking:
+                            branch.state = ctx.state
+                        now = d._pipe_ended(branch, pipe, now, "ok")
+                        top.index += 1
+                    if now is not None:
                         branch.frames.pop()
                         await d.finish(branch, Status.DONE, now=now)
-                else:
-                    await self._run_segments(branch)
+            except BaseException as exc:
+                if not scope.__exit__(type(exc), exc, exc.__traceback__):
+                    raise
+            else:
+                scope.__exit__(None, None, None)
         except BaseException as exc:
             escaped = exc
         finally:
@@ -367,14 +444,14 @@ class InStepStage:
         self.branches.pop(branch.branch or 0, None)
         await d.store.create(branch)
         if not self.branches:
-            self._settled.set()
+            self._settle()
 
     async def report_late(self, branch: Job) -> None:
         """An in-step branch ended after the stage turned durable: an event, as a child
         job's end is."""
         self.branches.pop(branch.branch or 0, None)
         if not self.branches:
-            self._settled.set()
+            self._settle()
         await self._join_written()
         await report_branch(self.d, branch)
 
