@@ -4,7 +4,6 @@ between processes (see docs/configuration.md#boards)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,12 +14,12 @@ from ..container._board_core import BoardSettings
 from ..container._board_jobs import JOB_BOARD
 from ._config_problems import Collector, KeyPath
 from ._config_read import Table, check_name, open_table
+from ._config_redis import read_redis_target, redis_url
 
 __all__ = ["BACKPLANE_KEYS", "BOARD_KEYS", "BackplaneSettings", "BoardConfig", "read_boards"]
 
 #: ``[boards]``' own keys (not boards: a board is a table, ``[boards.NAME]``).
 BACKPLANE_KEYS: Final = ("backplane", "url", "url_env", "prefix")
-_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 
 BOARD_KEYS: Final = (
     "window",
@@ -88,15 +87,7 @@ class BackplaneSettings:
     prefix: str = "pipework"
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
-        if self.url is not None:
-            return self.url
-        assert self.url_env is not None
-        found = (os.environ if environ is None else environ).get(self.url_env)
-        if not found:
-            raise RuntimeError(
-                f"[boards] url_env names {self.url_env!r}, which is not set in the environment"
-            )
-        return found
+        return redis_url("boards", self.url, self.url_env, environ)
 
     def build(self, environ: Mapping[str, str] | None = None) -> Backplane | None:
         """The backplane a container gets (None: its own, in-process)."""
@@ -143,26 +134,10 @@ def read_boards(c: Collector, value: Any) -> tuple[dict[str, BoardConfig], Backp
 def _backplane(c: Collector, t: Table) -> BackplaneSettings:
     d = BackplaneSettings()
     backplane = t.string("backplane", d.backplane, choices=("local", "redis"))
-    url = t.string("url", None)
-    url_env = t.string("url_env", None)
-    prefix = t.string("prefix", d.prefix)
-    if ":" in prefix:
-        c.error(t.at("prefix"), f"a key prefix may not contain ':', got {prefix!r}")
-    if url is not None and not url.startswith(_SCHEMES):
-        c.error(t.at("url"), f"expected a URL starting with {', '.join(_SCHEMES)}, got {url!r}")
-    if url is not None and url_env is not None:
-        c.error(t.at("url"), "set url or url_env, not both")
-    if backplane == "redis":
-        if url is None and url_env is None:
-            c.error(t.at("url"), 'backplane = "redis" needs url (or url_env) naming the server')
-        if importlib.util.find_spec("coredis") is None:
-            c.error(
-                t.at("backplane"),
-                "the redis backplane needs the redis extra: pip install 'pipework[redis]'",
-            )
-    elif url is not None or url_env is not None:
-        c.warn(t.at("url" if url is not None else "url_env"), 'used only with backplane = "redis"')
-    return BackplaneSettings(backplane=backplane, url=url, url_env=url_env, prefix=prefix)
+    target = read_redis_target(c, t, switch="backplane", chosen=backplane, default_prefix=d.prefix)
+    return BackplaneSettings(
+        backplane=backplane, url=target.url, url_env=target.url_env, prefix=target.prefix
+    )
 
 
 def _token(c: Collector, t: Table, key: str) -> tuple[str | None, str | None]:

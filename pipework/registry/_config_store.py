@@ -4,8 +4,6 @@ server and prefix (docs/scaling.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -14,6 +12,7 @@ from ..dispatcher._queue import EventQueue
 from ..dispatcher._store import JobStore, MemoryJobStore
 from ._config_problems import Collector, KeyPath
 from ._config_read import open_table
+from ._config_redis import read_redis_target, redis_url
 
 __all__ = ["StoreSettings", "read_store"]
 
@@ -26,7 +25,6 @@ STORE_KEYS: Final = (
     "retain_count",
     "claim_idle",
 )
-_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +41,7 @@ class StoreSettings:
     claim_idle: float = 30.0
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
-        if self.url is not None:
-            return self.url
-        assert self.url_env is not None
-        found = (os.environ if environ is None else environ).get(self.url_env)
-        if not found:
-            raise RuntimeError(
-                f"[store] url_env names {self.url_env!r}, which is not set in the environment"
-            )
-        return found
+        return redis_url("store", self.url, self.url_env, environ)
 
     def build(
         self, *, queue_capacity: int, environ: Mapping[str, str] | None = None
@@ -89,30 +79,12 @@ def read_store(c: Collector, value: Any) -> StoreSettings:
         return StoreSettings()
     d = StoreSettings()
     backend = t.string("backend", d.backend, choices=("memory", "redis"))
-    url = t.string("url", None)
-    url_env = t.string("url_env", None)
-    prefix = t.string("prefix", d.prefix)
-    if ":" in prefix:
-        c.error(t.at("prefix"), f"a key prefix may not contain ':', got {prefix!r}")
-    if url is not None and not url.startswith(_SCHEMES):
-        c.error(t.at("url"), f"expected a URL starting with {', '.join(_SCHEMES)}, got {url!r}")
-    if url is not None and url_env is not None:
-        c.error(t.at("url"), "set url or url_env, not both")
-    if backend == "redis":
-        if url is None and url_env is None:
-            c.error(t.at("url"), 'backend = "redis" needs url (or url_env) naming the server')
-        if importlib.util.find_spec("coredis") is None:
-            c.error(
-                t.at("backend"),
-                "the redis backend needs the redis extra: pip install 'pipework[redis]'",
-            )
-    elif url is not None or url_env is not None:
-        c.warn(t.at("url" if url is not None else "url_env"), 'used only with backend = "redis"')
+    target = read_redis_target(c, t, switch="backend", chosen=backend, default_prefix=d.prefix)
     return StoreSettings(
         backend=backend,
-        url=url,
-        url_env=url_env,
-        prefix=prefix,
+        url=target.url,
+        url_env=target.url_env,
+        prefix=target.prefix,
         retain_seconds=t.number("retain_seconds", d.retain_seconds),
         retain_count=t.integer("retain_count", d.retain_count, minimum=1),
         claim_idle=t.number("claim_idle", d.claim_idle),
