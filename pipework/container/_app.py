@@ -318,6 +318,9 @@ class Container:
 
     async def _start_boards(self) -> None:
         self._boards_scope = scope = trio.CancelScope()
+        # The parked requests' deadlines: served from now until the app stops.
+        self._parking_scope = trio.CancelScope()
+        await self.app.nursery.start(self._serve_parking, self._parking_scope)
         self._unobserve = self.job_board.attach(self.engine.observe)
         self._board_metrics = BoardCollector(self.boards)
         metrics = self.engine.metrics
@@ -332,8 +335,15 @@ class Container:
 
         self.app.nursery.start_soon(run)
 
+    async def _serve_parking(
+        self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        with scope:
+            await self.parking.run(task_status=task_status)
+
     async def _stop_boards(self) -> None:
         self._boards_scope.cancel()
+        self._parking_scope.cancel()
         self._unobserve()
         self.engine.metrics.remove_state(self._board_metrics)
 
