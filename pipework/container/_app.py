@@ -284,11 +284,12 @@ class Container:
         # swap them in one step; the container's own paths are Quart rules and win.
         # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+        self.submissions.match = self._match
         for rule, endpoint in (("/", "routes_root"), ("/<path:_rest>", "routes")):
             app.add_url_rule(
                 rule,
                 endpoint,
-                self._dispatch_route,
+                self.submissions.serve,
                 methods=methods,
                 provide_automatic_options=False,
             )
@@ -381,9 +382,8 @@ class Container:
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])
 
-    async def _dispatch_route(self, _rest: str = "") -> Response:
+    def _match(self, req: Request) -> tuple[Route, Mapping[str, str]] | Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
-        req = current_request()
         if req.method == "OPTIONS":
             allowed = self._matcher.allowed_methods(req.path)
             if not allowed:
@@ -396,7 +396,7 @@ class Container:
         ctx = incoming()
         if ctx is not None:
             ctx.route = name
-        return await self.submissions.handle(self._by_name[name], params)
+        return self._by_name[name], params
 
     async def _before_request(self) -> None:
         _take_correlation_id()

@@ -13,7 +13,7 @@ import heapq
 import logging
 import math
 import secrets
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import trio
 from prometheus_client import Gauge
-from quart import Response, g, request
+from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
@@ -237,6 +237,10 @@ _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 _NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
 
+def _unset(request: Request) -> tuple[Route, Mapping[str, str]] | Response:
+    raise RuntimeError("Submissions.match is not set: the container sets it")
+
+
 class Submissions:
     """Turns a route's request into a job and answers it as the route's mode says."""
 
@@ -260,10 +264,19 @@ class Submissions:
         self.body_time_limit = body_time_limit
         self.retain_seconds = retain_seconds
         self.expose_errors = expose_errors
+        #: The request's route and path parameters (raises werkzeug's NotFound or
+        #: MethodNotAllowed), or the answer itself.
+        self.match: Callable[[Request], tuple[Route, Mapping[str, str]] | Response] = _unset
 
-    async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
-        """Submit the request's job and answer as the route's mode says; a sync or auto
-        request parks in this one frame."""
+    async def serve(self, _rest: str = "") -> Response:
+        """The routes' view: the route :attr:`match` finds for the request (set by the
+        container; it may answer itself, as to OPTIONS), its job submitted and answered as
+        the route's mode says. A sync or auto request parks in this one frame: no frame of
+        a dispatching view above it."""
+        found = self.match(current_request())
+        if isinstance(found, Response):
+            return found
+        route, params = found
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
