@@ -73,9 +73,8 @@ class Parking:
         self._watchers: dict[str, int] = {}
         self.drain_deadline = math.inf
         self._gauge = gauge  # pipework_parked_requests
-        # (deadline, sequence, waiting); a request that leaves clears its waiting's task.
-        self._heap: list[tuple[float, int, Waiting]] = []
-        self._sequence = 0
+        # Ordered by deadline; a request that leaves clears its waiting's task.
+        self._heap: list[Waiting] = []
         self._lean = 0  # parked in the heap
         self._timer: trio.CancelScope | None = None  # set while run() serves the heap
 
@@ -137,9 +136,8 @@ class Parking:
         at the end of a shutdown's grace period (the wake stays unset then); only while
         :attr:`serving`. Await ``trio.lowlevel.wait_task_rescheduled(waiting)``, then
         :meth:`unpark`, whatever happened."""
-        waiting = wake.join(trio.lowlevel.current_task())
-        heapq.heappush(self._heap, (deadline, self._sequence, waiting))
-        self._sequence += 1
+        waiting = wake.join(trio.lowlevel.current_task(), deadline)
+        heapq.heappush(self._heap, waiting)
         self._lean += 1
         timer = self._timer
         if timer is not None:
@@ -155,7 +153,7 @@ class Parking:
         self._unwatch(job_id)
         heap = self._heap
         if len(heap) > 64 and len(heap) > 2 * self._lean:  # mostly left: compact it
-            heap[:] = [entry for entry in heap if entry[2].task is not None]
+            heap[:] = [waiting for waiting in heap if waiting.task is not None]
             heapq.heapify(heap)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -164,10 +162,10 @@ class Parking:
         started = False
         try:
             while True:
-                while heap and heap[0][2].task is None:
+                while heap and heap[0].task is None:
                     heapq.heappop(heap)
                 # Nothing parked: nothing to wake for (a drain's deadline included).
-                first = min(heap[0][0], self.drain_deadline) if heap else math.inf
+                first = min(heap[0].deadline, self.drain_deadline) if heap else math.inf
                 with trio.CancelScope(deadline=first) as timer:
                     self._timer = timer
                     if not started:
@@ -177,11 +175,11 @@ class Parking:
                 self._timer = None
                 now = trio.current_time()
                 everything = now >= self.drain_deadline
-                while heap and (everything or heap[0][0] <= now):
-                    heapq.heappop(heap)[2].cut()
+                while heap and (everything or heap[0].deadline <= now):
+                    heapq.heappop(heap).cut()
         finally:
             self._timer = None
-            for _, _, waiting in heap:
+            for waiting in heap:
                 waiting.cut()
             heap.clear()
 
@@ -282,14 +280,43 @@ class Submissions:
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
         ticket, prefs = await self._accept(route, params)
-        mode = route.mode
-        if mode == "async":
+        if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
-        if mode == "stream":
+        if route.mode == "stream":
             return await self._stream(ticket)
+        # Few locals: this frame is what a parked request keeps.
+        limit, deadline, media_type, applied = self._terms(route, prefs, ticket)
+        wake = self.engine.wake(ticket.job_id) if self.parking.serving else None
+        if wake is None:
+            return await self._wait_scoped(route, ticket, prefs, limit, media_type, applied)
+        # The wait, flat: this frame on the job's wake, its deadline in the heap.
+        waiting = None if wake.is_set() else self.parking.park(limit, ticket.job_id, wake)
+        try:
+            if waiting is not None:
+                await trio.lowlevel.wait_task_rescheduled(waiting)
+        except trio.Cancelled:
+            # The client hung up (or the server is stopping hard).
+            await self._hung_up(route, ticket.job_id)
+            raise
+        finally:
+            if waiting is not None:
+                self.parking.unpark(waiting, ticket.job_id)
+        if wake.is_set():  # the job has ended: its outcome is read at once
+            try:
+                result = await self.engine.wait(ticket.job_id)
+            except Exception as exc:  # the job's own error, whatever a pipe raised
+                raise await self.failure(ticket.job_id, exc) from None
+            return self._answer(result, media_type, ticket.job_id, applied)
+        return await self._ran_out(ticket, prefs, limit, deadline, applied)
+
+    def _terms(
+        self, route: Route, prefs: Preferences, ticket: _Ticket
+    ) -> tuple[float, float, str, tuple[str, ...]]:
+        """How a sync or auto request waits: until when, the job's deadline with the
+        slack, the answer's media type and the preferences applied."""
         wait: float | None = None
         applied: tuple[str, ...] = ()  # a tuple: an empty one is shared, not kept per request
-        if mode == "auto":
+        if route.mode == "auto":
             wait = route.sync_wait
             if prefs.wait is not None and prefs.wait <= route.sync_wait:
                 wait = prefs.wait
@@ -302,34 +329,26 @@ class Submissions:
             if "accept" in ctx.headers:
                 media_type = choose_media_type(current_request())
             ctx.headers = _NO_HEADERS  # read: a parked request keeps none of them
-        job_id = ticket.job_id
         deadline = ticket.deadline + _SLACK
         limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
+        return limit, deadline, media_type, applied
+
+    async def _hung_up(self, route: Route, job_id: str) -> None:
+        if route.on_disconnect == "cancel" and self.parking.watchers(job_id) == 1:
+            await self.cancel_quietly(job_id)
+
+    async def _wait_scoped(
+        self,
+        route: Route,
+        ticket: _Ticket,
+        prefs: Preferences,
+        limit: float,
+        media_type: str,
+        applied: tuple[str, ...],
+    ) -> Response:
+        """A shared store's wait: the engine's, in one cancel scope."""
+        job_id = ticket.job_id
         parking = self.parking
-        wake = self.engine.wake(job_id) if parking.serving else None
-        if wake is not None:
-            # The wait, flat: this frame on the job's wake, its deadline in the heap.
-            waiting = None if wake.is_set() else parking.park(limit, job_id, wake)
-            try:
-                if waiting is not None:
-                    await trio.lowlevel.wait_task_rescheduled(waiting)
-            except trio.Cancelled:
-                # The client hung up (or the server is stopping hard).
-                if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
-                    await self.cancel_quietly(job_id)
-                raise
-            finally:
-                if waiting is not None:
-                    parking.unpark(waiting, job_id)
-            if wake.is_set():  # the job has ended: its outcome is read at once
-                try:
-                    result = await self.engine.wait(job_id)
-                except Exception as exc:  # the job's own error, whatever a pipe raised
-                    raise await self.failure(job_id, exc) from None
-                return self._answer(result, media_type, job_id, applied)
-            return await self._ran_out(ticket, prefs, limit, deadline, applied)
-        # A shared store: this frame and one cancel scope between the view and the
-        # engine's wait.
         scope = parking.open(limit, job_id)
         try:
             with scope:
@@ -341,12 +360,11 @@ class Submissions:
         except trio.Cancelled:
             # Our own scope swallows its timeout, so this is from outside: the client hung
             # up (or the server is stopping hard).
-            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
-                await self.cancel_quietly(job_id)
+            await self._hung_up(route, job_id)
             raise
         finally:
             parking.close(scope, job_id)
-        return await self._ran_out(ticket, prefs, limit, deadline, applied)
+        return await self._ran_out(ticket, prefs, limit, ticket.deadline + _SLACK, applied)
 
     @staticmethod
     def _answer(result: Any, media_type: str, job_id: str, applied: tuple[str, ...]) -> Response:

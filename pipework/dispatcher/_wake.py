@@ -10,6 +10,7 @@ a parked request needs no cancel scope of its own.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import trio
@@ -51,16 +52,18 @@ class Wake:
             return
         await trio.lowlevel.wait_task_rescheduled(self.join(trio.lowlevel.current_task()))
 
-    def join(self, task: trio.lowlevel.Task) -> Waiting:
+    def join(self, task: trio.lowlevel.Task, deadline: float = math.inf) -> Waiting:
         """``wait`` in the caller's own frame: ``task`` (the current one, the wake unset)
-        waits from now on; pass the answer to ``trio.lowlevel.wait_task_rescheduled``."""
+        waits from now on; pass the answer to ``trio.lowlevel.wait_task_rescheduled``.
+        ``deadline``: when the caller means to cut it (kept on the answer, which orders by
+        it: a heap of them is one object per wait)."""
         if self._task is None:
             self._task = task
         elif self._more is None:
             self._more = [task]
         else:
             self._more.append(task)
-        return Waiting(self, task)
+        return Waiting(self, task, deadline)
 
     def cut(self, task: trio.lowlevel.Task) -> bool:
         """Wake ``task`` now if it waits here (its ``wait`` returns; the wake stays unset)."""
@@ -83,11 +86,15 @@ class Waiting:
     """One task's wait on a wake: its abort callback (it leaves the wait when the task is
     cancelled), and what a deadline needs to cut it short."""
 
-    __slots__ = ("task", "wake")
+    __slots__ = ("deadline", "task", "wake")
 
-    def __init__(self, wake: Wake, task: trio.lowlevel.Task) -> None:
+    def __init__(self, wake: Wake, task: trio.lowlevel.Task, deadline: float) -> None:
         self.wake = wake
         self.task: trio.lowlevel.Task | None = task
+        self.deadline = deadline
+
+    def __lt__(self, other: Waiting) -> bool:
+        return self.deadline < other.deadline
 
     def __call__(self, _: Any) -> trio.lowlevel.Abort:
         if self.task is not None:
