@@ -175,7 +175,6 @@ async def test_sync_deadline_answers_504() -> None:
     assert body["where"] == "chain 'held' > pipe 'held'"
 
 
-
 async def test_sync_waits_on_a_store_that_hands_out_copies() -> None:
     """A shared store's record cannot be waited on in this process: the request waits in
     the engine, in a cancel scope of its own, with the same answers."""
@@ -196,6 +195,7 @@ async def test_sync_waits_on_a_store_that_hands_out_copies() -> None:
             with pytest.raises(pw.JobCancelled):
                 await served.engine.wait(gate.job_ids[-1])
             assert served.container.parking.parked == 0
+
 
 # -- client disconnects --------------------------------------------------------------------
 

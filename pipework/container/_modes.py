@@ -275,6 +275,7 @@ class Submissions:
         if isinstance(found, Response):
             return found
         route, params = found
+        del found  # the pair would stay for as long as the request is parked
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
