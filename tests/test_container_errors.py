@@ -309,7 +309,7 @@ async def test_unhandled_bug_is_a_500_problem_and_logged(
 
     with trio.fail_after(HANG_GUARD):
         async with serving(make_engine()) as served:
-            monkeypatch.setattr(served.container.submissions, "handle", broken)
+            monkeypatch.setattr(served.container.submissions, "_accept", broken)
             response = await served.client.post("/echo/1")
     body = assert_problem(response, 500)
     assert "internal detail" not in response.text

@@ -15,6 +15,7 @@ import trio.testing
 import pipework as pw
 from pipework.container import ContainerConfig
 
+from ._copying_store import CopyingJobStore
 from .test_container_harness import (
     HANG_GUARD,
     assert_problem,
@@ -172,6 +173,28 @@ async def test_sync_deadline_answers_504() -> None:
     body = assert_problem(response, 504, "deadline-exceeded")
     assert body["job_id"] == response.headers["x-job-id"]
     assert body["where"] == "chain 'held' > pipe 'held'"
+
+
+async def test_sync_waits_on_a_store_that_hands_out_copies() -> None:
+    """A shared store's record cannot be waited on in this process: the request waits in
+    the engine, in a cancel scope of its own, with the same answers."""
+    gate = Gate()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(gate, store=CopyingJobStore())) as served:
+            assert served.container.engine.wake("nothing") is None  # no wake to park on
+            response = await served.client.post("/echo/1", json={"a": 1})
+            assert response.status_code == 200
+            assert response.json()["seen"] == ["a", "item"]
+            late = await served.client.post("/held-short")
+            assert_problem(late, 504, "deadline-exceeded")
+            async with raw_client(served.address) as raw:
+                await raw.send("POST", "/held")
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                assert served.container.parking.parked == 1
+            # The socket is closed: the handler is cancelled, and cancels the job.
+            with pytest.raises(pw.JobCancelled):
+                await served.engine.wait(gate.job_ids[-1])
+            assert served.container.parking.parked == 0
 
 
 # -- client disconnects --------------------------------------------------------------------

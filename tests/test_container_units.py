@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+import trio.testing
 from werkzeug.datastructures import MultiDict
 
 import pipework as pw
@@ -26,6 +27,7 @@ from pipework.container._idempotency import IdempotencyTable, check_key, fingerp
 from pipework.container._modes import Parking
 from pipework.container._problems import Problem, problem_for_error, problem_for_exception
 from pipework.container._request import read_headers
+from pipework.dispatcher._wake import Wake
 
 # -- routes --------------------------------------------------------------------------------
 
@@ -292,6 +294,95 @@ async def test_parking_drain_cuts_waits_to_the_grace(autojump_clock: trio.abc.Cl
     assert ended == [3.0, 6.0, 6.0]
     assert parking.drained
     assert parking.parked == 0
+
+
+async def _park_on(parking: Parking, wake: Wake, deadline: float, job: str) -> bool:
+    """A parked request's wait as the container does it: True if the wake was set."""
+    waiting = parking.park(deadline, job, wake)
+    try:
+        await trio.lowlevel.wait_task_rescheduled(waiting)
+    finally:
+        parking.unpark(waiting, job)
+    return wake.is_set()
+
+
+async def test_parking_heap_cuts_at_deadlines_and_at_the_drain(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    parking = Parking()
+    ended: list[tuple[str, float, bool]] = []
+    wakes = {name: Wake() for name in "abcd"}
+
+    async def park(name: str, deadline: float) -> None:
+        woken = await _park_on(parking, wakes[name], deadline, name)
+        ended.append((name, trio.current_time(), woken))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(parking.run)
+        assert parking.serving
+        nursery.start_soon(park, "a", 100.0)
+        nursery.start_soon(park, "b", 3.0)
+        nursery.start_soon(park, "c", 2.0)  # ends by its job before its deadline
+        await trio.sleep(1)
+        assert parking.parked == 3
+        assert parking.watchers("a") == 1
+        wakes["c"].set()
+        await trio.sleep(1)
+        parking.drain(5)  # now 2: the waits end by 7
+        nursery.start_soon(park, "d", 50.0)  # parked during the drain: cut with the rest
+        await trio.sleep(10)
+        assert parking.parked == 0
+        nursery.cancel_scope.cancel()
+    assert ended[:2] == [("c", 1.0, True), ("b", 3.0, False)]
+    assert sorted(ended[2:]) == [("a", 7.0, False), ("d", 7.0, False)]
+    assert parking.watchers("a") == 0
+    assert not parking.serving
+
+
+async def test_parking_heap_leaves_a_cancelled_wait_and_compacts(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    parking = Parking()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(parking.run)
+        wake = Wake()
+        with trio.move_on_after(1):  # the client hangs up
+            await _park_on(parking, wake, 10.0, "j")
+        assert parking.parked == 0
+        assert not wake.is_set()
+        for n in range(200):  # many quick requests leave their entries behind, bounded
+            done = Wake()
+            nursery.start_soon(_park_on, parking, done, 1000.0 + n, f"q{n}")
+            await trio.testing.wait_all_tasks_blocked()
+            done.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert parking.parked == 0
+        assert len(parking._heap) <= 128
+        assert trio.current_time() < 2  # no deadline of theirs had to pass
+        nursery.cancel_scope.cancel()
+
+
+async def test_wake_wakes_every_waiter_and_a_cut_one_alone() -> None:
+    wake = Wake()
+    woken: list[str] = []
+    tasks: dict[str, trio.lowlevel.Task] = {}
+
+    async def wait(name: str) -> None:
+        tasks[name] = trio.lowlevel.current_task()
+        await wake.wait()
+        woken.append(f"{name}:{wake.is_set()}")
+
+    async with trio.open_nursery() as nursery:
+        for name in "xyz":
+            nursery.start_soon(wait, name)
+        await trio.testing.wait_all_tasks_blocked()
+        assert wake.cut(tasks["y"])
+        assert not wake.cut(tasks["y"])  # no longer waits
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == ["y:False"]
+        wake.set()
+    assert sorted(woken) == ["x:True", "y:False", "z:True"]
+    await wake.wait()  # set: returns at once
 
 
 # -- problems ------------------------------------------------------------------------------

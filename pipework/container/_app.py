@@ -284,11 +284,12 @@ class Container:
         # swap them in one step; the container's own paths are Quart rules and win.
         # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+        self.submissions.match = self._match
         for rule, endpoint in (("/", "routes_root"), ("/<path:_rest>", "routes")):
             app.add_url_rule(
                 rule,
                 endpoint,
-                self._dispatch_route,
+                self.submissions.serve,
                 methods=methods,
                 provide_automatic_options=False,
             )
@@ -318,6 +319,9 @@ class Container:
 
     async def _start_boards(self) -> None:
         self._boards_scope = scope = trio.CancelScope()
+        # The parked requests' deadlines: served from now until the app stops.
+        self._parking_scope = trio.CancelScope()
+        await self.app.nursery.start(self._serve_parking, self._parking_scope)
         self._unobserve = self.job_board.attach(self.engine.observe)
         self._board_metrics = BoardCollector(self.boards)
         metrics = self.engine.metrics
@@ -332,8 +336,15 @@ class Container:
 
         self.app.nursery.start_soon(run)
 
+    async def _serve_parking(
+        self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        with scope:
+            await self.parking.run(task_status=task_status)
+
     async def _stop_boards(self) -> None:
         self._boards_scope.cancel()
+        self._parking_scope.cancel()
         self._unobserve()
         self.engine.metrics.remove_state(self._board_metrics)
 
@@ -371,9 +382,8 @@ class Container:
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])
 
-    async def _dispatch_route(self, _rest: str = "") -> Response:
+    def _match(self, req: Request) -> tuple[Route, Mapping[str, str]] | Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
-        req = current_request()
         if req.method == "OPTIONS":
             allowed = self._matcher.allowed_methods(req.path)
             if not allowed:
@@ -386,7 +396,7 @@ class Container:
         ctx = incoming()
         if ctx is not None:
             ctx.route = name
-        return await self.submissions.handle(self._by_name[name], params)
+        return self._by_name[name], params
 
     async def _before_request(self) -> None:
         _take_correlation_id()

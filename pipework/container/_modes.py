@@ -9,10 +9,11 @@ the route says ``on_disconnect = "continue"`` or another request waits on the sa
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import secrets
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -20,12 +21,13 @@ from typing import Any, Final
 
 import trio
 from prometheus_client import Gauge
-from quart import Response, g, request
+from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
 from ..dispatcher._engine import Engine
 from ..dispatcher._status import Status
+from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state
 from ._bodies import (
     JSON,
@@ -57,13 +59,24 @@ _CLAIM_WAIT: Final = 5.0
 
 
 class Parking:
-    """The parked requests' waits, so that a shutdown can cut them all short at once."""
+    """The parked requests' waits, so that a shutdown can cut them all short at once.
+
+    A sync request on an in-process store parks on its job's wake (:meth:`park`): its
+    deadline is an entry in one heap, served by one task (:meth:`run`), instead of a
+    cancel scope per request (a scope's cancel status takes two sets, ~0.7 KB a request
+    held for as long as it is parked). Other waits (streams, shared stores, or before
+    :meth:`run` has started) take a cancel scope (:meth:`scope`, :meth:`open`).
+    """
 
     def __init__(self, gauge: Gauge | None = None) -> None:
         self._scopes: set[trio.CancelScope] = set()
         self._watchers: dict[str, int] = {}
         self.drain_deadline = math.inf
         self._gauge = gauge  # pipework_parked_requests
+        # Ordered by deadline; a request that leaves clears its waiting's task.
+        self._heap: list[Waiting] = []
+        self._lean = 0  # parked in the heap
+        self._timer: trio.CancelScope | None = None  # set while run() serves the heap
 
     @property
     def draining(self) -> bool:
@@ -76,7 +89,12 @@ class Parking:
 
     @property
     def parked(self) -> int:
-        return len(self._scopes)
+        return len(self._scopes) + self._lean
+
+    @property
+    def serving(self) -> bool:
+        """Whether :meth:`run` serves the heap's deadlines (else :meth:`park` must not be used)."""
+        return self._timer is not None
 
     @contextmanager
     def scope(self, deadline: float) -> Iterator[trio.CancelScope]:
@@ -98,19 +116,79 @@ class Parking:
         self.drain_deadline = min(self.drain_deadline, trio.current_time() + grace)
         for scope in self._scopes:
             scope.deadline = min(scope.deadline, self.drain_deadline)
+        if self._timer is not None and self._heap:
+            self._timer.deadline = min(self._timer.deadline, self.drain_deadline)
 
     def open(self, deadline: float, job_id: str) -> trio.CancelScope:
         """A parked request's wait on ``job_id``, as :meth:`scope` but without a context
         manager (the request's own frame holds it); end it with :meth:`close`."""
         scope = trio.CancelScope(deadline=min(deadline, self.drain_deadline))
         self._scopes.add(scope)
-        self._watchers[job_id] = self._watchers.get(job_id, 0) + 1
-        if self._gauge is not None:
-            self._gauge.inc()
+        self._watch(job_id)
         return scope
 
     def close(self, scope: trio.CancelScope, job_id: str) -> None:
         self._scopes.discard(scope)
+        self._unwatch(job_id)
+
+    def park(self, deadline: float, job_id: str, wake: Wake) -> Waiting:
+        """The current task's wait on ``job_id``'s unset ``wake``, cut at ``deadline`` or
+        at the end of a shutdown's grace period (the wake stays unset then); only while
+        :attr:`serving`. Await ``trio.lowlevel.wait_task_rescheduled(waiting)``, then
+        :meth:`unpark`, whatever happened."""
+        waiting = wake.join(trio.lowlevel.current_task(), deadline)
+        heapq.heappush(self._heap, waiting)
+        self._lean += 1
+        timer = self._timer
+        if timer is not None:
+            earlier = min(deadline, self.drain_deadline)
+            if earlier < timer.deadline:  # (setting it costs, even to the same value)
+                timer.deadline = earlier
+        self._watch(job_id)
+        return waiting
+
+    def unpark(self, waiting: Waiting, job_id: str) -> None:
+        waiting.task = None  # its heap entry is dropped when it comes up, or compacted
+        self._lean -= 1
+        self._unwatch(job_id)
+        heap = self._heap
+        if len(heap) > 64 and len(heap) > 2 * self._lean:  # mostly left: compact it
+            heap[:] = [waiting for waiting in heap if waiting.task is not None]
+            heapq.heapify(heap)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the parked requests' deadlines until cancelled (then cut what still waits)."""
+        heap = self._heap
+        started = False
+        try:
+            while True:
+                while heap and heap[0].task is None:
+                    heapq.heappop(heap)
+                # Nothing parked: nothing to wake for (a drain's deadline included).
+                first = min(heap[0].deadline, self.drain_deadline) if heap else math.inf
+                with trio.CancelScope(deadline=first) as timer:
+                    self._timer = timer
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await trio.sleep_forever()
+                self._timer = None
+                now = trio.current_time()
+                everything = now >= self.drain_deadline
+                while heap and (everything or heap[0].deadline <= now):
+                    heapq.heappop(heap).cut()
+        finally:
+            self._timer = None
+            for waiting in heap:
+                waiting.cut()
+            heap.clear()
+
+    def _watch(self, job_id: str) -> None:
+        self._watchers[job_id] = self._watchers.get(job_id, 0) + 1
+        if self._gauge is not None:
+            self._gauge.inc()
+
+    def _unwatch(self, job_id: str) -> None:
         left = self._watchers[job_id] - 1
         if left:
             self._watchers[job_id] = left
@@ -157,6 +235,10 @@ _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 _NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
 
+def _unset(request: Request) -> tuple[Route, Mapping[str, str]] | Response:
+    raise RuntimeError("Submissions.match is not set: the container sets it")
+
+
 class Submissions:
     """Turns a route's request into a job and answers it as the route's mode says."""
 
@@ -180,23 +262,62 @@ class Submissions:
         self.body_time_limit = body_time_limit
         self.retain_seconds = retain_seconds
         self.expose_errors = expose_errors
+        #: The request's route and path parameters (raises werkzeug's NotFound or
+        #: MethodNotAllowed), or the answer itself.
+        self.match: Callable[[Request], tuple[Route, Mapping[str, str]] | Response] = _unset
 
-    async def handle(self, route: Route, params: Mapping[str, str]) -> Response:
-        """Submit the request's job and answer as the route's mode says; a sync or auto
-        request parks in this one frame."""
+    async def serve(self, _rest: str = "") -> Response:
+        """The routes' view: the route :attr:`match` finds for the request (set by the
+        container; it may answer itself, as to OPTIONS), its job submitted and answered as
+        the route's mode says. A sync or auto request parks in this one frame: no frame of
+        a dispatching view above it."""
+        found = self.match(current_request())
+        if isinstance(found, Response):
+            return found
+        route, params = found
+        del found  # the pair would stay for as long as the request is parked
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
         ticket, prefs = await self._accept(route, params)
-        mode = route.mode
-        if mode == "async":
+        if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
-        if mode == "stream":
+        if route.mode == "stream":
             return await self._stream(ticket)
+        # Few locals: this frame is what a parked request keeps.
+        limit, deadline, media_type, applied = self._terms(route, prefs, ticket)
+        wake = self.engine.wake(ticket.job_id) if self.parking.serving else None
+        if wake is None:
+            return await self._wait_scoped(route, ticket, prefs, limit, media_type, applied)
+        # The wait, flat: this frame on the job's wake, its deadline in the heap.
+        waiting = None if wake.is_set() else self.parking.park(limit, ticket.job_id, wake)
+        try:
+            if waiting is not None:
+                await trio.lowlevel.wait_task_rescheduled(waiting)
+        except trio.Cancelled:
+            # The client hung up (or the server is stopping hard).
+            await self._hung_up(route, ticket.job_id)
+            raise
+        finally:
+            if waiting is not None:
+                self.parking.unpark(waiting, ticket.job_id)
+        if wake.is_set():  # the job has ended: its outcome is read at once
+            try:
+                result = await self.engine.wait(ticket.job_id)
+            except Exception as exc:  # the job's own error, whatever a pipe raised
+                raise await self.failure(ticket.job_id, exc) from None
+            return self._answer(result, media_type, ticket.job_id, applied)
+        return await self._ran_out(ticket, prefs, limit, deadline, applied)
+
+    def _terms(
+        self, route: Route, prefs: Preferences, ticket: _Ticket
+    ) -> tuple[float, float, str, tuple[str, ...]]:
+        """How a sync or auto request waits: until when, the job's deadline with the
+        slack, the answer's media type and the preferences applied."""
         wait: float | None = None
         applied: tuple[str, ...] = ()  # a tuple: an empty one is shared, not kept per request
-        if mode == "auto":
+        if route.mode == "auto":
             wait = route.sync_wait
             if prefs.wait is not None and prefs.wait <= route.sync_wait:
                 wait = prefs.wait
@@ -209,11 +330,25 @@ class Submissions:
             if "accept" in ctx.headers:
                 media_type = choose_media_type(current_request())
             ctx.headers = _NO_HEADERS  # read: a parked request keeps none of them
-        job_id = ticket.job_id
         deadline = ticket.deadline + _SLACK
         limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
-        # The wait, flat: this frame and one cancel scope between the view and the engine's
-        # wait, nothing else kept per parked request.
+        return limit, deadline, media_type, applied
+
+    async def _hung_up(self, route: Route, job_id: str) -> None:
+        if route.on_disconnect == "cancel" and self.parking.watchers(job_id) == 1:
+            await self.cancel_quietly(job_id)
+
+    async def _wait_scoped(
+        self,
+        route: Route,
+        ticket: _Ticket,
+        prefs: Preferences,
+        limit: float,
+        media_type: str,
+        applied: tuple[str, ...],
+    ) -> Response:
+        """A shared store's wait: the engine's, in one cancel scope."""
+        job_id = ticket.job_id
         parking = self.parking
         scope = parking.open(limit, job_id)
         try:
@@ -222,21 +357,35 @@ class Submissions:
                     result = await self.engine.wait(job_id)
                 except Exception as exc:  # the job's own error, whatever a pipe raised
                     raise await self.failure(job_id, exc) from None
-                response = Response(encode(result, media_type), content_type=media_type)
-                response.headers["X-Job-Id"] = job_id
-                if applied:
-                    response.headers["Preference-Applied"] = ", ".join(applied)
-                return response
+                return self._answer(result, media_type, job_id, applied)
         except trio.Cancelled:
             # Our own scope swallows its timeout, so this is from outside: the client hung
             # up (or the server is stopping hard).
-            if route.on_disconnect == "cancel" and parking.watchers(job_id) == 1:
-                await self.cancel_quietly(job_id)
+            await self._hung_up(route, job_id)
             raise
         finally:
             parking.close(scope, job_id)
-        # The scope ran out: the job's deadline, the shutdown's grace, or the auto wait.
-        if parking.drained:
+        return await self._ran_out(ticket, prefs, limit, ticket.deadline + _SLACK, applied)
+
+    @staticmethod
+    def _answer(result: Any, media_type: str, job_id: str, applied: tuple[str, ...]) -> Response:
+        response = Response(encode(result, media_type), content_type=media_type)
+        response.headers["X-Job-Id"] = job_id
+        if applied:
+            response.headers["Preference-Applied"] = ", ".join(applied)
+        return response
+
+    async def _ran_out(
+        self,
+        ticket: _Ticket,
+        prefs: Preferences,
+        limit: float,
+        deadline: float,
+        applied: tuple[str, ...],
+    ) -> Response:
+        """A parked wait ran out: the job's deadline, the shutdown's grace, or the auto wait."""
+        job_id = ticket.job_id
+        if self.parking.drained:
             await self.cancel_quietly(job_id)
             raise shutting_down()
         if limit < deadline:

@@ -50,6 +50,7 @@ from ._retained import Retained
 from ._runners import StepRunners
 from ._status import TERMINAL, Status
 from ._store import JobStore, nowait_access
+from ._wake import Wake
 
 __all__ = ["INTERNAL_PLAN", "Dispatcher"]
 
@@ -116,7 +117,7 @@ class Dispatcher:
         # early fires an Expire that finds a newer version and does nothing.
         self._deadlines: list[tuple[float, str, int]] = []
         self._deadline_moved = trio.Event()
-        self._waiters: dict[str, trio.Event] = {}
+        self._waiters: dict[str, Wake] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
         #: The exception objects of failed jobs, for ``Engine.wait`` to raise as they are: a
         #: record read back from a store has only their type, message and stage path. Kept
@@ -1122,7 +1123,7 @@ class Dispatcher:
         )
 
     async def wait_finished(self, job_id: str) -> None:
-        waiter = self._waiters.setdefault(job_id, trio.Event())
+        waiter = self._waiters.setdefault(job_id, Wake())
         await waiter.wait()
 
     def open_stream(self, job_id: str, buffer: int) -> trio.MemoryReceiveChannel[Any]:

@@ -36,6 +36,7 @@ from ._job import Job, JobView, hash_token, new_ids
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
+from ._wake import Wake
 from ._weighted import WeightedPool
 
 __all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
@@ -72,6 +73,11 @@ class _PipeDecorator(Protocol):
         timeout: float | None = None,
         blocking: bool = False,
     ) -> Callable[[PipeFunction], Pipe]: ...
+
+
+#: The wake of every job that has ended (it is never waited on).
+_ENDED: Final = Wake()
+_ENDED.set()
 
 
 class Engine:
@@ -384,7 +390,7 @@ class Engine:
             waiters = self._dispatcher._waiters
             while job.status not in TERMINAL:
                 # The waiter's wait awaited here: no frame between a parked request and it.
-                await waiters.setdefault(job_id, trio.Event()).wait()
+                await waiters.setdefault(job_id, Wake()).wait()
                 job = nowait[0](job_id)
             if job.status is Status.DONE:
                 return job.result
@@ -398,7 +404,7 @@ class Engine:
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
-            waiter = waiters.setdefault(job_id, trio.Event())
+            waiter = waiters.setdefault(job_id, Wake())
             try:
                 job = await read(job_id)
             except BaseException:
@@ -409,6 +415,18 @@ class Engine:
                 return _outcome(job, self._dispatcher.exceptions.get(job_id))
             with trio.move_on_after(recheck):
                 await waiter.wait()
+
+    def wake(self, job_id: str) -> Wake | None:
+        """What the end of ``job_id`` sets, for a caller that waits on it directly (then
+        reads the outcome with :meth:`wait`, which returns at once): its own frame and
+        deadline, no frame of the engine's. None when the store is shared (use
+        :meth:`wait`); an already set one when the job has ended."""
+        nowait = self._dispatcher.nowait
+        if not nowait:
+            return None
+        if nowait[0](job_id).status in TERMINAL:
+            return _ENDED
+        return self._dispatcher._waiters.setdefault(job_id, Wake())
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
