@@ -78,10 +78,14 @@ _ENDED_KEPT: Final = 4096
 #: The terminal statuses as a Lua table literal.
 _TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL) + "}"
 
+# KEYS: job, status set, then optionally a stream. ARGV: blob, status, version, id, origin,
+# then (with the stream) an entry's field and value: the job's first event, written with
+# its record (see RedisEventQueue.create_and_submit).
 _CREATE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[4])
+if KEYS[3] then redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7]) end
 return 1
 """
 
@@ -486,12 +490,15 @@ class RedisJobStore:
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
 
-    async def create(self, job: Job) -> None:
-        created = await self._script(
-            "create",
-            [self._key(job.id), f"{self.prefix}:st:{job.status.value}"],
-            [self._encode(job), job.status.value, job.version, job.id, self._origin],
-        )
+    async def create(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
+        """``entry``: ``(stream, field, value)`` added to a stream in the same write (the
+        job's first event), so the record and the event that runs it arrive together."""
+        keys = [self._key(job.id), f"{self.prefix}:st:{job.status.value}"]
+        args: list[Arg] = [self._encode(job), job.status.value, job.version, job.id, self._origin]
+        if entry is not None:
+            keys.append(entry[0])
+            args += entry[1:]
+        created = await self._script("create", keys, args)
         if not created:
             raise ValueError(f"job {job.id} already exists")
         if self._hearing():
