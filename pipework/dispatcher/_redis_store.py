@@ -200,6 +200,18 @@ _SHAS: Final = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in 
 #: The update script's last argument when the record may have any version.
 _ANY_VERSION: Final = encode_args([""])
 
+#: Arguments an update sends often, encoded once: a status, whether it is terminal.
+_STATUS_ARG: Final = {s: encode_args([s.value]) for s in Status}
+_TERMINAL_ARG: Final = {s: encode_args(["1" if s in TERMINAL else "0"]) for s in Status}
+_NOT_FINISHED_ARG: Final = encode_args([repr(0.0)])
+_NO_TOKEN_ARG: Final = encode_args([""])
+
+
+def _bulk(data: bytes) -> bytes:
+    """One argument as a RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -295,6 +307,11 @@ class RedisJobStore:
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._get_head = encode_args(["HMGET"])
+        self._get_tail = encode_args(["d", "v"])
+        self._job_prefix = f"{prefix}:job:".encode()
+        self._gone_prefix = f"{prefix}:gone:".encode()
+        self._finished_arg = encode_args([f"{prefix}:finished"])
         self._tail_values: list[Arg] = []
         self._tail_bytes = b""
 
@@ -506,7 +523,10 @@ class RedisJobStore:
 
     async def get(self, job_id: str) -> Job:
         # A plain read: one HMGET is atomic, and far cheaper than a script.
-        blob, version = await self._run(["HMGET", self._key(job_id), "d", "v"])
+        key = self._job_prefix + job_id.encode()
+        blob, version = await self._run(
+            b"*4\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
+        )
         return await self._found(job_id, blob, version, None)
 
     async def read_awaited(self, job_id: str) -> Job:
@@ -567,27 +587,32 @@ class RedisJobStore:
             # Written or not, its waiters read it from now on: a write that fails after
             # Redis applied it must not leave it known as active here.
             self._active.pop(job.id, None)
-        varying: list[Arg] = [
-            self._key(job.id),
-            f"{self.prefix}:finished",
-            self._gone(job.id),
-            self._encode(job),
-            job.status.value,
-            job.id,
-            "1" if terminal else "0",
-            repr(_moved(job.retain_until, self._shift()) if terminal else 0.0),
-            job.token_hash or "",
-        ]
-        code, version = await self._run(
-            b"%b%b%b%b"
-            % (
+        # The command built as bytes: the arguments every update sends alike are encoded
+        # once (the same as encode_args of _UPDATE's KEYS and ARGV, in order).
+        job_id = job.id.encode()
+        status = job.status
+        token = job.token_hash
+        command = b"".join(
+            [
                 self._update_head,
-                encode_args(varying),
+                _bulk(self._job_prefix + job_id),
+                self._finished_arg,
+                _bulk(self._gone_prefix + job_id),
+                _bulk(self._encode(job)),
+                _STATUS_ARG[status],
+                _bulk(job_id),
+                _TERMINAL_ARG[status],
+                (
+                    _bulk(repr(_moved(job.retain_until, self._shift())).encode())
+                    if terminal
+                    else _NOT_FINISHED_ARG
+                ),
+                _NO_TOKEN_ARG if token is None else _bulk(token.encode()),
                 self._tail(),
                 _ANY_VERSION if expected == "" else encode_args([expected]),
-            ),
-            "update",
+            ]
         )
+        code, version = await self._run(command, "update")
         if code == -3:
             return False  # written by somebody else since it was read
         if code == 1:
