@@ -244,3 +244,51 @@ async def test_a_signal_kept_on_a_record_a_step_wrote_since_it_was_read_loses_no
         branches.set()
         with trio.fail_after(60):
             assert await engine.wait(job_id) == {"x": True, "y": True}
+
+
+async def test_a_status_write_leaves_the_record_and_a_stale_one_writes_it_whole(
+    redis_server: RedisServer,
+) -> None:
+    async with _store(redis_server) as store, _store(redis_server, store.prefix) as other:
+        job = _job()
+        await store.create(job)
+        read = await store.get(job.id)
+        read.transition(pw.Status.RUNNING)
+        await store.update_status(read)  # the status alone: the blob is as created
+        seen = await other.get(job.id)
+        assert (seen.status, seen.updated_at, seen.version) == (
+            pw.Status.RUNNING,
+            read.updated_at,
+            read.version,
+        )
+        assert [j.id for j in await other.list(pw.Status.RUNNING)] == [job.id]
+        assert await other.list(pw.Status.QUEUED) == []
+        assert (await other.read_awaited(job.id)).status is pw.Status.RUNNING
+        # A whole write after it is read whole: the status write's fields give way.
+        seen.state["n"] = 1
+        seen.transition(pw.Status.QUEUED)
+        await other.update(seen)
+        again = await store.get(job.id)
+        assert (again.status, again.state, again.updated_at) == (
+            pw.Status.QUEUED,
+            {"n": 1},
+            seen.updated_at,
+        )
+        # Written since it was read: the status write writes the reader's record whole.
+        stale = await store.get(job.id)
+        seen.state["n"] = 2
+        await other.update(seen)
+        stale.transition(pw.Status.RUNNING)
+        await store.update_status(stale)
+        final = await other.get(job.id)
+        assert (final.status, final.state, final.version) == (
+            pw.Status.RUNNING,
+            {"n": 1},
+            stale.version,
+        )
+        # An ended record is not brought back.
+        final.transition(pw.Status.CANCELLED)
+        await other.update(final)
+        stale.transition(pw.Status.QUEUED)
+        with pytest.raises(pw.JobNotFound):
+            await store.update_status(stale)

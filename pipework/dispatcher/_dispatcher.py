@@ -319,7 +319,7 @@ class Dispatcher:
                             self.queue.ack(event)
                             acked = True
                             self._waited(job.key, 0.0)
-                            ended = await self._run_held(job, now)
+                            ended = await self._run_held(job, now, as_read=True)
                             settled = True
                         finally:
                             assert self._release is not None
@@ -338,7 +338,7 @@ class Dispatcher:
                                 acked = True
                                 granted = trio.current_time()
                                 self._waited(job.key, granted - now)
-                                await self._run_held(job, granted)
+                                await self._run_held(job, granted, as_read=True)
                                 settled = True
                         except Rejected as exc:
                             self._waited(job.key, trio.current_time() - now)
@@ -434,10 +434,11 @@ class Dispatcher:
             observe = self._waits[label] = self.metrics.observer(self.metrics.pool_wait, (label,))
         observe(seconds)
 
-    async def _run_held(self, job: Job, now: float) -> float:
+    async def _run_held(self, job: Job, now: float, *, as_read: bool = False) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
-        Returns the last clock read."""
+        ``as_read``: the job is as the store returned it but for its status. Returns the
+        last clock read."""
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
@@ -447,7 +448,12 @@ class Dispatcher:
                 if nowait:
                     nowait[1](job)
                 else:
-                    await self.store.update(job)  # readers see it running at once
+                    # A shared store may write only what changed since the read: the status.
+                    status_only = getattr(self.store, "update_status", None) if as_read else None
+                    if status_only is not None:
+                        await status_only(job)  # readers see it running at once
+                    else:
+                        await self.store.update(job)
             except JobNotFound:
                 # Ended while this step loaded it (a cancel, here or in another process,
                 # reached a shared store first): there is nothing left to run.

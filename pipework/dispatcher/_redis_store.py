@@ -6,8 +6,10 @@ build themselves):
 
 - ``{p}:job:{id}`` a hash: ``d`` the record as msgpack (:meth:`Job.to_wire`), ``s`` its
   status, ``v`` its version, ``o`` the store that created it, ``w`` set once a process
-  that did not create it waits for its end. The version lives outside the blob so a script
-  can compare and bump it without decoding the record.
+  that did not create it waits for its end, ``u`` the ``updated_at`` of a write of the
+  status alone (:meth:`RedisJobStore.update_status`: the blob is older than ``s`` then;
+  empty after a whole write). The version lives outside the blob so a script can compare
+  and bump it without decoding the record.
 - ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
@@ -111,7 +113,7 @@ end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[7]
 redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v)
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v, 'u', '')
 if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
   redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
 end
@@ -132,16 +134,42 @@ return {1, v}
 """
 )
 
+# KEYS: job. ARGV: status (not terminal), updated_at, id, prefix, the version the record
+# must still have. A write of the status alone (and ``updated_at``, kept in ``u`` until the
+# next whole write), for a record otherwise as it was read at that version: its blob is
+# left as it is. A record written since is refused (-3), and written whole by the caller.
+_STATUS: Final = (
+    "local terminal = "
+    + _TERMINAL_LUA
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 'v')
+if not cur[1] then return {-1, 0} end
+if terminal[cur[1]] then return {-2, 0} end
+if tonumber(cur[2]) ~= tonumber(ARGV[5]) then return {-3, tonumber(cur[2])} end
+local v = tonumber(cur[2]) + 1
+local p = ARGV[4]
+if cur[1] ~= ARGV[1] then
+  redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
+  redis.call('SADD', p .. ':st:' .. ARGV[1], ARGV[3])
+end
+redis.call('HSET', KEYS[1], 's', ARGV[1], 'v', v, 'u', ARGV[2])
+if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
+  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
+end
+return {1, v}
+"""
+)
+
 # KEYS: job, gone. The record for a waiter (Engine.wait) in a process that may not hear of
 # the job's end otherwise: marked so that its end is published (see _UPDATE).
 _AWAITED: Final = (
     "local terminal = "
     + _TERMINAL_LUA
     + """
-local r = redis.call('HMGET', KEYS[1], 'd', 'v', 's')
+local r = redis.call('HMGET', KEYS[1], 'd', 'v', 's', 'u')
 if r[1] then
   if not terminal[r[3]] then redis.call('HSET', KEYS[1], 'w', '1') end
-  return {r[1], r[2]}
+  return {r[1], r[2], false, r[3], r[4]}
 end
 local g = redis.call('GET', KEYS[2])
 if g then return {false, false, g} end
@@ -173,8 +201,10 @@ for _, key in ipairs(KEYS) do
   if redis.call('TYPE', key).ok == 'zset' then ids = redis.call('ZRANGE', key, 0, -1)
   else ids = redis.call('SMEMBERS', key) end
   for _, id in ipairs(ids) do
-    local r = redis.call('HMGET', ARGV[1] .. ':job:' .. id, 'd', 'v')
-    if r[1] then out[#out + 1] = r[1]; out[#out + 1] = r[2] end
+    local r = redis.call('HMGET', ARGV[1] .. ':job:' .. id, 'd', 'v', 's', 'u')
+    if r[1] then
+      out[#out + 1] = r[1]; out[#out + 1] = r[2]; out[#out + 1] = r[3]; out[#out + 1] = r[4]
+    end
   end
 end
 return out
@@ -189,6 +219,7 @@ return 0
 _SOURCES: Final = {
     "create": _CREATE,
     "update": _UPDATE,
+    "status": _STATUS,
     "awaited": _AWAITED,
     "delete": _DELETE,
     "expire": _EXPIRE,
@@ -308,7 +339,7 @@ class RedisJobStore:
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
         self._get_head = encode_args(["HMGET"])
-        self._get_tail = encode_args(["d", "v"])
+        self._get_tail = encode_args(["d", "v", "s", "u"])
         self._job_prefix = f"{prefix}:job:".encode()
         self._gone_prefix = f"{prefix}:gone:".encode()
         self._finished_arg = encode_args([f"{prefix}:finished"])
@@ -488,8 +519,16 @@ class RedisJobStore:
         data: bytes = msgpack.packb(wire, use_bin_type=True)
         return data
 
-    def _decode(self, blob: bytes, version: Any) -> Job:
+    def _decode(
+        self, blob: bytes, version: Any, status: bytes | None = None, updated: bytes | None = None
+    ) -> Job:
+        """The record from its blob and version; ``updated`` (``u``) set means a status
+        write came after the blob (:meth:`update_status`): ``status`` and it are newer."""
         wire = msgpack.unpackb(blob, raw=False)
+        if updated:
+            assert status is not None
+            wire["status"] = status.decode()
+            wire["updated_at"] = float(updated)
         # Times written by another process move from its trio clock to this one's; this
         # process's own come back exactly as they were written.
         shift = wire.pop("clock") - self._shift()
@@ -524,10 +563,10 @@ class RedisJobStore:
     async def get(self, job_id: str) -> Job:
         # A plain read: one HMGET is atomic, and far cheaper than a script.
         key = self._job_prefix + job_id.encode()
-        blob, version = await self._run(
-            b"*4\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
+        blob, version, status, updated = await self._run(
+            b"*6\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
         )
-        return await self._found(job_id, blob, version, None)
+        return await self._found(job_id, blob, version, None, status, updated)
 
     async def read_awaited(self, job_id: str) -> Job:
         """The job's record for a caller about to wait for its end (``Engine.wait``): its
@@ -543,17 +582,25 @@ class RedisJobStore:
         reply = await self._script("awaited", [self._key(job_id), self._gone(job_id)], [])
         if not reply:
             return await self._found(job_id, None, None, None)
-        return await self._found(job_id, reply[0], reply[1], reply[2] if len(reply) > 2 else None)
+        if len(reply) < 5:  # a tombstone
+            return await self._found(job_id, None, None, reply[2])
+        return await self._found(job_id, reply[0], reply[1], None, reply[3], reply[4])
 
     def _hearing(self) -> bool:
         """Whether every end recorded elsewhere reaches this process now."""
         return self._following > 0 and self._subscribed == self._following
 
     async def _found(
-        self, job_id: str, blob: bytes | None, version: Any, tombstone: bytes | None
+        self,
+        job_id: str,
+        blob: bytes | None,
+        version: Any,
+        tombstone: bytes | None,
+        status: bytes | None = None,
+        updated: bytes | None = None,
     ) -> Job:
         if blob is not None:
-            job = self._decode(blob, version)
+            job = self._decode(blob, version, status, updated)
             if job.retain_until is None or job.retain_until > trio.current_time():
                 return job
             await self._expire()  # its time has come on the trio clock
@@ -571,6 +618,26 @@ class RedisJobStore:
 
     async def update(self, job: Job) -> None:
         await self._update(job, "")
+
+    async def update_status(self, job: Job) -> None:
+        """``update`` of a job read from this store whose status (and ``updated_at``) is all
+        that changed since: while the record is still at the version read, only those are
+        written and its blob is left as it is (no encoding, far fewer bytes); else the whole
+        record is written as ``update`` does. A step marks its job running so."""
+        if job.status in TERMINAL:
+            await self._update(job, "")
+            return
+        code, version = await self._script(
+            "status",
+            [self._key(job.id)],
+            [job.status.value, repr(job.updated_at), job.id, self.prefix, job.version],
+        )
+        if code == 1:
+            job.version = int(version)
+        elif code == -3:
+            await self._update(job, "")  # written since it was read: written whole
+        else:
+            raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
 
     async def update_unless_changed(self, job: Job) -> bool:
         """``update``, only if nobody wrote the record since ``job`` was read from it (its
@@ -646,7 +713,7 @@ class RedisJobStore:
         if wanted & TERMINAL:
             keys.append(f"{self.prefix}:finished")
         reply = await self._script("list", keys, [self.prefix])
-        jobs = [self._decode(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
+        jobs = [self._decode(*reply[i : i + 4]) for i in range(0, len(reply), 4)]
         return [job for job in jobs if job.status in wanted]
 
     async def _expire(self) -> None:
