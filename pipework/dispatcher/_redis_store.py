@@ -327,6 +327,7 @@ class RedisJobStore:
         self._sending = False  # a round trip is on its way
         #: This store's name in the records it creates (see _UPDATE).
         self._origin = secrets.token_hex(8)
+        self._origin_arg = encode_args([self._origin])
         # Subscriptions to the ends of other processes' jobs: running, and subscribed now.
         self._following = 0
         self._subscribed = 0
@@ -338,6 +339,13 @@ class RedisJobStore:
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._status_head = b"*%d\r\n%b" % (9, encode_args(["EVALSHA", _SHAS["status"], 1]))
+        self._prefix_arg = encode_args([prefix])
+        # create's command without and with a stream entry: 2 or 3 keys, 5 or 7 arguments.
+        self._create_heads = (
+            b"*10\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 2]),
+            b"*13\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
+        )
         self._get_head = encode_args(["HMGET"])
         self._get_tail = encode_args(["d", "v", "s", "u"])
         self._job_prefix = f"{prefix}:job:".encode()
@@ -549,12 +557,25 @@ class RedisJobStore:
     async def create(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
         """``entry``: ``(stream, field, value)`` added to a stream in the same write (the
         job's first event), so the record and the event that runs it arrive together."""
-        keys = [self._key(job.id), f"{self.prefix}:st:{job.status.value}"]
-        args: list[Arg] = [self._encode(job), job.status.value, job.version, job.id, self._origin]
+        job_id = job.id.encode()
+        status = job.status.value
+        parts = [
+            self._create_heads[entry is not None],
+            _bulk(self._job_prefix + job_id),
+            _bulk(f"{self.prefix}:st:{status}".encode()),
+        ]
         if entry is not None:
-            keys.append(entry[0])
-            args += entry[1:]
-        created = await self._script("create", keys, args)
+            parts.append(_bulk(entry[0].encode()))
+        parts += [
+            _bulk(self._encode(job)),
+            _STATUS_ARG[job.status],
+            _bulk(b"%d" % job.version),
+            _bulk(job_id),
+            self._origin_arg,
+        ]
+        if entry is not None:
+            parts += [_bulk(entry[1]), _bulk(entry[2])]
+        created = await self._run(b"".join(parts), "create")
         if not created:
             raise ValueError(f"job {job.id} already exists")
         if self._hearing():
@@ -627,11 +648,19 @@ class RedisJobStore:
         if job.status in TERMINAL:
             await self._update(job, "")
             return
-        code, version = await self._script(
-            "status",
-            [self._key(job.id)],
-            [job.status.value, repr(job.updated_at), job.id, self.prefix, job.version],
+        job_id = job.id.encode()
+        command = b"".join(
+            [
+                self._status_head,
+                _bulk(self._job_prefix + job_id),
+                _STATUS_ARG[job.status],
+                _bulk(repr(job.updated_at).encode()),
+                _bulk(job_id),
+                self._prefix_arg,
+                _bulk(b"%d" % job.version),
+            ]
         )
+        code, version = await self._run(command, "status")
         if code == 1:
             job.version = int(version)
         elif code == -3:
