@@ -77,6 +77,10 @@ _SLACK_SECONDS: Final = 60.0
 #: How many ends recorded here are kept for this process's waiters (each taken once).
 _ENDED_KEPT: Final = 4096
 
+#: How many records this store wrote, left queued, it keeps for the step that reads them
+#: next (``read_own``).
+_OWN_KEPT: Final = 4096
+
 #: The terminal statuses as a Lua table literal.
 _TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL) + "}"
 
@@ -336,6 +340,8 @@ class RedisJobStore:
         self._active: dict[str, Job] = {}
         #: Ends recorded here (the record as written), for this process's waiters.
         self._ended: dict[str, Job] = {}
+        #: Records written here whole and left queued: (blob, version), see read_own.
+        self._own: dict[str, tuple[bytes, int]] = {}
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
@@ -566,8 +572,9 @@ class RedisJobStore:
         ]
         if entry is not None:
             parts.append(_bulk(entry[0].encode()))
+        blob = self._encode(job)
         parts += [
-            _bulk(self._encode(job)),
+            _bulk(blob),
             _STATUS_ARG[job.status],
             _bulk(b"%d" % job.version),
             _bulk(job_id),
@@ -578,6 +585,8 @@ class RedisJobStore:
         created = await self._run(b"".join(parts), "create")
         if not created:
             raise ValueError(f"job {job.id} already exists")
+        if job.status is Status.QUEUED:
+            self._keep_own(job, blob)
         if self._hearing():
             self._active[job.id] = job
 
@@ -640,14 +649,29 @@ class RedisJobStore:
     async def update(self, job: Job) -> None:
         await self._update(job, "")
 
-    async def update_status(self, job: Job) -> None:
+    def read_own(self, job_id: str) -> Job | None:
+        """The job's record as this store last wrote it whole, left queued (a job it created
+        or handed off), decoded afresh without a round trip, once; None if it holds none.
+        Another process may have written the record since: the caller writes it back with
+        ``update_status(job, verify=True)``, which then writes nothing and says so."""
+        own = self._own.pop(job_id, None)
+        return None if own is None else self._decode(own[0], own[1])
+
+    def _keep_own(self, job: Job, blob: bytes) -> None:
+        self._own[job.id] = (blob, job.version)
+        if len(self._own) > _OWN_KEPT:
+            del self._own[next(iter(self._own))]
+
+    async def update_status(self, job: Job, *, verify: bool = False) -> bool:
         """``update`` of a job read from this store whose status (and ``updated_at``) is all
         that changed since: while the record is still at the version read, only those are
         written and its blob is left as it is (no encoding, far fewer bytes); else the whole
-        record is written as ``update`` does. A step marks its job running so."""
+        record is written as ``update`` does, or, with ``verify``, nothing is written and
+        False returned. A step marks its job running so."""
+        self._own.pop(job.id, None)
         if job.status in TERMINAL:
             await self._update(job, "")
-            return
+            return True
         job_id = job.id.encode()
         command = b"".join(
             [
@@ -664,9 +688,12 @@ class RedisJobStore:
         if code == 1:
             job.version = int(version)
         elif code == -3:
+            if verify:
+                return False
             await self._update(job, "")  # written since it was read: written whole
         else:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
+        return True
 
     async def update_unless_changed(self, job: Job) -> bool:
         """``update``, only if nobody wrote the record since ``job`` was read from it (its
@@ -688,13 +715,15 @@ class RedisJobStore:
         job_id = job.id.encode()
         status = job.status
         token = job.token_hash
+        blob = self._encode(job)
+        self._own.pop(job.id, None)
         command = b"".join(
             [
                 self._update_head,
                 _bulk(self._job_prefix + job_id),
                 self._finished_arg,
                 _bulk(self._gone_prefix + job_id),
-                _bulk(self._encode(job)),
+                _bulk(blob),
                 _STATUS_ARG[status],
                 _bulk(job_id),
                 _TERMINAL_ARG[status],
@@ -713,6 +742,8 @@ class RedisJobStore:
             return False  # written by somebody else since it was read
         if code == 1:
             job.version = int(version)
+            if status is Status.QUEUED:
+                self._keep_own(job, blob)
             if terminal:
                 self._ended[job.id] = job
                 if len(self._ended) > _ENDED_KEPT:
@@ -725,6 +756,7 @@ class RedisJobStore:
 
     async def delete(self, job_id: str) -> None:
         self._active.pop(job_id, None)
+        self._own.pop(job_id, None)
         self._ended.pop(job_id, None)
         await self._script(
             "delete", [self._key(job_id), f"{self.prefix}:finished"], [job_id, self.prefix]
