@@ -24,9 +24,10 @@ changes nothing; a non-terminal one is refused as for the memory store), and fin
 moves it between the indexes, writes its tombstone and drops the oldest finished records
 beyond ``retain_count`` in the same step. Read-modify-write sequences that span several
 commands (a join's record when two branches end at once) take :meth:`lock`. A read is one
-``HMGET``. The calls made while a round trip is on its way go together in the next one, on
-the store's one connection (:mod:`._resp`), with the event queue's writes and reads when it
-shares the store (see :class:`RedisEventQueue`).
+``HMGET``, and a step's read of a record this store wrote and left queued none
+(:meth:`RedisJobStore.read_own`). The calls made while a round trip is on its way go
+together in the next one, on the store's one connection (:mod:`._resp`), with the event
+queue's writes and reads when it shares the store (see :class:`RedisEventQueue`).
 
 **Ends.** An end is published on ``{p}:finished`` only when a process other than the one
 that records it may wait for it: the job was created elsewhere, or its record is marked
