@@ -116,6 +116,46 @@ async def test_a_submission_writes_its_record_and_first_event_in_one_write(
             await store.get("c")
 
 
+async def test_a_hand_off_writes_its_record_and_next_event_in_one_write(
+    redis_server: RedisServer,
+) -> None:
+    prefix = _prefix()
+    url = redis_server.url
+    store = RedisJobStore(url, prefix=prefix)
+    async with store, RedisEventQueue(url, prefix=prefix, store=store) as queue:
+        job = _job("a")
+        await store.create(job)
+        job.transition(pw.Status.RUNNING)
+        await store.update(job)
+        commands = []
+        real_call = store._call
+
+        async def counted(call: Any) -> Any:
+            commands.extend(call.commands)
+            return await real_call(call)
+
+        store._call = counted  # type: ignore[method-assign]  # counts what the store sends
+        job.state["n"] = 1
+        job.transition(pw.Status.QUEUED)
+        assert await queue.update_and_put(store, job, RunJob("a"))
+        key = f"{prefix}:job:a".encode()
+        assert len([c for c in commands if isinstance(c, bytes) and key in c]) == 1
+        assert not [c for c in commands if not isinstance(c, bytes) and c[0] == "XADD"]
+        assert (await store.get("a")).state == {"n": 1}
+        with trio.fail_after(10):
+            assert await queue.get_batch() == [RunJob("a")]
+        # A record the script refuses (ended meanwhile) puts no event.
+        ended = await store.get("a")
+        ended.transition(pw.Status.CANCELLED)
+        await store.update(ended)
+        with pytest.raises(pw.JobNotFound):
+            await queue.update_and_put(store, job, RunJob("a"))
+        assert queue.statistics().accepted == 1
+        assert await store.pipeline([["XLEN", queue.stream]]) == [1]
+        async with RedisJobStore(url, prefix=prefix) as other:
+            assert not await queue.update_and_put(other, job, RunJob("a"))
+
+
 def _job(job_id: str) -> Job:
     return Job(id=job_id, chain="c", state={}, correlation_id="x")
 

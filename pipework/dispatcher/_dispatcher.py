@@ -515,9 +515,14 @@ class Dispatcher:
                 job.transition(Status.QUEUED)
                 if job.parent is not None and job.id in self.unstored:
                     return now  # an in-step branch: its task takes the next key's slot
-                await self.store.update(job)
-                self.changed(job)
-                self.queue.put_nowait(RunJob(job.id))
+                # A shared queue that writes the record and the next event together (Redis).
+                together = getattr(self.queue, "update_and_put", None)
+                if together is not None and await together(self.store, job, RunJob(job.id)):
+                    self.changed(job)
+                else:
+                    await self.store.update(job)
+                    self.changed(job)
+                    self.queue.put_nowait(RunJob(job.id))
                 if job_logger.isEnabledFor(logging.INFO):
                     log_job(
                         "job handed off",

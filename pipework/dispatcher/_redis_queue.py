@@ -306,6 +306,18 @@ class RedisEventQueue:
         self._shared_depth += 1  # as for a batch written (_send_outbox)
         return True
 
+    async def update_and_put(self, store: object, job: Job, event: RunJob) -> bool:
+        """Write the job's record to ``store`` and put its next event in the same write, if
+        ``store`` is the store this queue shares (False, doing nothing, otherwise): a
+        hand-off's record and the event that runs its next step reach Redis together, and
+        nothing waits in the outbox before the step's own event is acknowledged."""
+        if store is not self._store or self._store is None:
+            return False
+        await self._store.update(job, entry=(self.stream, _FIELD, encode_event(event)))
+        self._accepted += 1
+        self._shared_depth += 1  # as for a batch written (_send_outbox)
+        return True
+
     async def get(self) -> Event:
         return await self._receive.receive()
 

@@ -99,8 +99,10 @@ return 1
 # KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
 # hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
 # ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
-# the record must still have ("" for any). An end is published only if someone elsewhere
-# may wait for it: the job came from another process (its origin), or a process that did
+# the record must still have ("" for any); then optionally (a fourth key, a stream) an
+# entry's field and value, added once the record is written (the job's next event, see
+# RedisEventQueue.update_and_put). An end is published only if someone elsewhere may wait
+# for it: the job came from another process (its origin), or a process that did
 # not create it waits for it (the field ``w``).
 _UPDATE: Final = (
     "local terminal = "
@@ -135,6 +137,7 @@ if ARGV[4] == '1' then
 else
   redis.call('SADD', p .. ':st:' .. ARGV[2], ARGV[3])
 end
+if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
 return {1, v}
 """
 )
@@ -346,6 +349,10 @@ class RedisJobStore:
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._update_entry_head = b"*%d\r\n%b" % (
+            21,
+            encode_args(["EVALSHA", _SHAS["update"], 4]),
+        )
         self._status_head = b"*%d\r\n%b" % (9, encode_args(["EVALSHA", _SHAS["status"], 1]))
         self._prefix_arg = encode_args([prefix])
         # create's command without and with a stream entry: 2 or 3 keys, 5 or 7 arguments.
@@ -647,8 +654,10 @@ class RedisJobStore:
             token_hash=token_hash,
         )
 
-    async def update(self, job: Job) -> None:
-        await self._update(job, "")
+    async def update(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
+        """``entry``: ``(stream, field, value)`` added to a stream once the record is written,
+        in the same write (the job's next event, as for :meth:`create`)."""
+        await self._update(job, "", entry)
 
     def read_own(self, job_id: str) -> Job | None:
         """The job's record as this store last wrote it whole, left queued (a job it created
@@ -704,7 +713,9 @@ class RedisJobStore:
         the job must not bring back the record as it was before the step's write."""
         return await self._update(job, str(job.version))
 
-    async def _update(self, job: Job, expected: str) -> bool:
+    async def _update(
+        self, job: Job, expected: str, entry: tuple[str, bytes, bytes] | None = None
+    ) -> bool:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
@@ -718,12 +729,17 @@ class RedisJobStore:
         token = job.token_hash
         blob = self._encode(job)
         self._own.pop(job.id, None)
+        parts = [
+            self._update_head if entry is None else self._update_entry_head,
+            _bulk(self._job_prefix + job_id),
+            self._finished_arg,
+            _bulk(self._gone_prefix + job_id),
+        ]
+        if entry is not None:
+            parts.append(_bulk(entry[0].encode()))
         command = b"".join(
             [
-                self._update_head,
-                _bulk(self._job_prefix + job_id),
-                self._finished_arg,
-                _bulk(self._gone_prefix + job_id),
+                *parts,
                 _bulk(blob),
                 _STATUS_ARG[status],
                 _bulk(job_id),
@@ -736,6 +752,7 @@ class RedisJobStore:
                 _NO_TOKEN_ARG if token is None else _bulk(token.encode()),
                 self._tail(),
                 _ANY_VERSION if expected == "" else encode_args([expected]),
+                b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
             ]
         )
         code, version = await self._run(command, "update")
