@@ -507,7 +507,10 @@ class RedisEventQueue:
             if fields is None:  # trimmed away meanwhile
                 continue
             try:
-                event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
+                if len(fields) == 2 and fields[0] == _FIELD:  # as this queue writes them
+                    event = decode_event(fields[1])
+                else:
+                    event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
             except Exception:
                 _log.exception("pipework: an unreadable event %r was dropped", identifier)
                 self._acks.append((identifier, 0, 0))
