@@ -15,6 +15,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ import trio
 import pipework as pw
 from pipework.container import BoundAddress
 from pipework.dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
+from pipework.dispatcher._job import Job
 from pipework.dispatcher._redis_queue import decode_event, encode_event
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.registry._gateway import Gateway
@@ -73,6 +75,89 @@ async def test_new_work_is_bounded_and_events_of_accepted_jobs_always_taken(
             queue.ack(event)
         assert queue.statistics().depth == 0
         assert queue.statistics().refused == 1
+
+
+async def test_a_submission_writes_its_record_and_first_event_in_one_write(
+    redis_server: RedisServer,
+) -> None:
+    prefix = _prefix()
+    url = redis_server.url
+    store = RedisJobStore(url, prefix=prefix)
+    async with store, RedisEventQueue(url, prefix=prefix, capacity=1, store=store) as queue:
+        commands = []
+        real_call = store._call
+
+        async def counted(call: Any) -> Any:
+            commands.extend(call.commands)
+            return await real_call(call)
+
+        store._call = counted  # type: ignore[method-assign]  # counts what the store sends
+        assert await queue.create_and_submit(store, _job("a"), RunJob("a"))
+        # The record and its event: one command, and no XADD of its own.
+        key = f"{prefix}:job:a"
+        assert (
+            len([c for c in commands if (key.encode() if isinstance(c, bytes) else key) in c]) == 1
+        )
+        assert not [c for c in commands if not isinstance(c, bytes) and c[0] == "XADD"]
+        assert (await store.get("a")).status is pw.Status.QUEUED
+        with trio.fail_after(10):
+            assert await queue.get_batch() == [RunJob("a")]
+        assert queue.statistics().depth == 1
+        # Full: refused before anything is written.
+        with pytest.raises(pw.Overloaded, match=r"the event queue is full \(1 of 1"):
+            await queue.create_and_submit(store, _job("b"), RunJob("b"))
+        with pytest.raises(pw.JobNotFound):
+            await store.get("b")
+        assert queue.statistics().refused == 1
+        # Another store's job is not the queue's to write: nothing done, the caller goes on.
+        async with RedisJobStore(url, prefix=prefix) as other:
+            assert not await queue.create_and_submit(other, _job("c"), RunJob("c"))
+        with pytest.raises(pw.JobNotFound):
+            await store.get("c")
+
+
+async def test_a_hand_off_writes_its_record_and_next_event_in_one_write(
+    redis_server: RedisServer,
+) -> None:
+    prefix = _prefix()
+    url = redis_server.url
+    store = RedisJobStore(url, prefix=prefix)
+    async with store, RedisEventQueue(url, prefix=prefix, store=store) as queue:
+        job = _job("a")
+        await store.create(job)
+        job.transition(pw.Status.RUNNING)
+        await store.update(job)
+        commands = []
+        real_call = store._call
+
+        async def counted(call: Any) -> Any:
+            commands.extend(call.commands)
+            return await real_call(call)
+
+        store._call = counted  # type: ignore[method-assign]  # counts what the store sends
+        job.state["n"] = 1
+        job.transition(pw.Status.QUEUED)
+        assert await queue.update_and_put(store, job, RunJob("a"))
+        key = f"{prefix}:job:a".encode()
+        assert len([c for c in commands if isinstance(c, bytes) and key in c]) == 1
+        assert not [c for c in commands if not isinstance(c, bytes) and c[0] == "XADD"]
+        assert (await store.get("a")).state == {"n": 1}
+        with trio.fail_after(10):
+            assert await queue.get_batch() == [RunJob("a")]
+        # A record the script refuses (ended meanwhile) puts no event.
+        ended = await store.get("a")
+        ended.transition(pw.Status.CANCELLED)
+        await store.update(ended)
+        with pytest.raises(pw.JobNotFound):
+            await queue.update_and_put(store, job, RunJob("a"))
+        assert queue.statistics().accepted == 1
+        assert await store.pipeline([["XLEN", queue.stream]]) == [1]
+        async with RedisJobStore(url, prefix=prefix) as other:
+            assert not await queue.update_and_put(other, job, RunJob("a"))
+
+
+def _job(job_id: str) -> Job:
+    return Job(id=job_id, chain="c", state={}, correlation_id="x")
 
 
 async def test_a_silent_consumers_events_are_claimed_by_another(

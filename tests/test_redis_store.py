@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Job, new_job_id
 from pipework.redis import RedisJobStore
 
@@ -244,3 +245,130 @@ async def test_a_signal_kept_on_a_record_a_step_wrote_since_it_was_read_loses_no
         branches.set()
         with trio.fail_after(60):
             assert await engine.wait(job_id) == {"x": True, "y": True}
+
+
+async def test_a_status_write_leaves_the_record_and_a_stale_one_writes_it_whole(
+    redis_server: RedisServer,
+) -> None:
+    async with _store(redis_server) as store, _store(redis_server, store.prefix) as other:
+        job = _job()
+        await store.create(job)
+        read = await store.get(job.id)
+        read.transition(pw.Status.RUNNING)
+        await store.update_status(read)  # the status alone: the blob is as created
+        seen = await other.get(job.id)
+        assert (seen.status, seen.updated_at, seen.version) == (
+            pw.Status.RUNNING,
+            read.updated_at,
+            read.version,
+        )
+        assert [j.id for j in await other.list(pw.Status.RUNNING)] == [job.id]
+        assert await other.list(pw.Status.QUEUED) == []
+        assert (await other.read_awaited(job.id)).status is pw.Status.RUNNING
+        # A whole write after it is read whole: the status write's fields give way.
+        seen.state["n"] = 1
+        seen.transition(pw.Status.QUEUED)
+        await other.update(seen)
+        again = await store.get(job.id)
+        assert (again.status, again.state, again.updated_at) == (
+            pw.Status.QUEUED,
+            {"n": 1},
+            seen.updated_at,
+        )
+        # Written since it was read: the status write writes the reader's record whole.
+        stale = await store.get(job.id)
+        seen.state["n"] = 2
+        await other.update(seen)
+        stale.transition(pw.Status.RUNNING)
+        await store.update_status(stale)
+        final = await other.get(job.id)
+        assert (final.status, final.state, final.version) == (
+            pw.Status.RUNNING,
+            {"n": 1},
+            stale.version,
+        )
+        # An ended record is not brought back.
+        final.transition(pw.Status.CANCELLED)
+        await other.update(final)
+        stale.transition(pw.Status.QUEUED)
+        with pytest.raises(pw.JobNotFound):
+            await store.update_status(stale)
+
+
+async def test_a_step_takes_the_record_its_store_wrote_and_verifies_it(
+    redis_server: RedisServer,
+) -> None:
+    async with _store(redis_server) as store, _store(redis_server, store.prefix) as other:
+        job = _job()
+        await store.create(job)
+        own = store.read_own(job.id)  # as created, no round trip
+        assert own is not None
+        assert (own.state, own.version, own.status) == ({"n": 0}, job.version, pw.Status.QUEUED)
+        assert store.read_own(job.id) is None  # taken once
+        own.transition(pw.Status.RUNNING)
+        assert await store.update_status(own, verify=True)
+        assert (await other.get(job.id)).status is pw.Status.RUNNING
+        own.transition(pw.Status.QUEUED)
+        await store.update(own)  # a hand-off: kept for the next step
+        seen = await other.get(job.id)
+        seen.state["n"] = 1
+        await other.update(seen)  # written elsewhere since
+        stale = store.read_own(job.id)
+        assert stale is not None
+        assert stale.state == {"n": 0}
+        stale.transition(pw.Status.RUNNING)
+        assert not await store.update_status(stale, verify=True)  # refused, nothing written
+        after = await other.get(job.id)
+        assert (after.status, after.state, after.version) == (
+            pw.Status.QUEUED,
+            {"n": 1},
+            seen.version,
+        )
+        done = _job()
+        done.status = pw.Status.DONE
+        await store.create(done)
+        assert store.read_own(done.id) is None  # only a record left queued is kept
+
+
+class _GatedQueue(pw.MemoryEventQueue):
+    """Hands out no event until ``gate`` is set; counts the ``RunJob`` events put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = trio.Event()
+        self.runs = 0
+
+    def put_nowait(self, event: Any) -> None:
+        self.runs += type(event) is RunJob
+        super().put_nowait(event)
+
+    async def get_batch(self, limit: int = 256) -> list[Any]:
+        await self.gate.wait()
+        return await super().get_batch(limit)
+
+
+async def test_a_step_on_a_record_written_elsewhere_since_runs_it_as_written_there(
+    redis_server: RedisServer,
+) -> None:
+    """The store holds the record as it created it; another process writes it before the
+    step starts. The step must not run the stale record: the job runs once, on the record
+    as the other process left it."""
+    store = _store(redis_server)
+    queue = _GatedQueue()
+    engine = pw.Engine(store=store, queue=queue)
+    ran: list[int] = []
+
+    async def pipe(ctx: pw.Context) -> None:
+        ran.append(ctx.state["n"])
+
+    engine.chain("c", pw.Pipe(pipe, "p"))
+    async with engine, _store(redis_server, store.prefix) as other:
+        job_id = await engine.submit("c", {"n": 0})
+        seen = await other.get(job_id)
+        seen.state["n"] = 1
+        await other.update(seen)
+        queue.gate.set()
+        with trio.fail_after(10):
+            assert await engine.wait(job_id) == {"n": 1}
+    assert ran == [1]
+    assert queue.runs == 2  # the submission's, and the one the stale step sent on

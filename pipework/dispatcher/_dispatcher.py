@@ -298,7 +298,16 @@ class Dispatcher:
         try:
             try:
                 nowait = self.nowait
-                job = nowait[0](event.job_id) if nowait else await self.store.get(event.job_id)
+                own = None
+                if nowait:
+                    job = nowait[0](event.job_id)
+                else:
+                    # A shared store may hold the record as it wrote it (a job it created or
+                    # handed off): no read, and the status write below says if it is stale.
+                    read_own = getattr(self.store, "read_own", None)
+                    if read_own and type(event) is RunJob and not self.reclaimed(event):
+                        own = read_own(event.job_id)
+                    job = own or await self.store.get(event.job_id)
             except PipeworkError:
                 return
             if job.status is Status.RUNNING and self.reclaimed(event):
@@ -325,7 +334,7 @@ class Dispatcher:
                         self.queue.ack(event)
                         acked = True
                         self._waited(job.key, 0.0)
-                        ended = await self._run_held(job, now)
+                        ended = await self._run_held(job, now, as_read=True, own=own is job)
                         settled = True
                     finally:
                         assert self._release is not None
@@ -344,7 +353,7 @@ class Dispatcher:
                             acked = True
                             granted = trio.current_time()
                             self._waited(job.key, granted - now)
-                            await self._run_held(job, granted)
+                            await self._run_held(job, granted, as_read=True, own=own is job)
                             settled = True
                     except Rejected as exc:
                         self._waited(job.key, trio.current_time() - now)
@@ -440,10 +449,13 @@ class Dispatcher:
             observe = self._waits[label] = self.metrics.observer(self.metrics.pool_wait, (label,))
         observe(seconds)
 
-    async def _run_held(self, job: Job, now: float) -> float:
+    async def _run_held(
+        self, job: Job, now: float, *, as_read: bool = False, own: bool = False
+    ) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
-        Returns the last clock read."""
+        ``as_read``: the job is as the store returned it but for its status; ``own``: as the
+        store last wrote it (``read_own``), which may be stale. Returns the last clock read."""
         chain = self.chain_of(job)
         held = job.key
         job.transition(Status.RUNNING)
@@ -453,7 +465,18 @@ class Dispatcher:
                 if nowait:
                     nowait[1](job)
                 else:
-                    await self.store.update(job)  # readers see it running at once
+                    # A shared store may write only what changed since the read: the status.
+                    status_only = getattr(self.store, "update_status", None) if as_read else None
+                    if status_only is None:
+                        await self.store.update(job)  # readers see it running at once
+                    elif own:
+                        if not await status_only(job, verify=True):
+                            # Written elsewhere since this store wrote it: nothing runs on a
+                            # stale record; the job's next step reads it afresh.
+                            self.queue.put_nowait(RunJob(job.id))
+                            return now
+                    else:
+                        await status_only(job)
             except JobNotFound:
                 # Ended while this step loaded it (a cancel, here or in another process,
                 # reached a shared store first): there is nothing left to run.
@@ -499,9 +522,14 @@ class Dispatcher:
                 job.transition(Status.QUEUED)
                 if job.parent is not None and job.id in self.unstored:
                     return now  # an in-step branch: its task takes the next key's slot
-                await self.store.update(job)
-                self.changed(job)
-                self.queue.put_nowait(RunJob(job.id))
+                # A shared queue that writes the record and the next event together (Redis).
+                together = getattr(self.queue, "update_and_put", None)
+                if together is not None and await together(self.store, job, RunJob(job.id)):
+                    self.changed(job)
+                else:
+                    await self.store.update(job)
+                    self.changed(job)
+                    self.queue.put_nowait(RunJob(job.id))
                 if job_logger.isEnabledFor(logging.INFO):
                     log_job(
                         "job handed off",

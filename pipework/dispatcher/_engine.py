@@ -347,18 +347,21 @@ class Engine:
             if relayed:  # its steps may run anywhere: marked before its first event
                 await self._relay.open_stream(job.id)
             nowait = self._dispatcher.nowait
-            if nowait:
-                nowait[2](job)
-            else:
-                await self.store.create(job)
-            try:
-                self.queue.submit_nowait(RunJob(job.id))
-            except Overloaded:
-                await self.store.delete(job.id)
-                raise
-            flush = getattr(self.queue, "flush", None)
-            if flush is not None:  # a shared queue: the first event is in Redis before the id
-                await flush()
+            # A shared queue that writes the record and the first event together (Redis).
+            together = None if nowait else getattr(self.queue, "create_and_submit", None)
+            if together is None or not await together(self.store, job, RunJob(job.id)):
+                if nowait:
+                    nowait[2](job)
+                else:
+                    await self.store.create(job)
+                try:
+                    self.queue.submit_nowait(RunJob(job.id))
+                except Overloaded:
+                    await self.store.delete(job.id)
+                    raise
+                flush = getattr(self.queue, "flush", None)
+                if flush is not None:  # a shared queue: the first event is in Redis first
+                    await flush()
         except BaseException:
             if relayed:
                 self._relay.close_stream(job.id)

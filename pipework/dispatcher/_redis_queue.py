@@ -50,6 +50,7 @@ import trio
 
 from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
+from ._job import Job
 from ._queue import QueueStatistics
 from ._redis_relay import RedisRelay
 from ._redis_store import _UNREACHABLE, RedisJobStore, _public
@@ -271,6 +272,10 @@ class RedisEventQueue:
     # -- the EventQueue interface --------------------------------------------------------
 
     def submit_nowait(self, event: Event) -> None:
+        self._check_room()
+        self.put_nowait(event)
+
+    def _check_room(self) -> None:
         depth = self._depth()
         if depth >= self.capacity:
             self._refused += 1
@@ -280,13 +285,38 @@ class RedisEventQueue:
                 reason="queue_full",
                 retry_after=self.retry_after,
             )
-        self.put_nowait(event)
 
     def put_nowait(self, event: Event) -> None:
         self._put += 1
         self._accepted += 1
         self._outbox.append((self._put, encode_event(event)))
         self._have_work.set()
+
+    async def create_and_submit(self, store: object, job: Job, event: RunJob) -> bool:
+        """Create the job's record in ``store`` and submit its first event in one write, if
+        ``store`` is the store this queue shares (False, doing nothing, otherwise): the
+        record and the event reach Redis together, in one command and one round trip.
+        Raises :class:`~pipework.Overloaded` as :meth:`submit_nowait` does, writing
+        nothing."""
+        if store is not self._store or self._store is None:
+            return False
+        self._check_room()
+        await self._store.create(job, entry=(self.stream, _FIELD, encode_event(event)))
+        self._accepted += 1
+        self._shared_depth += 1  # as for a batch written (_send_outbox)
+        return True
+
+    async def update_and_put(self, store: object, job: Job, event: RunJob) -> bool:
+        """Write the job's record to ``store`` and put its next event in the same write, if
+        ``store`` is the store this queue shares (False, doing nothing, otherwise): a
+        hand-off's record and the event that runs its next step reach Redis together, and
+        nothing waits in the outbox before the step's own event is acknowledged."""
+        if store is not self._store or self._store is None:
+            return False
+        await self._store.update(job, entry=(self.stream, _FIELD, encode_event(event)))
+        self._accepted += 1
+        self._shared_depth += 1  # as for a batch written (_send_outbox)
+        return True
 
     async def get(self) -> Event:
         return await self._receive.receive()
@@ -477,7 +507,10 @@ class RedisEventQueue:
             if fields is None:  # trimmed away meanwhile
                 continue
             try:
-                event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
+                if len(fields) == 2 and fields[0] == _FIELD:  # as this queue writes them
+                    event = decode_event(fields[1])
+                else:
+                    event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
             except Exception:
                 _log.exception("pipework: an unreadable event %r was dropped", identifier)
                 self._acks.append((identifier, 0, 0))

@@ -6,8 +6,10 @@ build themselves):
 
 - ``{p}:job:{id}`` a hash: ``d`` the record as msgpack (:meth:`Job.to_wire`), ``s`` its
   status, ``v`` its version, ``o`` the store that created it, ``w`` set once a process
-  that did not create it waits for its end. The version lives outside the blob so a script
-  can compare and bump it without decoding the record.
+  that did not create it waits for its end, ``u`` the ``updated_at`` of a write of the
+  status alone (:meth:`RedisJobStore.update_status`: the blob is older than ``s`` then;
+  empty after a whole write). The version lives outside the blob so a script can compare
+  and bump it without decoding the record.
 - ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
@@ -22,9 +24,10 @@ changes nothing; a non-terminal one is refused as for the memory store), and fin
 moves it between the indexes, writes its tombstone and drops the oldest finished records
 beyond ``retain_count`` in the same step. Read-modify-write sequences that span several
 commands (a join's record when two branches end at once) take :meth:`lock`. A read is one
-``HMGET``. The calls made while a round trip is on its way go together in the next one, on
-the store's one connection (:mod:`._resp`), with the event queue's writes and reads when it
-shares the store (see :class:`RedisEventQueue`).
+``HMGET``, and a step's read of a record this store wrote and left queued none
+(:meth:`RedisJobStore.read_own`). The calls made while a round trip is on its way go
+together in the next one, on the store's one connection (:mod:`._resp`), with the event
+queue's writes and reads when it shares the store (see :class:`RedisEventQueue`).
 
 **Ends.** An end is published on ``{p}:finished`` only when a process other than the one
 that records it may wait for it: the job was created elsewhere, or its record is marked
@@ -75,21 +78,31 @@ _SLACK_SECONDS: Final = 60.0
 #: How many ends recorded here are kept for this process's waiters (each taken once).
 _ENDED_KEPT: Final = 4096
 
+#: How many records this store wrote, left queued, it keeps for the step that reads them
+#: next (``read_own``).
+_OWN_KEPT: Final = 4096
+
 #: The terminal statuses as a Lua table literal.
 _TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL) + "}"
 
+# KEYS: job, status set, then optionally a stream. ARGV: blob, status, version, id, origin,
+# then (with the stream) an entry's field and value: the job's first event, written with
+# its record (see RedisEventQueue.create_and_submit).
 _CREATE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[4])
+if KEYS[3] then redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7]) end
 return 1
 """
 
 # KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
 # hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
 # ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
-# the record must still have ("" for any). An end is published only if someone elsewhere
-# may wait for it: the job came from another process (its origin), or a process that did
+# the record must still have ("" for any); then optionally (a fourth key, a stream) an
+# entry's field and value, added once the record is written (the job's next event, see
+# RedisEventQueue.update_and_put). An end is published only if someone elsewhere may wait
+# for it: the job came from another process (its origin), or a process that did
 # not create it waits for it (the field ``w``).
 _UPDATE: Final = (
     "local terminal = "
@@ -107,7 +120,7 @@ end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[7]
 redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v)
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v, 'u', '')
 if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
   redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
 end
@@ -124,6 +137,33 @@ if ARGV[4] == '1' then
 else
   redis.call('SADD', p .. ':st:' .. ARGV[2], ARGV[3])
 end
+if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
+return {1, v}
+"""
+)
+
+# KEYS: job. ARGV: status (not terminal), updated_at, id, prefix, the version the record
+# must still have. A write of the status alone (and ``updated_at``, kept in ``u`` until the
+# next whole write), for a record otherwise as it was read at that version: its blob is
+# left as it is. A record written since is refused (-3), and written whole by the caller.
+_STATUS: Final = (
+    "local terminal = "
+    + _TERMINAL_LUA
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 'v')
+if not cur[1] then return {-1, 0} end
+if terminal[cur[1]] then return {-2, 0} end
+if tonumber(cur[2]) ~= tonumber(ARGV[5]) then return {-3, tonumber(cur[2])} end
+local v = tonumber(cur[2]) + 1
+local p = ARGV[4]
+if cur[1] ~= ARGV[1] then
+  redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
+  redis.call('SADD', p .. ':st:' .. ARGV[1], ARGV[3])
+end
+redis.call('HSET', KEYS[1], 's', ARGV[1], 'v', v, 'u', ARGV[2])
+if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
+  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
+end
 return {1, v}
 """
 )
@@ -134,10 +174,10 @@ _AWAITED: Final = (
     "local terminal = "
     + _TERMINAL_LUA
     + """
-local r = redis.call('HMGET', KEYS[1], 'd', 'v', 's')
+local r = redis.call('HMGET', KEYS[1], 'd', 'v', 's', 'u')
 if r[1] then
   if not terminal[r[3]] then redis.call('HSET', KEYS[1], 'w', '1') end
-  return {r[1], r[2]}
+  return {r[1], r[2], false, r[3], r[4]}
 end
 local g = redis.call('GET', KEYS[2])
 if g then return {false, false, g} end
@@ -169,8 +209,10 @@ for _, key in ipairs(KEYS) do
   if redis.call('TYPE', key).ok == 'zset' then ids = redis.call('ZRANGE', key, 0, -1)
   else ids = redis.call('SMEMBERS', key) end
   for _, id in ipairs(ids) do
-    local r = redis.call('HMGET', ARGV[1] .. ':job:' .. id, 'd', 'v')
-    if r[1] then out[#out + 1] = r[1]; out[#out + 1] = r[2] end
+    local r = redis.call('HMGET', ARGV[1] .. ':job:' .. id, 'd', 'v', 's', 'u')
+    if r[1] then
+      out[#out + 1] = r[1]; out[#out + 1] = r[2]; out[#out + 1] = r[3]; out[#out + 1] = r[4]
+    end
   end
 end
 return out
@@ -185,6 +227,7 @@ return 0
 _SOURCES: Final = {
     "create": _CREATE,
     "update": _UPDATE,
+    "status": _STATUS,
     "awaited": _AWAITED,
     "delete": _DELETE,
     "expire": _EXPIRE,
@@ -195,6 +238,18 @@ _SHAS: Final = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in 
 
 #: The update script's last argument when the record may have any version.
 _ANY_VERSION: Final = encode_args([""])
+
+#: Arguments an update sends often, encoded once: a status, whether it is terminal.
+_STATUS_ARG: Final = {s: encode_args([s.value]) for s in Status}
+_TERMINAL_ARG: Final = {s: encode_args(["1" if s in TERMINAL else "0"]) for s in Status}
+_NOT_FINISHED_ARG: Final = encode_args([repr(0.0)])
+_NO_TOKEN_ARG: Final = encode_args([""])
+
+
+def _bulk(data: bytes) -> bytes:
+    """One argument as a RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
 
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -280,6 +335,7 @@ class RedisJobStore:
         self._sending = False  # a round trip is on its way
         #: This store's name in the records it creates (see _UPDATE).
         self._origin = secrets.token_hex(8)
+        self._origin_arg = encode_args([self._origin])
         # Subscriptions to the ends of other processes' jobs: running, and subscribed now.
         self._following = 0
         self._subscribed = 0
@@ -288,9 +344,27 @@ class RedisJobStore:
         self._active: dict[str, Job] = {}
         #: Ends recorded here (the record as written), for this process's waiters.
         self._ended: dict[str, Job] = {}
+        #: Records written here whole and left queued: (blob, version), see read_own.
+        self._own: dict[str, tuple[bytes, int]] = {}
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._update_entry_head = b"*%d\r\n%b" % (
+            21,
+            encode_args(["EVALSHA", _SHAS["update"], 4]),
+        )
+        self._status_head = b"*%d\r\n%b" % (9, encode_args(["EVALSHA", _SHAS["status"], 1]))
+        self._prefix_arg = encode_args([prefix])
+        # create's command without and with a stream entry: 2 or 3 keys, 5 or 7 arguments.
+        self._create_heads = (
+            b"*10\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 2]),
+            b"*13\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
+        )
+        self._get_head = encode_args(["HMGET"])
+        self._get_tail = encode_args(["d", "v", "s", "u"])
+        self._job_prefix = f"{prefix}:job:".encode()
+        self._gone_prefix = f"{prefix}:gone:".encode()
+        self._finished_arg = encode_args([f"{prefix}:finished"])
         self._tail_values: list[Arg] = []
         self._tail_bytes = b""
 
@@ -467,8 +541,16 @@ class RedisJobStore:
         data: bytes = msgpack.packb(wire, use_bin_type=True)
         return data
 
-    def _decode(self, blob: bytes, version: Any) -> Job:
+    def _decode(
+        self, blob: bytes, version: Any, status: bytes | None = None, updated: bytes | None = None
+    ) -> Job:
+        """The record from its blob and version; ``updated`` (``u``) set means a status
+        write came after the blob (:meth:`update_status`): ``status`` and it are newer."""
         wire = msgpack.unpackb(blob, raw=False)
+        if updated:
+            assert status is not None
+            wire["status"] = status.decode()
+            wire["updated_at"] = float(updated)
         # Times written by another process move from its trio clock to this one's; this
         # process's own come back exactly as they were written.
         shift = wire.pop("clock") - self._shift()
@@ -486,21 +568,43 @@ class RedisJobStore:
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
 
-    async def create(self, job: Job) -> None:
-        created = await self._script(
-            "create",
-            [self._key(job.id), f"{self.prefix}:st:{job.status.value}"],
-            [self._encode(job), job.status.value, job.version, job.id, self._origin],
-        )
+    async def create(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
+        """``entry``: ``(stream, field, value)`` added to a stream in the same write (the
+        job's first event), so the record and the event that runs it arrive together."""
+        job_id = job.id.encode()
+        status = job.status.value
+        parts = [
+            self._create_heads[entry is not None],
+            _bulk(self._job_prefix + job_id),
+            _bulk(f"{self.prefix}:st:{status}".encode()),
+        ]
+        if entry is not None:
+            parts.append(_bulk(entry[0].encode()))
+        blob = self._encode(job)
+        parts += [
+            _bulk(blob),
+            _STATUS_ARG[job.status],
+            _bulk(b"%d" % job.version),
+            _bulk(job_id),
+            self._origin_arg,
+        ]
+        if entry is not None:
+            parts += [_bulk(entry[1]), _bulk(entry[2])]
+        created = await self._run(b"".join(parts), "create")
         if not created:
             raise ValueError(f"job {job.id} already exists")
+        if job.status is Status.QUEUED:
+            self._keep_own(job, blob)
         if self._hearing():
             self._active[job.id] = job
 
     async def get(self, job_id: str) -> Job:
         # A plain read: one HMGET is atomic, and far cheaper than a script.
-        blob, version = await self._run(["HMGET", self._key(job_id), "d", "v"])
-        return await self._found(job_id, blob, version, None)
+        key = self._job_prefix + job_id.encode()
+        blob, version, status, updated = await self._run(
+            b"*6\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
+        )
+        return await self._found(job_id, blob, version, None, status, updated)
 
     async def read_awaited(self, job_id: str) -> Job:
         """The job's record for a caller about to wait for its end (``Engine.wait``): its
@@ -516,17 +620,25 @@ class RedisJobStore:
         reply = await self._script("awaited", [self._key(job_id), self._gone(job_id)], [])
         if not reply:
             return await self._found(job_id, None, None, None)
-        return await self._found(job_id, reply[0], reply[1], reply[2] if len(reply) > 2 else None)
+        if len(reply) < 5:  # a tombstone
+            return await self._found(job_id, None, None, reply[2])
+        return await self._found(job_id, reply[0], reply[1], None, reply[3], reply[4])
 
     def _hearing(self) -> bool:
         """Whether every end recorded elsewhere reaches this process now."""
         return self._following > 0 and self._subscribed == self._following
 
     async def _found(
-        self, job_id: str, blob: bytes | None, version: Any, tombstone: bytes | None
+        self,
+        job_id: str,
+        blob: bytes | None,
+        version: Any,
+        tombstone: bytes | None,
+        status: bytes | None = None,
+        updated: bytes | None = None,
     ) -> Job:
         if blob is not None:
-            job = self._decode(blob, version)
+            job = self._decode(blob, version, status, updated)
             if job.retain_until is None or job.retain_until > trio.current_time():
                 return job
             await self._expire()  # its time has come on the trio clock
@@ -542,8 +654,56 @@ class RedisJobStore:
             token_hash=token_hash,
         )
 
-    async def update(self, job: Job) -> None:
-        await self._update(job, "")
+    async def update(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
+        """``entry``: ``(stream, field, value)`` added to a stream once the record is written,
+        in the same write (the job's next event, as for :meth:`create`)."""
+        await self._update(job, "", entry)
+
+    def read_own(self, job_id: str) -> Job | None:
+        """The job's record as this store last wrote it whole, left queued (a job it created
+        or handed off), decoded afresh without a round trip, once; None if it holds none.
+        Another process may have written the record since: the caller writes it back with
+        ``update_status(job, verify=True)``, which then writes nothing and says so."""
+        own = self._own.pop(job_id, None)
+        return None if own is None else self._decode(own[0], own[1])
+
+    def _keep_own(self, job: Job, blob: bytes) -> None:
+        self._own[job.id] = (blob, job.version)
+        if len(self._own) > _OWN_KEPT:
+            del self._own[next(iter(self._own))]
+
+    async def update_status(self, job: Job, *, verify: bool = False) -> bool:
+        """``update`` of a job read from this store whose status (and ``updated_at``) is all
+        that changed since: while the record is still at the version read, only those are
+        written and its blob is left as it is (no encoding, far fewer bytes); else the whole
+        record is written as ``update`` does, or, with ``verify``, nothing is written and
+        False returned. A step marks its job running so."""
+        self._own.pop(job.id, None)
+        if job.status in TERMINAL:
+            await self._update(job, "")
+            return True
+        job_id = job.id.encode()
+        command = b"".join(
+            [
+                self._status_head,
+                _bulk(self._job_prefix + job_id),
+                _STATUS_ARG[job.status],
+                _bulk(repr(job.updated_at).encode()),
+                _bulk(job_id),
+                self._prefix_arg,
+                _bulk(b"%d" % job.version),
+            ]
+        )
+        code, version = await self._run(command, "status")
+        if code == 1:
+            job.version = int(version)
+        elif code == -3:
+            if verify:
+                return False
+            await self._update(job, "")  # written since it was read: written whole
+        else:
+            raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
+        return True
 
     async def update_unless_changed(self, job: Job) -> bool:
         """``update``, only if nobody wrote the record since ``job`` was read from it (its
@@ -553,38 +713,55 @@ class RedisJobStore:
         the job must not bring back the record as it was before the step's write."""
         return await self._update(job, str(job.version))
 
-    async def _update(self, job: Job, expected: str) -> bool:
+    async def _update(
+        self, job: Job, expected: str, entry: tuple[str, bytes, bytes] | None = None
+    ) -> bool:
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
             # Written or not, its waiters read it from now on: a write that fails after
             # Redis applied it must not leave it known as active here.
             self._active.pop(job.id, None)
-        varying: list[Arg] = [
-            self._key(job.id),
-            f"{self.prefix}:finished",
-            self._gone(job.id),
-            self._encode(job),
-            job.status.value,
-            job.id,
-            "1" if terminal else "0",
-            repr(_moved(job.retain_until, self._shift()) if terminal else 0.0),
-            job.token_hash or "",
+        # The command built as bytes: the arguments every update sends alike are encoded
+        # once (the same as encode_args of _UPDATE's KEYS and ARGV, in order).
+        job_id = job.id.encode()
+        status = job.status
+        token = job.token_hash
+        blob = self._encode(job)
+        self._own.pop(job.id, None)
+        parts = [
+            self._update_head if entry is None else self._update_entry_head,
+            _bulk(self._job_prefix + job_id),
+            self._finished_arg,
+            _bulk(self._gone_prefix + job_id),
         ]
-        code, version = await self._run(
-            b"%b%b%b%b"
-            % (
-                self._update_head,
-                encode_args(varying),
+        if entry is not None:
+            parts.append(_bulk(entry[0].encode()))
+        command = b"".join(
+            [
+                *parts,
+                _bulk(blob),
+                _STATUS_ARG[status],
+                _bulk(job_id),
+                _TERMINAL_ARG[status],
+                (
+                    _bulk(repr(_moved(job.retain_until, self._shift())).encode())
+                    if terminal
+                    else _NOT_FINISHED_ARG
+                ),
+                _NO_TOKEN_ARG if token is None else _bulk(token.encode()),
                 self._tail(),
                 _ANY_VERSION if expected == "" else encode_args([expected]),
-            ),
-            "update",
+                b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
+            ]
         )
+        code, version = await self._run(command, "update")
         if code == -3:
             return False  # written by somebody else since it was read
         if code == 1:
             job.version = int(version)
+            if status is Status.QUEUED:
+                self._keep_own(job, blob)
             if terminal:
                 self._ended[job.id] = job
                 if len(self._ended) > _ENDED_KEPT:
@@ -597,6 +774,7 @@ class RedisJobStore:
 
     async def delete(self, job_id: str) -> None:
         self._active.pop(job_id, None)
+        self._own.pop(job_id, None)
         self._ended.pop(job_id, None)
         await self._script(
             "delete", [self._key(job_id), f"{self.prefix}:finished"], [job_id, self.prefix]
@@ -614,7 +792,7 @@ class RedisJobStore:
         if wanted & TERMINAL:
             keys.append(f"{self.prefix}:finished")
         reply = await self._script("list", keys, [self.prefix])
-        jobs = [self._decode(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
+        jobs = [self._decode(*reply[i : i + 4]) for i in range(0, len(reply), 4)]
         return [job for job in jobs if job.status in wanted]
 
     async def _expire(self) -> None:
