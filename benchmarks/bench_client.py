@@ -46,6 +46,8 @@ class _Ctx:
         self.state: dict[str, Any] = {"id": 42}
         self.remaining = 30.0
         self.path = "bench"
+        self.correlation_id = "bench-0123456789abcdef"  # sent as the service's request id
+        self.traceparent: str | None = None
 
 
 class _BareH11:
