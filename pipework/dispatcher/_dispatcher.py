@@ -1047,7 +1047,7 @@ class Dispatcher:
             previous = job.status
             self._mark_end(job, Status.DONE, result, None, "")
             try:
-                nowait[1](job)
+                nowait[1](job, now)  # the step's clock read: the store reads none of its own
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
@@ -1104,7 +1104,7 @@ class Dispatcher:
         self, job: Job, status: Status, result: Any, exc: BaseException | None, where: str
     ) -> None:
         job.transition(status)
-        job.finished_at = time.time()
+        job.finished_at = job.updated_at  # the transition's wall-clock read
         job.waiting_for = None
         if status is Status.DONE:
             job.result = result

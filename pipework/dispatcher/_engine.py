@@ -135,6 +135,7 @@ class Engine:
         self._dispatcher.changed = self._changed
         # A shared queue's relay (Redis): steps of a job may run in other processes.
         self._relay: Any = getattr(self.queue, "relay", None)
+        self._flush: Any = getattr(self.queue, "flush", None)
         self._relayed: set[str] = set()  # streamed jobs whose chunks come through it
 
     @property
@@ -286,17 +287,26 @@ class Engine:
         once accepted, its steps wait for their slots up to its deadline and are never
         refused for load. For work promised before it runs, as an async route's 202.
         """
-        return await self._accept(
-            self.plan_generation,
-            chain,
-            state,
-            timeout=timeout,
-            correlation_id=correlation_id,
-            token=token,
-            stream=stream,
-            admit=admit,
-            traceparent=traceparent,
+        job = self._new_job(
+            self.plan_generation, chain, state, timeout, correlation_id, token, admit, traceparent
         )
+        nowait = self._dispatcher.nowait
+        if stream or not nowait or self._flush is not None:
+            return await self._enqueue(job, stream)
+        # An in-process store and queue: the common case awaits nothing, so it runs here
+        # rather than in a coroutine of its own.
+        try:
+            nowait[2](job)
+            try:
+                self.queue.submit_nowait(RunJob(job.id))
+            except Overloaded:
+                await self.store.delete(job.id)
+                raise
+        except BaseException:
+            self._not_accepted(job)
+            raise
+        self._accepted(job)
+        return job.id
 
     async def _accept(
         self,
@@ -305,12 +315,22 @@ class Engine:
         state: dict[str, Any] | None,
         *,
         timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
-        correlation_id: str | None = None,
-        token: str | None = None,
-        stream: bool = False,
-        admit: bool = False,
-        traceparent: str | None = None,
     ) -> str:
+        job = self._new_job(generation, chain, state, timeout, None, None, False, None)
+        return await self._enqueue(job, False)
+
+    def _new_job(
+        self,
+        generation: int,
+        chain: str,
+        state: dict[str, Any] | None,
+        timeout: float | None,
+        correlation_id: str | None,
+        token: str | None,
+        admit: bool,
+        traceparent: str | None,
+    ) -> Job:
+        """The record of a job about to be accepted, counted on its plan."""
         if self._nursery is None:
             raise RuntimeError("the engine is not running; use `async with engine:` first")
         plan = self._dispatcher.plans[generation].get_chain(chain)
@@ -342,6 +362,10 @@ class Engine:
         jobs = self._plan_jobs.get(generation)
         if jobs is not None:
             jobs.add(job.id)
+        return job
+
+    async def _enqueue(self, job: Job, stream: bool) -> str:
+        """Store the new job and queue its first step."""
         relayed = stream and self._relay is not None
         try:
             if relayed:  # its steps may run anywhere: marked before its first event
@@ -359,31 +383,37 @@ class Engine:
                 except Overloaded:
                     await self.store.delete(job.id)
                     raise
-                flush = getattr(self.queue, "flush", None)
-                if flush is not None:  # a shared queue: the first event is in Redis first
-                    await flush()
+                if self._flush is not None:  # a shared queue: the first event is in Redis first
+                    await self._flush()
         except BaseException:
             if relayed:
                 self._relay.close_stream(job.id)
-            if jobs is not None:
-                jobs.discard(job.id)
-                self._retire_if_idle(generation)
+            self._not_accepted(job)
             raise
-        self._changed(job)
         if relayed:
             self._relayed.add(job.id)
         elif stream:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
+        self._accepted(job)
+        return job.id
+
+    def _not_accepted(self, job: Job) -> None:
+        jobs = self._plan_jobs.get(job.plan)
+        if jobs is not None:
+            jobs.discard(job.id)
+            self._retire_if_idle(job.plan)
+
+    def _accepted(self, job: Job) -> None:
+        self._changed(job)
         if job_logger.isEnabledFor(logging.INFO):
             log_job(
                 "job accepted",
                 correlation_id=job.correlation_id,
                 job_id=job.id,
-                route=chain,
+                route=job.chain,
                 key=job.key,
                 status=job.status.value,
             )
-        return job.id
 
     async def wait(self, job_id: str) -> Any:
         """Wait for the job to end: its result, or its original exception raised here."""

@@ -23,7 +23,11 @@ __all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess", "nowait_acce
 
 #: ``(get, update, create)`` as plain calls: a store's synchronous fast path (see
 #: :func:`nowait_access`).
-NowaitAccess = tuple[Callable[[str], Job], Callable[[Job], None], Callable[[Job], None]]
+NowaitAccess = tuple[Callable[[str], Job], "UpdateNowait", Callable[[Job], None]]
+
+
+class UpdateNowait(Protocol):
+    def __call__(self, job: Job, now: float | None = None, /) -> None: ...
 
 
 class JobStore(Protocol):
@@ -119,11 +123,13 @@ class MemoryJobStore:
     async def update(self, job: Job) -> None:
         self.update_nowait(job)
 
-    def update_nowait(self, job: Job) -> None:
+    def update_nowait(self, job: Job, now: float | None = None) -> None:
+        """``now``: the caller's trio clock read, if it has one at hand."""
         job.version += 1
         if job.status in TERMINAL:
             if self._active.pop(job.id, None) is not None:
-                now = trio.current_time()
+                if now is None:
+                    now = trio.current_time()
                 job.retain_until = now + self.retain_seconds
                 self._finished[job.id] = job
                 self._expire(now)
