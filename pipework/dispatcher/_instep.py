@@ -74,6 +74,21 @@ def _roots(path: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
     return tuple((*path, index) for index in range(n))
 
 
+#: The types msgpack gives back as they were given: a state holding only these (keys all
+#: ``str``) needs no packing to be copied.
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _packed_unless_scalar(state: dict[str, Any]) -> bytes:
+    """``state`` packed for the branches to unpack, or ``b""`` (which no packing gives) when
+    a shallow copy of it is a deep copy, exactly as an unpacking would make it."""
+    scalars = _SCALARS
+    for key, value in state.items():
+        if type(value) not in scalars or type(key) is not str:
+            return packed_state(state)
+    return b""
+
+
 class InStepStage:
     """One run of a parallel stage inside its parent's step (see the module docstring)."""
 
@@ -240,9 +255,12 @@ class InStepStage:
     def _start_state(self, index: int) -> dict[str, Any]:
         """A snapshot of the parent's state (packed once for all the branches; each unpacks
         its own copy) and, for a graph node, what the nodes it depends on produced."""
-        if self._packed is None:
-            self._packed = packed_state(self.parent.state)
-        state = unpacked_state(self._packed)
+        packed = self._packed
+        if packed is None:
+            packed = self._packed = _packed_unless_scalar(self.parent.state)
+        # A state of scalars only (checked storable when it was written) is copied as it
+        # is: its values cannot be changed in place, so a shallow copy is a deep one.
+        state = unpacked_state(packed) if packed else dict(self.parent.state)
         sources = self.join.start_from(index)
         if not sources:
             return state
@@ -275,6 +293,12 @@ class InStepStage:
 
     async def report(self, branch: Job) -> None:
         """An in-step branch ended (called from its finish): tell the join."""
+        self._told(branch)
+        if self.d.nowait is None:
+            await self._record_progress()
+
+    def _told(self, branch: Job) -> None:
+        """The join hears of a branch's end (what :meth:`report` does with no store)."""
         assert branch.branch is not None
         index = branch.branch
         self.branches.pop(index, None)
@@ -288,8 +312,6 @@ class InStepStage:
         if self.stage.kind == "graph":
             _callback(self.d, branch, outcome)
         self._apply(self.join.branch_done(index, outcome))
-        if self.d.nowait is None:
-            await self._record_progress()
 
     # -- a branch ------------------------------------------------------------------------
 
@@ -359,7 +381,8 @@ class InStepStage:
                         top.index += 1
                     if now is not None:
                         branch.frames.pop()
-                        await d.finish(branch, Status.DONE, now=now)
+                        if not self._done_nowait(branch, now):
+                            await d.finish(branch, Status.DONE, now=now)
             except BaseException as exc:
                 if not scope.__exit__(type(exc), exc, exc.__traceback__):
                     raise
@@ -380,6 +403,29 @@ class InStepStage:
             outside, _ = split_outside(escaped)
             if outside is not None:
                 raise outside
+
+    def _done_nowait(self, branch: Job, now: float) -> bool:
+        """``finish(branch, DONE)`` with no await when nothing in it waits: the stage is
+        still in the step and not durable, on a store that answers at once (a branch's end
+        writes nothing then). False, with nothing done, otherwise."""
+        d = self.d
+        if (
+            d.nowait is None
+            or self.durable
+            or d.in_step.get(self.record.id) is not self
+            or branch.id not in d.unstored
+            or branch.join is not None
+        ):
+            return False
+        if branch.status in TERMINAL:
+            return True
+        try:
+            d._mark_end(branch, Status.DONE, None, None, "")
+            d._ended(branch, Status.DONE, "", now)
+            self._told(branch)
+        finally:
+            d._heard_of_end(branch)
+        return True
 
     async def _run_segments(self, branch: Job) -> None:
         """Run the branch's pipes, one key at a time: under the parent's slot when the key
