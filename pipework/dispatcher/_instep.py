@@ -33,12 +33,19 @@ import trio
 
 from .._errors import MergeConflict, Rejected
 from ..pipes._join import Decision, Outcome
-from ..pipes._merge import delta, merge, packed_state, snapshot, unpacked_state
+from ..pipes._merge import (
+    delta,
+    merge,
+    merge_strict,
+    packed_state,
+    snapshot,
+    unpacked_state,
+)
 from ..pipes._pipe import Context, Pipe
 from ..pipes._stages import Chain, Parallel
 from ..pipes._state import check_state
 from ._boundary import split_outside
-from ._job import Frame, Job, JoinRecord, new_job_id
+from ._job import Frame, Job, JoinRecord, new_ids
 from ._parallel import (
     _callback,
     _error_of,
@@ -104,7 +111,11 @@ class InStepStage:
             deadline = min(deadline, self.started + stage.timeout)
         self.join = stage.new_join()
         self.record = JoinRecord(
-            id=new_job_id(), path=(*d.path_of(parent), top.index), join=self.join, deadline=deadline
+            # A job id's 128 random bits, from the batched read-ahead: no system call per stage.
+            id=new_ids()[0],
+            path=(*d.path_of(parent), top.index),
+            join=self.join,
+            deadline=deadline,
         )
         self.branches: dict[int, Job] = {}  # the in-step branches still running, by index
         self.durable = False  # a branch suspended: the join now lives in the parent's record
@@ -169,7 +180,12 @@ class InStepStage:
             _forget_errors(d, self.record)
             pairs = [(self.stage.names[i], self.record.deltas[i]) for i in self.join.to_merge]
             try:
-                state = merge(parent.state, pairs, self.stage.merge, where=self.where)
+                # The common merge first: it needs no stage path (formatted only for errors).
+                policy = self.stage.merge
+                strict = policy.default == "strict" and not policy.keys
+                state = merge_strict(parent.state, pairs) if strict else None
+                if state is None:
+                    state = merge(parent.state, pairs, policy, where=self.where)
             except MergeConflict as exc:
                 d.note(exc, parent, self.where)
                 await d.finish(parent, Status.FAILED, exc=exc, where=self.where)

@@ -52,6 +52,7 @@ __all__ = [
     "MergeRule",
     "delta",
     "merge",
+    "merge_strict",
     "packed_state",
     "same_value",
     "snapshot",
@@ -231,7 +232,7 @@ def merge(
     """
     rules = policy if isinstance(policy, MergePolicy) else MergePolicy.of(policy)
     if rules.default == "strict" and not rules.keys:
-        merged = _merge_strict(state, deltas)
+        merged = merge_strict(state, deltas)
         if merged is not None:
             return merged
     touched: dict[str, list[tuple[str, Any]]] = {}
@@ -261,7 +262,7 @@ def merge(
     return merged
 
 
-def _merge_strict(
+def merge_strict(
     state: Mapping[str, Any], deltas: Sequence[tuple[str, Delta]]
 ) -> dict[str, Any] | None:
     """:func:`merge` when every key is strict and no branch removed a key (most stages):
