@@ -14,14 +14,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipework._errors import MergeConflict, RegistrationError, StateError
+from pipework.dispatcher._instep import _packed_unless_scalar
 from pipework.pipes._merge import (
     MISSING,
     Delta,
     MergePolicy,
     delta,
     merge,
+    merge_strict,
+    packed_state,
     same_value,
     snapshot,
+    unpacked_state,
 )
 
 # -- strategies ----------------------------------------------------------------------------------
@@ -244,6 +248,39 @@ def test_strict_detects_every_conflict_and_is_otherwise_order_free(
     for _, d in declared:
         for key in d.touched:
             assert same_value(merged.get(key, MISSING), d.value(key))
+
+
+@given(stages())
+def test_the_strict_shortcut_agrees_with_the_general_path(stage: Stage) -> None:
+    parent, declared = stage
+    general = MergePolicy(keys={"unused": "strict"})  # strict for every key, the long way
+    quick = merge_strict(parent, declared)
+    try:
+        expected = merge(parent, declared, general)
+    except MergeConflict:
+        assert quick is None  # the general path raises it, with the stage path
+        return
+    if quick is None:
+        assert any(d.removed for _, d in declared)
+        return
+    assert list(quick) == list(expected)
+    assert all(quick[key] is expected[key] for key in quick)
+
+
+@given(st.dictionaries(st.text(max_size=3), scalars, max_size=5), values)
+def test_a_state_of_scalars_is_copied_as_its_unpacking_would_be(
+    state: dict[str, Any], value: Any
+) -> None:
+    assert _packed_unless_scalar(state) == b""
+    copied, unpacked = dict(state), unpacked_state(packed_state(state))
+    assert list(copied) == list(unpacked)
+    assert all(
+        type(copied[k]) is type(unpacked[k]) and same_value(copied[k], unpacked[k]) for k in copied
+    )
+    mixed = {**state, "nested": value}
+    if not isinstance(value, list | dict):
+        return
+    assert same_value(unpacked_state(_packed_unless_scalar(mixed)), wire(mixed))  # packed
 
 
 def test_equal_values_from_two_branches_are_not_a_conflict() -> None:

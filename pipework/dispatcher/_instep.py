@@ -33,12 +33,19 @@ import trio
 
 from .._errors import MergeConflict, Rejected
 from ..pipes._join import Decision, Outcome
-from ..pipes._merge import delta, merge, packed_state, snapshot, unpacked_state
+from ..pipes._merge import (
+    delta,
+    merge,
+    merge_strict,
+    packed_state,
+    snapshot,
+    unpacked_state,
+)
 from ..pipes._pipe import Context, Pipe
 from ..pipes._stages import Chain, Parallel
 from ..pipes._state import check_state
 from ._boundary import split_outside
-from ._job import Frame, Job, JoinRecord, new_job_id
+from ._job import Frame, Job, JoinRecord, new_ids
 from ._parallel import (
     _callback,
     _error_of,
@@ -74,6 +81,21 @@ def _roots(path: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
     return tuple((*path, index) for index in range(n))
 
 
+#: The types msgpack gives back as they were given: a state holding only these (keys all
+#: ``str``) needs no packing to be copied.
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _packed_unless_scalar(state: dict[str, Any]) -> bytes:
+    """``state`` packed for the branches to unpack, or ``b""`` (which no packing gives) when
+    a shallow copy of it is a deep copy, exactly as an unpacking would make it."""
+    scalars = _SCALARS
+    for key, value in state.items():
+        if type(value) not in scalars or type(key) is not str:
+            return packed_state(state)
+    return b""
+
+
 class InStepStage:
     """One run of a parallel stage inside its parent's step (see the module docstring)."""
 
@@ -89,7 +111,11 @@ class InStepStage:
             deadline = min(deadline, self.started + stage.timeout)
         self.join = stage.new_join()
         self.record = JoinRecord(
-            id=new_job_id(), path=(*d.path_of(parent), top.index), join=self.join, deadline=deadline
+            # A job id's 128 random bits, from the batched read-ahead: no system call per stage.
+            id=new_ids()[0],
+            path=(*d.path_of(parent), top.index),
+            join=self.join,
+            deadline=deadline,
         )
         self.branches: dict[int, Job] = {}  # the in-step branches still running, by index
         self.durable = False  # a branch suspended: the join now lives in the parent's record
@@ -154,7 +180,12 @@ class InStepStage:
             _forget_errors(d, self.record)
             pairs = [(self.stage.names[i], self.record.deltas[i]) for i in self.join.to_merge]
             try:
-                state = merge(parent.state, pairs, self.stage.merge, where=self.where)
+                # The common merge first: it needs no stage path (formatted only for errors).
+                policy = self.stage.merge
+                strict = policy.default == "strict" and not policy.keys
+                state = merge_strict(parent.state, pairs) if strict else None
+                if state is None:
+                    state = merge(parent.state, pairs, policy, where=self.where)
             except MergeConflict as exc:
                 d.note(exc, parent, self.where)
                 await d.finish(parent, Status.FAILED, exc=exc, where=self.where)
@@ -240,9 +271,12 @@ class InStepStage:
     def _start_state(self, index: int) -> dict[str, Any]:
         """A snapshot of the parent's state (packed once for all the branches; each unpacks
         its own copy) and, for a graph node, what the nodes it depends on produced."""
-        if self._packed is None:
-            self._packed = packed_state(self.parent.state)
-        state = unpacked_state(self._packed)
+        packed = self._packed
+        if packed is None:
+            packed = self._packed = _packed_unless_scalar(self.parent.state)
+        # A state of scalars only (checked storable when it was written) is copied as it
+        # is: its values cannot be changed in place, so a shallow copy is a deep one.
+        state = unpacked_state(packed) if packed else dict(self.parent.state)
         sources = self.join.start_from(index)
         if not sources:
             return state
@@ -275,6 +309,12 @@ class InStepStage:
 
     async def report(self, branch: Job) -> None:
         """An in-step branch ended (called from its finish): tell the join."""
+        self._told(branch)
+        if self.d.nowait is None:
+            await self._record_progress()
+
+    def _told(self, branch: Job) -> None:
+        """The join hears of a branch's end (what :meth:`report` does with no store)."""
         assert branch.branch is not None
         index = branch.branch
         self.branches.pop(index, None)
@@ -288,8 +328,6 @@ class InStepStage:
         if self.stage.kind == "graph":
             _callback(self.d, branch, outcome)
         self._apply(self.join.branch_done(index, outcome))
-        if self.d.nowait is None:
-            await self._record_progress()
 
     # -- a branch ------------------------------------------------------------------------
 
@@ -359,7 +397,8 @@ class InStepStage:
                         top.index += 1
                     if now is not None:
                         branch.frames.pop()
-                        await d.finish(branch, Status.DONE, now=now)
+                        if not self._done_nowait(branch, now):
+                            await d.finish(branch, Status.DONE, now=now)
             except BaseException as exc:
                 if not scope.__exit__(type(exc), exc, exc.__traceback__):
                     raise
@@ -380,6 +419,29 @@ class InStepStage:
             outside, _ = split_outside(escaped)
             if outside is not None:
                 raise outside
+
+    def _done_nowait(self, branch: Job, now: float) -> bool:
+        """``finish(branch, DONE)`` with no await when nothing in it waits: the stage is
+        still in the step and not durable, on a store that answers at once (a branch's end
+        writes nothing then). False, with nothing done, otherwise."""
+        d = self.d
+        if (
+            d.nowait is None
+            or self.durable
+            or d.in_step.get(self.record.id) is not self
+            or branch.id not in d.unstored
+            or branch.join is not None
+        ):
+            return False
+        if branch.status in TERMINAL:
+            return True
+        try:
+            d._mark_end(branch, Status.DONE, None, None, "")
+            d._ended(branch, Status.DONE, "", now)
+            self._told(branch)
+        finally:
+            d._heard_of_end(branch)
+        return True
 
     async def _run_segments(self, branch: Job) -> None:
         """Run the branch's pipes, one key at a time: under the parent's slot when the key

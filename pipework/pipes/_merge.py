@@ -52,6 +52,7 @@ __all__ = [
     "MergeRule",
     "delta",
     "merge",
+    "merge_strict",
     "packed_state",
     "same_value",
     "snapshot",
@@ -230,6 +231,10 @@ def merge(
     goes into any :class:`MergeConflict`.
     """
     rules = policy if isinstance(policy, MergePolicy) else MergePolicy.of(policy)
+    if rules.default == "strict" and not rules.keys:
+        merged = merge_strict(state, deltas)
+        if merged is not None:
+            return merged
     touched: dict[str, list[tuple[str, Any]]] = {}
     for branch, d in deltas:
         if d.removed:
@@ -254,6 +259,27 @@ def merge(
             merged.pop(key, None)
         else:
             merged[key] = value
+    return merged
+
+
+def merge_strict(
+    state: Mapping[str, Any], deltas: Sequence[tuple[str, Delta]]
+) -> dict[str, Any] | None:
+    """:func:`merge` when every key is strict and no branch removed a key (most stages):
+    each key takes the first branch's value, with no list of changes per key. None when a
+    removal or two branches that disagree need the general path (which raises the same
+    :class:`MergeConflict` it always does)."""
+    first: dict[str, Any] = {}
+    for _, d in deltas:
+        if d.removed:
+            return None
+        for key, value in d.changed.items():
+            if key not in first:
+                first[key] = value
+            elif not same_value(first[key], value):
+                return None
+    merged = dict(state)
+    merged.update(first)
     return merged
 
 
