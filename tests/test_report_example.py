@@ -121,7 +121,14 @@ async def running(tmp_path: Path, **overrides: Any) -> AsyncIterator[Running]:
         async with trio.open_nursery() as service:
             serving: Serving = await service.start(functools.partial(serve, config, stop=stop))
             try:
-                async with httpx.AsyncClient(base_url=serving.url, timeout=CLIENT_TIMEOUT) as c:
+                # Idle connections are dropped well before the server's keep-alive timeout
+                # (5 s, as httpx's own default): a request sent on a connection the server
+                # is closing at that moment would meet a reset (a browser's replacement can
+                # take that long to start).
+                limits = httpx.Limits(keepalive_expiry=1.0)
+                async with httpx.AsyncClient(
+                    base_url=serving.url, timeout=CLIENT_TIMEOUT, limits=limits
+                ) as c:
                     yield Running(serving, c, gate, trace)
             finally:
                 stop.set()  # serve() returns once shut down: workers closed
