@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -80,6 +80,11 @@ def _roots(path: tuple[int, ...], n: int) -> tuple[tuple[int, ...], ...]:
     of it (a stage's path is its place in its chain; chains are few)."""
     return tuple((*path, index) for index in range(n))
 
+
+#: The cursor of a branch of pipes until it needs one: an empty tuple, not a list per
+#: branch (one object fewer for the collector to walk while it runs), and one that nothing
+#: can append to by mistake. Code that walks a cursor gives the branch a list of its own.
+_NO_FRAMES = cast("list[Frame]", ())
 
 #: The types msgpack gives back as they were given: a state holding only these (keys all
 #: ``str``) needs no packing to be copied.
@@ -238,6 +243,9 @@ class InStepStage:
         root = self.stage.branches[index]
         flat = root.flat
         branch = Job(
+            # No cursor yet (see _NO_FRAMES): a branch of pipes keeps its place in a local
+            # and gets a frame only when it leaves the common path.
+            frames=_NO_FRAMES,
             # Unguessable as the join's id is; a branch needs no random read of its own.
             id=f"{record.id}.{index}",
             chain=parent.chain,
@@ -257,7 +265,6 @@ class InStepStage:
         )
         if flat is not None and root.timeout is None:
             # What start_frames finds for a branch of pipes only, without walking the chain.
-            branch.frames = [Frame(0, branch.deadline)]
             branch.key = flat[0].key or self.chain.key
         else:
             d.start_frames(branch, self.chain)
@@ -349,6 +356,8 @@ class InStepStage:
             try:
                 key = branch.key
                 if flat is None or key != self.parent.key or d.limited(key):
+                    if not branch.frames:  # a branch of pipes, under a slot of its own
+                        branch.frames = [Frame(0, branch.deadline)]
                     await self._run_segments(branch)
                 else:
                     # The common branch: its pipes one after another under the parent's
@@ -358,13 +367,17 @@ class InStepStage:
                     # share the parent's key; a branch writes no record).
                     branch.transition(Status.RUNNING)
                     chain = self.chain
-                    top = branch.frames[0]
+                    # The cursor: a local index, and a frame only once a pipe raised (the
+                    # dispatcher's handling of a failure or suspension reads it).
+                    index = 0
+                    top: Frame | None = None
+                    bound = branch.deadline
                     invoke = _invoke or _load_invoke()
                     now: float | None = trio.current_time()
-                    while now is not None and top.index < len(flat):
-                        pipe = flat[top.index]
+                    while now is not None and index < len(flat):
+                        pipe = flat[index]
                         limit = math.inf if pipe.timeout is None else now + pipe.timeout
-                        deadline = top.deadline if limit > top.deadline else limit
+                        deadline = bound if limit > bound else limit
                         ctx = Context(
                             state=snapshot(branch.state) if pipe.blocking else branch.state,
                             job_id=branch.id,
@@ -388,15 +401,22 @@ class InStepStage:
                                 await d._call_within(pipe, ctx, branch)
                             check_state(ctx.state)
                         except BaseException as raised:  # a cancellation travels on
+                            if top is None:
+                                top = Frame(index, bound)
+                                branch.frames = [top]
+                            else:
+                                top.index = index
                             # None: it failed or suspended, and ended there.
                             now = await d._pipe_raised(branch, chain, pipe, now, raised, ctx, top)
+                            index = top.index
                             continue
                         if pipe.blocking:
                             branch.state = ctx.state
                         now = d._pipe_ended(branch, pipe, now, "ok")
-                        top.index += 1
+                        index += 1
                     if now is not None:
-                        branch.frames.pop()
+                        if top is not None:
+                            branch.frames.pop()
                         if not self._done_nowait(branch, now):
                             await d.finish(branch, Status.DONE, now=now)
             except BaseException as exc:
