@@ -3,6 +3,8 @@ turns durable when a branch suspends. Times are virtual (autojump_clock) and exa
 
 from __future__ import annotations
 
+import contextvars
+
 import pytest
 import trio
 import trio.testing
@@ -222,3 +224,59 @@ async def test_an_in_step_branch_with_a_timeout_of_its_own_keeps_it(
         assert "a" not in result  # the timed-out branch's writes are not merged
         assert result["outcomes"]["branch[0]"]["outcome"] == "timed_out"
         assert result["outcomes"]["branch[1]"] == {"outcome": "ok"}
+
+
+async def test_a_branch_reusing_a_runner_sees_its_own_parents_context_and_a_fresh_scope(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Branches run on runner tasks kept between branches: a branch still sees the context
+    of the step that started it (not a previous branch's), a runner whose branch lost (its
+    scope cancelled) runs the next branch uncancelled, and no runner is left parked once no
+    stage runs."""
+    engine = pw.Engine()
+    tag: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="none")
+    seen: list[tuple[str, str]] = []
+    cleaned: list[str] = []
+
+    async def mark(ctx: pw.Context) -> None:
+        tag.set(ctx.state["who"])
+
+    async def read(ctx: pw.Context) -> None:
+        await trio.sleep(ctx.state["wait"])
+        seen.append((ctx.state["who"], tag.get()))
+        tag.set("a branch's own")  # stays with this branch
+        ctx.state[ctx.pipe.name] = tag.get()
+
+    async def slow(ctx: pw.Context) -> None:
+        try:
+            await trio.sleep(100)
+        finally:
+            cleaned.append(ctx.state["who"])
+
+    engine.chain(
+        "c",
+        pw.Pipe(mark, "mark"),
+        pw.all_of(pw.Pipe(read, "r1"), pw.Pipe(read, "r2")),
+        pw.any_of(pw.Pipe(read, "fast"), pw.Pipe(slow, "slow")),
+    )
+    engine.chain("keep", pw.all_of(sleeper("long", 50)))  # a stage running throughout
+    async with engine:
+        keep = await engine.submit("keep")
+        await trio.sleep(1)
+        first = await engine.submit("c", {"who": "first", "wait": 1})
+        result = await engine.wait(first)
+        assert cleaned == ["first"]  # the loser was cancelled; its runner is free again
+        second = await engine.submit("c", {"who": "second", "wait": 2})
+        assert await engine.wait(second) == {
+            "who": "second",
+            "wait": 2,
+            "r1": "a branch's own",
+            "r2": "a branch's own",
+            "fast": "a branch's own",
+        }
+        assert result["fast"] == "a branch's own"
+        assert seen == [(who, who) for who in ("first",) * 3 + ("second",) * 3]
+        assert cleaned == ["first", "second"]
+        await engine.wait(keep)
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine._dispatcher.branch_runners.idle == []

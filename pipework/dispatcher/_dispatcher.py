@@ -40,6 +40,7 @@ from ..pipes._stages import Chain, Parallel, Serial
 from ..pipes._state import check_state, storable_part
 from ._admission import Admission
 from ._boundary import split_outside
+from ._branch_runners import BranchRunners
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._instep import InStepStage
 from ._job import ErrorInfo, Frame, Job, Progress
@@ -107,6 +108,8 @@ class Dispatcher:
         #: and the ids of their branches that have no record in the store.
         self.in_step: dict[str, InStepStage] = {}
         self.unstored: set[str] = set()
+        #: The tasks in-step branches run in (see _branch_runners.py).
+        self.branch_runners = BranchRunners(self.in_step)
         #: Parents whose in-step stage turned durable: their step no longer owns the record.
         self.left_to_join: set[str] = set()
         self._limited: Callable[[str], bool] | None = getattr(pool, "limited", None)

@@ -171,6 +171,8 @@ class InStepStage:
         finally:
             # Losers still ending report through events from now on, and find it over.
             del d.in_step[self.record.id]
+            if not d.in_step:  # no branch is started before another stage runs
+                d.branch_runners.release()
         if self.durable:
             return False
         parent = self.parent
@@ -272,8 +274,10 @@ class InStepStage:
         record.children[index] = branch.id
         self.branches[index] = branch
         # In the dispatcher's nursery, not the step's: a loser that is slow to stop must not
-        # hold the parent up (its late result is ignored, as a forked branch's is).
-        d.spawn(self._run_branch, branch, flat)
+        # hold the parent up (its late result is ignored, as a forked branch's is). On a
+        # parked runner when there is one: no task spawned and no scope entered.
+        assert d._nursery is not None, "the dispatcher is not running"
+        d.branch_runners.start(d._nursery, self._run_branch, branch, flat)
 
     def _start_state(self, index: int) -> dict[str, Any]:
         """A snapshot of the parent's state (packed once for all the branches; each unpacks
@@ -338,92 +342,85 @@ class InStepStage:
 
     # -- a branch ------------------------------------------------------------------------
 
-    async def _run_branch(self, branch: Job, flat: tuple[Pipe, ...] | None) -> None:
-        """One branch, as a step does one job: whatever it raises ends here as its outcome;
-        only a cancellation from outside the stage travels on. ``flat``: the branch's pipes,
-        when it is a sequence of pipes only (no stage, no timeout of its own)."""
+    async def _run_branch(
+        self, scope: trio.CancelScope, branch: Job, flat: tuple[Pipe, ...] | None
+    ) -> None:
+        """One branch, as a step does one job, in ``scope`` (its runner's: see
+        ``_branch_runners.py``): whatever it raises ends here as its outcome; a cancellation
+        (of the scope, which its runner ends, or from outside the stage) travels on.
+        ``flat``: the branch's pipes, when it is a sequence of pipes only (no stage, no
+        timeout of its own)."""
         d = self.d
-        scope = trio.CancelScope()
         d._scopes[branch.id] = scope
         d._running[branch.id] = branch
         d.unstored.add(branch.id)
         escaped: BaseException | None = None
         try:
-            # Entered and exited by hand, as ``with`` does, without holding the scope's
-            # bound ``__exit__`` for the branch's whole life (one object fewer per branch
-            # for the collector to walk while thousands wait).
-            scope.__enter__()
-            try:
-                key = branch.key
-                if flat is None or key != self.parent.key or d.limited(key):
-                    if not branch.frames:  # a branch of pipes, under a slot of its own
-                        branch.frames = [Frame(0, branch.deadline)]
-                    await self._run_segments(branch)
-                else:
-                    # The common branch: its pipes one after another under the parent's
-                    # slot, each run as ``Dispatcher._run_pipe`` runs one but in this
-                    # coroutine (one coroutine and one frame fewer per pipe, on every
-                    # resume), without the lookups of _run_held (an in-step stage's pipes
-                    # share the parent's key; a branch writes no record).
-                    branch.transition(Status.RUNNING)
-                    chain = self.chain
-                    # The cursor: a local index, and a frame only once a pipe raised (the
-                    # dispatcher's handling of a failure or suspension reads it).
-                    index = 0
-                    top: Frame | None = None
-                    bound = branch.deadline
-                    invoke = _invoke or _load_invoke()
-                    now: float | None = trio.current_time()
-                    while now is not None and index < len(flat):
-                        pipe = flat[index]
-                        limit = math.inf if pipe.timeout is None else now + pipe.timeout
-                        deadline = bound if limit > bound else limit
-                        ctx = Context(
-                            state=snapshot(branch.state) if pipe.blocking else branch.state,
-                            job_id=branch.id,
-                            correlation_id=branch.correlation_id,
-                            chain=chain.name,
-                            pipe=pipe,
-                            where=chain,
-                            position=branch.root,  # a branch of one frame: its path
-                            key=key,
-                            deadline=deadline,
-                            ops=d,
-                            traceparent=branch.traceparent,
-                        )
-                        try:
-                            if deadline == math.inf:
-                                await invoke(pipe, ctx)
-                                # A pipe that swallowed the cancellation must not carry on
-                                # as if it had not come.
-                                await trio.lowlevel.checkpoint_if_cancelled()
-                            else:
-                                await d._call_within(pipe, ctx, branch)
-                            check_state(ctx.state)
-                        except BaseException as raised:  # a cancellation travels on
-                            if top is None:
-                                top = Frame(index, bound)
-                                branch.frames = [top]
-                            else:
-                                top.index = index
-                            # None: it failed or suspended, and ended there.
-                            now = await d._pipe_raised(branch, chain, pipe, now, raised, ctx, top)
-                            index = top.index
-                            continue
-                        if pipe.blocking:
-                            branch.state = ctx.state
-                        now = d._pipe_ended(branch, pipe, now, "ok")
-                        index += 1
-                    if now is not None:
-                        if top is not None:
-                            branch.frames.pop()
-                        if not self._done_nowait(branch, now):
-                            await d.finish(branch, Status.DONE, now=now)
-            except BaseException as exc:
-                if not scope.__exit__(type(exc), exc, exc.__traceback__):
-                    raise
+            key = branch.key
+            if flat is None or key != self.parent.key or d.limited(key):
+                if not branch.frames:  # a branch of pipes, under a slot of its own
+                    branch.frames = [Frame(0, branch.deadline)]
+                await self._run_segments(branch)
             else:
-                scope.__exit__(None, None, None)
+                # The common branch: its pipes one after another under the parent's
+                # slot, each run as ``Dispatcher._run_pipe`` runs one but in this
+                # coroutine (one coroutine and one frame fewer per pipe, on every
+                # resume), without the lookups of _run_held (an in-step stage's pipes
+                # share the parent's key; a branch writes no record).
+                branch.transition(Status.RUNNING)
+                chain = self.chain
+                # The cursor: a local index, and a frame only once a pipe raised (the
+                # dispatcher's handling of a failure or suspension reads it).
+                index = 0
+                top: Frame | None = None
+                bound = branch.deadline
+                invoke = _invoke or _load_invoke()
+                now: float | None = trio.current_time()
+                while now is not None and index < len(flat):
+                    pipe = flat[index]
+                    limit = math.inf if pipe.timeout is None else now + pipe.timeout
+                    deadline = bound if limit > bound else limit
+                    ctx = Context(
+                        state=snapshot(branch.state) if pipe.blocking else branch.state,
+                        job_id=branch.id,
+                        correlation_id=branch.correlation_id,
+                        chain=chain.name,
+                        pipe=pipe,
+                        where=chain,
+                        position=branch.root,  # a branch of one frame: its path
+                        key=key,
+                        deadline=deadline,
+                        ops=d,
+                        traceparent=branch.traceparent,
+                    )
+                    try:
+                        if deadline == math.inf:
+                            await invoke(pipe, ctx)
+                            # A pipe that swallowed the cancellation must not carry on
+                            # as if it had not come.
+                            await trio.lowlevel.checkpoint_if_cancelled()
+                        else:
+                            await d._call_within(pipe, ctx, branch)
+                        check_state(ctx.state)
+                    except BaseException as raised:  # a cancellation travels on
+                        if top is None:
+                            top = Frame(index, bound)
+                            branch.frames = [top]
+                        else:
+                            top.index = index
+                        # None: it failed or suspended, and ended there.
+                        now = await d._pipe_raised(branch, chain, pipe, now, raised, ctx, top)
+                        index = top.index
+                        continue
+                    if pipe.blocking:
+                        branch.state = ctx.state
+                    now = d._pipe_ended(branch, pipe, now, "ok")
+                    index += 1
+                if now is not None:
+                    if top is not None:
+                        branch.frames.pop()
+                    if not self._done_nowait(branch, now):
+                        await d.finish(branch, Status.DONE, now=now)
         except BaseException as exc:
             escaped = exc
         finally:
