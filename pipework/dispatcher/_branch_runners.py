@@ -15,10 +15,16 @@ dispatcher's, so that a loser slow to stop holds nobody up.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Awaitable, Callable, Sized
-from typing import Any, Final
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
+
+from ..pipes._pipe import Pipe
+from ._job import Job
+
+if TYPE_CHECKING:
+    from ._instep import InStepStage
 
 __all__ = ["BranchRunners"]
 
@@ -28,18 +34,17 @@ __all__ = ["BranchRunners"]
 #: 29% of branches still spawned a runner; with 256, 3%).
 IDLE_MAX: Final = 256
 
-#: ``run(scope, *args)``: one branch, in ``scope`` (the runner's, entered and uncancelled
-#: when it starts). It sets the scope's deadline back to infinity before it ends, unless the
-#: scope was cancelled, and lets a cancellation of the scope travel out of it.
-Work = tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
-
 
 class _Runner:
-    __slots__ = ("task", "work")
+    """A runner, and the branch handed to it while it was parked."""
+
+    __slots__ = ("branch", "flat", "stage", "task")
 
     def __init__(self, task: trio.lowlevel.Task) -> None:
         self.task = task
-        self.work: Work | None = None
+        self.stage: InStepStage | None = None
+        self.branch: Job | None = None
+        self.flat: tuple[Pipe, ...] | None = None
 
 
 class BranchRunners:
@@ -56,26 +61,32 @@ class BranchRunners:
         """End the parked runners (called when the last in-step stage ends)."""
         idle, self.idle = self.idle, []
         for runner in idle:
-            runner.work = None  # wakes with nothing to run: it ends
+            runner.stage = None  # wakes with nothing to run: it ends
             trio.lowlevel.reschedule(runner.task)
 
-    def start(self, nursery: trio.Nursery, run: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """Run ``run(scope, *args)`` on a parked runner if there is one, else a new one."""
+    def start(
+        self, nursery: trio.Nursery, stage: InStepStage, branch: Job, flat: tuple[Pipe, ...] | None
+    ) -> None:
+        """Run ``stage._run_branch(scope, branch, flat)`` on a parked runner if there is one,
+        else on a new one. The branch runs in ``scope``, its runner's, entered and uncancelled
+        when it starts; it sets the scope's deadline back to infinity before it ends, unless
+        the scope was cancelled, and lets a cancellation of the scope travel out of it."""
         idle = self.idle
         if idle:
             runner = idle.pop()
-            runner.work = (run, args)
+            runner.stage, runner.branch, runner.flat = stage, branch, flat
             # The context a task spawned here would get: a copy of the caller's.
             runner.task.context = contextvars.copy_context()
             trio.lowlevel.reschedule(runner.task)
         else:
-            nursery.start_soon(self._run, run, args)
+            nursery.start_soon(self._run, stage, branch, flat)
 
-    async def _run(self, run: Callable[..., Awaitable[None]], args: tuple[Any, ...]) -> None:
+    async def _run(
+        self, stage: InStepStage | None, branch: Job | None, flat: tuple[Pipe, ...] | None
+    ) -> None:
         task = trio.lowlevel.current_task()
         runner = _Runner(task)
         idle = self.idle
-        work: Work | None = (run, args)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             idle.remove(runner)  # only a parked runner can be cancelled while it waits
@@ -85,16 +96,23 @@ class BranchRunners:
             scope = trio.CancelScope()
             with scope:
                 while not scope.cancel_called:
-                    if work is None:
+                    if stage is None:
                         if len(idle) >= IDLE_MAX or not self._stages:
                             return
                         # Parked holding no branch's context (the next one brings its own).
                         task.context = contextvars.Context()
                         idle.append(runner)
                         await trio.lowlevel.wait_task_rescheduled(abort)
-                        work, runner.work = runner.work, None
-                        if work is None:
+                        stage, branch, flat = runner.stage, runner.branch, runner.flat
+                        if stage is None:
                             return  # released
-                    (run, args), work = work, None  # a branch is run once, however it ends
-                    await run(scope, *args)
+                        runner.stage = runner.branch = runner.flat = None
+                    assert branch is not None
+                    run, stage = stage, None  # a branch is run once, however it ends
+                    try:
+                        await run._run_branch(scope, branch, flat)
+                    finally:
+                        # Parked, it holds nothing of the branch it ran.
+                        del run
+                        branch = flat = None
             # The scope was cancelled for its branch (the branch ended it): a fresh one.

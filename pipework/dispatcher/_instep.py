@@ -277,7 +277,7 @@ class InStepStage:
         # hold the parent up (its late result is ignored, as a forked branch's is). On a
         # parked runner when there is one: no task spawned and no scope entered.
         assert d._nursery is not None, "the dispatcher is not running"
-        d.branch_runners.start(d._nursery, self._run_branch, branch, flat)
+        d.branch_runners.start(d._nursery, self, branch, flat)
 
     def _start_state(self, index: int) -> dict[str, Any]:
         """A snapshot of the parent's state (packed once for all the branches; each unpacks
