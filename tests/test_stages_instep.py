@@ -280,3 +280,65 @@ async def test_a_branch_reusing_a_runner_sees_its_own_parents_context_and_a_fres
         await engine.wait(keep)
         await trio.testing.wait_all_tasks_blocked()
         assert engine._dispatcher.branch_runners.idle == []
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["signal-after", "signal-before"])
+async def test_a_branch_of_pipes_suspending_midway_resumes_at_its_next_pipe(
+    autojump_clock: trio.abc.Clock, early: bool
+) -> None:
+    """A branch of pipes keeps its place without a cursor until a pipe raises: one that
+    suspends at its second pipe gets its cursor then, and goes on at its third — after the
+    signal, as a child job with a record of its own, or at once in the step when the signal
+    had come already. No pipe runs twice."""
+    engine = pw.Engine()
+    ran: list[str] = []
+
+    def step(name: str) -> pw.Pipe:
+        async def run(ctx: pw.Context) -> None:
+            ran.append(name)
+            await trio.sleep(1)
+            ctx.state[name] = True
+
+        return pw.Pipe(run, name)
+
+    async def wait_for_go(ctx: pw.Context) -> None:
+        ran.append("wait")
+        await ctx.suspend("go", into="go")
+
+    engine.chain(
+        "c",
+        pw.all_of(pw.serial(step("first"), pw.Pipe(wait_for_go, "wait"), step("third")), step("b")),
+        step("after"),
+    )
+    async with engine:
+        job_id = await engine.submit("c")
+        await trio.sleep(0.5 if early else 2)
+        await engine.signal(job_id, "go", {"ok": 1})
+        assert await engine.wait(job_id) == {
+            "first": True,
+            "go": {"ok": 1},
+            "third": True,
+            "b": True,
+            "after": True,
+        }
+    assert sorted(ran) == ["after", "b", "first", "third", "wait"]
+
+
+async def test_a_runner_keeps_no_deadline_of_a_branch_it_ran_before(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A pipe's timeout rides on its runner's scope while the pipe runs: a branch the same
+    runner takes later (kept parked by a stage still running) has no deadline from it."""
+    engine = pw.Engine()
+    engine.chain("keep", pw.all_of(sleeper("long", 100)))
+    engine.chain("timed", pw.all_of(pw.Pipe(sleeper("t", 1).fn, "t", timeout=5)))
+    engine.chain("slow", pw.all_of(sleeper("s", 30)))
+    async with engine:
+        keep = await engine.submit("keep")
+        await trio.sleep(1)
+        assert await engine.run("timed") == {"t": 1}
+        assert len(engine._dispatcher.branch_runners.idle) == 1
+        start = trio.current_time()
+        assert await engine.run("slow") == {"s": 30}
+        assert trio.current_time() - start == pytest.approx(30)
+        await engine.wait(keep)
