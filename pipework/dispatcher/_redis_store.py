@@ -4,7 +4,7 @@ every process that points at the same server and prefix.
 Layout under ``prefix`` (one logical Redis, not Redis Cluster: the scripts name keys they
 build themselves):
 
-- ``{p}:job:{id}`` a hash: ``d`` the record as msgpack (:meth:`Job.to_wire`), ``s`` its
+- ``{p}:job:{id}`` a hash: ``d`` the record as a msgpack array (:data:`_FIELDS`), ``s`` its
   status, ``v`` its version, ``o`` the store that created it, ``w`` set once a process
   that did not create it waits for its end, ``u`` the ``updated_at`` of a write of the
   status alone (:meth:`RedisJobStore.update_status`: the blob is older than ``s`` then;
@@ -49,10 +49,12 @@ again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
 import math
+import operator
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -64,7 +66,7 @@ import msgpack
 import trio
 
 from .._errors import JobGone, JobNotFound, StoreUnavailable
-from ._job import Job
+from ._job import ErrorInfo, Frame, Job, JoinRecord, Progress
 from ._resp import Arg, Command, Connection, ReplyError, encode_args
 from ._status import ACTIVE, TERMINAL, Status
 
@@ -246,6 +248,24 @@ _NOT_FINISHED_ARG: Final = encode_args([repr(0.0)])
 _NO_TOKEN_ARG: Final = encode_args([""])
 
 
+#: The fields a record's blob holds, in the order of Job's own (so a decoded record is
+#: ``Job(*fields, version)``): every field but the version (kept in the hash's ``v``) and
+#: the in-process exception, the last.
+_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Job))[:-2]
+if tuple(f.name for f in dataclasses.fields(Job))[-2:] != ("version", "exception"):
+    raise RuntimeError("Job's last fields must be version and exception (see _FIELDS)")
+_GET: Final = operator.attrgetter(*_FIELDS)
+_AT_STATUS, _AT_UPDATED, _AT_FRAMES, _AT_ROOT, _AT_PROGRESS, _AT_ERROR, _AT_OUTPUT, _AT_JOIN = (
+    _FIELDS.index(name)
+    for name in ("status", "updated_at", "frames", "root", "progress", "error", "output", "join")
+)
+#: The fields that are absolute trio times (moved between processes' clocks).
+_TIMES: Final = tuple(
+    _FIELDS.index(name) for name in ("deadline", "suspend_deadline", "retain_until", "accepted_at")
+)
+_STATUS_OF: Final = {s.value: s for s in Status}
+
+
 def _bulk(data: bytes) -> bytes:
     """One argument as a RESP bulk string."""
     return b"$%d\r\n%b\r\n" % (len(data), data)
@@ -366,6 +386,7 @@ class RedisJobStore:
         self._gone_prefix = f"{prefix}:gone:".encode()
         self._finished_arg = encode_args([f"{prefix}:finished"])
         self._tail_values: list[Arg] = []
+        self._packer = msgpack.Packer(use_bin_type=True)
         self._tail_bytes = b""
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -536,9 +557,27 @@ class RedisJobStore:
         return self._offset
 
     def _encode(self, job: Job) -> bytes:
-        wire = job.to_wire()
-        wire["clock"] = self._shift()  # the writer's clock, for readers elsewhere
-        data: bytes = msgpack.packb(wire, use_bin_type=True)
+        """The record as a msgpack array: the job's fields in :data:`_FIELDS`'s order, then
+        the writer's clock (for readers elsewhere). No field names: a third of the bytes of
+        a map, and cheaper to write and read."""
+        values = list(_GET(job))
+        if job.frames:
+            values[_AT_FRAMES] = [[f.index, f.deadline, f.bound] for f in job.frames]
+        progress = job.progress
+        if progress is not None:
+            values[_AT_PROGRESS] = [
+                progress.done,
+                progress.total,
+                progress.message,
+                progress.branch,
+            ]
+        error = job.error
+        if error is not None:
+            values[_AT_ERROR] = [error.type, error.message, error.where, error.status]
+        if job.join is not None:
+            values[_AT_JOIN] = job.join.to_wire()
+        values.append(self._shift())
+        data: bytes = self._packer.pack(values)
         return data
 
     def _decode(
@@ -546,22 +585,37 @@ class RedisJobStore:
     ) -> Job:
         """The record from its blob and version; ``updated`` (``u``) set means a status
         write came after the blob (:meth:`update_status`): ``status`` and it are newer."""
-        wire = msgpack.unpackb(blob, raw=False)
-        if updated:
-            assert status is not None
-            wire["status"] = status.decode()
-            wire["updated_at"] = float(updated)
+        values = msgpack.unpackb(blob, raw=False)
+        if type(values) is dict:  # written as a map (Job.to_wire) by an older pipework
+            values = [values.get(name, False) for name in _FIELDS] + [values["clock"]]
         # Times written by another process move from its trio clock to this one's; this
         # process's own come back exactly as they were written.
-        shift = wire.pop("clock") - self._shift()
+        shift = values.pop() - self._shift()
+        if updated:
+            assert status is not None
+            values[_AT_STATUS] = status.decode()
+            values[_AT_UPDATED] = float(updated)
+        values[_AT_STATUS] = _STATUS_OF[values[_AT_STATUS]]
+        frames = values[_AT_FRAMES]
+        if frames:
+            values[_AT_FRAMES] = [Frame(int(i), float(d) + shift, int(b)) for i, d, b in frames]
+        values[_AT_ROOT] = tuple(values[_AT_ROOT])
+        if values[_AT_PROGRESS] is not None:
+            values[_AT_PROGRESS] = Progress(*values[_AT_PROGRESS])
+        if values[_AT_ERROR] is not None:
+            values[_AT_ERROR] = ErrorInfo(*values[_AT_ERROR])
+        if not values[_AT_OUTPUT]:
+            values[_AT_OUTPUT] = ()
+        if values[_AT_JOIN] is not None:
+            join = JoinRecord.from_wire(values[_AT_JOIN])
+            if shift:
+                join.deadline = join.deadline + shift
+            values[_AT_JOIN] = join
         if shift:
-            for name in ("deadline", "suspend_deadline", "retain_until", "accepted_at"):
-                wire[name] = _moved(wire[name], shift)
-            wire["frames"] = [[i, _moved(d, shift), b] for i, d, b in wire["frames"]]
-            if wire["join"] is not None:
-                wire["join"]["deadline"] = _moved(wire["join"]["deadline"], shift)
-        wire["version"] = int(version)
-        return Job.from_wire(wire)
+            for i in _TIMES:
+                values[i] = _moved(values[i], shift)
+        values.append(int(version))
+        return Job(*values)
 
     # -- the contract --------------------------------------------------------------------
 
