@@ -69,6 +69,7 @@ from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ._job import ErrorInfo, Frame, Job, JoinRecord, Progress
 from ._resp import Arg, Command, Connection, ReplyError, encode_args
 from ._status import ACTIVE, TERMINAL, Status
+from ._wake import Waiting, Wake
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
 
@@ -362,6 +363,11 @@ class RedisJobStore:
         #: Jobs created here whose end has not been heard of: while every subscription is
         #: live, an end recorded anywhere reaches this process, so a waiter need not read.
         self._active: dict[str, Job] = {}
+        #: Subscriptions dropped so far; the count when a job was last found active
+        #: (read_awaited), for the wait that follows (wait_end); the waits without a limit.
+        self._generation = 0
+        self._read_at: dict[str, int] = {}
+        self._waits: set[Waiting] = set()
         #: Ends recorded here (the record as written), for this process's waiters.
         self._ended: dict[str, Job] = {}
         #: Records written here whole and left queued: (blob, version), see read_own.
@@ -668,15 +674,48 @@ class RedisJobStore:
         job = self._ended.pop(job_id, None)
         if job is not None and (job.retain_until is None or job.retain_until > trio.current_time()):
             return job
+        generation = self._generation
         job = self._active.get(job_id)
         if job is not None and self._hearing():
+            self._read_at[job_id] = generation  # for wait_end: read while hearing
             return job
         reply = await self._script("awaited", [self._key(job_id), self._gone(job_id)], [])
         if not reply:
             return await self._found(job_id, None, None, None)
         if len(reply) < 5:  # a tombstone
             return await self._found(job_id, None, None, reply[2])
-        return await self._found(job_id, reply[0], reply[1], None, reply[3], reply[4])
+        job = await self._found(job_id, reply[0], reply[1], None, reply[3], reply[4])
+        if job.status not in TERMINAL:
+            self._read_at[job_id] = generation
+        return job
+
+    async def wait_end(self, job_id: str, wake: Wake, recheck: float) -> None:
+        """Engine.wait's wait for the end of a job that :meth:`read_awaited` has just found
+        active: until ``wake`` is set, or an end may have been missed. While every end
+        recorded anywhere has reached this process since that read (its subscription has
+        not dropped), none can be, so it waits with no time limit (no cancel scope either),
+        and a drop of the subscription wakes it; otherwise for ``recheck`` seconds at most."""
+        if wake.is_set():  # the end came while the record was read
+            return
+        if self._read_at.pop(job_id, None) == self._generation and self._hearing():
+            waiting = wake.join(trio.lowlevel.current_task())
+            self._waits.add(waiting)
+            try:
+                await trio.lowlevel.wait_task_rescheduled(waiting)
+            finally:
+                self._waits.discard(waiting)
+            return
+        with trio.move_on_after(recheck):
+            await wake.wait()
+
+    def _deaf(self) -> None:
+        """A subscription dropped: ends recorded from now on may not be heard, so whoever
+        waits without a time limit reads the record again."""
+        self._generation += 1
+        self._active.clear()
+        self._read_at.clear()
+        for waiting in list(self._waits):
+            waiting.cut()
 
     def _hearing(self) -> bool:
         """Whether every end recorded elsewhere reaches this process now."""
@@ -914,13 +953,13 @@ class RedisJobStore:
                         # Ends published until it subscribes again are not heard: whoever
                         # waits reads the record from now on.
                         self._subscribed -= 1
-                        self._active.clear()
+                        self._deaf()
                     if connection is not None:
                         await connection.aclose()
                 await trio.sleep(1.0)  # the subscription ended (Redis restarted): again
         finally:
             self._following -= 1
-            self._active.clear()
+            self._deaf()
 
     # -- exclusive sections --------------------------------------------------------------
 
