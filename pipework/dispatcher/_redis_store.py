@@ -99,6 +99,11 @@ if KEYS[3] then redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7]) end
 return 1
 """
 
+# The update and status scripts answer with one integer (one reply to read, not three):
+# the new version (1 or more) once written; -1 no such record, -2 a finished record a
+# non-terminal write may not change, -3 written since at another version (nothing
+# written); -10 - v a finished record at version v that a terminal write leaves as it is.
+
 # KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
 # hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
 # ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
@@ -112,13 +117,13 @@ _UPDATE: Final = (
     + _TERMINAL_LUA
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
-if not cur[1] then return {-1, 0} end
+if not cur[1] then return -1 end
 if terminal[cur[1]] then
-  if ARGV[4] == '1' then return {0, tonumber(cur[2])} end
-  return {-2, 0}
+  if ARGV[4] == '1' then return -10 - tonumber(cur[2]) end
+  return -2
 end
 if ARGV[12] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[12]) then
-  return {-3, tonumber(cur[2])}
+  return -3
 end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[7]
@@ -141,7 +146,7 @@ else
   redis.call('SADD', p .. ':st:' .. ARGV[2], ARGV[3])
 end
 if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
-return {1, v}
+return v
 """
 )
 
@@ -154,9 +159,9 @@ _STATUS: Final = (
     + _TERMINAL_LUA
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 'v')
-if not cur[1] then return {-1, 0} end
-if terminal[cur[1]] then return {-2, 0} end
-if tonumber(cur[2]) ~= tonumber(ARGV[5]) then return {-3, tonumber(cur[2])} end
+if not cur[1] then return -1 end
+if terminal[cur[1]] then return -2 end
+if tonumber(cur[2]) ~= tonumber(ARGV[5]) then return -3 end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[4]
 if cur[1] ~= ARGV[1] then
@@ -167,7 +172,7 @@ redis.call('HSET', KEYS[1], 's', ARGV[1], 'v', v, 'u', ARGV[2])
 if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
   redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
 end
-return {1, v}
+return v
 """
 )
 
@@ -787,9 +792,9 @@ class RedisJobStore:
                 _bulk(b"%d" % job.version),
             ]
         )
-        code, version = await self._run(command, "status")
-        if code == 1:
-            job.version = int(version)
+        code = await self._run(command, "status")
+        if code > 0:
+            job.version = code
         elif code == -3:
             if verify:
                 return False
@@ -848,19 +853,19 @@ class RedisJobStore:
                 b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
             ]
         )
-        code, version = await self._run(command, "update")
+        code = await self._run(command, "update")
         if code == -3:
             return False  # written by somebody else since it was read
-        if code == 1:
-            job.version = int(version)
+        if code > 0:
+            job.version = code
             if status is Status.QUEUED:
                 self._keep_own(job, blob)
             if terminal:
                 self._ended[job.id] = job
                 if len(self._ended) > _ENDED_KEPT:
                     del self._ended[next(iter(self._ended))]
-        elif code == 0:
-            job.version = int(version)  # already final: the first end stands
+        elif code <= -10:
+            job.version = -10 - code  # already final: the first end stands
         else:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
         return True
