@@ -10,7 +10,9 @@ build themselves):
   status alone (:meth:`RedisJobStore.update_status`: the blob is older than ``s`` then;
   empty after a whole write). The version lives outside the blob so a script can compare
   and bump it without decoding the record.
-- ``{p}:st:{status}`` a set of the ids of active jobs in that status (``list`` by status).
+- ``{p}:active`` a set of the ids of active jobs (``list`` by status reads their records
+  and keeps those in the statuses asked for: a change of status between active ones
+  writes no index).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
   publishes the new version on ``{p}:relay:{id}`` (see ``_redis_relay.py``).
@@ -88,7 +90,7 @@ _OWN_KEPT: Final = 4096
 #: The terminal statuses as a Lua table literal.
 _TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL) + "}"
 
-# KEYS: job, status set, then optionally a stream. ARGV: blob, status, version, id, origin,
+# KEYS: job, the active set, then optionally a stream. ARGV: blob, status, version, id, origin,
 # then (with the stream) an entry's field and value: the job's first event, written with
 # its record (see RedisEventQueue.create_and_submit).
 _CREATE: Final = """
@@ -127,12 +129,12 @@ if ARGV[12] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[12]) then
 end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[7]
-redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v, 'u', '')
 if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
   redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
 end
 if ARGV[4] == '1' then
+  redis.call('SREM', p .. ':active', ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[8])
   redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
   redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[9])
@@ -142,8 +144,6 @@ if ARGV[4] == '1' then
     local old = redis.call('ZPOPMIN', KEYS[2], extra)
     for i = 1, #old, 2 do redis.call('DEL', p .. ':job:' .. old[i]) end
   end
-else
-  redis.call('SADD', p .. ':st:' .. ARGV[2], ARGV[3])
 end
 if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
 return v
@@ -164,10 +164,6 @@ if terminal[cur[1]] then return -2 end
 if tonumber(cur[2]) ~= tonumber(ARGV[5]) then return -3 end
 local v = tonumber(cur[2]) + 1
 local p = ARGV[4]
-if cur[1] ~= ARGV[1] then
-  redis.call('SREM', p .. ':st:' .. cur[1], ARGV[3])
-  redis.call('SADD', p .. ':st:' .. ARGV[1], ARGV[3])
-end
 redis.call('HSET', KEYS[1], 's', ARGV[1], 'v', v, 'u', ARGV[2])
 if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
   redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
@@ -195,8 +191,7 @@ return {}
 
 # KEYS: job, finished. ARGV: id, prefix. Drops a record whatever its status.
 _DELETE: Final = """
-local s = redis.call('HGET', KEYS[1], 's')
-if s then redis.call('SREM', ARGV[2] .. ':st:' .. s, ARGV[1]) end
+redis.call('SREM', ARGV[2] .. ':active', ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return redis.call('DEL', KEYS[1])
 """
@@ -209,7 +204,7 @@ if #old > 0 then redis.call('ZREM', KEYS[1], unpack(old)) end
 return #old
 """
 
-# KEYS: status sets, then (optionally) the finished sorted set. ARGV: prefix.
+# KEYS: the active set, then (optionally) the finished sorted set. ARGV: prefix.
 _LIST: Final = """
 local out = {}
 for _, key in ipairs(KEYS) do
@@ -396,6 +391,7 @@ class RedisJobStore:
         self._job_prefix = f"{prefix}:job:".encode()
         self._gone_prefix = f"{prefix}:gone:".encode()
         self._finished_arg = encode_args([f"{prefix}:finished"])
+        self._active_arg = encode_args([f"{prefix}:active"])
         self._tail_values: list[Arg] = []
         self._packer = msgpack.Packer(use_bin_type=True)
         self._tail_bytes = b""
@@ -637,11 +633,10 @@ class RedisJobStore:
         """``entry``: ``(stream, field, value)`` added to a stream in the same write (the
         job's first event), so the record and the event that runs it arrive together."""
         job_id = job.id.encode()
-        status = job.status.value
         parts = [
             self._create_heads[entry is not None],
             _bulk(self._job_prefix + job_id),
-            _bulk(f"{self.prefix}:st:{status}".encode()),
+            self._active_arg,
         ]
         if entry is not None:
             parts.append(_bulk(entry[0].encode()))
@@ -886,7 +881,7 @@ class RedisJobStore:
         else:
             wanted = set(status)
         await self._expire()
-        keys = [f"{self.prefix}:st:{s.value}" for s in sorted(wanted & ACTIVE)]
+        keys = [f"{self.prefix}:active"] if wanted & ACTIVE else []
         if wanted & TERMINAL:
             keys.append(f"{self.prefix}:finished")
         reply = await self._script("list", keys, [self.prefix])
