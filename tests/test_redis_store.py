@@ -10,13 +10,14 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 import trio.testing
 
 import pipework as pw
 from pipework.dispatcher._events import RunJob
-from pipework.dispatcher._job import Job, new_job_id
+from pipework.dispatcher._job import Frame, Job, new_job_id
 from pipework.dispatcher._resp import Connection
 from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
@@ -411,3 +412,25 @@ async def test_a_wait_without_a_time_limit_is_woken_when_the_subscription_drops(
             await store.wait_end(job.id, wake, 0.01)
         assert not wake.is_set()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_record_written_as_a_map_by_an_older_version_still_reads(
+    redis_server: RedisServer,
+) -> None:
+    """Records are msgpack arrays of the job's fields; one written as a map of
+    ``Job.to_wire()`` (with its writer's clock) reads as the same job."""
+    async with _store(redis_server) as store:
+        job = _job(token_hash="abc")
+        job.frames = [Frame(1, 12.5, -1)]
+        job.progress = pw.Progress(1.0, 2.0, "half")
+        await store.create(job)
+        wire = job.to_wire()
+        wire["clock"] = store._shift()
+        blob = msgpack.packb(wire, use_bin_type=True)
+        connection = await Connection.open(redis_server.url)
+        try:
+            await connection.call([["HSET", f"{store.prefix}:job:{job.id}", "d", blob]])
+        finally:
+            await connection.aclose()
+        read = await store.get(job.id)
+        assert read.to_wire() == job.to_wire()
