@@ -7,12 +7,12 @@ round trips), the configuration the goal of 0.3 times the memory store's through
 for. 64 clients each submit a job and wait for it, again and again, as a busy server's
 requests do; the three configurations take turns, and each row is the median of their
 runs. The note adds the CPU per job of this process (its own clock) and of the Redis
-server (``INFO cpu``): when other work shares the machine, the wall times move with it, and
-these say where the time goes. Two more rows compare the store's own RESP connection with coredis, the general
-client the design first named, on the same server: µs of a command pipelined 64 at a time,
-and of a lone round trip. The Redis server is a local ``redis-server`` started for the run
-(no persistence), so the figures are one process's round trips to a Redis on the same
-machine, which shares its two cores."""
+server (``INFO cpu``): when other work shares the machine, the wall times move with it,
+and these say where the time goes. Two more rows compare the store's own RESP connection
+with coredis, the general client the design first named, on the same server: µs of a
+command pipelined 64 at a time, and of a lone round trip. The Redis server is a local
+``redis-server`` started for the run (no persistence), so the figures are one process's
+round trips to a Redis on the same machine, which shares its two cores."""
 
 from __future__ import annotations
 
