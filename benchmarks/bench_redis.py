@@ -6,11 +6,13 @@ event queue in memory; "job pool and event queue on Redis" has both on Redis, bu
 round trips), the configuration the goal of 0.3 times the memory store's throughput is
 for. 64 clients each submit a job and wait for it, again and again, as a busy server's
 requests do; the three configurations take turns, and each row is the median of their
-runs. Two more rows compare the store's own RESP connection with coredis, the general
-client the design first named, on the same server: µs of a command pipelined 64 at a time,
-and of a lone round trip. The Redis server is a local ``redis-server`` started for the run
-(no persistence), so the figures are one process's round trips to a Redis on the same
-machine, which shares its two cores."""
+runs. The note adds the CPU per job of this process (its own clock) and of the Redis
+server (``INFO cpu``): when other work shares the machine, the wall times move with it,
+and these say where the time goes. Two more rows compare the store's own RESP connection
+with coredis, the general client the design first named, on the same server: µs of a
+command pipelined 64 at a time, and of a lone round trip. The Redis server is a local
+``redis-server`` started for the run (no persistence), so the figures are one process's
+round trips to a Redis on the same machine, which shares its two cores."""
 
 from __future__ import annotations
 
@@ -32,6 +34,21 @@ CLIENTS = 64
 
 async def _pipe(ctx: pw.Context) -> None:
     await trio.lowlevel.checkpoint()
+
+
+def _redis_cpu(url: str) -> float:
+    """Seconds of CPU the Redis server has used so far (``INFO cpu``)."""
+
+    async def main() -> float:
+        connection = await Connection.open(url)
+        try:
+            (info,) = await connection.call([["INFO", "cpu"]])
+        finally:
+            await connection.aclose()
+        fields = dict(line.split(":", 1) for line in info.decode().split() if ":" in line)
+        return float(fields["used_cpu_user"]) + float(fields["used_cpu_sys"])
+
+    return trio.run(main)
 
 
 def _measure(jobs: int, chain_pipes: int, url: str | None, queue_too: bool) -> float:
@@ -61,12 +78,18 @@ def _measure(jobs: int, chain_pipes: int, url: str | None, queue_too: bool) -> f
                     await engine.run("c")
 
             start = time.perf_counter()
+            cpu = time.process_time()
             async with trio.open_nursery() as nursery:
                 for _ in range(CLIENTS):
                     nursery.start_soon(client)
+            _cpu.append((time.process_time() - cpu) / (per_client * CLIENTS))
             return (time.perf_counter() - start) / (per_client * CLIENTS)
 
     return trio.run(main)
+
+
+#: This process's CPU per job in the last _measure (a list: set from inside its trio run).
+_cpu: list[float] = []
 
 
 def _clients(url: str, batches: int, repeats: int) -> dict[str, list[float]]:
@@ -120,13 +143,24 @@ def run(quick: bool) -> list[dict[str, Any]]:
             # The three take turns, so a change in the machine's load (two cores shared with
             # whatever else runs) falls on all of them alike; each row is a median.
             times: dict[str, list[float]] = {"memory": [], "pool": [], "both": []}
+            cpu: dict[str, list[float]] = {"memory": [], "pool": [], "both": []}
+            server: dict[str, list[float]] = {"pool": [], "both": []}  # Redis's CPU per job
             for _ in range(repeats):
-                times["memory"].append(_measure(jobs, pipes, None, False))
-                times["pool"].append(_measure(jobs, pipes, url, False))
-                times["both"].append(_measure(jobs, pipes, url, True))
+                for kind in ("memory", "pool", "both"):
+                    before = None if kind == "memory" else _redis_cpu(url)
+                    times[kind].append(
+                        _measure(jobs, pipes, None if before is None else url, kind == "both")
+                    )
+                    cpu[kind].append(_cpu.pop())
+                    if before is not None:
+                        server[kind].append((_redis_cpu(url) - before) / jobs)
             memory = statistics.median(times["memory"])
+            memory_cpu = statistics.median(cpu["memory"]) * 1e6
             for queue_too in (False, True):
-                redis = statistics.median(times["both" if queue_too else "pool"])
+                kind = "both" if queue_too else "pool"
+                redis = statistics.median(times[kind])
+                redis_cpu = statistics.median(cpu[kind]) * 1e6
+                server_cpu = statistics.median(server[kind]) * 1e6
                 what = "job pool and event queue" if queue_too else "job pool"
                 rows.append(
                     {
@@ -136,7 +170,9 @@ def run(quick: bool) -> list[dict[str, Any]]:
                         "baseline_us": memory * 1e6,
                         "ratio": redis / memory,
                         "goal": "throughput ≥ 0.3× (ratio ≤ 3.3×)",
-                        "note": f"{1 / redis:,.0f} jobs/s vs {1 / memory:,.0f} jobs/s",
+                        "note": f"{1 / redis:,.0f} jobs/s vs {1 / memory:,.0f} jobs/s; CPU per "
+                        f"job: this process {redis_cpu:.0f} µs vs {memory_cpu:.0f} µs, Redis "
+                        f"{server_cpu:.0f} µs",
                     }
                 )
         times = _clients(url, 50 if quick else 200, repeats)

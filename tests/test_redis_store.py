@@ -10,13 +10,16 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 import trio.testing
 
 import pipework as pw
 from pipework.dispatcher._events import RunJob
-from pipework.dispatcher._job import Job, new_job_id
+from pipework.dispatcher._job import Frame, Job, new_job_id
+from pipework.dispatcher._resp import Connection
+from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
 
 from ._redis import RedisServer, TestRedisJobStore
@@ -372,3 +375,62 @@ async def test_a_step_on_a_record_written_elsewhere_since_runs_it_as_written_the
             assert await engine.wait(job_id) == {"n": 1}
     assert ran == [1]
     assert queue.runs == 2  # the submission's, and the one the stale step sent on
+
+
+async def test_a_wait_without_a_time_limit_is_woken_when_the_subscription_drops(
+    redis_server: RedisServer,
+) -> None:
+    """While every end reaches this process, a waiter waits with no recheck; once the
+    subscription that hears other processes' ends drops, it is woken to read the record
+    again, and a wait that follows has its time limit back."""
+    store = RedisJobStore(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    async with store, trio.open_nursery() as nursery:
+        await nursery.start(store.follow_finished, lambda job_id: None)
+        job = _job()
+        await store.create(job)
+        assert (await store.read_awaited(job.id)).status is pw.Status.QUEUED
+        wake = Wake()
+        woken = trio.Event()
+
+        async def wait() -> None:
+            await store.wait_end(job.id, wake, 3600.0)
+            woken.set()
+
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not woken.is_set()
+        killer = await Connection.open(redis_server.url)
+        try:
+            await killer.call([["CLIENT", "KILL", "TYPE", "pubsub"]])
+        finally:
+            await killer.aclose()
+        with trio.fail_after(10):
+            await woken.wait()
+        assert not wake.is_set()  # woken to read again, not told the job ended
+        await store.read_awaited(job.id)  # a real read now: the subscription dropped
+        with trio.fail_after(10):  # it returns: its recheck limit is back
+            await store.wait_end(job.id, wake, 0.01)
+        assert not wake.is_set()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_record_written_as_a_map_by_an_older_version_still_reads(
+    redis_server: RedisServer,
+) -> None:
+    """Records are msgpack arrays of the job's fields; one written as a map of
+    ``Job.to_wire()`` (with its writer's clock) reads as the same job."""
+    async with _store(redis_server) as store:
+        job = _job(token_hash="abc")
+        job.frames = [Frame(1, 12.5, -1)]
+        job.progress = pw.Progress(1.0, 2.0, "half")
+        await store.create(job)
+        wire = job.to_wire()
+        wire["clock"] = store._shift()
+        blob = msgpack.packb(wire, use_bin_type=True)
+        connection = await Connection.open(redis_server.url)
+        try:
+            await connection.call([["HSET", f"{store.prefix}:job:{job.id}", "d", blob]])
+        finally:
+            await connection.aclose()
+        read = await store.get(job.id)
+        assert read.to_wire() == job.to_wire()

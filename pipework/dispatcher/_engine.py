@@ -434,6 +434,7 @@ class Engine:
         # Ends recorded elsewhere are heard through a subscription that may miss some.
         follows = getattr(self.store, "follow_finished", None) is not None
         recheck = _RECHECK_SECONDS if follows else math.inf
+        wait_end = getattr(self.store, "wait_end", None)
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
@@ -446,6 +447,9 @@ class Engine:
             if job.status in TERMINAL:
                 self._finished_elsewhere(job_id)
                 return _outcome(job, self._dispatcher.exceptions.get(job_id))
+            if wait_end is not None:  # the store knows when no end can be missed
+                await wait_end(job_id, waiter, recheck)
+                continue
             with trio.move_on_after(recheck):
                 await waiter.wait()
 
