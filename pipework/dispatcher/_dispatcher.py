@@ -140,6 +140,12 @@ class Dispatcher:
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
         self.reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        # A shared store may take a step's final write without the step waiting for it
+        # (update_soon): the jobs whose end is on its way, with their step's event once
+        # the step has ended (let go of only when the end is written, see _end_soon).
+        self._update_soon: Callable[[Job, Callable[[BaseException | None], None]], bool] | None
+        self._update_soon = getattr(store, "update_soon", None)
+        self._end_pending: dict[str, Any] = {}
         # A shared queue keeps suspend timers where they outlive this process.
         self._durable_expire: Callable[[float, str, int], None] | None = getattr(
             queue, "expire_at", None
@@ -387,7 +393,11 @@ class Dispatcher:
             if not acked:
                 self.queue.ack(event)
             if self._step_ended is not None:
-                self._step_ended(event)  # a shared queue lets go of the event only now
+                pending = self._end_pending
+                if pending and pending.get(event.job_id, event) is None:
+                    pending[event.job_id] = event  # let go of once the end is written
+                else:
+                    self._step_ended(event)  # a shared queue lets go of the event only now
 
     async def _end_unsettled(
         self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
@@ -1042,8 +1052,10 @@ class Dispatcher:
         nothing in it waits: a top-level job with no join, on a store that answers at once.
         False, with nothing done, otherwise."""
         nowait = self.nowait
-        if nowait is None or job.parent is not None or job.join is not None:
+        if job.parent is not None or job.join is not None:
             return False
+        if nowait is None:
+            return self._update_soon is not None and self._end_soon(job, result, now)
         if job.status in TERMINAL:
             return True
         try:
@@ -1058,6 +1070,49 @@ class Dispatcher:
         finally:
             self._heard_of_end(job)
         return True
+
+    def _end_soon(self, job: Job, result: Any, now: float) -> bool:
+        """``finish(job, DONE)`` with the write left to the store (``update_soon``): the
+        step goes on without waiting for it; what follows a recorded end (waiters woken,
+        the step's event let go of) follows once the store says it is written, and a
+        write that failed ends the job as an awaited one would have (_end_unwritten)."""
+        assert self._update_soon is not None
+        if job.status in TERMINAL:
+            return True
+        previous = job.status
+        self._mark_end(job, Status.DONE, result, None, "")
+
+        def written(error: BaseException | None) -> None:
+            if error is None:
+                self._ended(job, Status.DONE, "", now)
+                self._heard_of_end(job)
+                event = self._end_pending.pop(job.id, None)
+                if event is not None and self._step_ended is not None:
+                    self._step_ended(event)
+                return
+            job.status = previous  # not recorded: ending it may be tried again
+            self._heard_of_end(job)
+            try:
+                self.spawn(self._end_unwritten, job, error)
+            except RuntimeError:  # the dispatcher has stopped: the event stays pending
+                _log.error("pipework: the end of job %s was not written", job.id, exc_info=error)
+
+        if not self._update_soon(job, written):
+            job.status = previous
+            return False
+        self._end_pending[job.id] = None
+        return True
+
+    async def _end_unwritten(self, job: Job, error: BaseException) -> None:
+        """A step's end the store did not write (``update_soon``): the job ends as if the
+        step's awaited write had raised ``error``, then its event is let go of."""
+        try:
+            with trio.CancelScope(shield=True):
+                await self._end_unsettled(job, trio.CancelScope(), error)
+        finally:
+            event = self._end_pending.pop(job.id, None)
+            if event is not None and self._step_ended is not None:
+                self._step_ended(event)
 
     def _heard_of_end(self, job: Job) -> None:
         """Tell whoever waits for the job that it ended."""

@@ -284,9 +284,20 @@ _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceErr
 
 class _Call:
     """Commands waiting for their round trip (one, or a caller's pipeline: ``many``);
-    ``lead``: it sends the next batch."""
+    ``lead``: it sends the next batch; ``then``: a call nobody waits for (``update_soon``),
+    told of its answer instead."""
 
-    __slots__ = ("answered", "commands", "error", "lead", "many", "result", "script", "task")
+    __slots__ = (
+        "answered",
+        "commands",
+        "error",
+        "lead",
+        "many",
+        "result",
+        "script",
+        "task",
+        "then",
+    )
 
     def __init__(self, commands: Sequence[Command], script: str | None, many: bool) -> None:
         self.commands = commands
@@ -297,6 +308,7 @@ class _Call:
         self.error: BaseException | None = None
         self.answered = False
         self.lead = False
+        self.then: Callable[[_Call], None] | None = None
 
 
 class _Rider(Protocol):
@@ -360,6 +372,7 @@ class RedisJobStore:
         self._locks: dict[str, tuple[trio.Lock, int]] = {}
         self._calls: list[_Call] = []  # waiting for the next round trip
         self._sending = False  # a round trip is on its way
+        self._orphaned = False  # calls nobody waits for are left to the last sender
         #: This store's name in the records it creates (see _UPDATE).
         self._origin = secrets.token_hex(8)
         self._origin_arg = encode_args([self._origin])
@@ -454,10 +467,24 @@ class RedisJobStore:
                 for _ in range(_PASSES):
                     await trio.lowlevel.checkpoint()
                 await self._send_calls()
+                # Calls nobody waits for (update_soon) and none to send them: this task
+                # sends them too, before it goes on.
+                while self._orphaned:
+                    self._orphaned = False
+                    for _ in range(_PASSES):
+                        await trio.lowlevel.checkpoint()
+                    await self._send_calls()
             if not call.answered and call.error is None:  # its time ran out before it went
                 self._calls.remove(call)
                 self._hand_on()
                 call.error = self._no_answer()
+            if self._orphaned:  # the time ran out before they went
+                self._orphaned = False
+                orphans, self._calls = self._calls, []
+                self._sending = False
+                for orphan in orphans:
+                    orphan.error = self._no_answer()
+                    self._tell(orphan)
         if call.error is not None:
             raise call.error
         return call.result
@@ -500,7 +527,19 @@ class RedisJobStore:
                 if call.task is not None:
                     trio.lowlevel.reschedule(call.task)
                     call.task = None
+                elif call.then is not None:
+                    self._tell(call)
             self._hand_on()
+
+    @staticmethod
+    def _tell(call: _Call) -> None:
+        """A call nobody waits for is told its answer (it must not raise: it is told in
+        the task that sent the batch, whose own call has its answer too)."""
+        assert call.then is not None
+        try:
+            call.then(call)
+        except Exception:
+            _log.exception("pipework: handling the answer of a job store write failed")
 
     async def _round_trip(self, batch: list[_Call]) -> list[Any]:
         """One batch on the store's connection (opened if there is none; outside ``async
@@ -548,13 +587,16 @@ class RedisJobStore:
         return reply
 
     def _hand_on(self) -> None:
-        """The batch is sent: the first call that waits sends the next one."""
-        if self._calls:
-            following = self._calls[0]
-            following.lead = True
+        """The batch is sent: the first call that waits sends the next one (if only calls
+        nobody waits for are left, the task that sent this batch sends them: _orphaned)."""
+        for following in self._calls:
             if following.task is not None:
+                following.lead = True
                 trio.lowlevel.reschedule(following.task)
                 following.task = None
+                return
+        if self._calls:
+            self._orphaned = True
         else:
             self._sending = False
 
@@ -813,9 +855,44 @@ class RedisJobStore:
         the job must not bring back the record as it was before the step's write."""
         return await self._update(job, str(job.version))
 
+    def update_soon(self, job: Job, then: Callable[[BaseException | None], None]) -> bool:
+        """``update`` with no wait, when a round trip is on its way: the write joins the
+        next batch (after every call made before it, on the one connection), and ``then``
+        is told how it went (None once written, else the error ``update`` would raise), in
+        the task that sent it. False, with nothing done, when none is on its way (the
+        caller awaits ``update``: somebody must send the batch)."""
+        if not self._sending or not self._entered:
+            return False
+        status = job.status
+        command, blob = self._update_command(job, "", None)
+        call = _Call([command], "update", many=False)
+
+        def told(call: _Call) -> None:
+            if call.error is not None:
+                then(call.error)
+                return
+            try:
+                self._updated(job, call.result, blob, status)
+            except Exception as exc:
+                then(exc)
+                return
+            then(None)
+
+        call.then = told
+        self._calls.append(call)
+        return True
+
     async def _update(
         self, job: Job, expected: str, entry: tuple[str, bytes, bytes] | None = None
     ) -> bool:
+        status = job.status
+        command, blob = self._update_command(job, expected, entry)
+        return self._updated(job, await self._run(command, "update"), blob, status)
+
+    def _update_command(
+        self, job: Job, expected: str, entry: tuple[str, bytes, bytes] | None
+    ) -> tuple[bytes, bytes]:
+        """The update script's command for ``job``, and the record's blob."""
         terminal = job.status in TERMINAL
         if terminal:
             job.retain_until = trio.current_time() + self.retain_seconds
@@ -855,7 +932,12 @@ class RedisJobStore:
                 b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
             ]
         )
-        code = await self._run(command, "update")
+        return command, blob
+
+    def _updated(self, job: Job, code: int, blob: bytes, status: Status) -> bool:
+        """The update script's answer, taken into ``job`` (False: written elsewhere since
+        it was read, nothing written)."""
+        terminal = status in TERMINAL
         if code == -3:
             return False  # written by somebody else since it was read
         if code > 0:

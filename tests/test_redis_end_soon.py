@@ -1,0 +1,136 @@
+"""A step's final write on the Redis store without the step waiting for it
+(``RedisJobStore.update_soon``): the end is told to waiters, and the step's event let go of,
+only once Redis has it; an end write that fails after the step moved on still leaves its
+job final, and its event is let go of only then."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+
+import pipework as pw
+from pipework.dispatcher._job import Job
+from pipework.dispatcher._resp import Connection, encode_args
+from pipework.redis import RedisEventQueue, RedisJobStore
+
+from ._redis import RedisServer
+
+JOBS = 48
+
+
+class _CountedEnds(RedisJobStore):
+    """Counts the ends written with no wait; makes the first of them fail if ``fail``."""
+
+    fail = False
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.soon: list[str] = []
+        self.failed: str | None = None
+
+    def update_soon(self, job: Job, then: Callable[[BaseException | None], None]) -> bool:
+        taken = super().update_soon(job, then)
+        if taken:
+            self.soon.append(job.id)
+            if self.fail and self.failed is None:
+                # Redis refuses the write it was sent in place of the end (a wrong number
+                # of arguments): the error a script bug or a refused command would give.
+                self.failed = job.id
+                self._calls[-1].commands = [b"*1\r\n" + encode_args(["HSET"])]
+        return taken
+
+
+async def _chain(pipe_ctx: pw.Context) -> None:
+    pipe_ctx.state["n"] = pipe_ctx.state.get("n", 0) + 1
+    await trio.lowlevel.checkpoint()
+
+
+async def _run_all(
+    server: RedisServer, store: _CountedEnds, prefix: str
+) -> tuple[dict[str, Any], list[tuple[str, pw.Status | None]], int]:
+    """Run JOBS jobs at once; their outcomes by job id, what each step's event saw of its
+    job's end when it was let go of, and the events left pending in the group."""
+    queue = RedisEventQueue(server.url, prefix=prefix, store=store)
+    outcomes: dict[str, Any] = {}
+    let_go: list[tuple[str, pw.Status | None]] = []
+    all_let_go = trio.Event()
+    step_ended = queue.step_ended
+
+    def seen(event: Any) -> None:
+        ended = store._ended.get(event.job_id)  # the ends Redis has answered for
+        let_go.append((event.job_id, None if ended is None else ended.status))
+        step_ended(event)
+        if len(let_go) == JOBS:
+            all_let_go.set()
+
+    queue.step_ended = seen  # type: ignore[method-assign]  # watches when events are let go of
+    engine = pw.Engine(store=store, queue=queue)
+    engine.registry.add_pipe(pw.Pipe(_chain, "p"))
+    engine.chain("c", "p")
+    async with engine:
+
+        async def one() -> None:
+            job_id = await engine.submit("c", {})
+            try:
+                outcomes[job_id] = await engine.wait(job_id)
+            except pw.PipeworkError as exc:
+                outcomes[job_id] = exc
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(JOBS):
+                    nursery.start_soon(one)
+            await all_let_go.wait()  # the last acknowledgements follow the last ends
+    connection = await Connection.open(server.url)
+    try:
+        (pending,) = await connection.call([["XPENDING", f"{prefix}:events", "workers"]])
+    finally:
+        await connection.aclose()
+    return outcomes, let_go, int(pending[0])
+
+
+async def test_a_step_ends_without_waiting_for_its_end_write_and_lets_go_of_its_event_after(
+    redis_server: RedisServer,
+) -> None:
+    prefix = f"e{secrets.token_hex(6)}"
+    store = _CountedEnds(redis_server.url, prefix=prefix)
+    outcomes, let_go, pending = await _run_all(redis_server, store, prefix)
+    assert store.soon  # under load most ends go so
+    assert outcomes == {job_id: {"n": 1} for job_id in outcomes}
+    assert len(outcomes) == JOBS
+    # Every step's event was let go of only once Redis had its job's end.
+    assert sorted(let_go) == sorted((job_id, pw.Status.DONE) for job_id in outcomes)
+    assert pending == 0
+
+
+async def test_an_end_write_that_fails_after_the_step_moved_on_fails_its_job(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefix = f"e{secrets.token_hex(6)}"
+    store = _CountedEnds(redis_server.url, prefix=prefix)
+    store.fail = True
+    outcomes, let_go, pending = await _run_all(redis_server, store, prefix)
+    failed = store.failed
+    assert failed is not None
+    # The job whose end was refused failed, clearly, as if its step had waited for the
+    # write; every other job ran.
+    error = outcomes.pop(failed)
+    assert isinstance(error, pw.InternalError)
+    assert "failed inside the engine (ReplyError" in str(error)
+    assert outcomes == {job_id: {"n": 1} for job_id in outcomes}
+    assert "the step of job " + failed + " failed inside the engine" in caplog.text
+    async with RedisJobStore(redis_server.url, prefix=prefix) as reader:
+        record = await reader.get(failed)
+    assert record.status is pw.Status.FAILED
+    assert record.error is not None
+    assert record.error.type == "InternalError"
+    # Its event was let go of only once the failure was recorded.
+    assert (failed, pw.Status.FAILED) in let_go
+    assert sorted(let_go) == sorted(
+        [(failed, pw.Status.FAILED)] + [(job_id, pw.Status.DONE) for job_id in outcomes]
+    )
+    assert pending == 0
