@@ -535,9 +535,13 @@ class Dispatcher:
                 job.transition(Status.QUEUED)
                 if job.parent is not None and job.id in self.unstored:
                     return now  # an in-step branch: its task takes the next key's slot
-                # A shared queue that writes the record and the next event together (Redis).
+                # A shared queue that writes the record and the next event together (Redis),
+                # if it can without this step waiting for the write (see _end_soon).
+                soon = getattr(self.queue, "update_and_put_soon", None)
                 together = getattr(self.queue, "update_and_put", None)
-                if together is not None and await together(self.store, job, RunJob(job.id)):
+                if soon is not None and self._hand_off_soon(soon, job):
+                    pass
+                elif together is not None and await together(self.store, job, RunJob(job.id)):
                     self.changed(job)
                 else:
                     await self.store.update(job)
@@ -1079,6 +1083,8 @@ class Dispatcher:
         assert self._update_soon is not None
         if job.status in TERMINAL:
             return True
+        if job.id in self._end_pending:  # a write of its own still on its way
+            return False
         previous = job.status
         self._mark_end(job, Status.DONE, result, None, "")
 
@@ -1099,6 +1105,29 @@ class Dispatcher:
 
         if not self._update_soon(job, written):
             job.status = previous
+            return False
+        self._end_pending[job.id] = None
+        return True
+
+    def _hand_off_soon(self, soon: Callable[..., bool], job: Job) -> bool:
+        """A hand-off's write of the record and the next step's event, with no wait (as
+        _end_soon): its step's event is let go of once both are in Redis."""
+
+        def written(error: BaseException | None) -> None:
+            if error is None:
+                self.changed(job)
+                event = self._end_pending.pop(job.id, None)
+                if event is not None and self._step_ended is not None:
+                    self._step_ended(event)
+                return
+            try:
+                self.spawn(self._end_unwritten, job, error)
+            except RuntimeError:  # the dispatcher has stopped: the event stays pending
+                _log.error(
+                    "pipework: the hand-off of job %s was not written", job.id, exc_info=error
+                )
+
+        if job.id in self._end_pending or not soon(self.store, job, RunJob(job.id), written):
             return False
         self._end_pending[job.id] = None
         return True

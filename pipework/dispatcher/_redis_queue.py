@@ -42,6 +42,7 @@ import math
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final
 
@@ -314,6 +315,24 @@ class RedisEventQueue:
         if store is not self._store or self._store is None:
             return False
         await self._store.update(job, entry=(self.stream, _FIELD, encode_event(event)))
+        self._accepted += 1
+        self._shared_depth += 1  # as for a batch written (_send_outbox)
+        return True
+
+    def update_and_put_soon(
+        self,
+        store: object,
+        job: Job,
+        event: RunJob,
+        then: Callable[[BaseException | None], None],
+    ) -> bool:
+        """:meth:`update_and_put` with no wait (``RedisJobStore.update_soon``): ``then`` is
+        told how the write went. False, with nothing done, when the store cannot take it so
+        (the caller awaits :meth:`update_and_put`)."""
+        if store is not self._store or self._store is None:
+            return False
+        if not self._store.update_soon(job, then, entry=(self.stream, _FIELD, encode_event(event))):
+            return False
         self._accepted += 1
         self._shared_depth += 1  # as for a batch written (_send_outbox)
         return True

@@ -855,7 +855,13 @@ class RedisJobStore:
         the job must not bring back the record as it was before the step's write."""
         return await self._update(job, str(job.version))
 
-    def update_soon(self, job: Job, then: Callable[[BaseException | None], None]) -> bool:
+    def update_soon(
+        self,
+        job: Job,
+        then: Callable[[BaseException | None], None],
+        *,
+        entry: tuple[str, bytes, bytes] | None = None,
+    ) -> bool:
         """``update`` with no wait, when a round trip is on its way: the write joins the
         next batch (after every call made before it, on the one connection), and ``then``
         is told how it went (None once written, else the error ``update`` would raise), in
@@ -864,7 +870,7 @@ class RedisJobStore:
         if not self._sending or not self._entered:
             return False
         status = job.status
-        command, blob = self._update_command(job, "", None)
+        command, blob = self._update_command(job, "", entry)
         call = _Call([command], "update", many=False)
 
         def told(call: _Call) -> None:
