@@ -3,6 +3,7 @@ without running an engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgpack
@@ -25,6 +26,32 @@ pytestmark = pytest.mark.usefixtures("each_store")
 
 def make_job(**kwargs: object) -> Job:
     return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]  # fields vary by test
+
+
+def test_an_accepted_job_is_the_record_the_constructor_builds() -> None:
+    # The submission path's constructor sets every field itself: one it missed, or a field
+    # added to the record later and not to it, would show here.
+    fast = Job.accepted("j", "c", {"a": 1}, "corr", 5.0, "hash", "tp", 2, 1.5, True, 100.0)
+    slow = Job(
+        id="j",
+        chain="c",
+        state={"a": 1},
+        correlation_id="corr",
+        deadline=5.0,
+        token_hash="hash",
+        traceparent="tp",
+        plan=2,
+        accepted_at=1.5,
+        admitted=True,
+        created_at=100.0,
+        updated_at=100.0,
+    )
+    for f in dataclasses.fields(Job):
+        assert getattr(fast, f.name) == getattr(slow, f.name), f.name
+    assert fast.to_wire() == slow.to_wire()
+    other = Job.accepted("k", "c", {}, "corr", 5.0, None, None, 1, 1.5, False, 100.0)
+    assert other.frames is not fast.frames  # no mutable default shared between records
+    assert other.signals is not fast.signals
 
 
 def test_job_ids_are_unguessable_and_unique() -> None:

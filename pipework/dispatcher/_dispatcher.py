@@ -89,6 +89,9 @@ class Dispatcher:
         self.metrics = metrics
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
+        #: The trio clock, read without ``trio.current_time``'s two calls of indirection
+        #: (the same reading: that asks this clock); bound to the run's clock in :meth:`run`.
+        self.clock: Callable[[], float] = trio.current_time
         #: The store's and the pool's synchronous fast paths, when they offer them.
         self.nowait = nowait_access(store)
         self._grant: Callable[[str], object | None] | None = getattr(pool, "grant_nowait", None)
@@ -162,23 +165,27 @@ class Dispatcher:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Dispatch events until cancelled; steps run in this task's nursery."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._expire_when_due)
-            task_status.started()
-            handlers = self._handlers
-            start = self.runners.start
-            while True:
-                for event in await self.queue.get_batch(_BATCH):
-                    try:
-                        if type(event) is RunJob or type(event) is Resume:
-                            start(nursery, event)  # the common event, without a handler call
-                            continue
-                        await handlers[type(event)](event)
-                    except Exception as exc:
-                        # A bug in one event's bookkeeping must not stop every other job:
-                        # the job it was about fails, with the traceback logged.
-                        await self._event_failed(event, exc)
+        self.clock = trio.lowlevel.current_clock().current_time
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._expire_when_due)
+                task_status.started()
+                handlers = self._handlers
+                start = self.runners.start
+                while True:
+                    for event in await self.queue.get_batch(_BATCH):
+                        try:
+                            if type(event) is RunJob or type(event) is Resume:
+                                start(nursery, event)  # the common event, with no handler call
+                                continue
+                            await handlers[type(event)](event)
+                        except Exception as exc:
+                            # A bug in one event's bookkeeping must not stop every other job:
+                            # the job it was about fails, with the traceback logged.
+                            await self._event_failed(event, exc)
+        finally:
+            self.clock = trio.current_time  # another run may have another clock
 
     async def _event_failed(self, event: Any, exc: Exception) -> None:
         _log.error("pipework: handling %r failed inside the engine", event, exc_info=exc)
@@ -220,7 +227,7 @@ class Dispatcher:
         root = chain.node_at(job.root)
         frame = Frame(0, job.deadline)
         if isinstance(root, Serial) and root.timeout is not None:
-            limit = trio.current_time() + root.timeout
+            limit = self.clock() + root.timeout
             if limit < frame.deadline:
                 frame = Frame(0, limit, 0)
         job.frames = [frame]
@@ -322,7 +329,7 @@ class Dispatcher:
             self._running[job.id] = job
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
-            now = trio.current_time()
+            now = self.clock()
             try:
                 # The uncontended grant: no schedule point (the step's task has just been
                 # scheduled) and no context manager; a step that would wait or be
@@ -338,7 +345,7 @@ class Dispatcher:
                         settled = True
                     finally:
                         assert self._release is not None
-                        end = trio.current_time() if ended is None else ended
+                        end = self.clock() if ended is None else ended
                         self._release(held, now, end)
                 else:
                     # A resumed job carries an outside fact (a payment, an approval): it
@@ -351,12 +358,12 @@ class Dispatcher:
                         async with slot:
                             self.queue.ack(event)
                             acked = True
-                            granted = trio.current_time()
+                            granted = self.clock()
                             self._waited(job.key, granted - now)
                             await self._run_held(job, granted, as_read=True, own=own is job)
                             settled = True
                     except Rejected as exc:
-                        self._waited(job.key, trio.current_time() - now)
+                        self._waited(job.key, self.clock() - now)
                         self.note(exc, job, f"admission key {job.key!r}")
                         await self.finish(job, Status.FAILED, exc=exc)
             except BaseException as exc:  # the step boundary: what belongs outside is re-raised
@@ -550,18 +557,18 @@ class Dispatcher:
             deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
             # A thread cannot be stopped: a blocking pipe works on a copy of the state that
             # is adopted only if it ends in time and uncancelled.
-            ctx = Context(
-                state=snapshot(job.state) if pipe.blocking else job.state,
-                job_id=job.id,
-                correlation_id=job.correlation_id,
-                chain=chain.name,
-                pipe=pipe,
-                where=chain,
-                position=self.path_of(job),
-                key=held,
-                deadline=deadline,
-                ops=self,
-                traceparent=job.traceparent,
+            ctx = Context(  # in the order of its parameters: no keyword matching
+                snapshot(job.state) if pipe.blocking else job.state,
+                job.id,
+                job.correlation_id,
+                chain.name,
+                pipe,
+                chain,
+                self.path_of(job),
+                held,
+                deadline,
+                self,
+                job.traceparent,
             )
             try:
                 if deadline == math.inf:
@@ -601,17 +608,17 @@ class Dispatcher:
         pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
         deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
         ctx = Context(
-            state=snapshot(job.state) if pipe.blocking else job.state,
-            job_id=job.id,
-            correlation_id=job.correlation_id,
-            chain=chain.name,
-            pipe=pipe,
-            where=chain,
-            position=self.path_of(job),
-            key=job.key,
-            deadline=deadline,
-            ops=self,
-            traceparent=job.traceparent,
+            snapshot(job.state) if pipe.blocking else job.state,
+            job.id,
+            job.correlation_id,
+            chain.name,
+            pipe,
+            chain,
+            self.path_of(job),
+            job.key,
+            deadline,
+            self,
+            job.traceparent,
         )
         try:
             if deadline == math.inf:
@@ -685,7 +692,7 @@ class Dispatcher:
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
     ) -> float:
         """Measure, record and log a pipe's end; returns the clock read at its end."""
-        now = trio.current_time()
+        now = self.clock()
         if job.plan == INTERNAL_PLAN:
             return now  # the engine's own probe: no user pipe to measure, nothing to learn
         duration = now - started
@@ -1111,7 +1118,7 @@ class Dispatcher:
         elif exc is not None:
             job.exception = exc
             if job.parent is None:
-                self.exceptions.put(job.id, exc, trio.current_time())
+                self.exceptions.put(job.id, exc, self.clock())
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
@@ -1119,7 +1126,7 @@ class Dispatcher:
     def _ended(self, job: Job, status: Status, where: str, now: float | None) -> None:
         """What follows a recorded end: observers, the job's duration, its log line."""
         self.changed(job)
-        duration = (trio.current_time() if now is None else now) - job.accepted_at
+        duration = (self.clock() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             if status is Status.DONE:
                 observe = self._job_done.get(job.chain)

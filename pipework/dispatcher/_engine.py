@@ -336,23 +336,22 @@ class Engine:
         plan = self._dispatcher.plans[generation].get_chain(chain)
         state = check_state({} if state is None else state)
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
-        now = trio.current_time()
+        now = self._dispatcher.clock()
         deadline = math.inf if limit is None else now + limit
         wall = time.time()
         job_id, new_correlation = new_ids()
-        job = Job(
-            id=job_id,
-            chain=chain,
-            state=state,
-            correlation_id=correlation_id or new_correlation,
-            created_at=wall,
-            updated_at=wall,
-            deadline=deadline,
-            token_hash=None if token is None else hash_token(token),
-            accepted_at=now,
-            plan=generation,
-            admitted=admit,
-            traceparent=traceparent,
+        job = Job.accepted(
+            job_id,
+            chain,
+            state,
+            correlation_id or new_correlation,
+            deadline,
+            None if token is None else hash_token(token),
+            traceparent,
+            generation,
+            now,
+            admit,
+            wall,
         )
         self._dispatcher.start_frames(job, plan)
         check_admission = getattr(self.pool, "check_admission", None) if admit else None

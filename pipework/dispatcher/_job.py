@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _JOIN_RECORD_VERSION: Final = 1
+_new_object = object.__new__
 
 
 def new_job_id() -> str:
@@ -222,6 +223,60 @@ class Job:
     version: int = 0
     # In-process only, never stored remotely.
     exception: BaseException | None = None
+
+    @classmethod
+    def accepted(
+        cls,
+        id: str,
+        chain: str,
+        state: dict[str, Any],
+        correlation_id: str,
+        deadline: float,
+        token_hash: str | None,
+        traceparent: str | None,
+        plan: int,
+        accepted_at: float,
+        admitted: bool,
+        wall: float,
+    ) -> Job:
+        """A new top-level job, as ``Job(...)`` with these fields and every other at its
+        default (``created_at`` and ``updated_at`` both ``wall``), built for the submission
+        path: the generated ``__init__`` called with a dozen keywords costs twice this."""
+        job = _new_object(cls)
+        job.id = id
+        job.chain = chain
+        job.state = state
+        job.correlation_id = correlation_id
+        job.deadline = deadline
+        job.key = "default"
+        job.status = Status.QUEUED
+        job.traceparent = traceparent
+        job.frames = []
+        job.root = ()
+        job.progress = None
+        job.result = None
+        job.error = None
+        job.token_hash = token_hash
+        job.waiting_for = None
+        job.suspend_into = None
+        job.suspend_deadline = None
+        job.signals = {}
+        job.output = ()
+        job.cancel_requested = False
+        job.created_at = wall
+        job.updated_at = wall
+        job.finished_at = None
+        job.plan = plan
+        job.accepted_at = accepted_at
+        job.admitted = admitted
+        job.retain_until = None
+        job.parent = None
+        job.branch = None
+        job.join_id = None
+        job.join = None
+        job.version = 0
+        job.exception = None
+        return job
 
     def transition(self, target: Status) -> None:
         self.status = check_transition(self.status, target, self.id)
