@@ -294,9 +294,11 @@ class Dispatcher:
 
     # -- a step --------------------------------------------------------------------------
 
-    async def _step(self, event: RunJob | Resume, scope: trio.CancelScope) -> None:
+    async def _step(self, event: RunJob | Resume, scope: trio.CancelScope) -> bool:
         """One step of one job, in ``scope`` (its runner's, entered and uncancelled): the
-        boundary that always leaves its job final or waiting.
+        boundary that always leaves its job final or waiting. Returns whether ``scope`` may
+        have been cancelled: only a cancel of the job (:meth:`cancel`, :meth:`interrupt`,
+        which mark the step's record first) or a deadline set on it can cancel it.
 
         Whatever a pipe or the bookkeeping raises — errors, exception groups, cancellations
         from inside a library's nursery — ends here as this job's outcome; only the engine's
@@ -316,7 +318,7 @@ class Dispatcher:
                         own = read_own(event.job_id)
                     job = own or await self.store.get(event.job_id)
             except PipeworkError:
-                return
+                return False
             if job.status is Status.RUNNING and self.reclaimed(event):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on): run it again from the cursor, the last pipe that finished.
@@ -324,7 +326,8 @@ class Dispatcher:
             if job.status is not Status.QUEUED:
                 if job.status is Status.SUSPENDED and self.reclaimed(event):
                     self._rearm(job)  # its step died before its timer was surely stored
-                return  # cancelled or finished while the event waited: nothing to run
+                return False  # cancelled or finished while the event waited: nothing to run
+            record = job  # what a cancel marks, whichever record the step ends with
             self._scopes[job.id] = scope
             self._running[job.id] = job
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
@@ -387,6 +390,7 @@ class Dispatcher:
                 outside, _ = split_outside(escaped)
                 if outside is not None:
                     raise outside
+            return record.cancel_requested or scope.deadline != math.inf
         finally:
             if not acked:
                 self.queue.ack(event)

@@ -180,7 +180,8 @@ class Engine:
         jobs = self._plan_jobs.get(job.plan)
         if jobs is not None:
             jobs.discard(job.id)
-            self._retire_if_idle(job.plan)
+            if not jobs:  # the plan may have run its last job
+                self._retire_if_idle(job.plan)
 
     def _retire_if_idle(self, generation: int) -> None:
         if generation == self.plan_generation or self._plan_jobs.get(generation):
