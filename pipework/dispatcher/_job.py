@@ -10,12 +10,12 @@ plain data too.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import math
 import os
 import secrets
 import time
+from binascii import b2a_base64
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ def new_job_id() -> str:
 #: atomic, so threads never share a chunk; a forked child empties it, so no two processes
 #: hand out the same ids.
 _IDS_AHEAD: Final = 64
+_URLSAFE: Final = bytes.maketrans(b"+/", b"-_")
 _ahead: deque[bytes] = deque()
 os.register_at_fork(after_in_child=_ahead.clear)
 
@@ -63,7 +64,8 @@ def new_ids() -> tuple[str, str]:
         block = secrets.token_bytes(32 * _IDS_AHEAD)
         _ahead.extend(block[i : i + 32] for i in range(32, len(block), 32))
         raw = block[:32]
-    return base64.urlsafe_b64encode(raw[:16]).rstrip(b"=").decode(), raw[16:].hex()
+    # base64.urlsafe_b64encode(...).rstrip(b"=") in one call fewer: 16 bytes are 22 digits.
+    return b2a_base64(raw[:16], newline=False)[:22].translate(_URLSAFE).decode(), raw[16:].hex()
 
 
 def new_correlation_id() -> str:
