@@ -191,6 +191,29 @@ async def test_store_keeps_active_jobs_and_retains_finished_ones_by_time(
         await store.get("unknown")
 
 
+async def test_a_retained_record_keeps_no_cursor_list_of_its_own() -> None:
+    # A job that ran to the end of its chain keeps the one shared empty cursor, which
+    # refuses to grow: retention holds one object per finished job, not two.
+    store = pw.MemoryJobStore()
+    engine = pw.Engine(store=store)
+
+    @engine.pipe
+    async def one(ctx: pw.Context) -> None:
+        ctx.state["n"] = 1
+
+    engine.chain("c", one)
+    async with engine:
+        ids = [await engine.submit("c") for _ in range(2)]
+        for job_id in ids:
+            assert await engine.wait(job_id) == {"n": 1}
+    first, second = [store.get_nowait(job_id) for job_id in ids]
+    assert first.frames is second.frames
+    assert list(first.frames) == []
+    assert first.to_wire()["frames"] == []
+    with pytest.raises(AttributeError):
+        first.frames.append(Frame(0, math.inf))
+
+
 async def test_store_retains_finished_jobs_by_count() -> None:
     store = pw.MemoryJobStore(retain_seconds=3600, retain_count=3)
     jobs = [make_job() for _ in range(5)]

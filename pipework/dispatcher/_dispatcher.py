@@ -42,7 +42,7 @@ from ._admission import Admission
 from ._boundary import split_outside
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._instep import InStepStage
-from ._job import ErrorInfo, Frame, Job, Progress
+from ._job import ENDED_CURSOR, ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
@@ -1117,6 +1117,8 @@ class Dispatcher:
         job.transition(status)
         job.finished_at = job.updated_at  # the transition's wall-clock read
         job.waiting_for = None
+        if not job.frames:  # it ran to the end of its chain: nothing to keep of the cursor
+            job.frames = ENDED_CURSOR
         if status is Status.DONE:
             job.result = result
         elif exc is not None:

@@ -19,13 +19,14 @@ from binascii import b2a_base64
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from ..pipes._join import Join
 from ..pipes._merge import Delta
 from ._status import Status, check_transition
 
 __all__ = [
+    "ENDED_CURSOR",
     "ErrorInfo",
     "Frame",
     "Job",
@@ -90,6 +91,14 @@ class Frame:
     index: int
     deadline: float
     bound: int = -1
+
+
+#: The cursor of a job that ran to the end of its chain, shared by every such record: an
+#: empty list per finished record kept for retention is one more object for every full
+#: collection to walk (and a full collection walks every retained record). A tuple under
+#: the list's type, so that anything appending to a finished job's cursor fails at once
+#: rather than changing every record's; reading it (empty) works as on a list.
+ENDED_CURSOR: Final = cast("list[Frame]", ())
 
 
 @dataclass(frozen=True, slots=True)
