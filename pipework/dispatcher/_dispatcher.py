@@ -57,6 +57,14 @@ __all__ = ["INTERNAL_PLAN", "Dispatcher"]
 _log = logging.getLogger("pipework.dispatcher")
 _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
 
+# The statuses a step reads on every job, as module globals: on Python 3.11 ``Status.DONE``
+# goes through ``EnumType.__getattr__``, three times the cost of reading a global.
+_QUEUED: Final = Status.QUEUED
+_RUNNING: Final = Status.RUNNING
+_DONE: Final = Status.DONE
+#: The statuses whose end is logged at INFO (others at WARNING).
+_ORDINARY_ENDS: Final = frozenset({Status.DONE, Status.CANCELLED})
+
 #: Events handed out per pass of the dispatcher's loop. A backlog is started a few dozen
 #: steps per scheduler pass rather than hundreds at once: steps that start together hold
 #: their objects together (more of them survive into older GC generations, so collections
@@ -319,11 +327,11 @@ class Dispatcher:
                     job = own or await self.store.get(event.job_id)
             except PipeworkError:
                 return False
-            if job.status is Status.RUNNING and self.reclaimed(event):
+            if job.status is _RUNNING and self.reclaimed(event):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on): run it again from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
-            if job.status is not Status.QUEUED:
+            if job.status is not _QUEUED:
                 if job.status is Status.SUSPENDED and self.reclaimed(event):
                     self._rearm(job)  # its step died before its timer was surely stored
                 return False  # cancelled or finished while the event waited: nothing to run
@@ -469,7 +477,7 @@ class Dispatcher:
         store last wrote it (``read_own``), which may be stale. Returns the last clock read."""
         chain = self.chain_of(job)
         held = job.key
-        job.transition(Status.RUNNING)
+        job.transition(_RUNNING)
         if job.parent is None or job.id not in self.unstored:
             nowait = self.nowait
             try:
@@ -1056,13 +1064,13 @@ class Dispatcher:
             return True
         try:
             previous = job.status
-            self._mark_end(job, Status.DONE, result, None, "")
+            self._mark_end(job, _DONE, result, None, "")
             try:
                 nowait[1](job, now)  # the step's clock read: the store reads none of its own
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
-            self._ended(job, Status.DONE, "", now)
+            self._ended(job, _DONE, "", now)
         finally:
             self._heard_of_end(job)
         return True
@@ -1119,7 +1127,7 @@ class Dispatcher:
         job.waiting_for = None
         if not job.frames:  # it ran to the end of its chain: nothing to keep of the cursor
             job.frames = ENDED_CURSOR
-        if status is Status.DONE:
+        if status is _DONE:
             job.result = result
         elif exc is not None:
             job.exception = exc
@@ -1134,7 +1142,7 @@ class Dispatcher:
         self.changed(job)
         duration = (self.clock() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
-            if status is Status.DONE:
+            if status is _DONE:
                 observe = self._job_done.get(job.chain)
                 if observe is None:
                     metrics = self.metrics
@@ -1143,7 +1151,7 @@ class Dispatcher:
                 observe(duration)
             else:
                 self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
-        level = logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING
+        level = logging.INFO if status in _ORDINARY_ENDS else logging.WARNING
         if job_logger.isEnabledFor(level):
             self._log_end(job, status, level, duration, where)
 

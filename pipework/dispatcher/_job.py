@@ -39,6 +39,7 @@ __all__ = [
 
 _JOIN_RECORD_VERSION: Final = 1
 _new_object = object.__new__
+_QUEUED: Final = Status.QUEUED  # a global: ``Status.QUEUED`` costs three times as much on 3.11
 
 
 def new_job_id() -> str:
@@ -260,7 +261,7 @@ class Job:
         job.correlation_id = correlation_id
         job.deadline = deadline
         job.key = "default"
-        job.status = Status.QUEUED
+        job.status = _QUEUED
         job.traceparent = traceparent
         job.frames = []
         job.root = ()
