@@ -475,7 +475,7 @@ class Dispatcher:
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
         ``as_read``: the job is as the store returned it but for its status; ``own``: as the
         store last wrote it (``read_own``), which may be stale. Returns the last clock read."""
-        chain = self.chain_of(job)
+        chain = self.plans[job.plan].get_chain(job.chain)  # chain_of, inline
         held = job.key
         job.transition(_RUNNING)
         if job.parent is None or job.id not in self.unstored:
@@ -561,7 +561,7 @@ class Dispatcher:
                 return now
             # The write of the cursor is left out when the step's next write carries it
             # anyway, with nothing run in between: the job's end or its hand-off.
-            then_writes = flat is not None and _then_writes(flat, job, chain)
+            then_writes = flat is not None and _then_writes(flat, frames[0].index, held, chain)
             # The pipe runs in this frame (no coroutine of its own): one object and one frame
             # fewer per pipe, and every one a step holds across its awaits costs collections.
             top = frames[-1]
@@ -576,7 +576,7 @@ class Dispatcher:
                 chain.name,
                 pipe,
                 chain,
-                self.path_of(job),
+                job.root if len(frames) == 1 else self.path_of(job),  # path_of's flat case
                 held,
                 deadline,
                 self,
@@ -1360,13 +1360,14 @@ def backend_trouble(exc: BaseException) -> bool:
     return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)
 
 
-def _then_writes(flat: tuple[Pipe, ...], job: Job, chain: Chain) -> bool:
-    """Whether the pipe at the cursor of a flat sequence is its last, or the next one hands
-    the job off to another key: either way the step writes the record right after it."""
-    following = job.frames[0].index + 1
+def _then_writes(flat: tuple[Pipe, ...], index: int, key: str, chain: Chain) -> bool:
+    """Whether the pipe at ``index`` of a flat sequence run under ``key`` is its last, or
+    the next one hands the job off to another key: either way the step writes the record
+    right after it."""
+    following = index + 1
     if following >= len(flat):
         return True
-    return (flat[following].key or chain.key) != job.key
+    return (flat[following].key or chain.key) != key
 
 
 def _append_output(job: Job, chunk: Any) -> None:
