@@ -144,6 +144,9 @@ class Dispatcher:
         self.on_finished: Callable[[Job], None] | None = None
         #: Called with a job's record after each change of its status or progress.
         self.changed: Callable[[Job], None] = lambda job: None
+        #: Whoever ``changed`` reports to: while empty, ``changed`` does nothing, and the
+        #: steps of every job skip the call (the engine hands in its list of observers).
+        self.observers: list[Any] = []
         # A shared queue (Redis) keeps a step's event until the step ends, and says when an
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
@@ -500,7 +503,8 @@ class Dispatcher:
                 # Ended while this step loaded it (a cancel, here or in another process,
                 # reached a shared store first): there is nothing left to run.
                 return now
-            self.changed(job)
+            if self.observers:
+                self.changed(job)
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
         # sequence holding stages walks the cursor's frames (_advance).
@@ -1064,7 +1068,13 @@ class Dispatcher:
             return True
         try:
             previous = job.status
-            self._mark_end(job, _DONE, result, None, "")
+            # _mark_end(job, DONE, result, None, ""), inline
+            job.transition(_DONE)
+            job.finished_at = job.updated_at
+            job.waiting_for = None
+            if not job.frames:
+                job.frames = ENDED_CURSOR
+            job.result = result
             try:
                 nowait[1](job, now)  # the step's clock read: the store reads none of its own
             except BaseException:
@@ -1139,7 +1149,8 @@ class Dispatcher:
 
     def _ended(self, job: Job, status: Status, where: str, now: float | None) -> None:
         """What follows a recorded end: observers, the job's duration, its log line."""
-        self.changed(job)
+        if self.observers:
+            self.changed(job)
         duration = (self.clock() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             if status is _DONE:

@@ -134,6 +134,7 @@ class Engine:
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
         self._observers: list[JobObserver] = []
         self._dispatcher.changed = self._changed
+        self._dispatcher.observers = self._observers  # the same list: see Dispatcher.observers
         # A shared queue's relay (Redis): steps of a job may run in other processes.
         self._relay: Any = getattr(self.queue, "relay", None)
         self._flush: Any = getattr(self.queue, "flush", None)
@@ -405,7 +406,8 @@ class Engine:
             self._retire_if_idle(job.plan)
 
     def _accepted(self, job: Job) -> None:
-        self._changed(job)
+        if self._observers:
+            self._changed(job)
         if job_logger.isEnabledFor(logging.INFO):
             log_job(
                 "job accepted",

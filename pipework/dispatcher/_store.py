@@ -131,8 +131,12 @@ class MemoryJobStore:
                 if now is None:
                     now = trio.current_time()
                 job.retain_until = now + self.retain_seconds
-                self._finished[job.id] = job
-                self._expire(now)
+                finished = self._finished
+                finished[job.id] = job
+                # _expire's first test, inline: most ends find nothing to drop.
+                oldest = next(iter(finished.values()))
+                if len(finished) > self.retain_count or oldest.retain_until <= now:  # type: ignore[operator]  # every finished record has its retain_until
+                    self._expire(now)
         elif job.id not in self._active:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
 
