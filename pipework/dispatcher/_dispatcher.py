@@ -235,7 +235,7 @@ class Dispatcher:
 
     def start_frames(self, job: Job, chain: Chain) -> None:
         """Give a new job its root frame and the key of its first step."""
-        root = chain.node_at(job.root)
+        root = chain.node_at(job.root) if job.root else chain.root
         frame = Frame(0, job.deadline)
         if isinstance(root, Serial) and root.timeout is not None:
             limit = self.clock() + root.timeout
@@ -355,7 +355,7 @@ class Dispatcher:
                         self.queue.ack(event)
                         acked = True
                         self._waited(job.key, 0.0)
-                        ended = await self._run_held(job, now, as_read=True, own=own is job)
+                        ended = await self._run_held(job, now, True, own is job)  # as_read, own
                         settled = True
                     finally:
                         assert self._release is not None
@@ -472,7 +472,7 @@ class Dispatcher:
         observe(seconds)
 
     async def _run_held(
-        self, job: Job, now: float, *, as_read: bool = False, own: bool = False
+        self, job: Job, now: float, as_read: bool = False, own: bool = False
     ) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
