@@ -508,7 +508,10 @@ class Dispatcher:
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
         # sequence holding stages walks the cursor's frames (_advance).
-        flat = chain.node_at(job.root).flat if len(frames) == 1 else None  # type: ignore[union-attr]  # node_at answers any node; a root is a Serial
+        flat = None
+        if len(frames) == 1:
+            sequence: Any = chain.node_at(job.root) if job.root else chain.root  # a Serial
+            flat = sequence.flat
         while True:
             pipe: Pipe | Parallel | None
             if flat is not None:
@@ -565,7 +568,11 @@ class Dispatcher:
                 return now
             # The write of the cursor is left out when the step's next write carries it
             # anyway, with nothing run in between: the job's end or its hand-off.
-            then_writes = flat is not None and _then_writes(flat, frames[0].index, held, chain)
+            if flat is not None:  # is this the flat sequence's last pipe, or its key's last?
+                following = frames[0].index + 1
+                then_writes = following >= len(flat) or (flat[following].key or chain.key) != held
+            else:
+                then_writes = False
             # The pipe runs in this frame (no coroutine of its own): one object and one frame
             # fewer per pipe, and every one a step holds across its awaits costs collections.
             top = frames[-1]
@@ -1369,16 +1376,6 @@ def backend_trouble(exc: BaseException) -> bool:
     if type(exc) is OSError:  # trio's "all attempts to connect failed", socket errors
         return True
     return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)
-
-
-def _then_writes(flat: tuple[Pipe, ...], index: int, key: str, chain: Chain) -> bool:
-    """Whether the pipe at ``index`` of a flat sequence run under ``key`` is its last, or
-    the next one hands the job off to another key: either way the step writes the record
-    right after it."""
-    following = index + 1
-    if following >= len(flat):
-        return True
-    return (flat[following].key or chain.key) != key
 
 
 def _append_output(job: Job, chunk: Any) -> None:

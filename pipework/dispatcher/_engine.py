@@ -291,7 +291,7 @@ class Engine:
         refused for load. For work promised before it runs, as an async route's 202.
         """
         job = self._new_job(
-            self.plan_generation, chain, state, timeout, correlation_id, token, admit, traceparent
+            self._generation, chain, state, timeout, correlation_id, token, admit, traceparent
         )
         nowait = self._dispatcher.nowait
         if stream or not nowait or self._flush is not None:

@@ -63,6 +63,7 @@ class MemoryEventQueue:
         # an event in and out costs a third of a channel's send_nowait and receive_nowait.
         self._events: deque[Event] = deque()
         self._waiting = trio.lowlevel.ParkingLot()
+        self._parked = 0  # tasks parked in it (a lot's own count is a call away)
         self._depth = 0
         self._accepted = 0
         self._refused = 0
@@ -82,7 +83,7 @@ class MemoryEventQueue:
         self._depth += 1
         self._accepted += 1
         self._events.append(event)
-        if self._waiting:
+        if self._parked:
             self._waiting.unpark()
 
     async def get(self) -> Event:
@@ -103,7 +104,11 @@ class MemoryEventQueue:
         one is, as a channel's ``receive`` makes."""
         await trio.lowlevel.checkpoint()
         while not self._events:
-            await self._waiting.park()
+            self._parked += 1
+            try:
+                await self._waiting.park()
+            finally:
+                self._parked -= 1
 
     def ack(self, event: Event) -> None:
         self._depth -= 1

@@ -96,7 +96,15 @@ class MemoryJobStore:
         job = self._active.get(job_id)
         if job is not None:
             return job
-        self._expire(trio.current_time())
+        now = trio.current_time()
+        job = self._finished.get(job_id)
+        if job is not None:
+            # Kept, unless its time is up or the count pushes it out: only then is there
+            # anything to drop before answering (the others go at the next end or read).
+            assert job.retain_until is not None
+            if job.retain_until > now and len(self._finished) <= self.retain_count:
+                return job
+        self._expire(now)
         job = self._finished.get(job_id)
         if job is not None:
             return job
