@@ -66,8 +66,9 @@ def new_ids() -> tuple[str, str]:
         block = secrets.token_bytes(32 * _IDS_AHEAD)
         _ahead.extend(block[i : i + 32] for i in range(32, len(block), 32))
         raw = block[:32]
-    # base64.urlsafe_b64encode(...).rstrip(b"=") in one call fewer: 16 bytes are 22 digits.
-    return b2a_base64(raw[:16], newline=False)[:22].translate(_URLSAFE).decode(), raw[16:].hex()
+    # base64.urlsafe_b64encode(...).rstrip(b"=") in one call: 16 bytes are 22 digits (then
+    # "==" and a newline).
+    return b2a_base64(raw[:16])[:22].translate(_URLSAFE).decode(), raw[16:].hex()
 
 
 def new_correlation_id() -> str:
