@@ -199,6 +199,35 @@ async def test_a_cancelled_step_leaves_its_runner_serving(
         await _assert_engine_serves_on(engine)
 
 
+async def test_a_timed_out_step_and_a_timed_step_leave_their_runner_serving(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # A pipe's deadline rides on the runner's scope: one that fired spends it (the next
+    # steps run in a fresh one), one that did not is taken off before the next step.
+    engine = _engine()
+
+    @engine.pipe(timeout=1)
+    async def slow(ctx: pw.Context) -> None:
+        await trio.sleep(10)
+
+    @engine.pipe(timeout=1)
+    async def quick(ctx: pw.Context) -> None:
+        await trio.sleep(0.5)
+        ctx.state["quick"] = True
+
+    engine.chain("slow", slow)
+    engine.chain("quick", quick)
+    async with engine:
+        for _ in range(3):
+            with pytest.raises(pw.DeadlineExceeded):
+                await engine.run("slow")
+            assert (await engine.run("healthy"))["ok"] is True
+            assert (await engine.run("quick"))["quick"] is True
+            await trio.sleep(5)  # past the deadline the quick step had set
+            assert (await engine.run("healthy"))["ok"] is True
+        await _assert_engine_serves_on(engine)
+
+
 async def test_a_pipe_that_swallows_a_cancel_is_still_cancelled(
     autojump_clock: trio.abc.Clock,
 ) -> None:

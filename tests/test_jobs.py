@@ -3,6 +3,7 @@ without running an engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgpack
@@ -25,6 +26,32 @@ pytestmark = pytest.mark.usefixtures("each_store")
 
 def make_job(**kwargs: object) -> Job:
     return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]  # fields vary by test
+
+
+def test_an_accepted_job_is_the_record_the_constructor_builds() -> None:
+    # The submission path's constructor sets every field itself: one it missed, or a field
+    # added to the record later and not to it, would show here.
+    fast = Job.accepted("j", "c", {"a": 1}, "corr", 5.0, "hash", "tp", 2, 1.5, True, 100.0)
+    slow = Job(
+        id="j",
+        chain="c",
+        state={"a": 1},
+        correlation_id="corr",
+        deadline=5.0,
+        token_hash="hash",
+        traceparent="tp",
+        plan=2,
+        accepted_at=1.5,
+        admitted=True,
+        created_at=100.0,
+        updated_at=100.0,
+    )
+    for f in dataclasses.fields(Job):
+        assert getattr(fast, f.name) == getattr(slow, f.name), f.name
+    assert fast.to_wire() == slow.to_wire()
+    other = Job.accepted("k", "c", {}, "corr", 5.0, None, None, 1, 1.5, False, 100.0)
+    assert other.frames is not fast.frames  # no mutable default shared between records
+    assert other.signals is not fast.signals
 
 
 def test_job_ids_are_unguessable_and_unique() -> None:
@@ -162,6 +189,29 @@ async def test_store_keeps_active_jobs_and_retains_finished_ones_by_time(
     assert (await store.get(active.id)) is active  # active jobs are never evicted
     with pytest.raises(pw.JobNotFound, match="no job with id"):
         await store.get("unknown")
+
+
+async def test_a_retained_record_keeps_no_cursor_list_of_its_own() -> None:
+    # A job that ran to the end of its chain keeps the one shared empty cursor, which
+    # refuses to grow: retention holds one object per finished job, not two.
+    store = pw.MemoryJobStore()
+    engine = pw.Engine(store=store)
+
+    @engine.pipe
+    async def one(ctx: pw.Context) -> None:
+        ctx.state["n"] = 1
+
+    engine.chain("c", one)
+    async with engine:
+        ids = [await engine.submit("c") for _ in range(2)]
+        for job_id in ids:
+            assert await engine.wait(job_id) == {"n": 1}
+    first, second = [store.get_nowait(job_id) for job_id in ids]
+    assert first.frames is second.frames
+    assert list(first.frames) == []
+    assert first.to_wire()["frames"] == []
+    with pytest.raises(AttributeError):
+        first.frames.append(Frame(0, math.inf))
 
 
 async def test_store_retains_finished_jobs_by_count() -> None:

@@ -43,7 +43,7 @@ from ._boundary import split_outside
 from ._branch_runners import BranchRunners
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._instep import InStepStage
-from ._job import ErrorInfo, Frame, Job, Progress
+from ._job import ENDED_CURSOR, ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._queue import EventQueue
@@ -57,6 +57,14 @@ __all__ = ["INTERNAL_PLAN", "Dispatcher"]
 
 _log = logging.getLogger("pipework.dispatcher")
 _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
+
+# The statuses a step reads on every job, as module globals: on Python 3.11 ``Status.DONE``
+# goes through ``EnumType.__getattr__``, three times the cost of reading a global.
+_QUEUED: Final = Status.QUEUED
+_RUNNING: Final = Status.RUNNING
+_DONE: Final = Status.DONE
+#: The statuses whose end is logged at INFO (others at WARNING).
+_ORDINARY_ENDS: Final = frozenset({Status.DONE, Status.CANCELLED})
 
 #: Events handed out per pass of the dispatcher's loop. A backlog is started a few dozen
 #: steps per scheduler pass rather than hundreds at once: steps that start together hold
@@ -90,6 +98,9 @@ class Dispatcher:
         self.metrics = metrics
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
+        #: The trio clock, read without ``trio.current_time``'s two calls of indirection
+        #: (the same reading: that asks this clock); bound to the run's clock in :meth:`run`.
+        self.clock: Callable[[], float] = trio.current_time
         #: The store's and the pool's synchronous fast paths, when they offer them.
         self.nowait = nowait_access(store)
         self._grant: Callable[[str], object | None] | None = getattr(pool, "grant_nowait", None)
@@ -136,6 +147,9 @@ class Dispatcher:
         self.on_finished: Callable[[Job], None] | None = None
         #: Called with a job's record after each change of its status or progress.
         self.changed: Callable[[Job], None] = lambda job: None
+        #: Whoever ``changed`` reports to: while empty, ``changed`` does nothing, and the
+        #: steps of every job skip the call (the engine hands in its list of observers).
+        self.observers: list[Any] = []
         # A shared queue (Redis) keeps a step's event until the step ends, and says when an
         # event was taken over from a process that died during its step.
         self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
@@ -171,23 +185,27 @@ class Dispatcher:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Dispatch events until cancelled; steps run in this task's nursery."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._expire_when_due)
-            task_status.started()
-            handlers = self._handlers
-            start = self.runners.start
-            while True:
-                for event in await self.queue.get_batch(_BATCH):
-                    try:
-                        if type(event) is RunJob or type(event) is Resume:
-                            start(nursery, event)  # the common event, without a handler call
-                            continue
-                        await handlers[type(event)](event)
-                    except Exception as exc:
-                        # A bug in one event's bookkeeping must not stop every other job:
-                        # the job it was about fails, with the traceback logged.
-                        await self._event_failed(event, exc)
+        self.clock = trio.lowlevel.current_clock().current_time
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._expire_when_due)
+                task_status.started()
+                handlers = self._handlers
+                start = self.runners.start
+                while True:
+                    for event in await self.queue.get_batch(_BATCH):
+                        try:
+                            if type(event) is RunJob or type(event) is Resume:
+                                start(nursery, event)  # the common event, with no handler call
+                                continue
+                            await handlers[type(event)](event)
+                        except Exception as exc:
+                            # A bug in one event's bookkeeping must not stop every other job:
+                            # the job it was about fails, with the traceback logged.
+                            await self._event_failed(event, exc)
+        finally:
+            self.clock = trio.current_time  # another run may have another clock
 
     async def _event_failed(self, event: Any, exc: Exception) -> None:
         _log.error("pipework: handling %r failed inside the engine", event, exc_info=exc)
@@ -226,10 +244,10 @@ class Dispatcher:
 
     def start_frames(self, job: Job, chain: Chain) -> None:
         """Give a new job its root frame and the key of its first step."""
-        root = chain.node_at(job.root)
+        root = chain.node_at(job.root) if job.root else chain.root
         frame = Frame(0, job.deadline)
         if isinstance(root, Serial) and root.timeout is not None:
-            limit = trio.current_time() + root.timeout
+            limit = self.clock() + root.timeout
             if limit < frame.deadline:
                 frame = Frame(0, limit, 0)
         job.frames = [frame]
@@ -296,9 +314,11 @@ class Dispatcher:
 
     # -- a step --------------------------------------------------------------------------
 
-    async def _step(self, event: RunJob | Resume, scope: trio.CancelScope) -> None:
+    async def _step(self, event: RunJob | Resume, scope: trio.CancelScope) -> bool:
         """One step of one job, in ``scope`` (its runner's, entered and uncancelled): the
-        boundary that always leaves its job final or waiting.
+        boundary that always leaves its job final or waiting. Returns whether ``scope`` may
+        have been cancelled: only a cancel of the job (:meth:`cancel`, :meth:`interrupt`,
+        which mark the step's record first) or a deadline set on it can cancel it.
 
         Whatever a pipe or the bookkeeping raises — errors, exception groups, cancellations
         from inside a library's nursery — ends here as this job's outcome; only the engine's
@@ -318,20 +338,21 @@ class Dispatcher:
                         own = read_own(event.job_id)
                     job = own or await self.store.get(event.job_id)
             except PipeworkError:
-                return
-            if job.status is Status.RUNNING and self.reclaimed(event):
+                return False
+            if job.status is _RUNNING and self.reclaimed(event):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on): run it again from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
-            if job.status is not Status.QUEUED:
+            if job.status is not _QUEUED:
                 if job.status is Status.SUSPENDED and self.reclaimed(event):
                     self._rearm(job)  # its step died before its timer was surely stored
-                return  # cancelled or finished while the event waited: nothing to run
+                return False  # cancelled or finished while the event waited: nothing to run
+            record = job  # what a cancel marks, whichever record the step ends with
             self._scopes[job.id] = scope
             self._running[job.id] = job
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
-            now = trio.current_time()
+            now = self.clock()
             try:
                 # The uncontended grant: no schedule point (the step's task has just been
                 # scheduled) and no context manager; a step that would wait or be
@@ -343,11 +364,11 @@ class Dispatcher:
                         self.queue.ack(event)
                         acked = True
                         self._waited(job.key, 0.0)
-                        ended = await self._run_held(job, now, as_read=True, own=own is job)
+                        ended = await self._run_held(job, now, True, own is job)  # as_read, own
                         settled = True
                     finally:
                         assert self._release is not None
-                        end = trio.current_time() if ended is None else ended
+                        end = self.clock() if ended is None else ended
                         self._release(held, now, end)
                 else:
                     # A resumed job carries an outside fact (a payment, an approval): it
@@ -360,12 +381,12 @@ class Dispatcher:
                         async with slot:
                             self.queue.ack(event)
                             acked = True
-                            granted = trio.current_time()
+                            granted = self.clock()
                             self._waited(job.key, granted - now)
                             await self._run_held(job, granted, as_read=True, own=own is job)
                             settled = True
                     except Rejected as exc:
-                        self._waited(job.key, trio.current_time() - now)
+                        self._waited(job.key, self.clock() - now)
                         self.note(exc, job, f"admission key {job.key!r}")
                         await self.finish(job, Status.FAILED, exc=exc)
             except BaseException as exc:  # the step boundary: what belongs outside is re-raised
@@ -389,6 +410,7 @@ class Dispatcher:
                 outside, _ = split_outside(escaped)
                 if outside is not None:
                     raise outside
+            return record.cancel_requested or scope.deadline != math.inf
         finally:
             if not acked:
                 self.queue.ack(event)
@@ -463,15 +485,15 @@ class Dispatcher:
         observe(seconds)
 
     async def _run_held(
-        self, job: Job, now: float, *, as_read: bool = False, own: bool = False
+        self, job: Job, now: float, as_read: bool = False, own: bool = False
     ) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
         ``as_read``: the job is as the store returned it but for its status; ``own``: as the
         store last wrote it (``read_own``), which may be stale. Returns the last clock read."""
-        chain = self.chain_of(job)
+        chain = self.plans[job.plan].get_chain(job.chain)  # chain_of, inline
         held = job.key
-        job.transition(Status.RUNNING)
+        job.transition(_RUNNING)
         if job.parent is None or job.id not in self.unstored:
             nowait = self.nowait
             try:
@@ -494,11 +516,15 @@ class Dispatcher:
                 # Ended while this step loaded it (a cancel, here or in another process,
                 # reached a shared store first): there is nothing left to run.
                 return now
-            self.changed(job)
+            if self.observers:
+                self.changed(job)
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
         # sequence holding stages walks the cursor's frames (_advance).
-        flat = chain.node_at(job.root).flat if len(frames) == 1 else None  # type: ignore[union-attr]  # node_at answers any node; a root is a Serial
+        flat = None
+        if len(frames) == 1:
+            sequence: Any = chain.node_at(job.root) if job.root else chain.root  # a Serial
+            flat = sequence.flat
         while True:
             pipe: Pipe | Parallel | None
             if flat is not None:
@@ -559,7 +585,11 @@ class Dispatcher:
                 return now
             # The write of the cursor is left out when the step's next write carries it
             # anyway, with nothing run in between: the job's end or its hand-off.
-            then_writes = flat is not None and _then_writes(flat, job, chain)
+            if flat is not None:  # is this the flat sequence's last pipe, or its key's last?
+                following = frames[0].index + 1
+                then_writes = following >= len(flat) or (flat[following].key or chain.key) != held
+            else:
+                then_writes = False
             # The pipe runs in this frame (no coroutine of its own): one object and one frame
             # fewer per pipe, and every one a step holds across its awaits costs collections.
             top = frames[-1]
@@ -567,18 +597,18 @@ class Dispatcher:
             deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
             # A thread cannot be stopped: a blocking pipe works on a copy of the state that
             # is adopted only if it ends in time and uncancelled.
-            ctx = Context(
-                state=snapshot(job.state) if pipe.blocking else job.state,
-                job_id=job.id,
-                correlation_id=job.correlation_id,
-                chain=chain.name,
-                pipe=pipe,
-                where=chain,
-                position=self.path_of(job),
-                key=held,
-                deadline=deadline,
-                ops=self,
-                traceparent=job.traceparent,
+            ctx = Context(  # in the order of its parameters: no keyword matching
+                snapshot(job.state) if pipe.blocking else job.state,
+                job.id,
+                job.correlation_id,
+                chain.name,
+                pipe,
+                chain,
+                job.root if len(frames) == 1 else self.path_of(job),  # path_of's flat case
+                held,
+                deadline,
+                self,
+                job.traceparent,
             )
             try:
                 if deadline == math.inf:
@@ -618,17 +648,17 @@ class Dispatcher:
         pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
         deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
         ctx = Context(
-            state=snapshot(job.state) if pipe.blocking else job.state,
-            job_id=job.id,
-            correlation_id=job.correlation_id,
-            chain=chain.name,
-            pipe=pipe,
-            where=chain,
-            position=self.path_of(job),
-            key=job.key,
-            deadline=deadline,
-            ops=self,
-            traceparent=job.traceparent,
+            snapshot(job.state) if pipe.blocking else job.state,
+            job.id,
+            job.correlation_id,
+            chain.name,
+            pipe,
+            chain,
+            self.path_of(job),
+            job.key,
+            deadline,
+            self,
+            job.traceparent,
         )
         try:
             if deadline == math.inf:
@@ -702,7 +732,7 @@ class Dispatcher:
         self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
     ) -> float:
         """Measure, record and log a pipe's end; returns the clock read at its end."""
-        now = trio.current_time()
+        now = self.clock()
         if job.plan == INTERNAL_PLAN:
             return now  # the engine's own probe: no user pipe to measure, nothing to learn
         duration = now - started
@@ -1064,13 +1094,19 @@ class Dispatcher:
             return True
         try:
             previous = job.status
-            self._mark_end(job, Status.DONE, result, None, "")
+            # _mark_end(job, DONE, result, None, ""), inline
+            job.transition(_DONE)
+            job.finished_at = job.updated_at
+            job.waiting_for = None
+            if not job.frames:
+                job.frames = ENDED_CURSOR
+            job.result = result
             try:
                 nowait[1](job, now)  # the step's clock read: the store reads none of its own
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
-            self._ended(job, Status.DONE, "", now)
+            self._ended(job, _DONE, "", now)
         finally:
             self._heard_of_end(job)
         return True
@@ -1193,22 +1229,25 @@ class Dispatcher:
         job.transition(status)
         job.finished_at = job.updated_at  # the transition's wall-clock read
         job.waiting_for = None
-        if status is Status.DONE:
+        if not job.frames:  # it ran to the end of its chain: nothing to keep of the cursor
+            job.frames = ENDED_CURSOR
+        if status is _DONE:
             job.result = result
         elif exc is not None:
             job.exception = exc
             if job.parent is None:
-                self.exceptions.put(job.id, exc, trio.current_time())
+                self.exceptions.put(job.id, exc, self.clock())
             job.error = ErrorInfo(
                 type(exc).__name__, str(exc), where, getattr(exc, "http_status", 500)
             )
 
     def _ended(self, job: Job, status: Status, where: str, now: float | None) -> None:
         """What follows a recorded end: observers, the job's duration, its log line."""
-        self.changed(job)
-        duration = (trio.current_time() if now is None else now) - job.accepted_at
+        if self.observers:
+            self.changed(job)
+        duration = (self.clock() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
-            if status is Status.DONE:
+            if status is _DONE:
                 observe = self._job_done.get(job.chain)
                 if observe is None:
                     metrics = self.metrics
@@ -1217,7 +1256,7 @@ class Dispatcher:
                 observe(duration)
             else:
                 self.metrics.observe(self.metrics.job_duration, (job.chain, status.value), duration)
-        level = logging.INFO if status in (Status.DONE, Status.CANCELLED) else logging.WARNING
+        level = logging.INFO if status in _ORDINARY_ENDS else logging.WARNING
         if job_logger.isEnabledFor(level):
             self._log_end(job, status, level, duration, where)
 
@@ -1424,15 +1463,6 @@ def backend_trouble(exc: BaseException) -> bool:
     if type(exc) is OSError:  # trio's "all attempts to connect failed", socket errors
         return True
     return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)
-
-
-def _then_writes(flat: tuple[Pipe, ...], job: Job, chain: Chain) -> bool:
-    """Whether the pipe at the cursor of a flat sequence is its last, or the next one hands
-    the job off to another key: either way the step writes the record right after it."""
-    following = job.frames[0].index + 1
-    if following >= len(flat):
-        return True
-    return (flat[following].key or chain.key) != job.key
 
 
 def _append_output(job: Job, chunk: Any) -> None:

@@ -42,6 +42,7 @@ from ._weighted import WeightedPool
 __all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
 
 _log = logging.getLogger("pipework.engine")
+_DONE: Final = Status.DONE  # a global: ``Status.DONE`` costs three times as much on 3.11
 
 #: How often a request parked on a job that another process may finish looks at the
 #: record again: an end published while this process's subscription was away (Redis
@@ -133,6 +134,7 @@ class Engine:
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
         self._observers: list[JobObserver] = []
         self._dispatcher.changed = self._changed
+        self._dispatcher.observers = self._observers  # the same list: see Dispatcher.observers
         # A shared queue's relay (Redis): steps of a job may run in other processes.
         self._relay: Any = getattr(self.queue, "relay", None)
         self._flush: Any = getattr(self.queue, "flush", None)
@@ -180,7 +182,8 @@ class Engine:
         jobs = self._plan_jobs.get(job.plan)
         if jobs is not None:
             jobs.discard(job.id)
-            self._retire_if_idle(job.plan)
+            if not jobs:  # the plan may have run its last job
+                self._retire_if_idle(job.plan)
 
     def _retire_if_idle(self, generation: int) -> None:
         if generation == self.plan_generation or self._plan_jobs.get(generation):
@@ -288,7 +291,7 @@ class Engine:
         refused for load. For work promised before it runs, as an async route's 202.
         """
         job = self._new_job(
-            self.plan_generation, chain, state, timeout, correlation_id, token, admit, traceparent
+            self._generation, chain, state, timeout, correlation_id, token, admit, traceparent
         )
         nowait = self._dispatcher.nowait
         if stream or not nowait or self._flush is not None:
@@ -336,23 +339,22 @@ class Engine:
         plan = self._dispatcher.plans[generation].get_chain(chain)
         state = check_state({} if state is None else state)
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
-        now = trio.current_time()
+        now = self._dispatcher.clock()
         deadline = math.inf if limit is None else now + limit
         wall = time.time()
         job_id, new_correlation = new_ids()
-        job = Job(
-            id=job_id,
-            chain=chain,
-            state=state,
-            correlation_id=correlation_id or new_correlation,
-            created_at=wall,
-            updated_at=wall,
-            deadline=deadline,
-            token_hash=None if token is None else hash_token(token),
-            accepted_at=now,
-            plan=generation,
-            admitted=admit,
-            traceparent=traceparent,
+        job = Job.accepted(
+            job_id,
+            chain,
+            state,
+            correlation_id or new_correlation,
+            deadline,
+            None if token is None else hash_token(token),
+            traceparent,
+            generation,
+            now,
+            admit,
+            wall,
         )
         self._dispatcher.start_frames(job, plan)
         check_admission = getattr(self.pool, "check_admission", None) if admit else None
@@ -404,7 +406,8 @@ class Engine:
             self._retire_if_idle(job.plan)
 
     def _accepted(self, job: Job) -> None:
-        self._changed(job)
+        if self._observers:
+            self._changed(job)
         if job_logger.isEnabledFor(logging.INFO):
             log_job(
                 "job accepted",
@@ -425,7 +428,7 @@ class Engine:
                 # The waiter's wait awaited here: no frame between a parked request and it.
                 await waiters.setdefault(job_id, Wake()).wait()
                 job = nowait[0](job_id)
-            if job.status is Status.DONE:
+            if job.status is _DONE:
                 return job.result
             return _outcome(job, self._dispatcher.exceptions.get(job_id))
         waiters = self._dispatcher._waiters

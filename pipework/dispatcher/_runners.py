@@ -37,9 +37,11 @@ class StepRunners:
     """Runs ``step(event, scope)`` for each event handed to :meth:`start`, in the caller's
     nursery; ``scope`` is the runner's, already entered, and uncancelled when a step starts.
     A step that sets the scope's deadline sets it back to infinity before it ends, unless
-    the scope was cancelled."""
+    the scope was cancelled. A step returns whether its scope may have been cancelled (it
+    cancelled it, or set its deadline): False spares the runner the check, which reads the
+    clock (``CancelScope.cancel_called``)."""
 
-    def __init__(self, step: Callable[[Any, trio.CancelScope], Awaitable[None]]) -> None:
+    def __init__(self, step: Callable[[Any, trio.CancelScope], Awaitable[bool]]) -> None:
         self._step = step
         #: Parked runners, the most recently parked last (its memory is the warmest).
         self.idle: list[_Runner] = []
@@ -68,7 +70,7 @@ class StepRunners:
         while True:
             scope = trio.CancelScope()
             with scope:
-                while not scope.cancel_called:
+                while True:
                     if event is None:
                         if len(idle) >= IDLE_MAX:
                             return
@@ -79,5 +81,6 @@ class StepRunners:
                         await trio.lowlevel.wait_task_rescheduled(abort)
                         event, runner.event = runner.event, None
                     current, event = event, None  # a step is run once, however it ends
-                    await step(current, scope)
+                    if await step(current, scope) and scope.cancel_called:
+                        break
             # The scope was cancelled for its step's job (the step ended it): a fresh one.

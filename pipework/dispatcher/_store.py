@@ -96,7 +96,15 @@ class MemoryJobStore:
         job = self._active.get(job_id)
         if job is not None:
             return job
-        self._expire(trio.current_time())
+        now = trio.current_time()
+        job = self._finished.get(job_id)
+        if job is not None:
+            # Kept, unless its time is up or the count pushes it out: only then is there
+            # anything to drop before answering (the others go at the next end or read).
+            assert job.retain_until is not None
+            if job.retain_until > now and len(self._finished) <= self.retain_count:
+                return job
+        self._expire(now)
         job = self._finished.get(job_id)
         if job is not None:
             return job
@@ -131,8 +139,12 @@ class MemoryJobStore:
                 if now is None:
                     now = trio.current_time()
                 job.retain_until = now + self.retain_seconds
-                self._finished[job.id] = job
-                self._expire(now)
+                finished = self._finished
+                finished[job.id] = job
+                # _expire's first test, inline: most ends find nothing to drop.
+                oldest = next(iter(finished.values()))
+                if len(finished) > self.retain_count or oldest.retain_until <= now:  # type: ignore[operator]  # every finished record has its retain_until
+                    self._expire(now)
         elif job.id not in self._active:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
 

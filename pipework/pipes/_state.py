@@ -24,7 +24,16 @@ def check_state(state: object, *, root: str = "state") -> dict[str, Any]:
                 f"{root}[{key!r}]: top-level state keys must be strings, not {type(key).__name__}",
                 path=f"{root}[{key!r}]",
             )
-    check_value(state, root=root)
+    # check_value, inline (the engine checks the state after every pipe)
+    try:
+        packer = _packers.pop()
+    except IndexError:
+        packer = msgpack.Packer()
+    try:
+        packer.pack(state)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise _unstorable(state, root, exc) from exc
+    _packers.append(packer)
     return state
 
 
@@ -44,15 +53,20 @@ def check_value(value: object, *, root: str = "value") -> None:
         # The C packer is the fast path; only a failure pays for the walk that names the path.
         packer.pack(value)
     except (TypeError, ValueError, OverflowError) as exc:
-        path, why = _find(value, root, 0)
-        if not path:  # the packer refused what the walk accepts: say what it said
-            path, why = root, f"a value msgpack cannot store ({exc})"
-        raise StateError(
-            f"{path} holds {why}, which job state cannot store "
-            "(use str, bytes, int, float, bool, None, list or dict)",
-            path=path,
-        ) from exc
+        raise _unstorable(value, root, exc) from exc
     _packers.append(packer)
+
+
+def _unstorable(value: object, root: str, exc: Exception) -> StateError:
+    """The StateError for a value the packer refused, naming the path of what it refused."""
+    path, why = _find(value, root, 0)
+    if not path:  # the packer refused what the walk accepts: say what it said
+        path, why = root, f"a value msgpack cannot store ({exc})"
+    return StateError(
+        f"{path} holds {why}, which job state cannot store "
+        "(use str, bytes, int, float, bool, None, list or dict)",
+        path=path,
+    )
 
 
 # The C packer's own nesting bound; the walk stops there too (and stays far from Python's).
