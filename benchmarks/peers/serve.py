@@ -1,7 +1,7 @@
 """Serve one of the peers' gateways in its own process.
 
 ``python -m benchmarks.peers.serve KIND --a URL --b URL [--port P] [--reuse-port]
-[--threads N] [--workers N]`` serves on 127.0.0.1 (port 0: a free one), prints its base
+[--threads N] [--workers N] [--one-core]`` serves on 127.0.0.1 (port 0: a free one), prints its base
 URL on stdout once it listens, and serves until terminated. Logging is at WARNING for
 every kind, so no gateway writes an access line per request. KIND is:
 
@@ -14,7 +14,9 @@ every kind, so no gateway writes an access line per request. KIND is:
   defaults made explicit: the asyncio loop and h11);
 - ``flask``: :mod:`.flask_gateway` on waitress with ``--threads`` threads (its
   ``connection_limit`` raised from 100 to 1,000, so that every client connects and the
-  thread pool alone decides who is served).
+  thread pool alone decides who is served). With ``--one-core`` the process is pinned to
+  one CPU (``os.sched_setaffinity``): on two idle cores its threads otherwise contend for
+  the GIL across cores and serve a tenth as much (docs/benchmarks.md, bench_peers).
 
 ``--reuse-port`` binds with ``SO_REUSEPORT``, so that several processes serve one port
 (the kernel spreads new connections across them): start the first with port 0 and the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -168,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse-port", action="store_true")
     parser.add_argument("--threads", type=int, default=4, help="flask: waitress's threads")
     parser.add_argument("--workers", type=int, default=1, help="pipework: serve --workers N")
+    parser.add_argument("--one-core", action="store_true", help="flask: pin to one CPU")
     args = parser.parse_args(argv)
     raise_open_files_limit()
+    if args.one_core:
+        if args.kind != "flask":
+            parser.error("--one-core is for flask")
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     logging.basicConfig(level=logging.WARNING)
     if args.kind == "pipework" and args.workers > 1:
         serve_pipework_workers(args.a, args.b, args.port, args.workers)
