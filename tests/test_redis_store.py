@@ -18,6 +18,7 @@ import trio.testing
 import pipework as pw
 from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Frame, Job, new_job_id
+from pipework.dispatcher._redis_store import _EARLY
 from pipework.dispatcher._resp import Connection
 from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
@@ -434,3 +435,68 @@ async def test_a_record_written_as_a_map_by_an_older_version_still_reads(
             await connection.aclose()
         read = await store.get(job.id)
         assert read.to_wire() == job.to_wire()
+
+
+class _Gated(TestRedisJobStore):
+    """A store whose next round trip waits for ``gate``; the one after it sets ``landed``
+    once its replies are in, and the calls each round trip carries are counted."""
+
+    gate: trio.Event | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.landed = trio.Event()
+        self.trips: list[int] = []
+
+    async def _round_trip(self, batch: list[Any]) -> list[Any]:
+        self.trips.append(len(batch))
+        return await super()._round_trip(batch)
+
+    async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
+        gate, self.gate = self.gate, None
+        if gate is None:
+            return await super()._wait(request)
+        await gate.wait()
+        try:
+            return await super()._wait(request)
+        finally:
+            self.landed.set()
+
+
+@pytest.mark.parametrize("waiting", [_EARLY, 2])
+async def test_calls_made_during_a_round_trip_go_at_once_when_there_are_enough(
+    redis_server: RedisServer, waiting: int
+) -> None:
+    """The calls made while a round trip is on its way go in the next one as soon as it
+    has landed when there are at least _EARLY of them: a task woken a pass later makes
+    its call for the round trip after. Fewer wait passes of the run loop for such calls."""
+    store = _Gated(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    async with store:
+        job = _job()
+        await store.create(job)
+        store.trips.clear()
+        gate = store.gate = trio.Event()
+        read: list[str] = []
+
+        async def get() -> None:
+            read.append((await store.get(job.id)).id)
+
+        async def latecomer() -> None:
+            await store.landed.wait()
+            await trio.lowlevel.checkpoint()  # ready a pass after the replies
+            await get()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get)  # the held round trip's one call
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(waiting):
+                nursery.start_soon(get)
+            nursery.start_soon(latecomer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert store.trips == []  # held before it went
+            gate.set()
+        assert read == [job.id] * (waiting + 2)  # every caller got its answer
+        if waiting >= _EARLY:
+            assert store.trips == [1, waiting, 1]
+        else:
+            assert store.trips == [1, waiting + 1]

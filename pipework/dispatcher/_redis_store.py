@@ -278,6 +278,12 @@ def _bulk(data: bytes) -> bytes:
 #: joins this batch is one less round trip.
 _PASSES: Final = 3
 
+#: A batch that already holds this many calls goes without waiting those passes (or the
+#: rest of them): typically the calls made while the last round trip was on its way. The
+#: tasks its replies woke then run while Redis runs the batch, where a batch waiting for
+#: them leaves Redis idle, and their calls make the next one.
+_EARLY: Final = 8
+
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -462,17 +468,13 @@ class RedisJobStore:
             self._sending = call.lead = True
         if call.lead:
             with trio.move_on_after(self.io_timeout, shield=True):
-                # Every task that is ready runs first, so the calls it makes join this
-                # batch: a round trip costs mostly the wake-ups it causes, here and in Redis.
-                for _ in range(_PASSES):
-                    await trio.lowlevel.checkpoint()
+                await self._gather()
                 await self._send_calls()
                 # Calls nobody waits for (update_soon) and none to send them: this task
                 # sends them too, before it goes on.
                 while self._orphaned:
                     self._orphaned = False
-                    for _ in range(_PASSES):
-                        await trio.lowlevel.checkpoint()
+                    await self._gather()
                     await self._send_calls()
             if not call.answered and call.error is None:  # its time ran out before it went
                 self._calls.remove(call)
@@ -488,6 +490,15 @@ class RedisJobStore:
         if call.error is not None:
             raise call.error
         return call.result
+
+    async def _gather(self) -> None:
+        """Every task that is ready runs first, so the calls it makes join this batch (a
+        round trip costs mostly the wake-ups it causes, here and in Redis): up to _PASSES
+        passes of the run loop, none once the batch holds _EARLY calls."""
+        for _ in range(_PASSES):
+            if len(self._calls) >= _EARLY:
+                return
+            await trio.lowlevel.checkpoint()
 
     async def _script(self, name: str, keys: list[str], args: list[Arg]) -> Any:
         return await self._run(["EVALSHA", _SHAS[name], len(keys), *keys, *args], name)
