@@ -68,7 +68,9 @@ def render(rows: dict[str, list[dict[str, Any]]], quick: bool, previous: str | N
         sections[module] = _section(module, module_rows, quick)
     for module in sorted(sections):
         lines += sections[module]
-    return "\n".join(lines)
+    # One newline at the end whichever section is last (a kept section's final blank line
+    # does not survive being read back).
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _section(module: str, module_rows: list[dict[str, Any]], quick: bool) -> list[str]:
