@@ -267,6 +267,17 @@ _TIMES: Final = tuple(
 _STATUS_OF: Final = {s.value: s for s in Status}
 
 
+#: The update script's command (see _update_command): head, the job's key, the finished
+#: set, the tombstone's key, the stream if any, the blob, and the rest already encoded.
+_UPDATE_FORMAT: Final = (
+    b"%b$%d\r\n%b%b\r\n%b$%d\r\n%b%b\r\n%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b%b%b%b%b%b"
+)
+#: The create script's command (see create).
+_CREATE_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b"
+#: The status script's command (see update_status).
+_STATUS_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b$%d\r\n%b\r\n"
+
+
 def _bulk(data: bytes) -> bytes:
     """One argument as a RESP bulk string."""
     return b"$%d\r\n%b\r\n" % (len(data), data)
@@ -417,7 +428,7 @@ class RedisJobStore:
         self._gone_prefix = f"{prefix}:gone:".encode()
         self._finished_arg = encode_args([f"{prefix}:finished"])
         self._active_arg = encode_args([f"{prefix}:active"])
-        self._tail_values: list[Arg] = []
+        self._tail_given: tuple[object, ...] = ()
         self._packer = msgpack.Packer(use_bin_type=True)
         self._tail_bytes = b""
 
@@ -693,24 +704,26 @@ class RedisJobStore:
         """``entry``: ``(stream, field, value)`` added to a stream in the same write (the
         job's first event), so the record and the event that runs it arrive together."""
         job_id = job.id.encode()
-        parts = [
-            self._create_heads[entry is not None],
-            _bulk(self._job_prefix + job_id),
-            self._active_arg,
-        ]
-        if entry is not None:
-            parts.append(_bulk(entry[0].encode()))
         blob = self._encode(job)
-        parts += [
-            _bulk(blob),
+        version = b"%d" % job.version
+        command = _CREATE_FORMAT % (
+            self._create_heads[entry is not None],
+            len(self._job_prefix) + len(job_id),
+            self._job_prefix,
+            job_id,
+            self._active_arg,
+            b"" if entry is None else _bulk(entry[0].encode()),
+            len(blob),
+            blob,
             _STATUS_ARG[job.status],
-            _bulk(b"%d" % job.version),
-            _bulk(job_id),
+            len(version),
+            version,
+            len(job_id),
+            job_id,
             self._origin_arg,
-        ]
-        if entry is not None:
-            parts += [_bulk(entry[1]), _bulk(entry[2])]
-        created = await self._run(b"".join(parts), "create")
+            b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
+        )
+        created = await self._run(command, "create")
         if not created:
             raise ValueError(f"job {job.id} already exists")
         if job.status is Status.QUEUED:
@@ -836,16 +849,21 @@ class RedisJobStore:
             await self._update(job, "")
             return True
         job_id = job.id.encode()
-        command = b"".join(
-            [
-                self._status_head,
-                _bulk(self._job_prefix + job_id),
-                _STATUS_ARG[job.status],
-                _bulk(repr(job.updated_at).encode()),
-                _bulk(job_id),
-                self._prefix_arg,
-                _bulk(b"%d" % job.version),
-            ]
+        updated = repr(job.updated_at).encode()
+        version = b"%d" % job.version
+        command = _STATUS_FORMAT % (
+            self._status_head,
+            len(self._job_prefix) + len(job_id),
+            self._job_prefix,
+            job_id,
+            _STATUS_ARG[job.status],
+            len(updated),
+            updated,
+            len(job_id),
+            job_id,
+            self._prefix_arg,
+            len(version),
+            version,
         )
         code = await self._run(command, "status")
         if code > 0:
@@ -923,31 +941,33 @@ class RedisJobStore:
         token = job.token_hash
         blob = self._encode(job)
         self._own.pop(job.id, None)
-        parts = [
+        job_prefix, gone_prefix, size = self._job_prefix, self._gone_prefix, len(job_id)
+        # One format for the whole command: far fewer small bytes objects than a part each.
+        command = _UPDATE_FORMAT % (
             self._update_head if entry is None else self._update_entry_head,
-            _bulk(self._job_prefix + job_id),
+            len(job_prefix) + size,
+            job_prefix,
+            job_id,
             self._finished_arg,
-            _bulk(self._gone_prefix + job_id),
-        ]
-        if entry is not None:
-            parts.append(_bulk(entry[0].encode()))
-        command = b"".join(
-            [
-                *parts,
-                _bulk(blob),
-                _STATUS_ARG[status],
-                _bulk(job_id),
-                _TERMINAL_ARG[status],
-                (
-                    _bulk(repr(_moved(job.retain_until, self._shift())).encode())
-                    if terminal
-                    else _NOT_FINISHED_ARG
-                ),
-                _NO_TOKEN_ARG if token is None else _bulk(token.encode()),
-                self._tail(),
-                _ANY_VERSION if expected == "" else encode_args([expected]),
-                b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
-            ]
+            len(gone_prefix) + size,
+            gone_prefix,
+            job_id,
+            b"" if entry is None else _bulk(entry[0].encode()),
+            len(blob),
+            blob,
+            _STATUS_ARG[status],
+            size,
+            job_id,
+            _TERMINAL_ARG[status],
+            (
+                _bulk(repr(_moved(job.retain_until, self._shift())).encode())
+                if terminal
+                else _NOT_FINISHED_ARG
+            ),
+            _NO_TOKEN_ARG if token is None else _bulk(token.encode()),
+            self._tail(),
+            _ANY_VERSION if expected == "" else encode_args([expected]),
+            b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
         )
         return command, blob
 
@@ -1006,16 +1026,25 @@ class RedisJobStore:
         # With several engines on this store, an end recorded here may have a waiter in
         # another one: published always.
         origin = self._origin if self._following <= 1 else ""
-        values: list[Arg] = [
+        # Compared as given (cheap), encoded only when one of them changes.
+        given = (
             self.prefix,
-            int((self.retain_seconds + _SLACK_SECONDS) * 1000),
-            int(self.tombstone_seconds * 1000),
+            self.retain_seconds,
+            self.tombstone_seconds,
             self.retain_count,
             origin,
-        ]
-        if values != self._tail_values:
-            self._tail_values = values
-            self._tail_bytes = encode_args(values)
+        )
+        if given != self._tail_given:
+            self._tail_given = given
+            self._tail_bytes = encode_args(
+                [
+                    self.prefix,
+                    int((self.retain_seconds + _SLACK_SECONDS) * 1000),
+                    int(self.tombstone_seconds * 1000),
+                    self.retain_count,
+                    origin,
+                ]
+            )
         return self._tail_bytes
 
     # -- other processes' ends ----------------------------------------------------------
