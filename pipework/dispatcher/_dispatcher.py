@@ -1128,9 +1128,7 @@ class Dispatcher:
             if error is None:
                 self._ended(job, Status.DONE, "", now)
                 self._heard_of_end(job)
-                event = self._end_pending.pop(job.id, None)
-                if event is not None and self._step_ended is not None:
-                    self._step_ended(event)
+                self._let_go(job)
                 return
             job.status = previous  # not recorded: ending it may be tried again
             self._heard_of_end(job)
@@ -1152,9 +1150,7 @@ class Dispatcher:
         def written(error: BaseException | None) -> None:
             if error is None:
                 self.changed(job)
-                event = self._end_pending.pop(job.id, None)
-                if event is not None and self._step_ended is not None:
-                    self._step_ended(event)
+                self._let_go(job)
                 return
             try:
                 self.spawn(self._end_unwritten, job, error)
@@ -1175,9 +1171,13 @@ class Dispatcher:
             with trio.CancelScope(shield=True):
                 await self._end_unsettled(job, trio.CancelScope(), error)
         finally:
-            event = self._end_pending.pop(job.id, None)
-            if event is not None and self._step_ended is not None:
-                self._step_ended(event)
+            self._let_go(job)
+
+    def _let_go(self, job: Job) -> None:
+        """Let go of the step's event kept while the job's write was on its way."""
+        event = self._end_pending.pop(job.id, None)
+        if event is not None and self._step_ended is not None:
+            self._step_ended(event)
 
     def _heard_of_end(self, job: Job) -> None:
         """Tell whoever waits for the job that it ended."""
