@@ -565,14 +565,13 @@ class Dispatcher:
                 # if it can without this step waiting for the write (see _end_soon).
                 soon = getattr(self.queue, "update_and_put_soon", None)
                 together = getattr(self.queue, "update_and_put", None)
-                if soon is not None and self._hand_off_soon(soon, job):
-                    pass
-                elif together is not None and await together(self.store, job, RunJob(job.id)):
-                    self.changed(job)
-                else:
-                    await self.store.update(job)
-                    self.changed(job)
-                    self.queue.put_nowait(RunJob(job.id))
+                if soon is None or not self._hand_off_soon(soon, job):
+                    if together is not None and await together(self.store, job, RunJob(job.id)):
+                        self.changed(job)
+                    else:
+                        await self.store.update(job)
+                        self.changed(job)
+                        self.queue.put_nowait(RunJob(job.id))
                 if job_logger.isEnabledFor(logging.INFO):
                     log_job(
                         "job handed off",
