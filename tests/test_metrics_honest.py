@@ -41,9 +41,15 @@ def value(found: Samples, name: str, **labels: str) -> float:
 
 
 async def test_a_call_cancelled_by_an_any_of_winner_is_counted() -> None:
+    # The winner answers only once the loser's call is under way: a loser cancelled before
+    # its call began made no call, and the branches' start order is the scheduler's.
+    slow_called = trio.Event()
+
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "slow.internal":
+            slow_called.set()
             await trio.sleep_forever()
+        await slow_called.wait()
         return httpx.Response(200, json={"fast": True})
 
     backends = Backends(
