@@ -1,6 +1,7 @@
 """The Redis store's own RESP connection, without a Redis: replies written by a reference
 encoder reach the reader split at any byte, in order, one per command; an error reply is a
-value in its place; a connection cut mid-batch closes and says so."""
+value in its place; a connection cut mid-batch closes and says so. Every test runs with
+both readers: hiredis's C reader and the Python one used without it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework.dispatcher._resp import Connection, ConnectionLost, ReplyError, encode
+from pipework.dispatcher import _resp
+from pipework.dispatcher._resp import Connection, ConnectionLost, ReplyError, encode, new_reader
+
+#: Which reader a test's connection uses: hiredis's (C) or the Python one.
+READERS = pytest.mark.parametrize("c_reader", [True, False], ids=["hiredis", "python"])
 
 
 def _written(reply: Any, *, simple: bool = False) -> bytes:
@@ -48,20 +53,29 @@ _replies: st.SearchStrategy[Any] = st.recursive(
 )
 
 
-def _pair() -> tuple[Connection, trio.abc.Stream]:
+def _pair(c_reader: bool) -> tuple[Connection, trio.abc.Stream]:
     client_side, server_side = trio.testing.memory_stream_pair()
-    return Connection(client_side), server_side
+    return Connection(client_side, new_reader(c_reader)), server_side
 
 
+def test_the_c_reader_is_installed_with_the_test_extra() -> None:
+    # The tests' installs (make test, CI) have hiredis: the C reader is the one tested and
+    # benchmarked, and a connection takes it by default.
+    assert _resp.C_READER is not None
+    by_default = Connection(trio.testing.memory_stream_pair()[0])
+    assert type(by_default._reader) is _resp.C_READER
+
+
+@READERS
 @given(
     replies=st.lists(_replies, min_size=1, max_size=8),
     cuts=st.lists(st.integers(1, 200), max_size=10),
 )
 def test_replies_split_at_any_byte_come_back_whole_and_in_order(
-    replies: list[Any], cuts: list[int]
+    c_reader: bool, replies: list[Any], cuts: list[int]
 ) -> None:
     async def main() -> None:
-        connection, server = _pair()
+        connection, server = _pair(c_reader)
         data = b"".join(_written(r) for r in replies)
         commands = [["PING"]] * len(replies)
         got: list[Any] = []
@@ -88,8 +102,11 @@ def test_replies_split_at_any_byte_come_back_whole_and_in_order(
     trio.run(main)
 
 
-async def test_simple_strings_and_the_next_batch_on_the_same_connection() -> None:
-    connection, server = _pair()
+@READERS
+async def test_simple_strings_and_the_next_batch_on_the_same_connection(
+    c_reader: bool,
+) -> None:
+    connection, server = _pair(c_reader)
     async with trio.open_nursery() as nursery:
 
         async def serve() -> None:
@@ -102,8 +119,11 @@ async def test_simple_strings_and_the_next_batch_on_the_same_connection() -> Non
     assert await connection.read(1) == [7]
 
 
-async def test_a_connection_cut_mid_reply_closes_and_says_so() -> None:
-    connection, server = _pair()
+@READERS
+async def test_a_connection_cut_mid_reply_closes_and_says_so(
+    c_reader: bool,
+) -> None:
+    connection, server = _pair(c_reader)
     async with trio.open_nursery() as nursery:
 
         async def serve() -> None:
@@ -119,13 +139,16 @@ async def test_a_connection_cut_mid_reply_closes_and_says_so() -> None:
         await connection.call([["GET", "k"]])
 
 
-async def test_a_reply_it_cannot_read_closes_the_connection() -> None:
-    connection, server = _pair()
+@READERS
+async def test_a_reply_it_cannot_read_closes_the_connection(
+    c_reader: bool,
+) -> None:
+    connection, server = _pair(c_reader)
     async with trio.open_nursery() as nursery:
 
         async def serve() -> None:
             await server.receive_some()
-            await server.send_all(b"%1\r\n")  # a RESP3 map: this client speaks RESP2
+            await server.send_all(b"x1\r\n")  # no RESP type starts with "x"
 
         nursery.start_soon(serve)
         with pytest.raises(ConnectionLost, match="cannot read"):
@@ -133,10 +156,12 @@ async def test_a_reply_it_cannot_read_closes_the_connection() -> None:
     assert connection.closed
 
 
+@READERS
 async def test_a_batch_cancelled_before_its_replies_closes_the_connection(
+    c_reader: bool,
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    connection, server = _pair()
+    connection, server = _pair(c_reader)
     with trio.move_on_after(1):  # the reply never comes; the scope ends the wait
         await connection.call([["BLPOP", "k", "0"]])
     assert connection.closed  # a late reply can never answer the next batch
