@@ -40,8 +40,10 @@ class _Sent(RedisJobStore):
         self.answer = answer
         self.sent: list[bytes] = []
 
-    async def _run(self, command: Any, script: str | None = None) -> Any:
-        self.sent.append(command)
+    async def _call(self, call: Any) -> Any:
+        self.sent.extend(call.commands)
+        if call.read is not None:
+            call.read(self.answer)
         return self.answer
 
 
@@ -61,6 +63,21 @@ async def test_create_command_is_its_arguments(entry: tuple[str, bytes, bytes] |
     assert rest[0] == store._encode(job)
     assert rest[1:5] == [b"queued", b"7", b"jABC_123", store._origin.encode()]
     assert rest[5:] == ([b"e", _ENTRY[2]] if entry else [])
+
+
+async def test_create_command_claiming_its_event_is_its_arguments() -> None:
+    store = _Sent([b"1-0", [[b"1-0", [b"e", _ENTRY[2]]]]])
+    job = _job(Status.QUEUED, None)
+    told: list[Any] = []
+    await store.create(job, entry=_ENTRY, claim=(b"$1\r\ng\r\n$4\r\nme-1\r\n", 4, told.append))
+    args = _args(store.sent[0])
+    assert args[:3] == [b"EVALSHA", _SHAS["create"].encode(), b"3"]
+    assert args[3:6] == [b"pfx:job:jABC_123", b"pfx:active", b"pfx:events"]
+    rest = args[6:]
+    assert rest[0] == store._encode(job)
+    assert rest[1:5] == [b"queued", b"7", b"jABC_123", store._origin.encode()]
+    assert rest[5:] == [b"e", _ENTRY[2], b"g", b"me-1", b"4", repr(job.updated_at).encode()]
+    assert told == [store.answer]  # the reply, for the queue to take its read
 
 
 @pytest.mark.parametrize("entry", [None, _ENTRY])

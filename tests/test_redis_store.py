@@ -18,7 +18,7 @@ import trio.testing
 import pipework as pw
 from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Frame, Job, new_job_id
-from pipework.dispatcher._redis_store import _EARLY
+from pipework.dispatcher._redis_store import _EARLY, _FLIGHTS
 from pipework.dispatcher._resp import Connection
 from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
@@ -152,14 +152,15 @@ async def test_calls_made_together_share_round_trips_and_keep_their_own_answers(
     caller still gets its own answer, a refused create its own error."""
     store = _store(redis_server)
     trips: list[int] = []
-    send = store._send_calls
+    fly = store._fly
 
     async def counted() -> None:
         trips.append(len(store._calls))
-        await send()
+        await fly()
 
-    store._send_calls = counted  # type: ignore[method-assign]  # counts the round trips of this store only
     async with store:
+        await store.create(_job())  # loads the create script: no batch of its own below
+        store._fly = counted  # type: ignore[method-assign]  # counts the round trips of this store only
         jobs = [_job() for _ in range(40)]
         await store.create(jobs[0])
         refused: list[str] = []
@@ -437,39 +438,70 @@ async def test_a_record_written_as_a_map_by_an_older_version_still_reads(
         assert read.to_wire() == job.to_wire()
 
 
-class _Gated(TestRedisJobStore):
-    """A store whose next round trip waits for ``gate``; the one after it sets ``landed``
-    once its replies are in, and the calls each round trip carries are counted."""
+class _Gated(RedisJobStore):
+    """A store whose next round trip waits for ``gate`` before it is sent; the calls each
+    batch carries are counted as it goes (in the order the batches go). On the real clock:
+    the suite's store spins while a round trip is on its way, so no task would be idle."""
 
     gate: trio.Event | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.landed = trio.Event()
         self.trips: list[int] = []
 
-    async def _round_trip(self, batch: list[Any]) -> list[Any]:
-        self.trips.append(len(batch))
-        return await super()._round_trip(batch)
+    async def _fly(self) -> None:
+        self.trips.append(len(self._calls))
+        await super()._fly()
 
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
         gate, self.gate = self.gate, None
-        if gate is None:
-            return await super()._wait(request)
-        await gate.wait()
-        try:
-            return await super()._wait(request)
-        finally:
-            self.landed.set()
+        if gate is not None:
+            await gate.wait()
+        return await super()._wait(request)
 
 
-@pytest.mark.parametrize("waiting", [_EARLY, 2])
-async def test_calls_made_during_a_round_trip_go_at_once_when_there_are_enough(
-    redis_server: RedisServer, waiting: int
-) -> None:
-    """The calls made while a round trip is on its way go in the next one as soon as it
-    has landed when there are at least _EARLY of them: a task woken a pass later makes
-    its call for the round trip after. Fewer wait passes of the run loop for such calls."""
+async def test_the_next_batch_goes_while_one_is_on_its_way(redis_server: RedisServer) -> None:
+    """Calls made while a batch is on its way go in the next one without waiting for its
+    replies (it is sent after the batch before it, and its replies read after theirs); at
+    most _FLIGHTS batches are on their way, later calls wait for one to land. Every caller
+    gets its own answer."""
+    store = _Gated(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    async with store:
+        jobs = [_job() for _ in range(3)]
+        for job in jobs:
+            await store.create(job)
+        store.trips.clear()
+        gate = store.gate = trio.Event()
+        read: list[tuple[str, str]] = []
+
+        async def get(job_id: str) -> None:
+            read.append((job_id, (await store.get(job_id)).id))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, jobs[0].id)  # the held batch's one call
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(store._flights) == 1
+            for _ in range(3):
+                nursery.start_soon(get, jobs[1].id)
+            await trio.testing.wait_all_tasks_blocked()
+            assert _FLIGHTS == 2
+            assert len(store._flights) == 2  # gathered and gone after the held one
+            for _ in range(2):
+                nursery.start_soon(get, jobs[2].id)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(store._flights) == 2
+            assert len(store._calls) == 2  # waiting for a batch to land
+            gate.set()
+        assert store.trips == [1, 3, 2]
+        assert sorted(read) == sorted(
+            [(jobs[0].id,) * 2] + [(jobs[1].id,) * 2] * 3 + [(jobs[2].id,) * 2] * 2
+        )
+
+
+async def test_a_batch_goes_as_soon_as_it_holds_enough_calls(redis_server: RedisServer) -> None:
+    """A batch goes after at most _PASSES passes of the run loop, or at once when it holds
+    _EARLY calls (or half the calls waiting for answers, if more): the tasks of the pass
+    that made them go on while Redis runs it, and later calls make the next batch."""
     store = _Gated(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
     async with store:
         job = _job()
@@ -481,22 +513,75 @@ async def test_calls_made_during_a_round_trip_go_at_once_when_there_are_enough(
         async def get() -> None:
             read.append((await store.get(job.id)).id)
 
-        async def latecomer() -> None:
-            await store.landed.wait()
-            await trio.lowlevel.checkpoint()  # ready a pass after the replies
-            await get()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get)  # the held batch's one call
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(_EARLY + 3):  # made in one pass of the run loop
+                nursery.start_soon(get)
+            await trio.testing.wait_all_tasks_blocked()
+            # The _EARLY-th call sent its batch, the three after it wait (two on their way).
+            assert store.trips == [1, _EARLY]
+            gate.set()
+        assert store.trips == [1, _EARLY, 3]
+        assert read == [job.id] * (_EARLY + 4)
+
+
+async def test_a_connection_lost_with_two_batches_on_their_way_fails_both_then_recovers(
+    redis_server: RedisServer,
+) -> None:
+    """Both batches on the one connection fail with the store's error (none is read by
+    the wrong caller); the next call opens a new connection."""
+    store = RedisJobStore(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    async with store:
+        job = _job()
+        await store.create(job)
+        failed: list[str] = []
+
+        async def call(name: str, commands: list[Any]) -> None:
+            try:
+                await store.pipeline(commands)
+            except pw.StoreUnavailable:
+                failed.append(name)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(get)  # the held round trip's one call
+            # The first batch holds Redis on this connection; the second is sent behind it.
+            nursery.start_soon(call, "held", [["BLPOP", f"{store.prefix}:nothing", 10]])
             await trio.testing.wait_all_tasks_blocked()
-            for _ in range(waiting):
-                nursery.start_soon(get)
-            nursery.start_soon(latecomer)
+            nursery.start_soon(call, "behind", [["GET", f"{store.prefix}:other"]])
             await trio.testing.wait_all_tasks_blocked()
-            assert store.trips == []  # held before it went
-            gate.set()
-        assert read == [job.id] * (waiting + 2)  # every caller got its answer
-        if waiting >= _EARLY:
-            assert store.trips == [1, waiting, 1]
-        else:
-            assert store.trips == [1, waiting + 1]
+            assert len(store._flights) == 2
+            assert store._connection is not None
+            address = store._connection._usable().socket.getsockname()  # type: ignore[attr-defined]  # a TCP stream
+            killer = await Connection.open(redis_server.url)
+            try:
+                await killer.call([["CLIENT", "KILL", "ADDR", f"{address[0]}:{address[1]}"]])
+            finally:
+                await killer.aclose()
+        assert sorted(failed) == ["behind", "held"]
+        assert (await store.get(job.id)).id == job.id  # a new connection
+
+
+async def test_scripts_flushed_are_loaded_and_their_calls_sent_again(
+    redis_server: RedisServer,
+) -> None:
+    """A batch whose scripts Redis no longer knows: the calls that needed them go again
+    after the scripts are loaded; the others keep the answers they had."""
+    store = RedisJobStore(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    async with store:
+        first, second = _job(), _job()
+        await store.create(first)
+        await store.pipeline([["SCRIPT", "FLUSH"]])
+        got: dict[str, Any] = {}
+
+        async def read() -> None:
+            got["read"] = (await store.get(first.id)).id
+
+        async def create() -> None:
+            await store.create(second)
+            got["created"] = True
+
+        async with trio.open_nursery() as nursery:  # one batch: a plain read and a script
+            nursery.start_soon(read)
+            nursery.start_soon(create)
+        assert got == {"read": first.id, "created": True}
+        assert (await store.get(second.id)).status is pw.Status.QUEUED

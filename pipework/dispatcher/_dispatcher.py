@@ -109,6 +109,9 @@ class Dispatcher:
         )
         #: The scope each running step runs in (its runner's): a cancel goes through it.
         self._scopes: dict[str, trio.CancelScope] = {}
+        #: New jobs whose creator holds a slot for their first step (see hold_first).
+        self._claiming: dict[str, _Claim] = {}
+        self._claims: bool = hasattr(queue, "create_and_claim")
         self.runners = StepRunners(self._step)
         # The observers of the two series every job feeds, by pipe and by route: no label
         # tuples built and hashed per observation (label values are bounded by registration).
@@ -240,6 +243,46 @@ class Dispatcher:
         assert self._nursery is not None, "the dispatcher is not running"
         self.runners.start(self._nursery, event)
 
+    # -- a new job's first step, claimed as it is created ---------------------------------
+
+    def hold_first(self, job: Job) -> object | None:
+        """A worker slot for a new job's first step, when one is free at once and the queue
+        can hand the job's event to this process as the record is written (a Redis queue's
+        ``create_and_claim``): the record is then written running, and the step starts
+        with no status write of its own and no read of the event. None otherwise. The
+        caller writes the record, then calls :meth:`start_claimed` or :meth:`let_go_first`.
+        A cancel before the step starts (here, or published from elsewhere) is noted, and
+        the step then runs nothing."""
+        if not self._claims or self._grant is None or self._nursery is None:
+            return None
+        held = self._grant(job.key)
+        if held is not None:
+            self._claiming[job.id] = _Claim(held, self.clock())
+        return held
+
+    def start_claimed(self, event: RunJob) -> None:
+        """Start the step of a job whose event was claimed with its record (hold_first)."""
+        claim = self._claiming[event.job_id]
+        claim.event = event
+        try:
+            assert self._nursery is not None, "the dispatcher is not running"
+            self.runners.start(self._nursery, event)
+        except BaseException:
+            # The dispatcher stopped: the event stays pending, taken over by a live process.
+            self.let_go_first(event.job_id)
+            raise
+
+    def let_go_first(self, job_id: str) -> None:
+        """The slot hold_first held, not used (the record was not written, or its event was
+        not claimed)."""
+        claim = self._claiming.pop(job_id, None)
+        if claim is not None:
+            self._unhold(claim)
+
+    def _unhold(self, claim: _Claim) -> None:
+        assert self._release is not None
+        self._release(claim.held, claim.granted, self.clock())
+
     # -- cursor --------------------------------------------------------------------------
 
     def start_frames(self, job: Job, chain: Chain) -> None:
@@ -324,6 +367,11 @@ class Dispatcher:
         from inside a library's nursery — ends here as this job's outcome; only the engine's
         own shutdown (a cancellation from outside the step) travels on."""
         acked = False
+        claim = None  # the slot its creator holds for it (hold_first), until the step runs
+        if self._claiming:
+            claim = self._claiming.get(event.job_id)
+            if claim is not None and claim.event is not event:
+                claim = None
         try:
             try:
                 nowait = self.nowait
@@ -339,17 +387,22 @@ class Dispatcher:
                     job = own or await self.store.get(event.job_id)
             except PipeworkError:
                 return False
-            if job.status is _RUNNING and self.reclaimed(event):
+            if job.status is _RUNNING and (claim is not None or self.reclaimed(event)):
                 # Its step died with the process that ran it (a shared queue handed the
-                # event on): run it again from the cursor, the last pipe that finished.
+                # event on), or it is claimed and was marked running with its record: run
+                # it from the cursor, the last pipe that finished.
                 job.transition(Status.QUEUED)
-            if job.status is not _QUEUED:
+            if job.status is not _QUEUED or (claim is not None and claim.cancelled):
                 if job.status is Status.SUSPENDED and self.reclaimed(event):
                     self._rearm(job)  # its step died before its timer was surely stored
-                return False  # cancelled or finished while the event waited: nothing to run
+                # Cancelled or finished while the event waited (a claimed job: while its
+                # record was written; the cancel recorded its end): nothing to run.
+                return False
             record = job  # what a cancel marks, whichever record the step ends with
             self._scopes[job.id] = scope
             self._running[job.id] = job
+            if claim is not None:  # from here a cancel goes through the step's scope
+                del self._claiming[job.id]
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
             now = self.clock()
@@ -357,19 +410,24 @@ class Dispatcher:
                 # The uncontended grant: no schedule point (the step's task has just been
                 # scheduled) and no context manager; a step that would wait or be
                 # refused takes the pool's ``slot`` below.
-                held = None if self._grant is None else self._grant(job.key)
+                marked = claim is not None  # its record was written running (hold_first)
+                if claim is not None:
+                    held, granted, claim = claim.held, claim.granted, None  # released below
+                else:
+                    held = None if self._grant is None else self._grant(job.key)
+                    granted = now
                 if held is not None:
                     ended = None
                     try:
                         self.queue.ack(event)
                         acked = True
                         self._waited(job.key, 0.0)
-                        ended = await self._run_held(job, now, True, own is job)  # as_read, own
+                        ended = await self._run_held(job, now, True, own is job, marked)
                         settled = True
                     finally:
                         assert self._release is not None
                         end = self.clock() if ended is None else ended
-                        self._release(held, now, end)
+                        self._release(held, granted, end)
                 else:
                     # A resumed job carries an outside fact (a payment, an approval): it
                     # waits out the load up to its deadline rather than be refused, as
@@ -412,6 +470,9 @@ class Dispatcher:
                     raise outside
             return record.cancel_requested or scope.deadline != math.inf
         finally:
+            if claim is not None:  # its slot was not used: the step ran nothing
+                self._claiming.pop(event.job_id, None)
+                self._unhold(claim)
             if not acked:
                 self.queue.ack(event)
             if self._step_ended is not None:
@@ -485,16 +546,21 @@ class Dispatcher:
         observe(seconds)
 
     async def _run_held(
-        self, job: Job, now: float, as_read: bool = False, own: bool = False
+        self, job: Job, now: float, as_read: bool = False, own: bool = False, marked: bool = False
     ) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
         ``as_read``: the job is as the store returned it but for its status; ``own``: as the
-        store last wrote it (``read_own``), which may be stale. Returns the last clock read."""
+        store last wrote it (``read_own``), which may be stale; ``marked``: the store has
+        it running already (a claimed first step, see hold_first). Returns the last clock
+        read."""
         chain = self.plans[job.plan].get_chain(job.chain)  # chain_of, inline
         held = job.key
         job.transition(_RUNNING)
-        if job.parent is None or job.id not in self.unstored:
+        if marked:  # written running with its record (hold_first)
+            if self.observers:
+                self.changed(job)
+        elif job.parent is None or job.id not in self.unstored:
             nowait = self.nowait
             try:
                 if nowait:
@@ -1045,6 +1111,9 @@ class Dispatcher:
                 running.cancel_requested = True
             scope.cancel()  # the step finishes it once the pipe's cleanup has run
         else:
+            claim = self._claiming.get(job.id)
+            if claim is not None:
+                claim.cancelled = True  # its step has not started: it will not
             await self.finish(
                 job, Status.CANCELLED, exc=JobCancelled(f"job {job.id} was cancelled")
             )
@@ -1056,6 +1125,9 @@ class Dispatcher:
         process): the step ends the job once the pipe's cleanup has run."""
         scope = self._scopes.get(job_id)
         if scope is None:
+            claim = self._claiming.get(job_id)
+            if claim is not None:  # its step has not started: it will not
+                claim.cancelled = True
             return
         running = self._running.get(job_id)
         if running is not None:
@@ -1368,6 +1440,19 @@ class Dispatcher:
             return True
         kept: bool = await unless_changed(job)
         return kept
+
+
+class _Claim:
+    """A slot held for a new job's first step (Dispatcher.hold_first); ``event``: the step's,
+    once claimed; ``cancelled``: the job was cancelled before its step started."""
+
+    __slots__ = ("cancelled", "event", "granted", "held")
+
+    def __init__(self, held: object, granted: float) -> None:
+        self.held = held
+        self.granted = granted
+        self.event: RunJob | None = None
+        self.cancelled = False
 
 
 def _never(event: Any) -> bool:

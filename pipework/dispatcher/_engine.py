@@ -375,7 +375,10 @@ class Engine:
             nowait = self._dispatcher.nowait
             # A shared queue that writes the record and the first event together (Redis).
             together = None if nowait else getattr(self.queue, "create_and_submit", None)
-            if together is None or not await together(self.store, job, RunJob(job.id)):
+            handled = together is not None and await self._create_claiming(job)
+            if not handled and (
+                together is None or not await together(self.store, job, RunJob(job.id))
+            ):
                 if nowait:
                     nowait[2](job)
                 else:
@@ -398,6 +401,25 @@ class Engine:
             self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
         self._accepted(job)
         return job.id
+
+    async def _create_claiming(self, job: Job) -> bool:
+        """Write a new job's record and first event with the event claimed by this process,
+        its first step started at once on a slot held meanwhile, when a slot is free now
+        (``Dispatcher.hold_first``); False, with nothing written, when that cannot be."""
+        create_and_claim = getattr(self.queue, "create_and_claim", None)
+        if create_and_claim is None or self._dispatcher.hold_first(job) is None:
+            return False
+        event = RunJob(job.id)
+        try:
+            claimed = await create_and_claim(self.store, job, event)
+        except BaseException:
+            self._dispatcher.let_go_first(job.id)
+            raise
+        if claimed:
+            self._dispatcher.start_claimed(event)
+        else:  # not written (None), or its event left on the stream for the next read
+            self._dispatcher.let_go_first(job.id)
+        return claimed is not None
 
     def _not_accepted(self, job: Job) -> None:
         jobs = self._plan_jobs.get(job.plan)

@@ -56,7 +56,7 @@ from ._queue import QueueStatistics
 from ._redis_relay import RedisRelay
 from ._redis_store import _UNREACHABLE, RedisJobStore, _public
 from ._redis_timers import RedisTimers
-from ._resp import Arg, Command, Connection, ReplyError
+from ._resp import Arg, Command, Connection, ReplyError, encode_args
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 
@@ -67,6 +67,15 @@ _FIELD: Final = b"e"
 #: How long after the last events a store's round trips brought the blocking read
 #: resumes (a process whose store is busy reads in its round trips).
 _QUIET: Final = 0.01
+
+#: How many entries create_and_claim's read may take: its own, and a few before it (other
+#: processes' events, or events put without a claim); with more before it, the job's
+#: event is left to the next read and the job runs as any other.
+_CLAIM_READ: Final = 4
+
+#: How many entries a read riding in a store's round trip takes at most: no more than half
+#: the room left, the rest is for create_and_claim's reads meanwhile.
+_RIDE_READ: Final = 64
 
 
 def encode_event(event: Event) -> bytes:
@@ -167,6 +176,10 @@ class RedisEventQueue:
         self._connection: Connection | None = None
         self._reader: Connection | None = None
         self._reading = False  # the blocking read is on its way
+        self._riding = 0  # the COUNT of the read riding in a store's round trip (board)
+        #: The COUNTs of the reads riding in the store's round trips on their way (board's,
+        #: create_and_claim's): what they bring counts against max_inflight before it comes.
+        self._reserved = 0
         self._last_read = -math.inf  # when a read last brought events (trio clock)
         self._turn = trio.Lock()
         self._nursery: trio.Nursery | None = None
@@ -197,6 +210,8 @@ class RedisEventQueue:
             poll=timer_poll,
             written=self._wake,
         )
+        #: create_and_claim's group and consumer arguments, encoded once.
+        self._claim_arg = encode_args([group, self.consumer])
         #: Progress, chunks and cancels between processes (the engine runs it).
         self.relay = RedisRelay(url, prefix=prefix)
 
@@ -306,6 +321,52 @@ class RedisEventQueue:
         self._accepted += 1
         self._shared_depth += 1  # as for a batch written (_send_outbox)
         return True
+
+    async def create_and_claim(self, store: object, job: Job, event: RunJob) -> bool | None:
+        """:meth:`create_and_submit`, with the event read for this consumer in the same
+        write, for a creator that holds a worker slot for the job's first step: True if
+        the event is this consumer's (pending for it, the record marked running: the
+        caller starts the step with ``event``, which it must :meth:`ack` and
+        :meth:`step_ended` as any delivered one), False if entries before it took the
+        room this consumer has (the record stays queued, the event on the stream). The
+        entries read before it are delivered as any read's. None, with nothing done, if
+        ``store`` is not the queue's or the queue has no room to claim (the caller uses
+        :meth:`create_and_submit`)."""
+        room = min(self._room_left(), _CLAIM_READ)
+        if store is not self._store or self._store is None or room <= 0 or self._running is None:
+            return None
+        self._check_room()
+        self._reserved += room
+        claimed: list[bytes] = []
+
+        def read(reply: Any) -> None:
+            # Told in reply order, before any later read's entries are delivered.
+            self._reserved -= room
+            claimed.append(b"")
+            if not reply:
+                return  # not created: it exists already
+            at, entries = reply
+            if entries:
+                self._last_read = trio.current_time()
+                others = [e for e in entries if e[0] != at] if at else entries
+                if others:
+                    self._deliver(others)
+            if at:
+                self._inflight[id(event)] = (event, at)
+                claimed[0] = at
+
+        try:
+            await self._store.create(
+                job,
+                entry=(self.stream, _FIELD, encode_event(event)),
+                claim=(self._claim_arg, room, read),
+            )
+        finally:
+            if not claimed:  # no answer came
+                self._reserved -= room
+        self._accepted += 1
+        self._shared_depth += 1  # as for a batch written (_send_outbox)
+        return bool(claimed[0])
 
     async def update_and_put(self, store: object, job: Job, event: RunJob) -> bool:
         """Write the job's record to ``store`` and put its next event in the same write, if
@@ -470,7 +531,10 @@ class RedisEventQueue:
                     # While the store's round trips bring events (board), they read; a
                     # blocking read waits for new events only once they have gone quiet.
                     await self._quiet()
-                count = self.max_inflight - len(self._inflight)
+                count = self._room_left()
+                if count <= 0:  # reads on their way may fill it: the next round looks again
+                    await trio.sleep(_QUIET)
+                    continue
                 self._reading = True
                 try:
                     reply = await self._retrying("reading events", self._read, count)
@@ -493,20 +557,33 @@ class RedisEventQueue:
 
     def board(self) -> Command | None:
         """The read that rides along in the store's next round trip (after the events it
-        writes, which so come back at once), unless the blocking read is waiting."""
-        room = self.max_inflight - len(self._inflight)
-        if self._reading or room <= 0 or self._running is None:
+        writes, which so come back at once), unless the blocking read is waiting or a
+        read is riding already (batches may be on their way two at a time): every read
+        on its way counts against ``max_inflight`` until it lands (:meth:`alight`)."""
+        room = self._room_left()
+        room = min(room - room // 2, _RIDE_READ)  # half at most: the rest for claims
+        if self._reading or self._riding or room <= 0 or self._running is None:
             return None
+        self._riding = room
+        self._reserved += room
         return [
             "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", room,
             "STREAMS", self.stream, ">",
         ]  # fmt: skip
 
     def alight(self, reply: Any) -> None:
+        """The riding read's reply (None if it never came back)."""
+        self._reserved -= self._riding
+        self._riding = 0
         if isinstance(reply, ReplyError) or not reply or self._running is None:
             return  # an error reaches the blocking read too (NOGROUP: the group is made)
         self._last_read = trio.current_time()
         self._deliver(reply[0][1])
+
+    def _room_left(self) -> int:
+        """How many more events this consumer may read: ``max_inflight`` less those it
+        holds and those reads on their way may bring."""
+        return self.max_inflight - len(self._inflight) - self._reserved
 
     async def _read(self, count: int) -> Any:
         """One blocking ``XREADGROUP`` on the reader's own connection."""
@@ -560,7 +637,7 @@ class RedisEventQueue:
         # Claims count toward max_inflight as reads do: a consumer with a full pool leaves
         # a dead one's events to the others (or to its next round) rather than taking them
         # all at once, to wait for its slots past their wait timeout.
-        room = self.max_inflight - len(self._inflight)
+        room = self._room_left()
         while room > 0:
             command: list[Arg] = [
                 "XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start,

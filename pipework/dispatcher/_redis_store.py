@@ -92,13 +92,31 @@ _TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL
 
 # KEYS: job, the active set, then optionally a stream. ARGV: blob, status, version, id, origin,
 # then (with the stream) an entry's field and value: the job's first event, written with
-# its record (see RedisEventQueue.create_and_submit).
+# its record (see RedisEventQueue.create_and_submit); then, to claim it, the group, the
+# consumer, how many entries it may read, and the record's updated_at. A claim reads the
+# group's next entries for the consumer, as its XREADGROUP would (they are pending for it
+# from then on); if the job's own event is among them, its record is marked running (its
+# creator holds a worker slot for its first step) and the answer is {its entry id, the
+# entries}, else {"", the entries}, the record left queued. A read the group refuses
+# (NOGROUP: Redis restarted empty) claims nothing: what was written stays written.
 _CREATE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[4])
-if KEYS[3] then redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7]) end
-return 1
+if not KEYS[3] then return 1 end
+local at = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7])
+if not ARGV[8] then return 1 end
+local read = redis.pcall('XREADGROUP', 'GROUP', ARGV[8], ARGV[9], 'COUNT', ARGV[10],
+    'STREAMS', KEYS[3], '>')
+if type(read) ~= 'table' or read.err or not read[1] then return {'', {}} end
+local entries = read[1][2]
+for _, entry in ipairs(entries) do
+    if entry[1] == at then
+        redis.call('HSET', KEYS[1], 's', 'running', 'u', ARGV[11])
+        return {at, entries}
+    end
+end
+return {'', entries}
 """
 
 # The update and status scripts answer with one integer (one reply to read, not three):
@@ -289,10 +307,12 @@ def _bulk(data: bytes) -> bytes:
 #: joins this batch is one less round trip.
 _PASSES: Final = 3
 
-#: A batch that already holds this many calls goes without waiting those passes (or the
-#: rest of them): typically the calls made while the last round trip was on its way. The
-#: tasks its replies woke then run while Redis runs the batch, where a batch waiting for
-#: them leaves Redis idle, and their calls make the next one.
+#: A batch that already holds this many calls, or half of the calls waiting for answers
+#: if that is more, goes at once, without waiting those passes (or the rest of them): the
+#: call that fills it sends it, and the tasks of the same pass run on while Redis runs it,
+#: their calls making the next batch (the next one may go before this one lands, see
+#: _FLIGHTS). A whole pass's calls in one batch would leave Redis idle while this process
+#: runs them, and this process idle while Redis runs theirs.
 _EARLY: Final = 8
 
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
@@ -302,7 +322,7 @@ _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceErr
 class _Call:
     """Commands waiting for their round trip (one, or a caller's pipeline: ``many``);
     ``lead``: it sends the next batch; ``then``: a call nobody waits for (``update_soon``),
-    told of its answer instead."""
+    told of its answer instead; ``read``: see below."""
 
     __slots__ = (
         "answered",
@@ -310,6 +330,7 @@ class _Call:
         "error",
         "lead",
         "many",
+        "read",
         "result",
         "script",
         "task",
@@ -326,6 +347,41 @@ class _Call:
         self.answered = False
         self.lead = False
         self.then: Callable[[_Call], None] | None = None
+        #: Told the reply of a call that reads events, in the batch's reply order.
+        self.read: Callable[[Any], None] | None = None
+
+
+#: How many batches may be on their way at once on the connection: while Redis runs one,
+#: this process gathers and sends the next, rather than the two taking turns idle. Two
+#: were faster than one and than three (docs/scaling.md).
+_FLIGHTS: Final = 2
+
+
+class _Flight:
+    """A batch on its way: ``previous`` is the batch sent before it (its replies come
+    first); the tasks waiting for this one to be sent or read."""
+
+    __slots__ = (
+        "batch",
+        "previous",
+        "read",
+        "read_waiter",
+        "ride",
+        "rider",
+        "send_waiter",
+        "sent",
+    )
+
+    def __init__(self, batch: list[_Call], previous: _Flight | None) -> None:
+        self.batch = batch
+        #: The event queue's read riding in the batch, and its reply once read.
+        self.rider: _Rider | None = None
+        self.ride: Any = None
+        self.previous = previous
+        self.sent = False
+        self.read = False
+        self.send_waiter: trio.lowlevel.Task | None = None
+        self.read_waiter: trio.lowlevel.Task | None = None
 
 
 class _Rider(Protocol):
@@ -388,7 +444,11 @@ class RedisJobStore:
         self._offset: float | None = None
         self._locks: dict[str, tuple[trio.Lock, int]] = {}
         self._calls: list[_Call] = []  # waiting for the next round trip
-        self._sending = False  # a round trip is on its way
+        self._lead = False  # a call is gathering the next batch, to send it
+        self._gatherer: _Call | None = None  # that call, while it waits for more
+        self._outstanding = 0  # calls made and not answered yet
+        self._early = _EARLY
+        self._flights: list[_Flight] = []  # batches sent, their replies not all read yet
         self._orphaned = False  # calls nobody waits for are left to the last sender
         #: This store's name in the records it creates (see _UPDATE).
         self._origin = secrets.token_hex(8)
@@ -417,10 +477,12 @@ class RedisJobStore:
         )
         self._status_head = b"*%d\r\n%b" % (9, encode_args(["EVALSHA", _SHAS["status"], 1]))
         self._prefix_arg = encode_args([prefix])
-        # create's command without and with a stream entry: 2 or 3 keys, 5 or 7 arguments.
+        # create's command without a stream entry, with one, and claiming it: 2, 3 or 3
+        # keys, 5, 7 or 11 arguments.
         self._create_heads = (
             b"*10\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 2]),
             b"*13\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
+            b"*17\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
         )
         self._get_head = encode_args(["HMGET"])
         self._get_tail = encode_args(["d", "v", "s", "u"])
@@ -469,47 +531,77 @@ class RedisJobStore:
         return result
 
     async def _call(self, call: _Call) -> Any:
-        self._calls.append(call)
-        if self._sending:
+        calls = self._calls
+        calls.append(call)
+        self._outstanding += 1
+        early = self._early = max(_EARLY, self._outstanding // 2)
+        if self._lead and self._gatherer is not None and len(calls) >= early:
+            if len(self._flights) < _FLIGHTS:
+                # The lead waits for more calls, and there are enough: this call sends them
+                # now, while the other tasks of this pass go on; the lead waits as any call.
+                self._gatherer.lead = False
+                self._gatherer = call
+                call.lead = True
+        elif not self._lead and len(self._flights) < _FLIGHTS:
+            self._lead = call.lead = True
+            self._gatherer = call
+        if not call.lead:
             # Its answer, or its turn to send the next batch: a wait that cancellation
             # does not end (as if shielded), bounded by the round trips before its own.
             call.task = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(_no_abort)
-        else:
-            self._sending = call.lead = True
         if call.lead:
-            with trio.move_on_after(self.io_timeout, shield=True):
+            with trio.move_on_after(self.io_timeout, shield=True) as scope:
                 await self._gather()
-                await self._send_calls()
-                # Calls nobody waits for (update_soon) and none to send them: this task
-                # sends them too, before it goes on.
-                while self._orphaned:
-                    self._orphaned = False
-                    await self._gather()
-                    await self._send_calls()
-            if not call.answered and call.error is None:  # its time ran out before it went
-                self._calls.remove(call)
-                self._hand_on()
-                call.error = self._no_answer()
-            if self._orphaned:  # the time ran out before they went
-                self._orphaned = False
-                orphans, self._calls = self._calls, []
-                self._sending = False
-                for orphan in orphans:
-                    orphan.error = self._no_answer()
-                    self._tell(orphan)
+                if call.lead:
+                    await self._fly()
+                    # Calls nobody waits for (update_soon) and none to send them: this task
+                    # sends them too, before it goes on.
+                    while self._orphaned:
+                        self._orphaned = False
+                        self._lead = True
+                        await self._gather()
+                        await self._fly()
+            if scope.cancelled_caught:
+                self._timed_out(call)
+        if not call.answered and call.error is None:
+            # A later call took its lead and sent its batch: it waits for its answer.
+            call.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(_no_abort)
         if call.error is not None:
             raise call.error
         return call.result
+
+    def _timed_out(self, call: _Call) -> None:
+        """The lead's time ran out: its call, if it had not gone, and calls nobody waits for
+        that it was to send, fail as unanswered."""
+        if call.lead and not call.answered and call.error is None and call in self._calls:
+            self._calls.remove(call)
+            self._outstanding -= 1
+            self._lead = False
+            self._gatherer = None
+            self._hand_on()
+            call.error = self._no_answer()
+        if self._orphaned:
+            self._orphaned = False
+            self._lead = False
+            orphans, self._calls = self._calls, []
+            self._outstanding -= len(orphans)
+            for orphan in orphans:
+                orphan.error = self._no_answer()
+                self._tell(orphan)
 
     async def _gather(self) -> None:
         """Every task that is ready runs first, so the calls it makes join this batch (a
         round trip costs mostly the wake-ups it causes, here and in Redis): up to _PASSES
         passes of the run loop, none once the batch holds _EARLY calls."""
+        gatherer = self._gatherer
         for _ in range(_PASSES):
-            if len(self._calls) >= _EARLY:
+            if len(self._calls) >= self._early:
                 return
             await trio.lowlevel.checkpoint()
+            if self._gatherer is not gatherer:
+                return  # a later call sent the batch
 
     async def _script(self, name: str, keys: list[str], args: list[Arg]) -> Any:
         return await self._run(["EVALSHA", _SHAS[name], len(keys), *keys, *args], name)
@@ -519,30 +611,28 @@ class RedisJobStore:
             f"the job store at {_public(self.url)} did not answer within {self.io_timeout:g}s"
         )
 
-    async def _send_calls(self) -> None:
+    async def _fly(self) -> None:
+        """Send the calls gathered as one batch, then, in turn, read its replies and
+        answer its callers. The next batch may go while this one is on its way."""
         batch, self._calls = self._calls, []
+        self._lead = False
+        self._gatherer = None
+        flight = _Flight(batch, self._flights[-1] if self._flights else None)
+        self._flights.append(flight)
         try:
             try:
-                replies = await self._wait(functools.partial(self._round_trip, batch))
+                replies = await self._wait(functools.partial(self._round_trip, flight))
             except _UNREACHABLE as exc:
                 raise self._unavailable(exc) from exc
-            at = 0
-            for call in batch:
-                if call.many:
-                    call.result = replies[at : at + len(call.commands)]
-                    at += len(call.commands)
-                else:
-                    reply = replies[at]
-                    at += 1
-                    if isinstance(reply, ReplyError):
-                        call.error = self._refused(reply)
-                    else:
-                        call.result = reply
-                call.answered = True
+            self._take(batch, replies)
         except Exception as exc:
             for call in batch:
-                call.error = _copy(exc)
+                if not call.answered:  # (those answered before a retry keep their answer)
+                    call.error = _copy(exc)
         finally:
+            self._landed(flight)
+            self._alight(flight)
+            self._outstanding -= len(batch)
             for call in batch:
                 if not call.answered and call.error is None:  # the round trip's time ran out
                     call.error = self._no_answer()
@@ -552,6 +642,38 @@ class RedisJobStore:
                 elif call.then is not None:
                     self._tell(call)
             self._hand_on()
+
+    def _take(self, batch: list[_Call], replies: list[Any], skip: Sequence[int] = ()) -> None:
+        """Give each call of the batch its replies, in order (but those at ``skip``, sent
+        again); a call that reads events is told its reply now (``_Call.read``)."""
+        at = 0
+        for call in batch:
+            if call.answered:
+                at += len(call.commands)
+                continue
+            if call.many:
+                call.result = replies[at : at + len(call.commands)]
+                at += len(call.commands)
+            else:
+                if at in skip:
+                    at += 1
+                    continue
+                reply = replies[at]
+                at += 1
+                if isinstance(reply, ReplyError):
+                    call.error = self._refused(reply)
+                else:
+                    call.result = reply
+                    if call.read is not None:
+                        call.read(reply)
+            call.answered = True
+
+    @staticmethod
+    def _alight(flight: _Flight) -> None:
+        """The read riding in the batch is told its reply (None if none came), once."""
+        rider, flight.rider = flight.rider, None
+        if rider is not None:
+            rider.alight(flight.ride)
 
     @staticmethod
     def _tell(call: _Call) -> None:
@@ -563,41 +685,78 @@ class RedisJobStore:
         except Exception:
             _log.exception("pipework: handling the answer of a job store write failed")
 
-    async def _round_trip(self, batch: list[_Call]) -> list[Any]:
+    async def _round_trip(self, flight: _Flight) -> list[Any]:
         """One batch on the store's connection (opened if there is none; outside ``async
-        with``, a connection for this batch only)."""
+        with``, a connection for this batch only): sent after the batches before it, its
+        replies read after theirs."""
+        batch = flight.batch
+        commands = [command for call in batch for command in call.commands]
+        if flight.previous is not None and not flight.previous.sent:
+            await self._turn(flight.previous, "send_waiter")
         connection = self._connection
         if connection is None or connection.closed:
             connection = await Connection.open(self.url)
             if self._entered:
                 self._connection = connection
+        rider = self.rider
+        extra = None if rider is None else rider.board()
+        if extra is not None:
+            flight.rider = rider
         try:
-            commands = [command for call in batch for command in call.commands]
-            rider = self.rider
-            extra = None if rider is None else rider.board()
-            if rider is None or extra is None:
-                replies = await connection.call(commands)
-            else:
-                replies = await connection.call([*commands, extra])
-                rider.alight(replies.pop())
-            # Scripts Redis does not know yet (a new or restarted server) are loaded, and
-            # the calls that needed them sent again.
-            missing = [
-                i
-                for i, reply in enumerate(replies)
-                if isinstance(reply, ReplyError) and reply.code == "NOSCRIPT"
-            ]
-            if missing:
-                scripts = [call.script for call in batch for _ in call.commands]
-                names = sorted({name for i in missing if (name := scripts[i])})
-                loads: list[Command] = [["SCRIPT", "LOAD", _SOURCES[n]] for n in names]
-                again = await connection.call(loads + [commands[i] for i in missing])
-                for i, reply in zip(missing, again[len(loads) :], strict=True):
-                    replies[i] = reply
-            return replies
+            try:
+                await connection.send(commands if extra is None else [*commands, extra])
+            finally:
+                flight.sent = True
+                self._wake(flight, "send_waiter")
+            if flight.previous is not None and not flight.previous.read:
+                await self._turn(flight.previous, "read_waiter")
+            replies = await connection.read(len(commands) + (extra is not None))
+            self._landed(flight)
+            if extra is not None:
+                flight.ride = replies.pop()  # told once the batch's replies are taken
         finally:
             if connection is not self._connection:
                 await connection.aclose()
+        # Scripts Redis does not know yet (a new or restarted server) are loaded, and the
+        # calls that needed them sent again, as a batch of their own.
+        scripts = [call.script for call in batch for _ in call.commands]
+        missing = [
+            i
+            for i, reply in enumerate(replies)
+            if isinstance(reply, ReplyError) and reply.code == "NOSCRIPT" and scripts[i]
+        ]
+        if missing:
+            # The read riding in this batch ran before the calls sent again: its entries
+            # are delivered first, as are those of the calls that did not need a script.
+            self._take(batch, replies, missing)
+            self._alight(flight)
+            names = sorted({name for i in missing if (name := scripts[i])})
+            loads: list[Command] = [["SCRIPT", "LOAD", _SOURCES[n]] for n in names]
+            again = await self._call(_Call(loads + [commands[i] for i in missing], None, True))
+            for i, reply in zip(missing, again[len(loads) :], strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _turn(self, previous: _Flight, slot: str) -> None:
+        """Wait until the batch before has been sent (``send_waiter``) or read."""
+        setattr(previous, slot, trio.lowlevel.current_task())
+        await trio.lowlevel.wait_task_rescheduled(_no_abort)
+
+    @staticmethod
+    def _wake(flight: _Flight, slot: str) -> None:
+        task = getattr(flight, slot)
+        if task is not None:
+            setattr(flight, slot, None)
+            trio.lowlevel.reschedule(task)
+
+    def _landed(self, flight: _Flight) -> None:
+        """The batch's replies are read (or will never be): the next batch reads."""
+        if flight.read:
+            return
+        flight.read = flight.sent = True
+        self._flights.remove(flight)
+        self._wake(flight, "send_waiter")
+        self._wake(flight, "read_waiter")
 
     def _refused(self, reply: ReplyError) -> Exception:
         """A command's error reply, for its caller: a server that is loading its data or
@@ -609,18 +768,19 @@ class RedisJobStore:
         return reply
 
     def _hand_on(self) -> None:
-        """The batch is sent: the first call that waits sends the next one (if only calls
-        nobody waits for are left, the task that sent this batch sends them: _orphaned)."""
+        """A batch has landed: if calls wait with no lead to send them, the first that
+        waits sends the next one (if only calls nobody waits for are left, the task that
+        sent this batch sends them: _orphaned)."""
+        if self._lead or not self._calls:
+            return
         for following in self._calls:
             if following.task is not None:
-                following.lead = True
+                following.lead = self._lead = True
+                self._gatherer = following
                 trio.lowlevel.reschedule(following.task)
                 following.task = None
                 return
-        if self._calls:
-            self._orphaned = True
-        else:
-            self._sending = False
+        self._orphaned = True
 
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
         """Every round trip goes through here (tests under a mock clock wrap it)."""
@@ -700,14 +860,37 @@ class RedisJobStore:
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
 
-    async def create(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
+    async def create(
+        self,
+        job: Job,
+        *,
+        entry: tuple[str, bytes, bytes] | None = None,
+        claim: tuple[bytes, int, Callable[[Any], None]] | None = None,
+    ) -> None:
         """``entry``: ``(stream, field, value)`` added to a stream in the same write (the
-        job's first event), so the record and the event that runs it arrive together."""
+        job's first event), so the record and the event that runs it arrive together.
+        ``claim``: ``(group and consumer encoded, count, read)``: the entry is also read for
+        the consumer with up to ``count`` entries before it (see _CREATE), and ``read`` is
+        told the answer (the entry's id, b"" if it was not among them, and the entries
+        read; 0 if the record exists) as the batch's replies are taken in order, before
+        the entries of a read later in the batch are delivered."""
         job_id = job.id.encode()
         blob = self._encode(job)
         version = b"%d" % job.version
+        head = self._create_heads[0 if entry is None else 1 if claim is None else 2]
+        tail = b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2])
+        if claim is not None:
+            updated = repr(job.updated_at).encode()
+            count = b"%d" % claim[1]
+            tail += b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n" % (
+                claim[0],
+                len(count),
+                count,
+                len(updated),
+                updated,
+            )
         command = _CREATE_FORMAT % (
-            self._create_heads[entry is not None],
+            head,
             len(self._job_prefix) + len(job_id),
             self._job_prefix,
             job_id,
@@ -721,9 +904,12 @@ class RedisJobStore:
             len(job_id),
             job_id,
             self._origin_arg,
-            b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
+            tail,
         )
-        created = await self._run(command, "create")
+        call = _Call([command], "create", many=False)
+        if claim is not None:
+            call.read = claim[2]
+        created = await self._call(call)
         if not created:
             raise ValueError(f"job {job.id} already exists")
         if job.status is Status.QUEUED:
@@ -896,7 +1082,7 @@ class RedisJobStore:
         is told how it went (None once written, else the error ``update`` would raise), in
         the task that sent it. False, with nothing done, when none is on its way (the
         caller awaits ``update``: somebody must send the batch)."""
-        if not self._sending or not self._entered:
+        if not (self._lead or self._flights) or not self._entered:
             return False
         status = job.status
         command, blob = self._update_command(job, "", entry)
@@ -915,6 +1101,7 @@ class RedisJobStore:
 
         call.then = told
         self._calls.append(call)
+        self._outstanding += 1
         return True
 
     async def _update(
