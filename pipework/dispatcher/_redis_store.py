@@ -468,6 +468,8 @@ class RedisJobStore:
         self._ended: dict[str, Job] = {}
         #: Records written here whole and left queued: (blob, version), see read_own.
         self._own: dict[str, tuple[bytes, int]] = {}
+        #: Jobs created here whose first event this process claimed (see create).
+        self._claimed: dict[str, Job] = {}
         #: What rides along in every round trip (the event queue's reads, see _Rider).
         self.rider: _Rider | None = None
         self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
@@ -912,7 +914,13 @@ class RedisJobStore:
         created = await self._call(call)
         if not created:
             raise ValueError(f"job {job.id} already exists")
-        if job.status is Status.QUEUED:
+        if claim is not None and created[0]:
+            # Its step, this process's, is the only one that can run it now: it takes the
+            # record itself (read_own), as a step on the memory store does.
+            self._claimed[job.id] = job
+            if len(self._claimed) > _OWN_KEPT:
+                del self._claimed[next(iter(self._claimed))]
+        elif job.status is Status.QUEUED:
             self._keep_own(job, blob)
         if self._hearing():
             self._active[job.id] = job
@@ -1015,7 +1023,13 @@ class RedisJobStore:
         """The job's record as this store last wrote it whole, left queued (a job it created
         or handed off), decoded afresh without a round trip, once; None if it holds none.
         Another process may have written the record since: the caller writes it back with
-        ``update_status(job, verify=True)``, which then writes nothing and says so."""
+        ``update_status(job, verify=True)``, which then writes nothing and says so. A job
+        created here with its event claimed (see create) is returned itself, not a copy:
+        the step of that event is the only one that can run it (its creator keeps only
+        its id; a waiter here reads it only once it is final, see _update_command)."""
+        claimed = self._claimed.pop(job_id, None)
+        if claimed is not None:
+            return claimed
         own = self._own.pop(job_id, None)
         return None if own is None else self._decode(own[0], own[1])
 
@@ -1181,6 +1195,7 @@ class RedisJobStore:
     async def delete(self, job_id: str) -> None:
         self._active.pop(job_id, None)
         self._own.pop(job_id, None)
+        self._claimed.pop(job_id, None)
         self._ended.pop(job_id, None)
         await self._script(
             "delete", [self._key(job_id), f"{self.prefix}:finished"], [job_id, self.prefix]
