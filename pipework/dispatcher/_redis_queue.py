@@ -78,6 +78,10 @@ _CLAIM_READ: Final = 4
 _RIDE_READ: Final = 64
 
 
+#: One packer for every event (msgpack.packb makes one per call).
+_pack: Final = msgpack.Packer(use_bin_type=True).pack
+
+
 def encode_event(event: Event) -> bytes:
     if isinstance(event, RunJob):
         wire: list[Any] = ["run", event.job_id]
@@ -97,7 +101,7 @@ def encode_event(event: Event) -> bytes:
             list(event.stage),
             None if event.error is None else list(event.error),
         ]
-    data: bytes = msgpack.packb(wire, use_bin_type=True)
+    data: bytes = _pack(wire)
     return data
 
 
