@@ -422,8 +422,11 @@ async def test_same_key_pipes_share_one_step_and_key_changes_hand_off() -> None:
     engine.chain("c", a1, a2, a3, b1)
     async with engine:
         await engine.run("c")
-        # One submission plus one hand-off (a -> b): the three "a" pipes shared a step.
-        assert engine.queue.statistics().accepted == 2
+        # One submission plus one hand-off (a -> b): the three "a" pipes shared a step. On
+        # a shared store, a hand-off to a key with a slot free at once runs on in the same
+        # step, with no event of its own (Dispatcher._go_on_under).
+        in_process = engine._dispatcher.nowait is not None
+        assert engine.queue.statistics().accepted == (2 if in_process else 1)
     assert keys == ["a", "a", "a", "b"]
 
 

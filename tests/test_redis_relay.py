@@ -129,7 +129,14 @@ async def test_chunks_of_steps_run_elsewhere_reach_the_stream_in_order(
         # Each chunk says where its step ran, and so does the state.
         assert {c["from"]: c["by"] for c in chunks} == {k: state[k] for k in ("x", "y", "z")}
         by |= {c["by"] for c in chunks}
-    assert by == ({"a", "b"} if a_takes_work else {"b"})
+    if not a_takes_work:
+        assert by == {"b"}
+    elif shared:
+        # "a" claims each job's first event as it accepts it, its slots being free, and the
+        # hand-offs run on in the same step: a process runs what it accepts when it can.
+        assert by == {"a"}
+    else:
+        assert by <= {"a", "b"}
     assert [(c["from"], c["i"]) for c in record.output] == expected
 
 

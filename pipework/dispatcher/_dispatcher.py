@@ -418,16 +418,19 @@ class Dispatcher:
                     granted = now
                 if held is not None:
                     ended = None
+                    # The slot and when it was granted: a hand-off may trade it for one
+                    # under the next key (_go_on_under).
+                    grant: list[Any] = [held, granted]
                     try:
                         self.queue.ack(event)
                         acked = True
                         self._waited(job.key, 0.0)
-                        ended = await self._run_held(job, now, True, own is job, marked)
+                        ended = await self._run_held(job, now, True, own is job, marked, grant)
                         settled = True
                     finally:
                         assert self._release is not None
                         end = self.clock() if ended is None else ended
-                        self._release(held, granted, end)
+                        self._release(grant[0], grant[1], end)
                 else:
                     # A resumed job carries an outside fact (a payment, an approval): it
                     # waits out the load up to its deadline rather than be refused, as
@@ -546,14 +549,21 @@ class Dispatcher:
         observe(seconds)
 
     async def _run_held(
-        self, job: Job, now: float, as_read: bool = False, own: bool = False, marked: bool = False
+        self,
+        job: Job,
+        now: float,
+        as_read: bool = False,
+        own: bool = False,
+        marked: bool = False,
+        slot: list[Any] | None = None,
     ) -> float:
         """Run pipes while they share the held slot's key. ``now``: the clock at the grant;
         each pipe's end is the next one's start, so a step reads the clock once per pipe.
         ``as_read``: the job is as the store returned it but for its status; ``own``: as the
         store last wrote it (``read_own``), which may be stale; ``marked``: the store has
-        it running already (a claimed first step, see hold_first). Returns the last clock
-        read."""
+        it running already (a claimed first step, see hold_first); ``slot``: the uncontended
+        grant the step holds and when it was granted, which a hand-off may trade
+        (_go_on_under). Returns the last clock read."""
         chain = self.plans[job.plan].get_chain(job.chain)  # chain_of, inline
         held = job.key
         job.transition(_RUNNING)
@@ -622,7 +632,9 @@ class Dispatcher:
                 flat = None
                 continue
             key = pipe.key or chain.key
-            if key != held:
+            if key != held and slot is not None and await self._go_on_under(job, key, slot, now):
+                held = key
+            elif key != held:
                 job.key = key
                 job.transition(Status.QUEUED)
                 if job.parent is not None and job.id in self.unstored:
@@ -702,6 +714,40 @@ class Dispatcher:
                         await self.store.update(job)
             if len(frames) != 1:
                 flat = None
+
+    async def _go_on_under(self, job: Job, key: str, slot: list[Any], now: float) -> bool:
+        """A hand-off on a shared store, to a key with a slot free at once: the step trades
+        its slot for that one and runs on, after one write of the record (the cursor, the
+        new key, still running), where a hand-off through the queue costs a write, an event
+        to read back, and its next step's status write. The step's event stays unfinished
+        until the step ends, so a process that dies meanwhile leaves it to be taken over
+        and run again from the cursor, as for any step. False, with nothing done, on an
+        in-process store (a hand-off through its queue costs next to nothing) or if no
+        slot is free at once."""
+        if self.nowait or job.parent is not None:
+            return False
+        assert self._grant is not None
+        assert self._release is not None
+        granted = self._grant(key)
+        if granted is None:
+            return False
+        self._release(slot[0], slot[1], now)
+        slot[0], slot[1] = granted, now
+        job.key = key
+        self._waited(key, 0.0)
+        await self.store.update(job)  # the cursor and the key, before the next pipe runs
+        if self.observers:
+            self.changed(job)
+        if job_logger.isEnabledFor(logging.INFO):
+            log_job(
+                "job handed off",
+                correlation_id=job.correlation_id,
+                job_id=job.id,
+                route=job.chain,
+                key=key,
+                status=job.status.value,
+            )
+        return True
 
     async def _run_pipe(
         self, job: Job, chain: Chain, pipe: Pipe, started: float, *, write: bool = True
