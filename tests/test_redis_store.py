@@ -448,12 +448,14 @@ class _Gated(RedisJobStore):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.trips: list[int] = []
+        self.flights: list[Any] = []
 
     async def _fly(self) -> None:
         self.trips.append(len(self._calls))
         await super()._fly()
 
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
+        self.flights.append(getattr(request, "args", (None,))[0])
         gate, self.gate = self.gate, None
         if gate is not None:
             await gate.wait()
@@ -471,6 +473,7 @@ async def test_the_next_batch_goes_while_one_is_on_its_way(redis_server: RedisSe
         for job in jobs:
             await store.create(job)
         store.trips.clear()
+        store.flights.clear()
         gate = store.gate = trio.Event()
         read: list[tuple[str, str]] = []
 
@@ -493,6 +496,9 @@ async def test_the_next_batch_goes_while_one_is_on_its_way(redis_server: RedisSe
             assert len(store._calls) == 2  # waiting for a batch to land
             gate.set()
         assert store.trips == [1, 3, 2]
+        # A landed batch is no longer held by the one after it (else each would hold every
+        # batch before it, for as long as batches overlap).
+        assert [f.previous for f in store.flights] == [None, None, None]
         assert sorted(read) == sorted(
             [(jobs[0].id,) * 2] + [(jobs[1].id,) * 2] * 3 + [(jobs[2].id,) * 2] * 2
         )

@@ -712,6 +712,7 @@ class RedisJobStore:
                 self._wake(flight, "send_waiter")
             if flight.previous is not None and not flight.previous.read:
                 await self._turn(flight.previous, "read_waiter")
+            flight.previous = None  # (each batch held the one before: a chain of all of them)
             replies = await connection.read(len(commands) + (extra is not None))
             self._landed(flight)
             if extra is not None:
@@ -756,6 +757,7 @@ class RedisJobStore:
         if flight.read:
             return
         flight.read = flight.sent = True
+        flight.previous = None
         self._flights.remove(flight)
         self._wake(flight, "send_waiter")
         self._wake(flight, "read_waiter")
