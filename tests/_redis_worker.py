@@ -1,7 +1,9 @@
 """A pipework process that only works (it accepts nothing): ``python -m tests._redis_worker
-URL PREFIX [shared]``. The crash test kills it with SIGKILL in the middle of its jobs.
-``shared``: its queue shares the store's round trips, as ``[store] backend = "redis"``
-builds them."""
+URL PREFIX [shared [accept N]]``. The crash test kills it with SIGKILL in the middle of its
+jobs. ``shared``: its queue shares the store's round trips, as ``[store] backend = "redis"``
+builds them. ``accept N``: it also submits N "slow" jobs, one every 20 ms, and prints
+each one's id as it is accepted, with 1 if its first event was claimed with its record
+(its step started here at once) or 0."""
 
 from __future__ import annotations
 
@@ -35,6 +37,13 @@ def declare(engine: pw.Engine, name: str) -> None:
 
     engine.chain("work", fetch, store, timeout=600)
 
+    @engine.pipe(key="a")
+    async def fetch_slowly(ctx: pw.Context) -> None:
+        await trio.sleep(0.2)  # the crash lands in it, well after the job was accepted
+        ctx.state["fetched_by"] = name
+
+    engine.chain("slow", fetch_slowly, store, timeout=600)
+
     def branch(label: str) -> pw.Pipe:
         async def run(ctx: pw.Context) -> None:
             await trio.sleep(0.02)
@@ -53,7 +62,7 @@ def declare(engine: pw.Engine, name: str) -> None:
     engine.chain("wait", hold, timeout=600)
 
 
-async def main(url: str, prefix: str, shared: bool) -> None:
+async def main(url: str, prefix: str, shared: bool, accept: int) -> None:
     store = RedisJobStore(url, prefix=prefix)
     engine = pw.Engine(
         pool=pw.WeightedPool(16, wait_timeout=SLOT_WAIT),
@@ -65,8 +74,15 @@ async def main(url: str, prefix: str, shared: bool) -> None:
     declare(engine, "doomed")
     async with engine:
         print("ready", flush=True)
+        for i in range(accept):
+            job_id = await engine.submit("slow", {"n": i})
+            claimed = job_id in engine._dispatcher._claiming  # its step not started yet
+            print(job_id, int(claimed), flush=True)
+            await trio.sleep(0.02)  # below what its slots take: most find one free, claimed
         await trio.sleep_forever()
 
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1], sys.argv[2], sys.argv[3:] == ["shared"])
+    shared = sys.argv[3:4] == ["shared"]
+    accept = int(sys.argv[5]) if sys.argv[4:5] == ["accept"] else 0
+    trio.run(main, sys.argv[1], sys.argv[2], shared, accept)

@@ -535,3 +535,69 @@ async def test_a_request_parked_where_the_end_was_not_heard_still_completes(
     async with a, b:
         with trio.fail_after(30):
             assert await a.run("c") == {"by": "b"}
+
+
+class _Lines:
+    """The lines a process writes, one at a time."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buffer = b""
+
+    async def receive(self) -> str:
+        while b"\n" not in self._buffer:
+            data = await self._stream.receive_some()
+            if not data:
+                raise EOFError("the process closed its output")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+
+async def test_kill_9_of_the_process_that_accepted_and_claimed_the_jobs_loses_none(
+    redis_server: RedisServer,
+) -> None:
+    """The process that accepts the jobs runs them too, claiming a job's first event with
+    its record when a slot is free (its record written running): killed with SIGKILL in the
+    middle, every job it accepted ends, the claimed ones whose step it was running run
+    again elsewhere from their cursor."""
+    prefix = _prefix()
+    jobs = 400
+    command = [
+        *(sys.executable, "-m", "tests._redis_worker", redis_server.url, prefix),
+        *("shared", "accept", str(jobs)),
+    ]
+    accepted: dict[str, bool] = {}
+    async with trio.open_nursery() as nursery:
+        worker: trio.Process = await nursery.start(
+            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert worker.stdout is not None
+        lines = _Lines(worker.stdout)
+        with trio.fail_after(60):
+            assert await lines.receive() == "ready"
+            claimed_last = False
+            while len(accepted) < 20 or not claimed_last:  # well into them, one just claimed
+                job_id, claimed = (await lines.receive()).split()
+                accepted[job_id] = claimed_last = claimed == "1"
+        worker.kill()  # the job just claimed is in its first pipe (200 ms)
+        await worker.wait()
+    assert any(accepted.values())  # claims among them
+    rescue_store = RedisJobStore(redis_server.url, prefix=prefix)
+    rescuer = pw.Engine(
+        pool=pw.WeightedPool(16),
+        store=rescue_store,
+        queue=RedisEventQueue(redis_server.url, prefix=prefix, claim_idle=1, store=rescue_store),
+    )
+    declare_work(rescuer, "rescuer")
+    async with rescuer:
+        with trio.fail_after(180):
+            results = {job_id: await rescuer.wait(job_id) for job_id in accepted}
+    assert all(r["stored_by"] in ("doomed", "rescuer") for r in results.values())
+    # A claimed job whose first step died with its process ran that step again elsewhere.
+    assert any(
+        claimed and results[job_id]["fetched_by"] == "rescuer"
+        for job_id, claimed in accepted.items()
+    )
+    statuses = [(await rescue_store.get(job_id)).status for job_id in accepted]
+    assert statuses.count(pw.Status.DONE) == len(accepted)
