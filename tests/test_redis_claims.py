@@ -201,3 +201,29 @@ async def test_a_claim_with_other_events_before_it_leaves_its_event_to_the_next_
             queue.ack(e)
         with trio.fail_after(10):
             await _until_pending(redis_server, prefix, _CLAIM_READ + 1)
+
+
+async def test_a_queue_with_a_connection_of_its_own_claims_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """Claims ride in the store's round trips: a queue that does not share them holds no
+    slot for a new job (Dispatcher.hold_first), and its jobs run as before."""
+    prefix = _prefix()
+    pool = pw.WeightedPool(4)
+    engine = pw.Engine(
+        store=RedisJobStore(redis_server.url, prefix=prefix),
+        queue=RedisEventQueue(redis_server.url, prefix=prefix),
+        pool=pool,
+    )
+
+    @engine.pipe
+    async def work(ctx: pw.Context) -> None:
+        ctx.state["done"] = True
+
+    engine.chain("c", work)
+    async with engine:
+        job = Job(id=new_job_id(), chain="c", state={}, correlation_id="x")
+        assert engine._dispatcher.hold_first(job) is None
+        assert pool.statistics().in_use == 0
+        with trio.fail_after(10):
+            assert await engine.run("c") == {"done": True}

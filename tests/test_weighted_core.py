@@ -229,6 +229,19 @@ def test_expiry_rejects_with_its_reason_and_counts_it() -> None:
         c.expire(by_timeout, 3.0)
 
 
+def test_an_uncontended_grant_given_back_unused_is_no_hold_sample() -> None:
+    c = core(1)
+    used = c.grant_nowait("a")
+    assert used is not None
+    c.release_nowait(used, 0.0, 1.0)  # held one second: a sample
+    unused = c.grant_nowait("a")
+    assert unused is not None
+    assert c.grant_nowait("a") is None  # the one slot is held
+    waiter = waiting(c, "a")
+    assert c.withdraw_nowait(unused, 5.0) == [waiter]  # given back: the waiter has it
+    assert c.statistics(5.0).keys["a"].mean_hold == 1.0  # and no sample of five seconds
+
+
 def test_cancel_withdraws_a_waiter_or_frees_an_unused_grant() -> None:
     c = core(1)
     holder = granted(c, "a")

@@ -111,7 +111,8 @@ class Dispatcher:
         self._scopes: dict[str, trio.CancelScope] = {}
         #: New jobs whose creator holds a slot for their first step (see hold_first).
         self._claiming: dict[str, _Claim] = {}
-        self._claims: bool = hasattr(queue, "create_and_claim")
+        can_claim = getattr(queue, "can_claim", None)
+        self._claims: bool = can_claim is not None and can_claim(store)
         self.runners = StepRunners(self._step)
         # The observers of the two series every job feeds, by pipe and by route: no label
         # tuples built and hashed per observation (label values are bounded by registration).
@@ -280,6 +281,11 @@ class Dispatcher:
             self._unhold(claim)
 
     def _unhold(self, claim: _Claim) -> None:
+        """Give back a claim's slot, unused: no hold time counted, where the pool can."""
+        withdraw = getattr(self.pool, "withdraw_nowait", None)
+        if withdraw is not None:
+            withdraw(claim.held)
+            return
         assert self._release is not None
         self._release(claim.held, claim.granted, self.clock())
 

@@ -326,6 +326,11 @@ class RedisEventQueue:
         self._shared_depth += 1  # as for a batch written (_send_outbox)
         return True
 
+    def can_claim(self, store: object) -> bool:
+        """Whether :meth:`create_and_claim` can claim a job of ``store``'s: the store is the
+        one whose round trips this queue shares."""
+        return self._store is not None and store is self._store
+
     async def create_and_claim(self, store: object, job: Job, event: RunJob) -> bool | None:
         """:meth:`create_and_submit`, with the event read for this consumer in the same
         write, for a creator that holds a worker slot for the job's first step: True if

@@ -140,6 +140,14 @@ class WeightedPool:
         if woken:
             self._wake(woken)
 
+    @enable_ki_protection
+    def withdraw_nowait(self, handle: object) -> None:
+        """Give back a slot :meth:`grant_nowait` granted that was never used: no hold time
+        is counted for it; the waiters it frees are woken."""
+        woken = self._core.withdraw_nowait(handle, trio.current_time())
+        if woken:
+            self._wake(woken)
+
     def statistics(self) -> PoolStatistics:
         return self._core.statistics(trio.current_time())
 

@@ -367,6 +367,13 @@ class AdmissionCore:
         self._hold_sample(handle, now - granted_at)
         return self._give_back(handle, now)
 
+    def withdraw_nowait(self, handle: object, now: float) -> list[Ticket]:
+        """Give back a slot :meth:`grant_nowait` granted that was never used (a new job's
+        slot held while its record was written, see Dispatcher.hold_first): not a hold-time
+        sample. Returns the waiters granted in its place."""
+        assert isinstance(handle, _Key)
+        return self._give_back(handle, now)
+
     def check_admission(self, key: str, now: float, *, deadline: float = math.inf) -> None:
         """Raise the :class:`Rejected` a new step under ``key`` would get now (paused, queue
         full, or a predicted wait past ``deadline``); return if it would be granted or queued.
