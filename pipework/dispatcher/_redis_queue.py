@@ -53,8 +53,9 @@ from .._errors import Overloaded, StoreUnavailable
 from ._events import BranchDone, Event, Expire, Resume, RunJob
 from ._job import Job
 from ._queue import QueueStatistics
+from ._redis_batches import _UNREACHABLE, _public
 from ._redis_relay import RedisRelay
-from ._redis_store import _UNREACHABLE, RedisJobStore, _public
+from ._redis_store import RedisJobStore
 from ._redis_timers import RedisTimers
 from ._resp import Arg, Command, Connection, ReplyError, encode_args
 
