@@ -59,7 +59,8 @@ _UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceErr
 class _Call:
     """Commands waiting for their round trip (one, or a caller's pipeline: ``many``);
     ``lead``: it sends the next batch; ``then``: a call nobody waits for (``update_soon``),
-    told of its answer instead; ``read``: see below."""
+    told of its answer instead; ``read``: a call that reads events (a claim), told its
+    reply as the batch's replies are taken, in order."""
 
     __slots__ = (
         "answered",
@@ -84,7 +85,6 @@ class _Call:
         self.answered = False
         self.lead = False
         self.then: Callable[[_Call], None] | None = None
-        #: Told the reply of a call that reads events, in the batch's reply order.
         self.read: Callable[[Any], None] | None = None
 
 
@@ -96,7 +96,8 @@ _FLIGHTS: Final = 2
 
 class _Flight:
     """A batch on its way: ``previous`` is the batch sent before it (its replies come
-    first); the tasks waiting for this one to be sent or read."""
+    first), let go of once they are read; the tasks waiting for this one to be sent or
+    read; the read riding in it and that read's reply."""
 
     __slots__ = (
         "batch",
