@@ -656,15 +656,7 @@ class Dispatcher:
                         await self.store.update(job)
                         self.changed(job)
                         self.queue.put_nowait(RunJob(job.id))
-                if job_logger.isEnabledFor(logging.INFO):
-                    log_job(
-                        "job handed off",
-                        correlation_id=job.correlation_id,
-                        job_id=job.id,
-                        route=job.chain,
-                        key=key,
-                        status=job.status.value,
-                    )
+                _log_hand_off(job)
                 return now
             # The write of the cursor is left out when the step's next write carries it
             # anyway, with nothing run in between: the job's end or its hand-off.
@@ -744,15 +736,7 @@ class Dispatcher:
         await self.store.update(job)  # the cursor and the key, before the next pipe runs
         if self.observers:
             self.changed(job)
-        if job_logger.isEnabledFor(logging.INFO):
-            log_job(
-                "job handed off",
-                correlation_id=job.correlation_id,
-                job_id=job.id,
-                route=job.chain,
-                key=key,
-                status=job.status.value,
-            )
+        _log_hand_off(job)
         return True
 
     async def _run_pipe(
@@ -1505,6 +1489,20 @@ class _Claim:
         self.granted = granted
         self.event: RunJob | None = None
         self.cancelled = False
+
+
+def _log_hand_off(job: Job) -> None:
+    """The log line of a hand-off, through the queue or run on in its step (job.key is the
+    new key)."""
+    if job_logger.isEnabledFor(logging.INFO):
+        log_job(
+            "job handed off",
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=job.chain,
+            key=job.key,
+            status=job.status.value,
+        )
 
 
 def _never(event: Any) -> bool:

@@ -352,6 +352,7 @@ class RedisEventQueue:
         def read(reply: Any) -> None:
             # Told in reply order, before any later read's entries are delivered.
             self._reserved -= room
+            self._room.set()
             claimed.append(b"")
             if not reply:
                 return  # not created: it exists already
@@ -374,6 +375,7 @@ class RedisEventQueue:
         finally:
             if not claimed:  # no answer came
                 self._reserved -= room
+                self._room.set()
         self._accepted += 1
         self._shared_depth += 1  # as for a batch written (_send_outbox)
         return bool(claimed[0])
@@ -534,16 +536,13 @@ class RedisEventQueue:
     async def _read_loop(self) -> None:
         try:
             while True:
-                while len(self._inflight) >= self.max_inflight:
-                    self._room = trio.Event()
-                    await self._room.wait()
+                await self._until_room()
                 if self._store is not None:
                     # While the store's round trips bring events (board), they read; a
                     # blocking read waits for new events only once they have gone quiet.
                     await self._quiet()
                 count = self._room_left()
-                if count <= 0:  # reads on their way may fill it: the next round looks again
-                    await trio.sleep(_QUIET)
+                if count <= 0:  # reads riding in round trips took it meanwhile
                     continue
                 self._reading = True
                 try:
@@ -557,6 +556,13 @@ class RedisEventQueue:
             reader, self._reader = self._reader, None
             if reader is not None:
                 await reader.aclose()
+
+    async def _until_room(self) -> None:
+        """Wait until this consumer may read more (see _room_left): an acknowledgement or a
+        riding read landing sets ``_room``."""
+        while self._room_left() <= 0:
+            self._room = trio.Event()
+            await self._room.wait()
 
     async def _quiet(self) -> None:
         while True:
@@ -585,6 +591,7 @@ class RedisEventQueue:
         """The riding read's reply (None if it never came back)."""
         self._reserved -= self._riding
         self._riding = 0
+        self._room.set()
         if isinstance(reply, ReplyError) or not reply or self._running is None:
             return  # an error reaches the blocking read too (NOGROUP: the group is made)
         self._last_read = trio.current_time()
