@@ -276,8 +276,12 @@ async def test_a_request_parked_past_the_grace_period_is_cancelled() -> None:
 
 def unpatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put hypercorn's own methods back for one test (the fix patches them for good)."""
-    for cls, name in [(TCPServer, "_close"), (TrioSingleTask, "restart"), (TrioSingleTask, "stop")]:
-        monkeypatch.setattr(cls, name, inspect.unwrap(getattr(cls, name)))
+    for patch in _hypercorn_fix._PATCHES:
+        monkeypatch.setattr(patch.cls, patch.name, inspect.unwrap(getattr(patch.cls, patch.name)))
+
+
+def patched_methods() -> list[Callable[..., Any]]:
+    return [getattr(patch.cls, patch.name) for patch in _hypercorn_fix._PATCHES]
 
 
 async def test_unpatched_hypercorn_still_cancels_its_bookkeeping(
@@ -344,22 +348,22 @@ async def test_unpatched_hypercorn_still_cancels_its_bookkeeping(
 
 def test_fix_is_idempotent() -> None:
     _hypercorn_fix.apply()
-    patched: list[Callable[..., Any]] = [
-        TCPServer._close,
-        TrioSingleTask.restart,
-        TrioSingleTask.stop,
-    ]
+    patched = patched_methods()
     _hypercorn_fix.apply()
-    assert [TCPServer._close, TrioSingleTask.restart, TrioSingleTask.stop] == patched
+    assert patched_methods() == patched
     assert _hypercorn_fix.is_applied()
     for method in patched:
         # One wrapper around hypercorn's method, not a wrapper around a wrapper.
         assert inspect.unwrap(method) is not method
-        assert not hasattr(inspect.unwrap(method), "_pipework_shielded")
+        assert not hasattr(inspect.unwrap(method), "_pipework_patched")
 
 
 async def changed_restart(self: TrioSingleTask, action: Any) -> None:
     """``restart`` with a parameter gone, as a future hypercorn might have it."""
+
+
+async def changed_run(self: TCPServer) -> None:
+    """A method that no longer goes through the names the fixes rely on."""
 
 
 @pytest.mark.parametrize(
@@ -369,7 +373,10 @@ async def changed_restart(self: TrioSingleTask, action: Any) -> None:
         pytest.param(
             TCPServer, "_close", lambda self: None, "is not an async method", id="close-sync"
         ),
-        pytest.param(TCPServer, "run", lambda self: None, "run no longer uses", id="run-changed"),
+        pytest.param(TCPServer, "run", changed_run, "run no longer uses", id="run-changed"),
+        pytest.param(
+            TCPServer, "protocol_send", changed_run, "protocol_send no longer uses", id="caller"
+        ),
         pytest.param(
             TrioSingleTask, "restart", changed_restart, "does not take", id="restart-changed"
         ),
@@ -384,10 +391,7 @@ def test_fix_refuses_changed_hypercorn_internals(
         _hypercorn_fix.apply()
     assert not _hypercorn_fix.is_applied()
     # Nothing was patched half-way.
-    assert not any(
-        hasattr(method, "_pipework_shielded")
-        for method in [TCPServer._close, TrioSingleTask.restart, TrioSingleTask.stop]
-    )
+    assert not any(hasattr(method, "_pipework_patched") for method in patched_methods())
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ __all__ = [
     "PROBLEM_JSON",
     "PROBLEM_TYPE_PREFIX",
     "Problem",
+    "encode_problem",
     "problem_for_error",
     "problem_for_exception",
     "problem_for_http",
@@ -115,13 +116,18 @@ class Problem(Exception):
         return doc
 
 
-def render_problem(problem: Problem, *, correlation_id: str, instance: str) -> Response:
-    body = json.dumps(
+def encode_problem(problem: Problem, *, correlation_id: str, instance: str) -> bytes:
+    """The problem's JSON document, as every answer of the container writes it."""
+    return json.dumps(
         problem.document(correlation_id=correlation_id, instance=instance),
         separators=(",", ":"),
         ensure_ascii=False,
         default=str,
-    )
+    ).encode()
+
+
+def render_problem(problem: Problem, *, correlation_id: str, instance: str) -> Response:
+    body = encode_problem(problem, correlation_id=correlation_id, instance=instance)
     response = Response(body, status=problem.status, content_type=PROBLEM_JSON)
     for name, value in problem.headers.items():
         response.headers[name] = value
