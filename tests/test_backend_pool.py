@@ -5,6 +5,7 @@ short or close. Timeouts are checked at exact virtual time (``autojump_clock``).
 from __future__ import annotations
 
 import functools
+import gc
 import gzip
 import json
 import zlib
@@ -18,11 +19,14 @@ import pytest
 import trio
 import trio.testing
 
+import pipework as pw
 from pipework.backends._client import ServiceClient
 from pipework.backends._http import Backends
 from pipework.backends._http_spec import HttpCall, Service
 from pipework.backends._pool import Pool, ResponseTooLarge
-from pipework.pipes._pipe import Context
+from pipework.pipes._pipe import Context, Pipe
+
+from ._endless_backend import endless_backend, retained
 
 HANG_GUARD = 10.0
 
@@ -586,6 +590,13 @@ class _Ctx:
         self.path = "test"
         self.correlation_id = "c0ffee"  # forwarded as X-Request-ID by both clients
         self.traceparent: str | None = None
+        # What a failed call's log line names.
+        self.pipe = Pipe(_nothing, "call")
+        self.job_id = "job-1"
+
+
+async def _nothing(ctx: Context) -> None:
+    return None
 
 
 async def test_backends_call_http_services_through_the_pool_on_one_connection() -> None:
@@ -615,3 +626,92 @@ async def test_backends_call_http_services_through_the_pool_on_one_connection() 
             async with Backends([service], transport=mock) as via_httpx:
                 assert via_httpx._lean == {}  # an injected transport: every call on httpx
                 assert await via_httpx.call(call, ctx) is None
+
+
+@pytest.mark.parametrize("gzip", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("client", ["lean", "httpx"])
+async def test_an_endless_answer_stops_at_max_response_bytes_and_keeps_nothing(
+    client: str, gzip: bool
+) -> None:
+    """A backend whose (decoded) body never ends: each call fails as too big once
+    ``max_response_bytes`` is read — not at the service's timeout, far beyond this test's
+    guard — its connection is closed (the backend's next send fails) and never reused, and
+    the errors, kept as a failed job keeps its own, hold none of what was read. Once they
+    are dropped too, nothing is left for the garbage collector to finalize (an async
+    generator left half-way would be reported: warnings are errors)."""
+    limit = 1 << 20
+    calls = 4
+    with trio.fail_after(HANG_GUARD):
+        async with endless_backend(gzip=gzip) as (backend, port):
+            service = Service(
+                "api", f"http://127.0.0.1:{port}", timeout=1000, max_response_bytes=limit
+            )
+            transport = httpx.AsyncHTTPTransport() if client == "httpx" else None
+            plain = _Ctx({})
+            plain.remaining = 1000.0  # the service's timeout is the bound, not the job's
+            ctx = cast(Context, plain)
+            call = HttpCall.of("api", "/")
+            async with Backends([service], transport=transport) as backends:
+                assert ("api" in backends._lean) == (client == "lean")
+                errors: list[pw.BackendError] = []
+                with retained() as alive:
+                    for done in range(1, calls + 1):
+                        with pytest.raises(pw.BackendError) as info:
+                            await backends.call(call, ctx)
+                        errors.append(info.value)
+                        await backend.wait_ended(done)
+                    # A fresh connection for every call, each closed by the client.
+                    assert backend.accepted == backend.hung_up == calls
+                    kept = alive()
+                if client == "lean":
+                    assert backends._lean["api"].pool.statistics().open == 0
+                assert all(e.status == 200 and e.http_status == 502 for e in errors)
+                assert str(errors[0]).endswith(f"more than {limit} bytes (its max_response_bytes)")
+                assert kept < limit, f"{calls} failed calls keep {kept} bytes alive"
+                del info, errors
+                gc.collect()
+
+
+@pytest.mark.parametrize("client", ["lean", "httpx"])
+async def test_an_answer_cut_short_keeps_nothing_it_read(client: str) -> None:
+    """A backend that closes the connection part of the way through a long body: each call
+    fails (a broken connection, a 502 without status) and its error, kept as a failed job
+    keeps its own, holds none of the body read before the break."""
+    cut = 2 << 20
+    calls = 4
+    with trio.fail_after(HANG_GUARD):
+        async with endless_backend(cut_after=cut) as (backend, port):
+            service = Service(
+                "api", f"http://127.0.0.1:{port}", timeout=1000, max_response_bytes=8 * cut
+            )
+            transport = httpx.AsyncHTTPTransport() if client == "httpx" else None
+            plain = _Ctx({})
+            plain.remaining = 1000.0
+            ctx = cast(Context, plain)
+            async with Backends([service], transport=transport) as backends:
+                errors: list[pw.BackendError] = []
+                with retained() as alive:
+                    for done in range(1, calls + 1):
+                        with pytest.raises(pw.BackendError) as info:
+                            await backends.call(HttpCall.of("api", "/"), ctx)
+                        errors.append(info.value)
+                        await backend.wait_ended(done)
+                    kept = alive()
+                assert all(e.status is None for e in errors)
+                assert kept < cut, f"{calls} failed calls keep {kept} bytes alive"
+
+
+@pytest.mark.parametrize("client", ["lean", "httpx"])
+async def test_a_body_that_does_not_decode_is_the_same_error_on_both_clients(client: str) -> None:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return ok(b"not gzip at all", extra=b"Content-Encoding: gzip\r\n"), True
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(plan) as (_backend, port):
+            service = Service("api", f"http://127.0.0.1:{port}")
+            transport = httpx.AsyncHTTPTransport() if client == "httpx" else None
+            async with Backends([service], transport=transport) as backends:
+                with pytest.raises(pw.BackendError) as info:
+                    await backends.call(HttpCall.of("api", "/"), cast(Context, _Ctx({})))
+    assert str(info.value) == "service 'api' failed: DecodingError"
+    assert info.value.status is None

@@ -28,6 +28,9 @@ from pipework.container._server import serve
 from pipework.dispatcher._weighted import WeightedPool
 from pipework.registry._config import build_registry, loads_config
 
+from ._endless_backend import endless_backend, retained
+from .test_container_harness import assert_problem, serving
+
 HANG_GUARD = 10.0
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -395,6 +398,73 @@ async def test_answers_beyond_max_response_bytes_are_refused(backend: Backend, p
     text = gateway(backend.url, pipes, service="max_response_bytes = 1000")
     with pytest.raises(pw.BackendError, match="more than 1000 bytes"):
         await run(text, {})
+
+
+@pytest.mark.parametrize("client", ["lean", "httpx"])
+async def test_endless_answers_at_once_through_a_route_are_502s_that_keep_nothing(
+    client: str,
+) -> None:
+    """Twelve requests at once to a route whose backend's answer never ends: each is a
+    502 (too big) as soon as ``max_response_bytes`` is read — not a 504 at the service's
+    timeout, which is far beyond this test's guard — every backend connection is closed,
+    and the failed jobs, kept for their retention with their errors, hold none of what
+    was read."""
+    limit = 1 << 20
+    at_once = 12
+    with trio.fail_after(HANG_GUARD):
+        async with endless_backend() as (endless, port):
+            text = f"""
+[pool]
+max_workers = {at_once}
+
+[services.api]
+base_url = "http://127.0.0.1:{port}"
+timeout = 1000
+max_connections = {at_once}
+max_response_bytes = {limit}
+
+[pipes.call]
+service = "api"
+path = "/endless"
+
+[routes.go]
+method = "GET"
+path = "/go"
+chain = ["call"]
+"""
+            config = loads_config(text)
+            backends = config.backends(
+                transport=httpx.AsyncHTTPTransport() if client == "httpx" else None
+            )
+            engine = pw.Engine(
+                registry=build_registry(config, backends),
+                pool=WeightedPool.from_config(config.pool_config()),
+            )
+            answers: list[httpx.Response] = []
+            async with backends, serving(engine) as served:
+                # One first, so that what the first call sets up for good is not counted.
+                answers.append(await served.client.get("/go"))
+                with retained() as alive:
+
+                    async def go() -> None:
+                        answers.append(await served.client.get("/go"))
+
+                    async with trio.open_nursery() as nursery:
+                        for _ in range(at_once):
+                            nursery.start_soon(go)
+                    await endless.wait_ended(1 + at_once)
+                    kept = alive()
+                # The failed jobs are kept, each with its error.
+                jobs = await engine.store.list()
+                assert len(jobs) == 1 + at_once
+                assert all(isinstance(job.exception, pw.BackendError) for job in jobs)
+    assert len(answers) == 1 + at_once
+    for answer in answers:
+        body = assert_problem(answer, 502, "backend-failed")
+        assert body["detail"].endswith(f"more than {limit} bytes (its max_response_bytes)")
+    assert endless.accepted == endless.hung_up == 1 + at_once
+    # Far less than a body per failed job (what is left: their records, the log lines).
+    assert kept < at_once * limit // 4, f"{at_once} failed jobs keep {kept} bytes alive"
 
 
 async def test_invalid_json_is_a_backend_error(backend: Backend) -> None:

@@ -129,12 +129,16 @@ class ServiceClient:
                 max_bytes=service.max_response_bytes,
             )
         except ResponseTooLarge as exc:
-            if exc.status not in call.accept:
-                raise unaccepted(service, call, exc.status) from None
-            raise too_big(service, exc.status) from None
-        if answer.status not in call.accept:
-            raise unaccepted(service, call, answer.status)
-        return _decode(service, answer)
+            status = exc.status
+        else:
+            if answer.status not in call.accept:
+                raise unaccepted(service, call, answer.status)
+            return _decode(service, answer)
+        # Raised out here, not in the handler: the error holds no ResponseTooLarge as its
+        # context, nor the frames that one came through.
+        if status not in call.accept:
+            raise unaccepted(service, call, status)
+        raise too_big(service, status)
 
 
 def _decode(service: Service, answer: Answer) -> Any:

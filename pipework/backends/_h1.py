@@ -8,7 +8,10 @@ about timeouts or limits — the pool (:mod:`._pool`) does, around it.
 A connection is used for one exchange at a time. If an exchange does not finish — the
 caller was cancelled, the peer broke the framing, the body was too big — the connection is
 closed, never reused: h11 would refuse a second request anyway, and a half-read answer on
-the wire would be taken for the next one.
+the wire would be taken for the next one. A closed connection keeps nothing it read.
+
+The content decoder (:func:`content_decoder`) is shared with the httpx path, so both
+clients stop decoding at the same byte.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ from typing import Final
 import h11
 import trio
 
-__all__ = ["Answer", "Connection", "ResponseTooLarge", "StaleConnection"]
+__all__ = [
+    "ACCEPT_ENCODING",
+    "Answer",
+    "BadEncoding",
+    "Connection",
+    "Decoder",
+    "ResponseTooLarge",
+    "StaleConnection",
+    "content_decoder",
+]
 
 _READ_SIZE: Final = 64 * 1024
 # The largest head (status line and headers) accepted from a backend.
@@ -33,6 +45,10 @@ class ResponseTooLarge(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(f"the answer (HTTP {status}) is longer than allowed")
         self.status = status
+
+
+class BadEncoding(Exception):
+    """The answer's body does not decode in the content coding it declared."""
 
 
 class StaleConnection(Exception):
@@ -88,8 +104,11 @@ class Connection:
         return bool(ready)
 
     def close(self) -> None:
-        """Close the socket now (no checkpoint): safe in cleanup and in cancelled code."""
+        """Close the socket now (no checkpoint): safe in cleanup and in cancelled code.
+        The h11 state goes too, with whatever it buffered: a failed call's error may keep
+        this object alive (a failed job keeps its error for its retention)."""
         self._stream.socket.close()
+        self._h11 = h11.Connection(h11.CLIENT)  # empty, and never reusable
 
     async def exchange(
         self,
@@ -102,8 +121,9 @@ class Connection:
     ) -> Answer:
         """Send one request and read its answer to the end. Raises
         :class:`StaleConnection` if the connection failed before any byte of the answer
-        arrived, :class:`ResponseTooLarge` past ``max_bytes`` of decoded body,
-        ``h11.ProtocolError`` for a malformed answer, ``trio.BrokenResourceError`` /
+        arrived, :class:`ResponseTooLarge` past ``max_bytes`` of decoded body (as soon as
+        it is past: the rest is never read), :class:`BadEncoding` for a body that does not
+        decode, ``h11.ProtocolError`` for a malformed answer, ``trio.BrokenResourceError`` /
         ``OSError`` for a connection broken mid-answer. After anything but a normal return
         the connection is not reusable: close it."""
         h = self._h11
@@ -143,7 +163,7 @@ class Connection:
         response_headers = list(head)
 
         declared = _first(response_headers, b"content-length")
-        decoder = _decoder(_first(response_headers, b"content-encoding"))
+        decoder = content_decoder(_first(response_headers, b"content-encoding"))
         # A declared length says it at once (a compressed body's says nothing of this).
         too_long = declared is not None and declared.isdigit() and int(declared) > max_bytes
         if decoder is None and too_long:
@@ -184,11 +204,11 @@ def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return None
 
 
-#: What the client says it can decode, sent with every request.
+#: What the client says it can decode, sent with every request (by both clients).
 ACCEPT_ENCODING: Final = b"gzip, deflate"
 
 
-class _Decoder:
+class Decoder:
     """Undoes a ``gzip`` or ``deflate`` content coding, never producing more than asked
     for at a time (a small compressed body cannot balloon past the caller's limit)."""
 
@@ -211,21 +231,22 @@ class _Decoder:
                     self._z = zlib.decompressobj(-zlib.MAX_WBITS)
             return self._z.decompress(data, limit)
         except zlib.error as exc:
-            raise h11.RemoteProtocolError(f"the answer's body does not decode: {exc}") from None
+            raise BadEncoding(f"the answer's body does not decode: {exc}") from None
 
     def flush(self, room: int) -> bytes:
         try:
             return self._z.flush()[: max(room, 0) + 1]
         except zlib.error as exc:  # pragma: no cover - flush reports no errors in practice
-            raise h11.RemoteProtocolError(f"the answer's body does not decode: {exc}") from None
+            raise BadEncoding(f"the answer's body does not decode: {exc}") from None
 
 
-def _decoder(coding: bytes | None) -> _Decoder | None:
+def content_decoder(coding: bytes | str | None) -> Decoder | None:
+    """The decoder of a ``Content-Encoding``, or None to take the body as it came."""
     if coding is None:
         return None
-    name = coding.strip().lower()
+    name = (coding.encode("latin-1") if isinstance(coding, str) else coding).strip().lower()
     if name in (b"gzip", b"x-gzip"):
-        return _Decoder(gzip=True)
+        return Decoder(gzip=True)
     if name == b"deflate":
-        return _Decoder(gzip=False)
+        return Decoder(gzip=False)
     return None  # identity, or a coding nobody asked for: passed on as it came (as httpx)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+import traceback
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Final
@@ -35,12 +36,14 @@ from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
 from ._client import ServiceClient, decode_answer, too_big, unaccepted
+from ._h1 import ACCEPT_ENCODING, BadEncoding, content_decoder
 from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
 
 __all__ = ["Backends", "http_pipe"]
 
 _USER_AGENT: Final = "pipework"
+_ACCEPT_ENCODING: Final = ACCEPT_ENCODING.decode()
 
 
 class Backends:
@@ -91,7 +94,8 @@ class Backends:
                     timeout=httpx.Timeout(service.timeout, connect=_connect(service)),
                     follow_redirects=False,
                     trust_env=False,
-                    headers={"User-Agent": _USER_AGENT},
+                    # What _send decodes, as the lean client asks for it.
+                    headers={"User-Agent": _USER_AGENT, "Accept-Encoding": _ACCEPT_ENCODING},
                     transport=self.transport,
                 )
                 clients[name] = await stack.enter_async_context(client)
@@ -306,27 +310,70 @@ async def _send(
     client: httpx.AsyncClient, service: Service, call: HttpCall, request: httpx.Request
 ) -> Any:
     response = await client.send(request, stream=True)
+    if response.status_code not in call.accept:
+        await response.aclose()  # unread: httpx closes its connection
+        raise unaccepted(service, call, response.status_code)
+    if response.is_stream_consumed:
+        # Read (and decoded) already, by a transport that had it whole (a test's).
+        if len(response.content) > service.max_response_bytes:
+            raise _too_big(service, response)
+        return _decode(service, response, response.content)
+    chunks = response.aiter_raw()
     try:
-        if response.status_code not in call.accept:
-            raise unaccepted(service, call, response.status_code)
-        limit = service.max_response_bytes
-        declared = response.headers.get("Content-Length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise _too_big(service, response)
-        body = bytearray()
-        size = 0
-        # Drained to the end even past the limit: httpx's body generators nest, and one left
-        # half-read is only finalized by the garbage collector (with a ResourceWarning).
-        # The service's timeout still bounds the time this takes.
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size <= limit:
-                body += chunk
-        if size > limit:
-            raise _too_big(service, response)
+        body = await _read_body(service, response, chunks)
+    except BaseException as exc:
+        # The error may be kept (a failed job keeps its own for its retention), and with
+        # it the frames it came through: not their locals, which hold what was read.
+        traceback.clear_frames(exc.__traceback__)
+        await _close_unread(response, chunks)
+        raise
     finally:
         await response.aclose()
-    return _decode(service, response, bytes(body))
+    return _decode(service, response, body)
+
+
+async def _read_body(
+    service: Service, response: httpx.Response, chunks: AsyncIterator[bytes]
+) -> bytes:
+    """The answer's body, decoded, of at most the service's ``max_response_bytes``: too
+    big is raised at the first byte past it, as an answer may never end. It is decoded
+    here, with the lean client's decoder: httpx's own decodes a whole chunk at once,
+    however far past the limit it inflates."""
+    limit = service.max_response_bytes
+    decoder = content_decoder(response.headers.get("Content-Encoding"))
+    declared = response.headers.get("Content-Length", "")
+    if decoder is None and declared.isdigit() and int(declared) > limit:
+        raise _too_big(service, response)
+    body = bytearray()
+    try:
+        async for chunk in chunks:
+            piece = chunk if decoder is None else decoder.feed(chunk, limit - len(body))
+            if len(body) + len(piece) > limit:
+                raise _too_big(service, response)
+            body += piece
+        if decoder is not None:
+            tail = decoder.flush(limit - len(body))
+            if len(body) + len(tail) > limit:
+                raise _too_big(service, response)
+            body += tail
+    except BadEncoding as exc:
+        raise httpx.DecodingError(str(exc), request=response.request) from None
+    return bytes(body)
+
+
+async def _close_unread(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+    """Close ``response`` before its body was read to the end: httpx closes its connection
+    (it is never pooled again). Then run the body's iterator on: httpx's body generators
+    nest, and each must end here (a read on the closed connection fails at once) rather
+    than be left half-way for the garbage collector to finalize."""
+    await response.aclose()
+    try:
+        async for _ in chunks:
+            pass
+    except httpx.StreamError:
+        pass  # never started: it ends at once, the response being closed
+    except httpx.HTTPError:
+        pass
 
 
 def _too_big(service: Service, response: httpx.Response) -> BackendError:

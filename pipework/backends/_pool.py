@@ -26,14 +26,21 @@ What it promises:
   client has), an idempotent request (GET, HEAD, PUT, DELETE, OPTIONS) is sent once more on
   a fresh connection. A POST or PATCH is not: the backend may have acted on it. A failure
   after the first byte of the answer, or on a fresh connection, is never retried.
+- **An answer too big stops there.** Past ``max_bytes`` of (decoded) body the exchange
+  stops reading, at once, however much more the backend would send, and its connection is
+  closed; :class:`~._h1.ResponseTooLarge` says so.
+- **A failed call keeps nothing it read.** Its error may outlive it (a failed job keeps its
+  own): neither the error's frames nor the closed connection hold the body read so far.
 
 Failures are raised as httpx's exceptions (``ConnectError``, ``ReadError``,
-``RemoteProtocolError``, the timeouts above), so callers and the dispatcher's classification
-of backend trouble treat both clients alike; :class:`~._h1.ResponseTooLarge` passes through.
+``RemoteProtocolError``, ``DecodingError``, the timeouts above), so callers and the
+dispatcher's classification of backend trouble treat both clients alike;
+:class:`~._h1.ResponseTooLarge` passes through.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -42,7 +49,7 @@ import h11
 import httpx
 import trio
 
-from ._h1 import Answer, Connection, ResponseTooLarge, StaleConnection
+from ._h1 import Answer, BadEncoding, Connection, ResponseTooLarge, StaleConnection
 
 __all__ = ["IDEMPOTENT", "Answer", "Pool", "PoolStatistics", "ResponseTooLarge"]
 
@@ -132,9 +139,16 @@ class Pool:
                 reused = connection.exchanges > 0
                 done = False
                 try:
-                    answer = await connection.exchange(
-                        method, target, headers, body, max_bytes=max_bytes
-                    )
+                    try:
+                        answer = await connection.exchange(
+                            method, target, headers, body, max_bytes=max_bytes
+                        )
+                    except BaseException as exc:
+                        # The error may be kept (a failed job keeps its own for its
+                        # retention), and with it the frames it came through: not their
+                        # locals, which hold what the exchange read (the body so far).
+                        traceback.clear_frames(exc.__traceback__)
+                        raise
                     done = True
                 except StaleConnection as exc:
                     if reused and retry:
@@ -147,6 +161,8 @@ class Pool:
                     raise httpx.RemoteProtocolError(str(exc)) from exc
                 except h11.LocalProtocolError as exc:
                     raise httpx.LocalProtocolError(str(exc)) from exc
+                except BadEncoding as exc:
+                    raise httpx.DecodingError(str(exc)) from exc
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     raise httpx.ReadError(f"{exc!r}") from exc
                 finally:
