@@ -13,7 +13,14 @@ import trio.testing
 
 import pipework as pw
 
-from .test_container_harness import HANG_GUARD, assert_problem, bearer, serving
+from .test_container_harness import (
+    HANG_GUARD,
+    assert_problem,
+    assert_raw_problem,
+    bearer,
+    raw_client,
+    serving,
+)
 
 
 class Backend:
@@ -138,6 +145,29 @@ async def test_wrong_or_missing_token_is_404_like_an_unknown_id(method: str, suf
             assert (await served.engine.status(job_id)).status is pw.Status.SUSPENDED
     bodies = [assert_problem(r, 404, "job-not-found") for r in (*answers, unknown)]
     assert len({(b["title"], b["detail"]) for b in bodies}) == 1
+
+
+async def test_a_malformed_job_token_is_404_like_a_wrong_one() -> None:
+    """A job token of raw bytes outside ASCII, in either header, is a wrong token: the same
+    404 as an unknown id, never a 500."""
+    answers = []
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(Backend())) as served:
+            job_id, token = await submit(served, "/order", json={})
+            for name, value in [
+                ("Authorization", b"Bearer \xc3\xa9"),
+                ("Authorization", b"Bearer " + token.encode() + b"\xff"),
+                ("X-Job-Token", b"\xff"),
+                ("X-Job-Token", b"\xc3\xa9"),
+            ]:
+                async with raw_client(served.address) as raw:
+                    await raw.send("GET", f"/jobs/{job_id}", headers=[(name, value)])
+                    answers.append(await raw.receive())
+            owner = await served.client.get(f"/jobs/{job_id}", headers=bearer(token))
+            await served.engine.cancel(job_id)
+    for answer in answers:
+        assert_raw_problem(answer, 404, "job-not-found")
+    assert owner.status_code == 200
 
 
 async def test_cancel_with_delete() -> None:

@@ -543,7 +543,8 @@ async def test_authorize_needs_the_owner_token_and_reveals_nothing() -> None:
     async with engine:
         job_id = await engine.submit("c", token="s3cret")
         assert (await engine.authorize(job_id, "s3cret")).id == job_id
-        for wrong in ("nope", None):
+        # Text no token can be (a lone surrogate cannot even be encoded) is a wrong token.
+        for wrong in ("nope", None, "s3cr\u00e9t", "\udcff"):
             with pytest.raises(pw.JobNotFound) as info:
                 await engine.authorize(job_id, wrong)
             assert str(info.value) == f"no job with id {job_id!r}"

@@ -76,7 +76,9 @@ def new_correlation_id() -> str:
 
 
 def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    # surrogatepass: any text hashes (text no token can be is then simply a wrong token);
+    # for every other text the bytes, and so the hash, are plain UTF-8's.
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(slots=True)
