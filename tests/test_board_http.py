@@ -334,16 +334,17 @@ async def test_a_malformed_bearer_credential_is_401_like_a_wrong_one() -> None:
             resource = await create(served, "orders", {"n": 0})
             path = f"/boards/orders/{resource}"
             answers = []
+            requests = [
+                ("POST", "/boards/orders", b"1"),
+                ("PUT", path, b"2"),
+                ("DELETE", path, b""),
+                ("GET", path, b""),
+            ]
             for credential in MALFORMED:
-                for method, target, body in [
-                    ("POST", "/boards/orders", b"1"),
-                    ("PUT", path, b"2"),
-                    ("DELETE", path, b""),
-                    ("GET", path, b""),
-                ]:
-                    headers = [("Authorization", credential), ("Content-Type", "application/json")]
+                for method, target, data in requests:
+                    fields = [("Authorization", credential), ("Content-Type", b"application/json")]
                     async with raw_client(served.address) as raw:
-                        await raw.send(method, target, body=body, headers=headers)
+                        await raw.send(method, target, body=data, headers=fields)
                         answers.append(await raw.receive())
             # A query token is UTF-8 once percent-decoded: é is a character, not a byte.
             async with raw_client(served.address) as raw:

@@ -153,7 +153,10 @@ class RawClient:
     ) -> None:
         """Header values given as bytes go on the wire as they are (httpx would refuse
         bytes outside ASCII)."""
-        fields = [("Host", "test"), ("Content-Length", str(len(body))), *headers]
+        fields = [
+            (_raw(name), _raw(value))
+            for name, value in [("Host", "test"), ("Content-Length", str(len(body))), *headers]
+        ]
         data = self.conn.send(h11.Request(method=method, target=target, headers=fields))
         data += self.conn.send(h11.Data(data=body)) if body else b""
         data += self.conn.send(h11.EndOfMessage())
@@ -170,6 +173,10 @@ class RawClient:
             assert chunk, f"connection closed before {marker!r}"
             data += chunk
         return bytes(data)
+
+
+def _raw(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode("ascii")
 
 
 @asynccontextmanager
