@@ -24,7 +24,15 @@ from pipework.container import BoundAddress, Container, ContainerConfig
 from pipework.container._board import BoardSpec
 from pipework.container._board_core import BoardSettings
 
-from .test_container_harness import HANG_GUARD, SECRET, Served, assert_problem, bearer
+from .test_container_harness import (
+    HANG_GUARD,
+    SECRET,
+    Served,
+    assert_problem,
+    assert_raw_problem,
+    bearer,
+    raw_client,
+)
 
 WRITE = "write-token-0123456789"
 READ = "read-token-0123456789"
@@ -311,6 +319,43 @@ async def test_who_may_write_and_read() -> None:
                 404,
                 "resource-not-found",
             )
+
+
+#: Bearer credentials no token can be: a character outside ASCII (é as UTF-8 on the
+#: wire), a byte that is no UTF-8 at all, and the write token with such a byte after it.
+MALFORMED = [b"Bearer \xc3\xa9", b"Bearer \xff", b"Bearer " + WRITE.encode() + b"\xff"]
+
+
+async def test_a_malformed_bearer_credential_is_401_like_a_wrong_one() -> None:
+    """A token that is not ASCII, sent as raw bytes, is refused as a wrong token is (401
+    with WWW-Authenticate), on every write and on reads, not answered with a 500."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "orders", {"n": 0})
+            path = f"/boards/orders/{resource}"
+            answers = []
+            requests = [
+                ("POST", "/boards/orders", b"1"),
+                ("PUT", path, b"2"),
+                ("DELETE", path, b""),
+                ("GET", path, b""),
+            ]
+            for credential in MALFORMED:
+                for method, target, data in requests:
+                    fields = [("Authorization", credential), ("Content-Type", b"application/json")]
+                    async with raw_client(served.address) as raw:
+                        await raw.send(method, target, body=data, headers=fields)
+                        answers.append(await raw.receive())
+            # A query token is UTF-8 once percent-decoded: é is a character, not a byte.
+            async with raw_client(served.address) as raw:
+                await raw.send("GET", f"{path}?token=%C3%A9")
+                answers.append(await raw.receive())
+            unchanged = await served.client.get(path, headers=bearer(READ))
+    for answer in answers:
+        body, headers = assert_raw_problem(answer, 401, "board-token")
+        assert headers["www-authenticate"].startswith("Bearer")
+        assert "token" in body["detail"]
+    assert unchanged.json()["data"] == {"n": 0}
 
 
 async def test_past_the_follower_limit_a_follow_is_refused_with_503() -> None:

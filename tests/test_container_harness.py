@@ -85,6 +85,24 @@ def assert_problem(
     return body
 
 
+def assert_raw_problem(
+    answer: tuple[h11.Response, bytes], status: int, slug: str | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``assert_problem`` for a response read with :class:`RawClient`: its body, and its
+    headers by lowercase name."""
+    response, data = answer
+    headers = {name.decode().lower(): value.decode("latin-1") for name, value in response.headers}
+    assert response.status_code == status, data
+    assert headers["content-type"] == "application/problem+json"
+    body: dict[str, Any] = json.loads(data)
+    assert body["status"] == status
+    expected_type = "about:blank" if slug is None else f"urn:pipework:problem:{slug}"
+    assert body["type"] == expected_type, body
+    assert body["title"]
+    assert body["detail"]
+    return body, headers
+
+
 def sse_events(text: str) -> list[tuple[str, Any]]:
     """Parse a server-sent event stream into (event, decoded JSON data) pairs."""
     events = []
@@ -131,9 +149,14 @@ class RawClient:
         target: str,
         *,
         body: bytes = b"",
-        headers: Sequence[tuple[str, str]] = (),
+        headers: Sequence[tuple[str | bytes, str | bytes]] = (),
     ) -> None:
-        fields = [("Host", "test"), ("Content-Length", str(len(body))), *headers]
+        """Header values given as bytes go on the wire as they are (httpx would refuse
+        bytes outside ASCII)."""
+        fields = [
+            (_raw(name), _raw(value))
+            for name, value in [("Host", "test"), ("Content-Length", str(len(body))), *headers]
+        ]
         data = self.conn.send(h11.Request(method=method, target=target, headers=fields))
         data += self.conn.send(h11.Data(data=body)) if body else b""
         data += self.conn.send(h11.EndOfMessage())
@@ -150,6 +173,10 @@ class RawClient:
             assert chunk, f"connection closed before {marker!r}"
             data += chunk
         return bytes(data)
+
+
+def _raw(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode("ascii")
 
 
 @asynccontextmanager

@@ -3,17 +3,31 @@ owner tokens (a wrong one reveals nothing), idempotent resubmission and retentio
 
 from __future__ import annotations
 
+import contextlib
+import json
+import secrets
 import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import h11
 import pytest
 import trio
 import trio.testing
 
 import pipework as pw
+from pipework.dispatcher._store import JobStore
+from pipework.redis import RedisJobStore
 
-from .test_container_harness import HANG_GUARD, assert_problem, bearer, serving
+from ._redis import RedisServer
+from .test_container_harness import (
+    HANG_GUARD,
+    assert_problem,
+    assert_raw_problem,
+    bearer,
+    raw_client,
+    serving,
+)
 
 
 class Backend:
@@ -46,6 +60,10 @@ def make_engine(backend: Backend, **kwargs: Any) -> pw.Engine:
         await ctx.suspend("done", into="answer")
 
     @engine.pipe
+    async def held(ctx: pw.Context) -> None:
+        await backend.release.wait()
+
+    @engine.pipe
     async def quick(ctx: pw.Context) -> None:
         ctx.state["ok"] = True
 
@@ -56,9 +74,12 @@ def make_engine(backend: Backend, **kwargs: Any) -> pw.Engine:
     engine.chain("export", export)
     engine.chain("order", wait_paid)
     engine.chain("callback", ask_backend, result="answer")
+    # Active after the signal until the test releases it: refusals say why, not "ended".
+    engine.chain("callback_held", ask_backend, held, result="answer")
+    engine.chain("order_held", wait_paid, held, result="payment")
     engine.chain("quick", quick)
     engine.chain("crash", crash)
-    for name in ("export", "order", "callback", "quick", "crash"):
+    for name in ("export", "order", "callback", "callback_held", "order_held", "quick", "crash"):
         registry.route(name, path=f"/{name}", chain=name, mode="async")
     registry.route("quick_sync", path="/quick-sync", chain="quick")
     return engine
@@ -140,6 +161,29 @@ async def test_wrong_or_missing_token_is_404_like_an_unknown_id(method: str, suf
     assert len({(b["title"], b["detail"]) for b in bodies}) == 1
 
 
+async def test_a_malformed_job_token_is_404_like_a_wrong_one() -> None:
+    """A job token of raw bytes outside ASCII, in either header, is a wrong token: the same
+    404 as an unknown id, never a 500."""
+    answers = []
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(Backend())) as served:
+            job_id, token = await submit(served, "/order", json={})
+            for name, value in [
+                ("Authorization", b"Bearer \xc3\xa9"),
+                ("Authorization", b"Bearer " + token.encode() + b"\xff"),
+                ("X-Job-Token", b"\xff"),
+                ("X-Job-Token", b"\xc3\xa9"),
+            ]:
+                async with raw_client(served.address) as raw:
+                    await raw.send("GET", f"/jobs/{job_id}", headers=[(name, value)])
+                    answers.append(await raw.receive())
+            owner = await served.client.get(f"/jobs/{job_id}", headers=bearer(token))
+            await served.engine.cancel(job_id)
+    for answer in answers:
+        assert_raw_problem(answer, 404, "job-not-found")
+    assert owner.status_code == 200
+
+
 async def test_cancel_with_delete() -> None:
     backend = Backend()
     with trio.fail_after(HANG_GUARD):
@@ -207,6 +251,85 @@ async def test_signed_callback_resumes_the_job_and_refuses_tampering() -> None:
     assert result == {"answer": 42}
     # The job is finished: a replay of the URL cannot reach it.
     assert_problem(replayed, 409, "signal-refused")
+
+
+@pytest.fixture(params=["memory", "redis"])
+def job_store(request: pytest.FixtureRequest) -> JobStore:
+    """The memory store, and the Redis store on the session's server (a prefix of its own)."""
+    if request.param == "memory":
+        return pw.MemoryJobStore()
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return RedisJobStore(server.url, prefix=f"t{secrets.token_hex(6)}")
+
+
+async def post_at_once(
+    served: Any, target: str, bodies: list[bytes], headers: list[tuple[str, str]]
+) -> list[tuple[h11.Response, bytes]]:
+    """POST each body to ``target`` on a connection of its own: every request is sent
+    whole before any answer is read; the answers, in the order of ``bodies``."""
+    headers = [("Content-Type", "application/json"), *headers]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(raw_client(served.address)) for _ in bodies]
+        for client, body in zip(clients, bodies, strict=True):
+            await client.send("POST", target, body=body, headers=headers)
+        return [await client.receive() for client in clients]
+
+
+async def until_suspended(engine: pw.Engine, job_id: str) -> None:
+    while (await engine.status(job_id)).status is not pw.Status.SUSPENDED:
+        await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_one_callback_url_posted_eight_times_at_once_delivers_once(
+    job_store: JobStore,
+) -> None:
+    """Eight backends (or one retrying) POST one signed callback URL at once: exactly one
+    is told 204 and its payload is the one the job resumes with; every other is 409, the
+    signal already delivered. None is told "delivered" and dropped."""
+    backend = Backend()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(backend, store=job_store)) as served:
+            job_id, _ = await submit(served, "/callback_held")
+            await until_suspended(served.engine, job_id)
+            parts = urlsplit(backend.callback_urls[0])
+            bodies = [json.dumps({"n": n}).encode() for n in range(8)]
+            answers = await post_at_once(served, f"{parts.path}?{parts.query}", bodies, [])
+            backend.release.set()
+            result = await served.engine.wait(job_id)
+    delivered = [n for n, (response, _) in enumerate(answers) if response.status_code == 204]
+    assert len(delivered) == 1, [response.status_code for response, _ in answers]
+    for n, answer in enumerate(answers):
+        if n not in delivered:
+            body, _ = assert_raw_problem(answer, 409, "signal-refused")
+            assert "'done' was already delivered" in body["detail"]
+    assert result == {"n": delivered[0]}
+
+
+async def test_one_signal_posted_eight_times_at_once_with_the_token_delivers_once(
+    job_store: JobStore,
+) -> None:
+    """The token-authenticated signal API, eight times at once: one 202, seven 409."""
+    with trio.fail_after(HANG_GUARD):
+        backend = Backend()
+        async with serving(make_engine(backend, store=job_store)) as served:
+            job_id, token = await submit(served, "/order_held")
+            await until_suspended(served.engine, job_id)
+            bodies = [json.dumps({"n": n}).encode() for n in range(8)]
+            answers = await post_at_once(
+                served,
+                f"/jobs/{job_id}/signals/paid",
+                bodies,
+                [("Authorization", f"Bearer {token}")],
+            )
+            backend.release.set()
+            result = await served.engine.wait(job_id)
+    delivered = [n for n, (response, _) in enumerate(answers) if response.status_code == 202]
+    assert len(delivered) == 1, [response.status_code for response, _ in answers]
+    for n, answer in enumerate(answers):
+        if n not in delivered:
+            body, _ = assert_raw_problem(answer, 409, "signal-refused")
+            assert "'paid' was already delivered" in body["detail"]
+    assert result == {"n": delivered[0]}
 
 
 async def test_idempotency_key_returns_the_same_job() -> None:

@@ -239,6 +239,165 @@ async def test_signal_errors_are_clear() -> None:
         await engine.cancel(parked)
 
 
+async def _until_suspended(engine: pw.Engine, count: int = 1) -> None:
+    """Until ``count`` jobs (branches included) are suspended: a condition, not a time."""
+    while len(await engine.store.list(pw.Status.SUSPENDED)) < count:
+        await trio.testing.wait_all_tasks_blocked()
+
+
+async def _signal_all(engine: pw.Engine, job_id: str, name: str, count: int) -> list[Any]:
+    """Send ``count`` signals ``name`` at once, payloads 0, 1, ...: what each one got, by
+    payload (None: delivered, else the SignalError)."""
+    outcomes: list[Any] = [None] * count
+
+    async def send(n: int) -> None:
+        try:
+            await engine.signal(job_id, name, n)
+        except pw.SignalError as exc:
+            outcomes[n] = exc
+
+    async with trio.open_nursery() as nursery:
+        for n in range(count):
+            nursery.start_soon(send, n)
+    return outcomes
+
+
+async def test_a_signal_sent_many_times_at_once_resumes_the_job_once() -> None:
+    """Eight deliveries of one signal to a job suspended for it: one resumes it, the seven
+    others are refused (none is kept for later: the job took its signal), and the job's
+    state holds the one delivered payload."""
+    engine = make_engine()
+    release = trio.Event()
+
+    @engine.pipe
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("paid", into="payment")
+
+    @engine.pipe
+    async def after(ctx: pw.Context) -> None:
+        await release.wait()
+
+    engine.chain("c", park, after)
+    async with engine:
+        job_id = await engine.submit("c")
+        await _until_suspended(engine)
+        outcomes = await _signal_all(engine, job_id, "paid", 8)
+        release.set()
+        with trio.fail_after(60):
+            result = await engine.wait(job_id)
+    delivered = [n for n, outcome in enumerate(outcomes) if outcome is None]
+    assert len(delivered) == 1, outcomes
+    for outcome in outcomes:
+        if outcome is not None:
+            assert "already delivered" in str(outcome)
+    assert result == {"payment": delivered[0]}
+
+
+async def test_a_repeated_signal_is_refused_until_the_job_suspends_for_it_again() -> None:
+    """A job that took a signal (delivered while suspended, or kept and taken when it
+    suspended) refuses a repeat while it runs on; suspended for that name again, it takes
+    the next one."""
+    engine = make_engine()
+    arrived = [trio.Event() for _ in range(3)]
+    gates = [trio.Event() for _ in range(3)]
+
+    @engine.pipe
+    async def first(ctx: pw.Context) -> None:
+        await ctx.suspend("step", into="one")
+
+    @engine.pipe
+    async def gated(ctx: pw.Context) -> None:
+        gate = ctx.state.setdefault("gate", 0)
+        arrived[gate].set()
+        await gates[gate].wait()
+        ctx.state["gate"] += 1
+
+    @engine.pipe
+    async def second(ctx: pw.Context) -> None:
+        await ctx.suspend("step", into="two")
+
+    @engine.pipe
+    async def early(ctx: pw.Context) -> None:
+        await ctx.suspend("go", into="three")
+
+    engine.chain("c", first, gated, second, gated, early, gated)
+    async with engine:
+        job_id = await engine.submit("c")
+        await _until_suspended(engine)
+        await engine.signal(job_id, "step", 1)  # delivered: the job runs on to a gate
+        with pytest.raises(pw.SignalError, match="'step' was already delivered"):
+            await engine.signal(job_id, "step", "repeat")
+        gates[0].set()
+        await _until_suspended(engine)
+        await engine.signal(job_id, "step", 2)  # suspended for it again: taken
+        await engine.signal(job_id, "go", 3)  # early: kept until the job suspends for it
+        gates[1].set()  # ...which takes it without parking, and runs on to the last gate
+        await arrived[2].wait()
+        with pytest.raises(pw.SignalError, match="'go' was already delivered"):
+            await engine.signal(job_id, "go", "repeat")
+        gates[2].set()
+        with trio.fail_after(60):
+            result = await engine.wait(job_id)
+    assert result == {"one": 1, "two": 2, "three": 3, "gate": 3}
+
+
+async def test_of_two_early_signals_of_one_name_one_is_kept_and_one_refused() -> None:
+    """Signals sent while the job runs its step are kept for it, one per name: a second of
+    that name is refused, whichever record (the store's or the step's) holds the first."""
+    engine = make_engine()
+    arrived, release = trio.Event(), trio.Event()
+
+    @engine.pipe
+    async def work(ctx: pw.Context) -> None:
+        arrived.set()
+        await release.wait()
+        await ctx.suspend("go", into="go")
+
+    engine.chain("c", work)
+    async with engine:
+        job_id = await engine.submit("c")
+        await arrived.wait()
+        outcomes = await _signal_all(engine, job_id, "go", 2)
+        release.set()
+        with trio.fail_after(60):
+            result = await engine.wait(job_id)
+    refused = [outcome for outcome in outcomes if outcome is not None]
+    assert len(refused) == 1, outcomes
+    assert "already pending" in str(refused[0])
+    assert result == {"go": 1 - outcomes.index(refused[0])}
+
+
+async def test_a_signal_sent_to_a_job_and_taken_by_a_branch_is_not_taken_twice() -> None:
+    """Two branches suspended for one signal name: the job they belong to takes one signal
+    for each and refuses a third, rather than keep it for no one."""
+    engine = make_engine()
+    release = trio.Event()
+
+    async def wait_go(ctx: pw.Context) -> None:
+        await ctx.suspend("go", into=ctx.pipe.name)
+
+    async def after(ctx: pw.Context) -> None:
+        await release.wait()
+
+    # Keys of their own: the stage forks child jobs, and the parent waits in the store.
+    engine.chain(
+        "c",
+        pw.all_of(pw.Pipe(wait_go, "a", key="a"), pw.Pipe(wait_go, "b", key="b")),
+        pw.Pipe(after, "after"),
+    )
+    async with engine:
+        job_id = await engine.submit("c")
+        await _until_suspended(engine, 2)
+        outcomes = await _signal_all(engine, job_id, "go", 3)
+        release.set()
+        with trio.fail_after(60):
+            result = await engine.wait(job_id)
+    refused = [outcome for outcome in outcomes if outcome is not None]
+    assert len(refused) == 1, outcomes
+    assert "already delivered" in str(refused[0])
+    assert sorted([result["a"], result["b"], outcomes.index(refused[0])]) == [0, 1, 2]
+
+
 async def test_suspend_timeout_fails_at_exact_time(autojump_clock: trio.abc.Clock) -> None:
     engine = make_engine()
 
@@ -543,7 +702,8 @@ async def test_authorize_needs_the_owner_token_and_reveals_nothing() -> None:
     async with engine:
         job_id = await engine.submit("c", token="s3cret")
         assert (await engine.authorize(job_id, "s3cret")).id == job_id
-        for wrong in ("nope", None):
+        # Text no token can be (a lone surrogate cannot even be encoded) is a wrong token.
+        for wrong in ("nope", None, "s3cr\u00e9t", "\udcff"):
             with pytest.raises(pw.JobNotFound) as info:
                 await engine.authorize(job_id, wrong)
             assert str(info.value) == f"no job with id {job_id!r}"

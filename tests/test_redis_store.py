@@ -252,6 +252,132 @@ async def test_a_signal_kept_on_a_record_a_step_wrote_since_it_was_read_loses_no
             assert await engine.wait(job_id) == {"x": True, "y": True}
 
 
+async def test_two_signals_that_read_one_suspended_record_deliver_once(
+    redis_server: RedisServer,
+) -> None:
+    """A branch suspended for "go" gets it twice at once: sent to the branch by its own id
+    (a callback its pipe handed out) and sent to the job it belongs to. The two hold
+    different locks, and both read the branch suspended; the delivery is a compare-and-set
+    on the record's version, so the second to write finds it resumed, reads it again and
+    is refused, rather than resume the branch a second time with another payload."""
+    store = _HeldRead(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    engine = pw.Engine(store=store)
+    branch_ids: list[str] = []
+    release = trio.Event()
+
+    async def wait_go(ctx: pw.Context) -> None:
+        branch_ids.append(ctx.job_id)
+        await ctx.suspend("go", into="go")
+
+    async def other(ctx: pw.Context) -> None:
+        await release.wait()
+
+    engine.chain("c", pw.all_of(pw.Pipe(wait_go, "a", key="a"), pw.Pipe(other, "b", key="b")))
+    async with engine:
+        job_id = await engine.submit("c")
+        while not await store.list(pw.Status.SUSPENDED):
+            await trio.testing.wait_all_tasks_blocked()
+        [branch_id] = branch_ids
+
+        async def sent_to_the_job() -> None:  # while the branch's own signal holds its read
+            await engine.signal(job_id, "go", "to the job")
+
+        store.held = (branch_id, sent_to_the_job)
+        with pytest.raises(pw.SignalError, match="'go' was already delivered"):
+            await engine.signal(branch_id, "go", "to the branch")
+        release.set()
+        with trio.fail_after(60):
+            result = await engine.wait(job_id)
+    assert result == {"go": "to the job"}
+
+
+async def test_a_signal_that_read_a_record_a_cancel_ended_since_is_refused(
+    redis_server: RedisServer,
+) -> None:
+    """A signal reads the job suspended; the job is cancelled before the signal writes.
+    The delivery's compare-and-set finds the record changed, reads it again and refuses
+    the signal as for any ended job (409), rather than answer that no such job exists."""
+    store = _HeldRead(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    engine = pw.Engine(store=store)
+
+    async def park(ctx: pw.Context) -> None:
+        await ctx.suspend("go")
+
+    engine.chain("c", pw.Pipe(park, "park"))
+    async with engine:
+        job_id = await engine.submit("c")
+        while not await store.list(pw.Status.SUSPENDED):
+            await trio.testing.wait_all_tasks_blocked()
+
+        async def cancelled() -> None:
+            await engine.cancel(job_id)
+
+        store.held = (job_id, cancelled)
+        with pytest.raises(pw.SignalError, match="is cancelled"):
+            await engine.signal(job_id, "go", 1)
+        assert (await engine.status(job_id)).status is pw.Status.CANCELLED
+
+
+class _HeldSuspend(RedisJobStore):
+    """A store whose next write of a parked (suspended) record waits for ``held()``. On
+    the real clock: the suite's store spins while a round trip is on its way, so no task
+    would be idle for ``wait_all_tasks_blocked``."""
+
+    held: Callable[[], Awaitable[None]] | None = None
+
+    async def update(self, job: Job, **kwargs: Any) -> None:
+        if self.held is not None and job.status is pw.Status.SUSPENDED:
+            hold, self.held = self.held, None
+            await hold()
+        await super().update(job, **kwargs)
+
+
+async def test_a_signal_sent_while_the_step_writes_the_job_parked_resumes_it(
+    redis_server: RedisServer,
+) -> None:
+    """The job's step has parked it (its own record says suspended) and its write is on
+    its way; a signal reads the record as it still is, running. Kept on the step's record
+    (as for a job running here) it would be lost with it, answered "delivered", and the
+    job would wait on; it reads the record again, finds the job suspended for it, and
+    resumes it."""
+    store = _HeldSuspend(redis_server.url, prefix=f"s{secrets.token_hex(6)}")
+    engine = pw.Engine(store=store)
+    job_ids: list[str] = []
+
+    async def park(ctx: pw.Context) -> None:
+        job_ids.append(ctx.job_id)
+        await ctx.suspend("go", into="go")
+
+    engine.chain("c", pw.Pipe(park, "park"))
+    reads = 0
+    real_get = store.get
+
+    async def counted(job_id: str) -> Job:
+        nonlocal reads
+        job = await real_get(job_id)
+        reads += 1
+        return job
+
+    async with engine, trio.open_nursery() as nursery:
+        signalled = trio.Event()
+
+        async def send() -> None:
+            await engine.signal(job_ids[0], "go", 1)
+            signalled.set()
+
+        async def meanwhile() -> None:  # the step's write waits until the signal decided
+            store.get = counted  # type: ignore[method-assign]  # counts the signal's reads
+            nursery.start_soon(send)
+            while not signalled.is_set() and reads < 2:
+                await trio.testing.wait_all_tasks_blocked()
+
+        store.held = meanwhile
+        job_id = await engine.submit("c")
+        await signalled.wait()
+        with trio.fail_after(10):  # a signal lost leaves the job suspended for ever
+            assert await engine.wait(job_id) == {"go": 1}
+
+
 async def test_a_status_write_leaves_the_record_and_a_stale_one_writes_it_whole(
     redis_server: RedisServer,
 ) -> None:
@@ -436,6 +562,33 @@ async def test_a_record_written_as_a_map_by_an_older_version_still_reads(
             await connection.aclose()
         read = await store.get(job.id)
         assert read.to_wire() == job.to_wire()
+
+
+async def test_the_signals_a_job_took_are_stored_and_an_older_record_took_none(
+    redis_server: RedisServer,
+) -> None:
+    """``delivered`` round-trips; a record written as an array before jobs remembered the
+    signals they took (one field fewer) reads as having taken none."""
+    async with _store(redis_server) as store:
+        job = _job()
+        job.took("go")
+        await store.create(job)
+        assert (await store.get(job.id)).delivered == ("go",)
+        older = _job()
+        await store.create(older)
+        key = f"{store.prefix}:job:{older.id}"
+        connection = await Connection.open(redis_server.url)
+        try:
+            [blob] = await connection.call([["HGET", key, "d"]])
+            values = msgpack.unpackb(blob, raw=False)
+            del values[-2]  # the last field, before the writer's clock
+            older_blob = msgpack.packb(values, use_bin_type=True)
+            await connection.call([["HSET", key, "d", older_blob]])
+        finally:
+            await connection.aclose()
+        read = await store.get(older.id)
+        assert read.delivered == ()
+        assert read.to_wire() == older.to_wire()
 
 
 class _Gated(RedisJobStore):

@@ -17,7 +17,6 @@ default. Every call needs ``Authorization: Bearer <token>``; a missing or wrong 
 from __future__ import annotations
 
 import difflib
-import hmac
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError, PoolStatistics, Weights
 from ._bodies import JSON, decode_object, dumps_json, read_body
+from ._credentials import bearer_token, same_secret
 from ._problems import Problem
 
 __all__ = ["AdminApi", "LiveWeights", "Reload", "admin_token"]
@@ -72,13 +72,8 @@ class AdminApi:
         self.live = LiveWeights(pool.config) if isinstance(pool, WeightedPool) else None
 
     def _authorize(self) -> None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        # Compared as bytes: compare_digest refuses str with non-ASCII characters, and any
-        # credential that is not the token, however malformed, is the same 401.
-        expected = self._token.encode("utf-8")
-        offered = given.strip().encode("utf-8", "surrogatepass")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(offered, expected):
+        # Any credential that is not the token, however malformed, is the same 401.
+        if not same_secret(bearer_token(request.headers.get("Authorization")), self._token):
             raise Problem(
                 401,
                 "Unauthorized",

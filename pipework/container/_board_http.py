@@ -22,7 +22,6 @@ Past a follower limit: 503 with Retry-After. A follower whose send fails is drop
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
@@ -40,6 +39,7 @@ from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFoun
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_page import jobs_page
 from ._bodies import JSON, decode, dumps_json, read_body
+from ._credentials import bearer_token, same_secret
 from ._jobs_api import JobsApi, job_document, job_token
 from ._problems import Problem
 
@@ -47,7 +47,6 @@ __all__ = ["BoardApi", "sse_event", "sse_events"]
 
 _log = logging.getLogger("pipework.boards")
 
-_BEARER: Final = "bearer "
 _RETRY_AFTER: Final = "5"
 #: The most jobs one multi-job stream (the jobs page) may follow.
 MAX_TICKETS: Final = 200
@@ -86,14 +85,7 @@ def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) 
 
 
 def _bearer(headers: Any) -> str | None:
-    auth = headers.get("Authorization", "")
-    if auth[: len(_BEARER)].lower() == _BEARER:
-        return str(auth[len(_BEARER) :].strip())
-    return None
-
-
-def _same(given: str | None, expected: str | None) -> bool:
-    return given is not None and expected is not None and hmac.compare_digest(given, expected)
+    return bearer_token(headers.get("Authorization"))
 
 
 def _full(exc: BoardFull) -> Problem:
@@ -175,7 +167,7 @@ class BoardApi:
                 f"board {spec.name!r} takes no writes over HTTP: it has no write token",
                 slug="board-read-only",
             )
-        if not _same(_bearer(request.headers), spec.write_token):
+        if not same_secret(_bearer(request.headers), spec.write_token):
             raise Problem(
                 401,
                 "Unauthorized",
@@ -189,7 +181,7 @@ class BoardApi:
         if spec.public_read:
             return
         given = _bearer(headers) or args.get("token")
-        if _same(given, spec.read_token) or _same(given, spec.write_token):
+        if same_secret(given, spec.read_token) or same_secret(given, spec.write_token):
             return
         raise Problem(
             401,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any
 
 import trio
 from quart import Response, request
@@ -24,11 +24,10 @@ from ..dispatcher._status import TERMINAL, Status
 from ..dispatcher._store import JobGone
 from ._bodies import choose_media_type, decode, encode, read_body
 from ._callbacks import CallbackSigner
+from ._credentials import bearer_token
 from ._problems import Problem, problem_for_error
 
 __all__ = ["JobsApi", "job_document", "job_links"]
-
-_BEARER: Final = "bearer "
 
 
 def _iso(unix: float | None) -> str | None:
@@ -112,10 +111,9 @@ def _not_found() -> Problem:
 
 
 def job_token() -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth[: len(_BEARER)].lower() == _BEARER:
-        return auth[len(_BEARER) :].strip()
-    return request.headers.get("X-Job-Token")
+    headers = request.headers
+    token = bearer_token(headers.get("Authorization"))
+    return token if token is not None else headers.get("X-Job-Token")
 
 
 class JobsApi:

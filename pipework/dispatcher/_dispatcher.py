@@ -30,6 +30,7 @@ from .._errors import (
     PipeContractError,
     PipeworkError,
     Rejected,
+    SignalError,
     StateError,
 )
 from .._logging import job_logger, log_job
@@ -53,7 +54,7 @@ from ._status import TERMINAL, Status
 from ._store import JobStore, nowait_access
 from ._wake import Wake
 
-__all__ = ["INTERNAL_PLAN", "Dispatcher"]
+__all__ = ["INTERNAL_PLAN", "Dispatcher", "check_early_signal"]
 
 _log = logging.getLogger("pipework.dispatcher")
 _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
@@ -997,6 +998,7 @@ class Dispatcher:
         suspending for it took it first (one signal resumes one branch)."""
         if holder is job:
             job.state[suspend.into] = job.signals.pop(suspend.signal)
+            job.took(suspend.signal)  # written with the job's record by the caller
             return True
         taken: list[Any] = []
 
@@ -1004,11 +1006,13 @@ class Dispatcher:
             if suspend.signal not in parent.signals:
                 return False
             taken.append(parent.signals.pop(suspend.signal))
+            parent.took(suspend.signal)  # sent to the parent: so would a repeat of it be
             return True
 
         if await self._change_parent(holder, take) is None:
             return False
         job.state[suspend.into] = taken[0]
+        job.took(suspend.signal)
         return True
 
     async def _change_parent(self, parent: Job, change: Callable[[Job], bool]) -> Job | None:
@@ -1052,13 +1056,26 @@ class Dispatcher:
                     return found
         return None
 
-    async def deliver(self, job: Job, signal: str, payload: Any) -> None:
-        """Resume a suspended job waiting for ``signal`` (the caller checked both)."""
+    async def deliver(self, job: Job, signal: str, payload: Any) -> bool:
+        """Resume a suspended job waiting for ``signal`` (the caller checked both, on
+        ``job`` as read). False if the record changed since it was read from a shared store
+        (another signal resumed it, its timer or a cancel ended it): nothing is written, and
+        the caller reads it again and decides anew. On an in-process store nothing can
+        change it between the caller's read and this write: no checkpoint comes between."""
         assert job.suspend_into is not None
         job.state[job.suspend_into] = payload
         job.waiting_for = job.suspend_into = job.suspend_deadline = None
+        job.took(signal)
         job.transition(Status.QUEUED)
-        await self.store.update(job)
+        unless_changed = getattr(self.store, "update_unless_changed", None)
+        if unless_changed is None:
+            await self.store.update(job)
+        else:
+            try:
+                if not await unless_changed(job):
+                    return False
+            except JobNotFound:  # ended since: the caller's read says how
+                return False
         self.changed(job)
         self.queue.put_nowait(Resume(job.id, signal))
         log_job(
@@ -1069,6 +1086,7 @@ class Dispatcher:
             signal=signal,
             status=job.status.value,
         )
+        return True
 
     def _expire_at(self, deadline: float, job_id: str, version: int) -> None:
         if self._durable_expire is not None:
@@ -1464,18 +1482,58 @@ class Dispatcher:
         """Keep an early signal on an active job until it suspends for it. A job in a step
         here keeps it on the step's own record, which the step writes back. False if the
         record changed since ``job`` was read from a shared store (a step wrote it
-        meanwhile, without the lock the caller holds): nothing is kept; read it again."""
+        meanwhile, without the lock the caller holds), or the step here has just parked
+        it: nothing is kept; read it again."""
+
+        def keep(record: Job) -> None:
+            # The step's record may hold what the store's does not yet: checked again.
+            check_early_signal(record, name)
+            record.signals[name] = payload
+
+        return await self._note_signal(job, keep)
+
+    async def note_taken(self, job: Job, name: str) -> bool:
+        """Remember on ``job`` that one of its branches took the signal ``name`` sent to
+        it, as :meth:`keep_signal` keeps one (False: read it again and retry)."""
+        return await self._note_signal(job, lambda record: record.took(name))
+
+    async def _note_signal(self, job: Job, change: Callable[[Job], None]) -> bool:
+        """``change`` made on the job's record where it stays: the step's, if one runs the
+        job here, else ``job``'s, written back unless the store's changed since it was read
+        (False, as for :meth:`keep_signal`)."""
         running = self._running.get(job.id)
         if running is not None:
-            running.signals[name] = payload
+            if running is not job and running.status is Status.SUSPENDED:
+                # Its step parked it, and the write of its record is on its way: a signal
+                # kept on the step's record now would go with it. Read it again.
+                return False
+            change(running)
             return True
-        job.signals[name] = payload
+        change(job)
         unless_changed = getattr(self.store, "update_unless_changed", None)
         if unless_changed is None:  # an in-process store: no step wrote since the read
             await self.store.update(job)
             return True
         kept: bool = await unless_changed(job)
         return kept
+
+
+def check_early_signal(job: Job, name: str) -> None:
+    """Raise SignalError unless ``job`` (active, and waiting for no signal ``name``) may
+    keep a signal ``name`` until it suspends for it."""
+    if name in job.delivered:
+        # A repeat (a backend retrying its callback, say): one signal resumes the job
+        # once, and it is not waiting for this one now.
+        raise SignalError(
+            f"signal {name!r} was already delivered to job {job.id}, which is not waiting "
+            "for it now; this one is refused, not kept"
+        )
+    if job.status is Status.SUSPENDED:
+        raise SignalError(
+            f"job {job.id} is suspended waiting for signal {job.waiting_for!r}, not {name!r}"
+        )
+    if name in job.signals:
+        raise SignalError(f"signal {name!r} is already pending for job {job.id}")
 
 
 class _Claim:

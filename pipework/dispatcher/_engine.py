@@ -30,7 +30,7 @@ from ..pipes._pipe import Context, Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
 from ._admission import Admission
-from ._dispatcher import INTERNAL_PLAN, Dispatcher
+from ._dispatcher import INTERNAL_PLAN, Dispatcher, check_early_signal
 from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_ids
 from ._queue import EventQueue, MemoryEventQueue
@@ -577,7 +577,12 @@ class Engine:
 
     async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
         """Deliver signal ``name``: resumes the job if it is suspended waiting for it, or
-        is kept until the job suspends for it if the job is still queued or running."""
+        is kept until the job suspends for it if the job is still queued or running.
+
+        Raises SignalError if the job has ended, waits for another signal, already has
+        this one pending, or already took a signal of this name and is not suspended for
+        it again: a repeat (of a callback, say) is refused, never kept, so of several
+        sent at once exactly one is delivered."""
         check_value(payload, root="payload")
         lock = getattr(self.store, "lock", None)
         if lock is None:  # an in-process store: the read-check-write has no checkpoint
@@ -589,8 +594,11 @@ class Engine:
             await self._signal(job_id, name, payload)
 
     async def _signal(self, job_id: str, name: str, payload: Any) -> None:
-        # Kept only on the record as it still is: a step that wrote it since it was read
-        # (forked a stage, say) sends the signal round again, on what the step wrote.
+        # Each decision is made on the records as read, and written only if they are still
+        # so: on a shared store a record changed since it was read (by a step, its timer, a
+        # signal sent to one of its branches by their own id) sends the signal round again,
+        # on what was written. On an in-process store the read, the decision and the write
+        # have no checkpoint between them: concurrent signals are decided one by one.
         while True:
             job = await self.store.get(job_id)
             if job.status in TERMINAL:
@@ -600,16 +608,25 @@ class Engine:
                 )
             target = await self._dispatcher.find_waiting(job, name)
             if target is not None:
-                await self._dispatcher.deliver(target, name, payload)
+                if not await self._dispatcher.deliver(target, name, payload):
+                    continue
+                if target is not job:
+                    await self._note_taken(job, name)
                 return
-            if job.status is Status.SUSPENDED:
-                raise SignalError(
-                    f"job {job_id} is suspended waiting for signal {job.waiting_for!r}, "
-                    f"not {name!r}"
-                )
-            if name in job.signals:
-                raise SignalError(f"signal {name!r} is already pending for job {job_id}")
+            check_early_signal(job, name)
             if await self._dispatcher.keep_signal(job, name, payload):
+                return
+
+    async def _note_taken(self, job: Job, name: str) -> None:
+        """Remember on ``job`` the signal sent to it that one of its branches took: a
+        repeat of it will be sent to ``job`` too. The signal is delivered already: a job
+        that ended meanwhile needs nothing remembered, and nothing is raised for it."""
+        while not await self._dispatcher.note_taken(job, name):
+            try:
+                job = await self.store.get(job.id)
+            except JobNotFound:
+                return
+            if job.status in TERMINAL:
                 return
 
     async def stream(self, job_id: str) -> AsyncIterator[Any]:

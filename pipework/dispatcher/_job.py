@@ -76,7 +76,9 @@ def new_correlation_id() -> str:
 
 
 def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    # surrogatepass: any text hashes (text no token can be is then simply a wrong token);
+    # for every other text the bytes, and so the hash, are plain UTF-8's.
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(slots=True)
@@ -233,6 +235,11 @@ class Job:
     join_id: str | None = None
     #: A parent waiting at a parallel stage: its join's record (see _parallel.py).
     join: JoinRecord | None = None
+    #: The names of the signals the job took: delivered to it (or, sent to it, to one of
+    #: its branches), or taken from its mailbox by a suspend. Another of one of these names
+    #: is refused unless the job suspends for it again (Engine.signal). Last of the stored
+    #: fields, so a record written before it existed reads as having taken none.
+    delivered: tuple[str, ...] = ()
     version: int = 0
     # In-process only, never stored remotely.
     exception: BaseException | None = None
@@ -287,9 +294,15 @@ class Job:
         job.branch = None
         job.join_id = None
         job.join = None
+        job.delivered = ()
         job.version = 0
         job.exception = None
         return job
+
+    def took(self, signal: str) -> None:
+        """Remember that the job took ``signal`` (see ``delivered``)."""
+        if signal not in self.delivered:
+            self.delivered = (*self.delivered, signal)
 
     def transition(self, target: Status) -> None:
         if target not in TRANSITIONS[self.status]:  # check_transition's test, inline
@@ -348,6 +361,7 @@ class Job:
             "branch": self.branch,
             "join_id": self.join_id,
             "join": None if self.join is None else self.join.to_wire(),
+            "delivered": list(self.delivered),
             "version": self.version,
         }
 
@@ -363,6 +377,7 @@ class Job:
             fields["error"] = ErrorInfo(*fields["error"])
         if fields["join"] is not None:
             fields["join"] = JoinRecord.from_wire(fields["join"])
+        fields["delivered"] = tuple(fields.get("delivered", ()))
         return cls(**fields)
 
 

@@ -278,6 +278,10 @@ _AT_STATUS, _AT_UPDATED, _AT_FRAMES, _AT_ROOT, _AT_PROGRESS, _AT_ERROR, _AT_OUTP
     _FIELDS.index(name)
     for name in ("status", "updated_at", "frames", "root", "progress", "error", "output", "join")
 )
+#: The signals a job took: the last field, which a record written before it lacks.
+_AT_DELIVERED: Final = _FIELDS.index("delivered")
+if _AT_DELIVERED != len(_FIELDS) - 1:
+    raise RuntimeError("Job's field delivered must be the last one stored (see _decode)")
 #: The fields that are absolute trio times (moved between processes' clocks).
 _TIMES: Final = tuple(
     _FIELDS.index(name) for name in ("deadline", "suspend_deadline", "retain_until", "accepted_at")
@@ -432,6 +436,12 @@ class RedisJobStore(Batches):
         # Times written by another process move from its trio clock to this one's; this
         # process's own come back exactly as they were written.
         shift = values.pop() - self._shift()
+        if len(values) == _AT_DELIVERED:  # written before jobs remembered their signals
+            values.append(())
+        elif values[_AT_DELIVERED]:
+            values[_AT_DELIVERED] = tuple(values[_AT_DELIVERED])
+        else:
+            values[_AT_DELIVERED] = ()
         if updated:
             assert status is not None
             values[_AT_STATUS] = status.decode()
