@@ -288,6 +288,51 @@ async def test_a_websocket_follower_gets_changes_and_is_closed_by_the_delete() -
                 assert closed
 
 
+def client_frame(opcode: int, payload: bytes, *, fin: bool = True, masked: bool = True) -> bytes:
+    """One websocket frame as a client sends it (RFC 6455 §5.2), built by hand so that it
+    can break the rules; ``payload`` under 126 bytes."""
+    head = bytes([(0x80 if fin else 0) | opcode, (0x80 if masked else 0) | len(payload)])
+    if not masked:
+        return head + payload
+    key = b"\x1f\x2e\x3d\x4c"
+    return head + key + bytes(byte ^ key[i % 4] for i, byte in enumerate(payload))
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        pytest.param(client_frame(0x1, b"\xff\xfe"), 1007, id="text-not-utf8"),
+        pytest.param(client_frame(0x1, b"hi", masked=False), 1002, id="unmasked"),
+        pytest.param(client_frame(0x3, b""), 1002, id="reserved-opcode"),
+        pytest.param(client_frame(0x9, b"", fin=False), 1002, id="fragmented-ping"),
+    ],
+)
+async def test_a_websocket_protocol_error_is_answered_with_a_close_frame(
+    frame: bytes, code: int
+) -> None:
+    """RFC 6455 §7.1.7: the server fails the connection with a close frame that says why
+    (§7.4.1), then closes the TCP connection; a bare close would read as a network failure."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", 1)
+            address = served.address
+            async with await trio.open_tcp_stream(address.host, address.port) as stream:
+                ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+                await stream.send_all(
+                    ws.send(wsproto.events.Request(host="test", target=f"/boards/news/{resource}"))
+                )
+                received: list[wsproto.events.Event] = []
+                while not any(isinstance(e, wsproto.events.AcceptConnection) for e in received):
+                    ws.receive_data(await stream.receive_some())
+                    received.extend(ws.events())
+                await stream.send_all(frame)
+                while data := await stream.receive_some():
+                    ws.receive_data(data)
+                    received.extend(ws.events())
+                closes = [e for e in received if isinstance(e, wsproto.events.CloseConnection)]
+                assert [close.code for close in closes] == [code], received
+
+
 async def test_who_may_write_and_read() -> None:
     with trio.fail_after(HANG_GUARD):
         async with serving() as served:

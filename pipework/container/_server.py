@@ -35,7 +35,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ASGIFramework
 
-from . import _hypercorn_fix
+from . import _hypercorn_fix, _hypercorn_ws
 
 __all__ = ["BoundAddress", "serve"]
 
@@ -96,6 +96,7 @@ async def serve(
     application's own logging configuration unless ``errorlog`` is given here.
     """
     _hypercorn_fix.apply()
+    _hypercorn_ws.apply()
     config = _build_config(
         host=host,
         port=port,
