@@ -118,6 +118,31 @@ async def test_bad_input(
         assert "POST" in response.headers["allow"]
 
 
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(msgpack.packb({b"k": 1}), id="bytes-key"),
+        pytest.param(msgpack.packb({"a": [{b"k": 1}]}), id="nested-bytes-key"),
+        pytest.param(msgpack.packb({1: 2}), id="int-key"),
+        pytest.param(msgpack.packb({"a": {1: 2}}), id="nested-int-key"),
+        pytest.param(msgpack.packb({(1, 2): 3}), id="array-key"),
+        pytest.param(b"\x81\x80\x01", id="map-key"),
+    ],
+)
+async def test_a_msgpack_map_key_that_is_not_a_string_is_malformed(body: bytes) -> None:
+    """docs/http-api.md: non-string map keys are ``400 malformed``, at any depth; job state
+    (and JSON, which answers carry) has string keys only."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine()) as served:
+            response = await served.client.post("/echo/1", content=body, headers=MSGPACK)
+    problem = assert_problem(response, 400, "malformed")
+    assert problem["title"] == "Malformed body"
+    assert "map key" in problem["detail"]
+
+
 async def test_body_over_the_limit_without_content_length_is_413() -> None:
     async def body() -> AsyncIterator[bytes]:
         for _ in range(4):

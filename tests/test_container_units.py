@@ -159,6 +159,10 @@ def test_decode_json_msgpack_and_empty() -> None:
         pytest.param(b"[1e400]", "application/json", 400, id="overflow"),
         pytest.param(b"\xff\xfe", "application/json", 400, id="not-utf8"),
         pytest.param(msgpack.packb({1: 2}), "application/msgpack", 400, id="int-key"),
+        pytest.param(msgpack.packb({b"k": 2}), "application/msgpack", 400, id="bytes-key"),
+        pytest.param(
+            msgpack.packb([{"a": {b"k": 2}}]), "application/msgpack", 400, id="deep-bytes"
+        ),
         pytest.param(msgpack.packb(msgpack.ExtType(5, b"x")), "application/msgpack", 400, id="ext"),
         pytest.param(msgpack.packb(1) + b"\x01", "application/msgpack", 400, id="extra"),
         pytest.param(b"x", "text/csv", 415, id="csv"),

@@ -259,12 +259,34 @@ def _refuse_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack extension type {code} cannot be job state")
 
 
+class _BytesKey(ValueError):
+    pass
+
+
+def _str_keys(value: dict[Any, Any]) -> dict[Any, Any]:
+    # strict_map_key refuses every key but str and bytes; job state, and the JSON it is
+    # answered in, has string keys only, so bytes go too (at any depth: this runs per map).
+    for key in value:
+        if not isinstance(key, str):
+            shown = repr(key) if len(key) <= 32 else f"{key[:32]!r}..."
+            raise _BytesKey(f"a map key is bytes ({shown})")
+    return value
+
+
 def _decode_msgpack(data: bytes, what: str) -> Any:
     try:
         # Timestamps decode to datetime, which the state check then refuses by its key path.
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, timestamp=3
+            data,
+            raw=False,
+            strict_map_key=True,
+            object_hook=_str_keys,
+            ext_hook=_refuse_ext,
+            timestamp=3,
         )
+    except _BytesKey as exc:
+        detail = f"in the {what}, {exc}: map keys must be strings (msgpack str, not bin)"
+        raise Problem(400, "Malformed body", detail, slug="malformed") from None
     except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         raise _malformed(what, "msgpack", exc) from None
 
