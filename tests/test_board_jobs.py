@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import trio
 
 import pipework as pw
@@ -94,6 +95,42 @@ async def test_one_stream_follows_several_jobs_by_ticket() -> None:
                     if body["data"]["status"] == "done":
                         done.add(body["id"])
                 assert done == {t.split(":")[0] for t in tickets}
+
+
+@pytest.mark.parametrize(
+    "ticket",
+    [
+        pytest.param("é:token".encode(), id="utf-8"),
+        pytest.param("é:token".encode("latin-1"), id="latin-1"),
+        pytest.param(b"job:tok\xffen", id="in-the-token"),
+    ],
+)
+async def test_a_ticket_that_is_not_ascii_is_refused_naming_the_header(ticket: bytes) -> None:
+    """Job ids and tokens are ASCII: such a ticket names no job, and its bytes would come
+    back as latin-1 mojibake in a ``missing`` event. The answer says which ticket."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(Gate())) as served:
+            response = await served.client.get(
+                "/jobs/events",
+                headers={
+                    b"X-Job-Tickets": b"unknown:token, " + ticket,
+                    b"Accept": b"text/event-stream",
+                },
+            )
+    problem = assert_problem(response, 400, "bad-job-tickets")
+    assert "X-Job-Tickets" in problem["detail"]
+    assert "ticket 2" in problem["detail"]
+    assert "Ã" not in response.text
+    assert "é" not in response.text
+
+
+async def test_more_tickets_than_one_stream_follows_are_refused() -> None:
+    tickets = ",".join(f"job{n}:token" for n in range(201))
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(Gate())) as served:
+            response = await served.client.get("/jobs/events", headers={"X-Job-Tickets": tickets})
+    problem = assert_problem(response, 400, "bad-job-tickets")
+    assert "at most 200" in problem["detail"]
 
 
 async def test_the_jobs_page_is_served_with_a_strict_policy() -> None:

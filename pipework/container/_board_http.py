@@ -23,6 +23,7 @@ Past a follower limit: 503 with Retry-After. A follower whose send fails is drop
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
@@ -51,6 +52,7 @@ _RETRY_AFTER: Final = "5"
 #: The most jobs one multi-job stream (the jobs page) may follow.
 MAX_TICKETS: Final = 200
 _TERMINAL_NAMES: Final = frozenset(s.value for s in TERMINAL)
+_VISIBLE_ASCII: Final = re.compile(r"[\x21-\x7e]+\Z")
 
 
 def sse_event(event: Event) -> bytes:
@@ -364,7 +366,15 @@ class BoardApi:
         tickets = [t.strip() for t in request.headers.get("X-Job-Tickets", "").split(",")]
         tickets = [t for t in tickets if t]
         if len(tickets) > MAX_TICKETS:
-            raise Problem(400, "Too many jobs", f"at most {MAX_TICKETS} jobs in one stream")
+            raise _bad_tickets(f"it names {len(tickets)} jobs; at most {MAX_TICKETS} per stream")
+        for number, ticket in enumerate(tickets, 1):
+            # Ids and tokens are ASCII: such a ticket names no job, and its id, read as
+            # latin-1 like every header, would come back garbled in a missing event.
+            if not _VISIBLE_ASCII.match(ticket):
+                raise _bad_tickets(
+                    f"ticket {number} is not visible ASCII; a ticket is ID:TOKEN, the job's "
+                    "X-Job-Id and X-Job-Token"
+                )
         found: list[str] = []
         missing: list[str] = []
         for ticket in tickets:
@@ -391,6 +401,12 @@ class BoardApi:
                         yield chunk
 
         return _sse_response(body())
+
+
+def _bad_tickets(why: str) -> Problem:
+    return Problem(
+        400, "Bad job tickets", f"X-Job-Tickets cannot be followed: {why}", slug="bad-job-tickets"
+    )
 
 
 def add_board_rules(app: Any, api: BoardApi) -> None:
