@@ -28,6 +28,7 @@ from .test_container_harness import (
     HANG_GUARD,
     SECRET,
     Served,
+    assert_no_content,
     assert_problem,
     assert_raw_problem,
     bearer,
@@ -170,6 +171,7 @@ async def test_an_sse_follower_gets_the_state_then_every_change_then_the_delete(
                 assert (event_id, kind, body["data"]) == (version, "update", {"n": 1})
                 deleted = await served.client.delete(path, headers=bearer(WRITE))
                 assert deleted.status_code == 204
+                assert_no_content(deleted)
                 assert (await events.next())[1] == "delete"
                 with pytest.raises(EOFError):
                     await events.next()  # a delete closes its followers

@@ -69,6 +69,14 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+def assert_no_content(response: httpx.Response) -> None:
+    """A 204 has no body, so nothing describes one: no Content-Type, and no Content-Length
+    (RFC 9110 §8.6: a server MUST NOT send it on a 204)."""
+    assert response.content == b""
+    assert "content-type" not in response.headers, response.headers
+    assert "content-length" not in response.headers, response.headers
+
+
 def assert_problem(
     response: httpx.Response, status: int, slug: str | None = None
 ) -> dict[str, Any]:

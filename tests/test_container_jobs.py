@@ -22,6 +22,7 @@ from pipework.redis import RedisJobStore
 from ._redis import RedisServer
 from .test_container_harness import (
     HANG_GUARD,
+    assert_no_content,
     assert_problem,
     assert_raw_problem,
     bearer,
@@ -248,6 +249,7 @@ async def test_signed_callback_resumes_the_job_and_refuses_tampering() -> None:
         assert_problem(response, 403, "callback-refused")
     assert "expired" in refused[-1].json()["detail"]
     assert accepted.status_code == 204
+    assert_no_content(accepted)
     assert result == {"answer": 42}
     # The job is finished: a replay of the URL cannot reach it.
     assert_problem(replayed, 409, "signal-refused")

@@ -21,7 +21,7 @@ import pipework as pw
 from pipework.backends._http import Backends, http_pipe
 from pipework.backends._http_spec import HttpCall, Service
 
-from .test_container_harness import HANG_GUARD, assert_problem, serving
+from .test_container_harness import HANG_GUARD, assert_no_content, assert_problem, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,6 +127,7 @@ async def test_options_answers_with_the_allow_of_the_405() -> None:
             nowhere = await served.client.options("/nowhere")
     assert refused.status_code == 405
     assert options.status_code == 204
+    assert_no_content(options)
     assert options.headers["allow"] == refused.headers["allow"]
     assert set(options.headers["allow"].split(", ")) == {"GET", "HEAD", "PUT"}
     assert nowhere.status_code == 404

@@ -84,6 +84,8 @@ _ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 # Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
 _FLUSH_MARGIN: Final = 1.0
 _NO_PARAMS: Final[Mapping[str, str]] = {}
+#: Answers that carry no content (RFC 9110 §15.3.5, §15.4.5): nothing to label.
+_NO_CONTENT: Final = frozenset({204, 304})
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +408,11 @@ class Container:
     async def _after_request(self, response: Response) -> Response:
         self._count_response(response)
         response.headers["X-Request-ID"] = _correlation_id()
+        if response.status_code in _NO_CONTENT:
+            # Quart labels every response (text/html, length 0); one without content has
+            # nothing to describe, and a 204 may not carry a length (RFC 9110 §8.6).
+            del response.headers["Content-Type"]
+            del response.headers["Content-Length"]
         return response
 
     def _count_response(self, response: Response) -> None:
