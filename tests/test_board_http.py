@@ -335,6 +335,54 @@ async def test_a_websocket_protocol_error_is_answered_with_a_close_frame(
                 assert [close.code for close in closes] == [code], received
 
 
+async def open_websocket(
+    served: Served, target: str, after_request: bytes = b""
+) -> tuple[trio.SocketStream, wsproto.WSConnection, list[wsproto.events.Event]]:
+    """Send a websocket handshake (and ``after_request`` in the same write, before any
+    answer); read until the server accepts or refuses it."""
+    address = served.address
+    stream = await trio.open_tcp_stream(address.host, address.port)
+    ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    await stream.send_all(
+        ws.send(wsproto.events.Request(host="test", target=target)) + after_request
+    )
+    received: list[wsproto.events.Event] = []
+    while not any(
+        isinstance(e, wsproto.events.AcceptConnection)
+        or (isinstance(e, wsproto.events.RejectData) and e.body_finished)
+        for e in received
+    ):
+        data = await stream.receive_some()
+        assert data, f"the server closed the connection after {received}"
+        ws.receive_data(data)
+        received.extend(ws.events())
+    return stream, ws, received
+
+
+@pytest.mark.parametrize(
+    ("target", "status", "slug"),
+    [
+        pytest.param("/boards/news/nope", 404, "resource-not-found", id="unknown-resource"),
+        pytest.param("/boards/orders/nope", 401, "board-token", id="no-token"),
+        pytest.param("/boards/nope/x", 404, "board-not-found", id="unknown-board"),
+    ],
+)
+async def test_a_refused_websocket_is_answered_with_its_problem(
+    target: str, status: int, slug: str
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            stream, _, received = await open_websocket(served, target)
+            await stream.aclose()
+    (reject,) = [e for e in received if isinstance(e, wsproto.events.RejectConnection)]
+    body = b"".join(e.data for e in received if isinstance(e, wsproto.events.RejectData))
+    assert reject.status_code == status
+    assert (b"content-type", b"application/problem+json") in reject.headers
+    problem = json.loads(body)
+    assert problem["type"] == f"urn:pipework:problem:{slug}"
+    assert problem["instance"] == target
+
+
 async def test_who_may_write_and_read() -> None:
     with trio.fail_after(HANG_GUARD):
         async with serving() as served:

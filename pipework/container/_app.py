@@ -26,7 +26,7 @@ from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 import trio
-from quart import Request, Response, request
+from quart import Request, Response, has_websocket_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
@@ -495,24 +495,27 @@ class Container:
     # -- errors --------------------------------------------------------------------------
 
     async def _on_problem(self, problem: Problem) -> Response:
-        return render_problem(problem, correlation_id=_correlation_id(), instance=request.path)
+        _, path = _method_and_path()
+        return render_problem(problem, correlation_id=_correlation_id(), instance=path)
 
     async def _on_http_error(self, exc: HTTPException) -> Response:
         problem = problem_for_http(exc)
+        method, path = _method_and_path()
         # werkzeug's descriptions are written for people at a browser
         if exc.code == 404:
-            problem.detail = f"no route for {request.method} {request.path}"
+            problem.detail = f"no route for {method} {path}"
         elif exc.code == 405:
-            problem.detail = f"{request.method} is not allowed on {request.path}; see Allow"
+            problem.detail = f"{method} is not allowed on {path}; see Allow"
         return await self._on_problem(problem)
 
     async def _on_error(self, exc: Exception) -> Response:
+        method, path = _method_and_path()
         if isinstance(exc, PipeworkError):
             if isinstance(exc, Overloaded):  # its numbers are for the operator, not the client
                 _log.warning(
                     "refused %s %s (correlation id %s): %s",
-                    request.method,
-                    request.path,
+                    method,
+                    path,
                     _correlation_id(),
                     exc,
                 )
@@ -520,8 +523,8 @@ class Container:
         # A bug in the container or a hook, not a job's failure: log all of it, show none.
         _log.error(
             "unhandled error on %s %s (correlation id %s)",
-            request.method,
-            request.path,
+            method,
+            path,
             _correlation_id(),
             exc_info=exc,
         )
@@ -624,6 +627,14 @@ async def _healthz() -> Response:
 
 def _json(value: Any, status: int = 200) -> Response:
     return Response(dumps_json(value), status=status, content_type=JSON)
+
+
+def _method_and_path() -> tuple[str, str]:
+    """What is being answered; a websocket handshake (a board follow refused before it is
+    accepted) has no ``request``, and its refusal is an HTTP answer all the same."""
+    if has_websocket_context():
+        return "GET", websocket.path
+    return request.method, request.path
 
 
 def _correlation_id() -> str:
