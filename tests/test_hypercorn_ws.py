@@ -1,14 +1,17 @@
-"""The websocket close fix (``pipework.container._hypercorn_ws``): that hypercorn as installed
-still needs it, and that it applies once and refuses internals it was not written for. That
-the fix works is tested through the board's websocket (tests/test_board_http.py)."""
+"""The websocket fixes (``pipework.container._hypercorn_ws``): that hypercorn as installed
+still needs them, and that they apply once and refuse internals they were not written for.
+That they work is tested through the board's websocket (tests/test_board_http.py)."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import pytest
 import trio
 import wsproto
@@ -24,14 +27,13 @@ from pipework.container import _hypercorn_ws
 
 from .test_container_harness import HANG_GUARD
 
-# Taken when this module is imported, before any test serves (serve() applies the fix).
-HYPERCORN_HANDLE_EVENTS: Callable[..., Any] = WSStream._handle_events
-assert not _hypercorn_ws.is_applied(), "collect this module before anything serves"
+PATCHED = ("_handle_events", "handle", "app_send")
 
 
 def unpatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Put hypercorn's own method back for one test (the fix replaces it for good)."""
-    monkeypatch.setattr(WSStream, "_handle_events", HYPERCORN_HANDLE_EVENTS)
+    """Put hypercorn's own methods back for one test (the fixes patch them for good)."""
+    for name in PATCHED:
+        monkeypatch.setattr(WSStream, name, inspect.unwrap(getattr(WSStream, name)))
 
 
 def echo_app() -> QuartTrio:
@@ -46,52 +48,99 @@ def echo_app() -> QuartTrio:
     return app
 
 
+@asynccontextmanager
+async def hypercorn_alone() -> AsyncIterator[tuple[str, int]]:
+    """hypercorn's own serve() (pipework's would apply the fixes) on a free port."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.errorlog = logging.getLogger("hypercorn.error")  # not hypercorn's own handlers
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            functools.partial(hypercorn_serve, echo_app(), config, shutdown_trigger=stop.wait)
+        )
+        host, port = binds[0].removeprefix("http://").rsplit(":", 1)
+        try:
+            yield host, int(port)
+        finally:
+            stop.set()
+
+
+def handshake() -> tuple[wsproto.WSConnection, bytes]:
+    ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    return ws, ws.send(wsproto.events.Request(host="test", target="/ws"))
+
+
 async def test_unpatched_hypercorn_still_drops_the_close_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Canary: hypercorn as installed still ends a websocket whose peer broke the protocol
     without a close frame.
 
-    If this starts failing, hypercorn sends the close frame itself; check whether
+    If this starts failing, hypercorn sends the close frame itself; check whether the
+    first fix in ``pipework.container._hypercorn_ws`` is still needed before updating this
+    test.
+    """
+    unpatch(monkeypatch)
+    with trio.fail_after(HANG_GUARD):
+        async with (
+            hypercorn_alone() as (host, port),
+            await trio.open_tcp_stream(host, port) as stream,
+        ):
+            ws, request = handshake()
+            await stream.send_all(request)
+            received: list[wsproto.events.Event] = []
+            while not any(isinstance(e, wsproto.events.AcceptConnection) for e in received):
+                ws.receive_data(await stream.receive_some())
+                received.extend(ws.events())
+            await stream.send_all(b"\x81\x02hi")  # unmasked: a protocol error
+            rest = bytearray()
+            while data := await stream.receive_some():
+                rest += data
+            assert rest == b"", "hypercorn sent something: is the fix still needed?"
+
+
+async def test_unpatched_hypercorn_still_dies_of_a_frame_before_the_101(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Canary: a frame written right behind the handshake request still ends hypercorn's
+    whole server (its 400 races the app's 101 in h11).
+
+    If this starts failing, hypercorn survives it; check whether the second fix in
     ``pipework.container._hypercorn_ws`` is still needed before updating this test.
     """
     unpatch(monkeypatch)
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.errorlog = logging.getLogger("hypercorn.error")  # not hypercorn's own handlers
-    stop = trio.Event()
-    with trio.fail_after(HANG_GUARD):
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(
-                functools.partial(hypercorn_serve, echo_app(), config, shutdown_trigger=stop.wait)
-            )
-            host, port = binds[0].removeprefix("http://").rsplit(":", 1)
-            async with await trio.open_tcp_stream(host, int(port)) as stream:
-                ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
-                await stream.send_all(ws.send(wsproto.events.Request(host="test", target="/ws")))
-                received: list[wsproto.events.Event] = []
-                while not any(isinstance(e, wsproto.events.AcceptConnection) for e in received):
-                    ws.receive_data(await stream.receive_some())
-                    received.extend(ws.events())
-                await stream.send_all(b"\x81\x02hi")  # unmasked: a protocol error
-                rest = bytearray()
-                while data := await stream.receive_some():
-                    rest += data
-                assert rest == b"", "hypercorn sent something: is the fix still needed?"
-            stop.set()
+    with (
+        trio.fail_after(HANG_GUARD),
+        pytest.RaisesGroup(h11.LocalProtocolError, flatten_subgroups=True),
+    ):
+        async with (
+            hypercorn_alone() as (host, port),
+            await trio.open_tcp_stream(host, port) as stream,
+        ):
+            _, request = handshake()
+            await stream.send_all(request + b"\x89\x80\x00\x00\x00\x00")  # a ping
+            await trio.sleep_forever()  # until the server's death cancels this
 
 
-def test_the_fix_is_idempotent() -> None:
+def test_the_fixes_are_idempotent() -> None:
     _hypercorn_ws.apply()
-    patched = WSStream._handle_events
-    assert patched is not HYPERCORN_HANDLE_EVENTS
+    patched = [getattr(WSStream, name) for name in PATCHED]
     _hypercorn_ws.apply()
-    assert WSStream._handle_events is patched
+    assert [getattr(WSStream, name) for name in PATCHED] == patched
     assert _hypercorn_ws.is_applied()
+    for method in patched:
+        # One layer over hypercorn's method, not a layer over a layer.
+        assert inspect.unwrap(method) is not method
+        assert not hasattr(inspect.unwrap(method), "_pipework_ws")
 
 
 async def changed_handle_events(self: WSStream) -> None:
     """``_handle_events`` as a future hypercorn might write it."""
+
+
+async def changed_app_send(self: WSStream, message: Any, more: bool) -> None:
+    """``app_send`` with a parameter more."""
 
 
 def no_events(self: Connection) -> Iterator[wsproto.events.Event]:
@@ -100,19 +149,57 @@ def no_events(self: Connection) -> Iterator[wsproto.events.Event]:
     yield from ()
 
 
-def test_the_fix_refuses_a_changed_hypercorn(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(WSStream, "_handle_events", changed_handle_events)
+@pytest.mark.parametrize(
+    ("cls", "attribute", "replacement", "problem"),
+    [
+        pytest.param(
+            WSStream,
+            "_handle_events",
+            changed_handle_events,
+            "WSStream._handle_events is not the method the fix copies",
+            id="handle-events-changed",
+        ),
+        pytest.param(WSStream, "handle", None, "WSStream.handle is missing", id="handle-gone"),
+        pytest.param(
+            WSStream, "app_send", changed_app_send, "does not take", id="app-send-changed"
+        ),
+        pytest.param(
+            Connection,
+            "events",
+            no_events,
+            "wsproto .* no longer reports an unmasked",
+            id="wsproto-changed",
+        ),
+    ],
+)
+def test_the_fixes_refuse_changed_internals(
+    monkeypatch: pytest.MonkeyPatch, cls: type, attribute: str, replacement: object, problem: str
+) -> None:
+    unpatch(monkeypatch)
+    monkeypatch.setattr(cls, attribute, replacement)
+    with pytest.raises(RuntimeError, match=problem):
+        _hypercorn_ws.apply()
+    assert not _hypercorn_ws.is_applied()
+    # Nothing was patched half-way.
+    assert not any(hasattr(getattr(WSStream, name), "_pipework_ws") for name in PATCHED)
+
+
+@pytest.mark.parametrize(
+    ("installed", "advice"),
+    [
+        ("0.19.0", "install the series pipework declares (pip install 'hypercorn>=0.18,<0.19')"),
+        ("0.18.0", "reinstall it (pip install --force-reinstall 'hypercorn==0.18.0')"),
+    ],
+)
+def test_a_refused_fix_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, installed: str, advice: str
+) -> None:
+    monkeypatch.setattr(_hypercorn_ws, "_installed_version", lambda package="": installed)
+    unpatch(monkeypatch)
+    monkeypatch.setattr(WSStream, "handle", None)
     with pytest.raises(RuntimeError) as info:
         _hypercorn_ws.apply()
-    assert WSStream._handle_events is changed_handle_events
     message = str(info.value)
-    assert "WSStream._handle_events is not the method the fix copies" in message
+    assert message.startswith(f"pipework cannot apply its websocket fixes to hypercorn {installed}")
     assert "written for hypercorn 0.18.0" in message
-
-
-def test_the_fix_refuses_a_changed_wsproto(monkeypatch: pytest.MonkeyPatch) -> None:
-    unpatch(monkeypatch)
-    monkeypatch.setattr(Connection, "events", no_events)
-    with pytest.raises(RuntimeError, match=r"wsproto .* no longer reports an unmasked"):
-        _hypercorn_ws.apply()
-    assert WSStream._handle_events is HYPERCORN_HANDLE_EVENTS
+    assert advice in message
