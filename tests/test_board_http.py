@@ -593,3 +593,25 @@ async def test_memory_returns_to_its_level_after_many_follow_and_disconnect_cycl
             after = rss_bytes()
             assert core.statistics().delivered >= 5000
             assert after <= baseline * 1.10, (baseline, after)
+
+
+async def test_options_on_the_containers_own_paths_lists_what_they_take() -> None:
+    """As on a route's path: 204, no content, the methods the path takes (Quart's automatic
+    answer was a 200 in text/html listing every method of the routes' catch-all rule)."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            answers = {
+                path: await served.client.options(path)
+                for path in ("/healthz", "/boards/news/x", "/boards/news", "/jobs/x")
+            }
+    allowed = {}
+    for path, answer in answers.items():
+        assert answer.status_code == 204, path
+        assert_no_content(answer)
+        allowed[path] = set(answer.headers["allow"].split(", "))
+    assert allowed == {
+        "/healthz": {"GET", "HEAD"},
+        "/boards/news/x": {"GET", "HEAD", "PUT", "DELETE"},
+        "/boards/news": {"POST"},
+        "/jobs/x": {"GET", "HEAD", "DELETE"},
+    }

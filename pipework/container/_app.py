@@ -84,6 +84,8 @@ _ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 # Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
 _FLUSH_MARGIN: Final = 1.0
 _NO_PARAMS: Final[Mapping[str, str]] = {}
+#: The endpoints of the rules that hand every other path to the routes' own map.
+_CATCH_ALL: Final = ("routes_root", "routes")
 #: Answers that carry no content (RFC 9110 §15.3.5, §15.4.5): nothing to label.
 _NO_CONTENT: Final = frozenset({204, 304})
 
@@ -287,7 +289,7 @@ class Container:
         # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
         self.submissions.match = self._match
-        for rule, endpoint in (("/", "routes_root"), ("/<path:_rest>", "routes")):
+        for rule, endpoint in zip(("/", "/<path:_rest>"), _CATCH_ALL, strict=True):
             app.add_url_rule(
                 rule,
                 endpoint,
@@ -317,6 +319,15 @@ class Container:
                 "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
             )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
+        # OPTIONS on the container's own paths: Quart's automatic answer would list the
+        # catch-all's methods too; these are the paths' own (and a route's on the same path).
+        own = [
+            Rule(r.rule, endpoint=r.endpoint, methods=r.methods)
+            for r in app.url_map.iter_rules()
+            if r.endpoint not in _CATCH_ALL and not r.websocket
+        ]
+        self._own_paths = Map(own).bind("localhost")
+        app.make_default_options_response = self._own_options  # type: ignore[method-assign]  # Quart's hook for OPTIONS
         return app
 
     async def _start_boards(self) -> None:
@@ -383,6 +394,12 @@ class Container:
 
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])
+
+    async def _own_options(self) -> Response:
+        path = request.path
+        allowed = {*self._own_paths.allowed_methods(path), *self._matcher.allowed_methods(path)}
+        allowed.discard("OPTIONS")  # as on a route's path: the methods a 405 would list
+        return Response("", status=204, headers={"Allow": ", ".join(sorted(allowed))})
 
     def _match(self, req: Request) -> tuple[Route, Mapping[str, str]] | Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
