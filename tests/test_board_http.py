@@ -615,3 +615,23 @@ async def test_options_on_the_containers_own_paths_lists_what_they_take() -> Non
         "/boards/news": {"POST"},
         "/jobs/x": {"GET", "HEAD", "DELETE"},
     }
+
+
+async def test_a_websocket_client_that_talks_still_gets_its_close_answered() -> None:
+    """The board only sends; what a client sends is read and ignored, so that its close
+    frame is still read after any number of messages (unread, they filled the app's queues
+    and the server stopped reading the connection)."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", 1)
+            stream, ws, received = await open_websocket(served, f"/boards/news/{resource}")
+            async with stream:
+                chatter = b"".join(
+                    ws.send(wsproto.events.TextMessage(data=f"hello {n}")) for n in range(100)
+                )
+                await stream.send_all(chatter + ws.send(wsproto.events.CloseConnection(1000)))
+                while data := await stream.receive_some():
+                    ws.receive_data(data)
+                    received.extend(ws.events())
+            closes = [e.code for e in received if isinstance(e, wsproto.events.CloseConnection)]
+            assert closes == [1000]

@@ -327,13 +327,16 @@ class BoardApi:
         finished = False
         try:
             await websocket.accept()
-            while True:
-                taken = await follower.wait()
-                for event in taken.events:
-                    await websocket.send(dumps_json(event.to_wire()))
-                if taken.closed:
-                    finished = True
-                    break
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_ignore_messages)
+                while True:
+                    taken = await follower.wait()
+                    for event in taken.events:
+                        await websocket.send(dumps_json(event.to_wire()))
+                    if taken.closed:
+                        finished = True
+                        break
+                nursery.cancel_scope.cancel()
         finally:
             follower.close(dropped=not finished)
         await websocket.close(1000)
@@ -401,6 +404,14 @@ class BoardApi:
                         yield chunk
 
         return _sse_response(body())
+
+
+async def _ignore_messages() -> None:
+    """Read what a follower's client sends, and drop it. Left unread, a few dozen messages
+    fill the app's queues, and the server stops reading the connection: the client's close
+    frame would never be answered."""
+    while True:
+        await websocket.receive()
 
 
 def _bad_tickets(why: str) -> Problem:
