@@ -336,13 +336,16 @@ async def test_a_websocket_protocol_error_is_answered_with_a_close_frame(
 
 
 async def open_websocket(
-    served: Served, target: str
+    served: Served, target: str, after_request: bytes = b""
 ) -> tuple[trio.SocketStream, wsproto.WSConnection, list[wsproto.events.Event]]:
-    """Send a websocket handshake; read until the server accepts or refuses it."""
+    """Send a websocket handshake (and ``after_request`` in the same write, before any
+    answer); read until the server accepts or refuses it."""
     address = served.address
     stream = await trio.open_tcp_stream(address.host, address.port)
     ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
-    await stream.send_all(ws.send(wsproto.events.Request(host="test", target=target)))
+    await stream.send_all(
+        ws.send(wsproto.events.Request(host="test", target=target)) + after_request
+    )
     received: list[wsproto.events.Event] = []
     while not any(
         isinstance(e, wsproto.events.AcceptConnection)
@@ -378,6 +381,44 @@ async def test_a_refused_websocket_is_answered_with_its_problem(
     problem = json.loads(body)
     assert problem["type"] == f"urn:pipework:problem:{slug}"
     assert problem["instance"] == target
+
+
+async def test_frames_sent_before_the_handshake_answer_are_read_after_it() -> None:
+    """A client that does not wait for the 101 (RFC 6455 §4.1 says it must) gets its frames
+    read once the follow is accepted, in order; the server lives on (hypercorn answered such
+    a frame with a 400 that raced the 101 and took the whole server down)."""
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            resource = await create(served, "news", 1)
+            early = client_frame(0x9, b"one") + client_frame(0x9, b"two")
+            stream, ws, received = await open_websocket(
+                served, f"/boards/news/{resource}", after_request=early
+            )
+            async with stream:
+                while sum(isinstance(e, wsproto.events.Pong) for e in received) < 2:
+                    ws.receive_data(await stream.receive_some())
+                    received.extend(ws.events())
+                await stream.send_all(client_frame(0x1, b"hi", masked=False))
+                while data := await stream.receive_some():
+                    ws.receive_data(data)
+                    received.extend(ws.events())
+            pongs = [e.payload for e in received if isinstance(e, wsproto.events.Pong)]
+            closes = [e.code for e in received if isinstance(e, wsproto.events.CloseConnection)]
+            assert (pongs, closes) == ([b"one", b"two"], [1002])
+            assert (await served.client.get("/healthz")).status_code == 200
+
+
+async def test_a_frame_sent_before_a_refusal_is_dropped_with_the_connection() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with serving() as served:
+            stream, _, received = await open_websocket(
+                served, "/boards/news/nope", after_request=client_frame(0x9, b"x")
+            )
+            async with stream:
+                assert await stream.receive_some() == b""  # closed after the answer
+            (reject,) = [e for e in received if isinstance(e, wsproto.events.RejectConnection)]
+            assert reject.status_code == 404
+            assert (await served.client.get("/healthz")).status_code == 200
 
 
 async def test_who_may_write_and_read() -> None:

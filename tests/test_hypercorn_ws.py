@@ -1,6 +1,6 @@
-"""The websocket close fix (``pipework.container._hypercorn_ws``): that hypercorn as
-installed still needs it, and that it applies once and refuses internals it was not written
-for. That it works is tested through the board's websocket (tests/test_board_http.py)."""
+"""The websocket fixes (``pipework.container._hypercorn_ws``): that hypercorn as installed
+still needs them, and that they apply once and refuse internals they were not written for.
+That they work is tested through the board's websocket (tests/test_board_http.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+import h11
 import pytest
 import trio
 import wsproto
@@ -25,10 +27,13 @@ from pipework.container import _hypercorn_ws
 
 from .test_container_harness import HANG_GUARD
 
+PATCHED = ("_handle_events", "handle", "app_send")
+
 
 def unpatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Put hypercorn's own method back for one test (the fix patches it for good)."""
-    monkeypatch.setattr(WSStream, "_handle_events", inspect.unwrap(WSStream._handle_events))
+    """Put hypercorn's own methods back for one test (the fixes patch them for good)."""
+    for name in PATCHED:
+        monkeypatch.setattr(WSStream, name, inspect.unwrap(getattr(WSStream, name)))
 
 
 def echo_app() -> QuartTrio:
@@ -45,7 +50,7 @@ def echo_app() -> QuartTrio:
 
 @asynccontextmanager
 async def hypercorn_alone() -> AsyncIterator[tuple[str, int]]:
-    """hypercorn's own serve() (pipework's would apply the fix) on a free port."""
+    """hypercorn's own serve() (pipework's would apply the fixes) on a free port."""
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.errorlog = logging.getLogger("hypercorn.error")  # not hypercorn's own handlers
@@ -72,8 +77,9 @@ async def test_unpatched_hypercorn_still_drops_the_close_frame(
     """Canary: hypercorn as installed still ends a websocket whose peer broke the protocol
     without a close frame.
 
-    If this starts failing, hypercorn sends the close frame itself; check whether
-    ``pipework.container._hypercorn_ws`` is still needed before updating this test.
+    If this starts failing, hypercorn sends the close frame itself; check whether the
+    first fix in ``pipework.container._hypercorn_ws`` is still needed before updating this
+    test.
     """
     unpatch(monkeypatch)
     with trio.fail_after(HANG_GUARD):
@@ -94,19 +100,47 @@ async def test_unpatched_hypercorn_still_drops_the_close_frame(
             assert rest == b"", "hypercorn sent something: is the fix still needed?"
 
 
-def test_the_fix_is_idempotent() -> None:
+async def test_unpatched_hypercorn_still_dies_of_a_frame_before_the_101(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Canary: a frame written right behind the handshake request still ends hypercorn's
+    whole server (its 400 races the app's 101 in h11).
+
+    If this starts failing, hypercorn survives it; check whether the second fix in
+    ``pipework.container._hypercorn_ws`` is still needed before updating this test.
+    """
+    unpatch(monkeypatch)
+    with (
+        trio.fail_after(HANG_GUARD),
+        pytest.RaisesGroup(h11.LocalProtocolError, flatten_subgroups=True),
+    ):
+        async with (
+            hypercorn_alone() as (host, port),
+            await trio.open_tcp_stream(host, port) as stream,
+        ):
+            _, request = handshake()
+            await stream.send_all(request + b"\x89\x80\x00\x00\x00\x00")  # a ping
+            await trio.sleep_forever()  # until the server's death cancels this
+
+
+def test_the_fixes_are_idempotent() -> None:
     _hypercorn_ws.apply()
-    patched = WSStream._handle_events
+    patched = [getattr(WSStream, name) for name in PATCHED]
     _hypercorn_ws.apply()
-    assert WSStream._handle_events is patched
+    assert [getattr(WSStream, name) for name in PATCHED] == patched
     assert _hypercorn_ws.is_applied()
-    # One layer over hypercorn's method, not a layer over a layer.
-    assert inspect.unwrap(patched) is not patched
-    assert not hasattr(inspect.unwrap(patched), "_pipework_ws")
+    for method in patched:
+        # One layer over hypercorn's method, not a layer over a layer.
+        assert inspect.unwrap(method) is not method
+        assert not hasattr(inspect.unwrap(method), "_pipework_ws")
 
 
 async def changed_handle_events(self: WSStream) -> None:
     """``_handle_events`` as a future hypercorn might write it."""
+
+
+async def changed_app_send(self: WSStream, message: Any, more: bool) -> None:
+    """``app_send`` with a parameter more."""
 
 
 def no_events(self: Connection) -> Iterator[wsproto.events.Event]:
@@ -125,12 +159,9 @@ def no_events(self: Connection) -> Iterator[wsproto.events.Event]:
             "WSStream._handle_events is not the method the fix copies",
             id="handle-events-changed",
         ),
+        pytest.param(WSStream, "handle", None, "WSStream.handle is missing", id="handle-gone"),
         pytest.param(
-            WSStream,
-            "_handle_events",
-            None,
-            "WSStream._handle_events is missing",
-            id="handle-events-gone",
+            WSStream, "app_send", changed_app_send, "does not take", id="app-send-changed"
         ),
         pytest.param(
             Connection,
@@ -141,7 +172,7 @@ def no_events(self: Connection) -> Iterator[wsproto.events.Event]:
         ),
     ],
 )
-def test_the_fix_refuses_changed_internals(
+def test_the_fixes_refuse_changed_internals(
     monkeypatch: pytest.MonkeyPatch, cls: type, attribute: str, replacement: object, problem: str
 ) -> None:
     unpatch(monkeypatch)
@@ -149,6 +180,8 @@ def test_the_fix_refuses_changed_internals(
     with pytest.raises(RuntimeError, match=problem):
         _hypercorn_ws.apply()
     assert not _hypercorn_ws.is_applied()
+    # Nothing was patched half-way.
+    assert not any(hasattr(getattr(WSStream, name), "_pipework_ws") for name in PATCHED)
 
 
 @pytest.mark.parametrize(
@@ -163,12 +196,10 @@ def test_a_refused_fix_says_what_to_do(
 ) -> None:
     monkeypatch.setattr(_hypercorn_ws, "_installed_version", lambda package="": installed)
     unpatch(monkeypatch)
-    monkeypatch.setattr(WSStream, "_handle_events", None)
+    monkeypatch.setattr(WSStream, "handle", None)
     with pytest.raises(RuntimeError) as info:
         _hypercorn_ws.apply()
     message = str(info.value)
-    assert message.startswith(
-        f"pipework cannot apply its websocket close fix to hypercorn {installed}"
-    )
+    assert message.startswith(f"pipework cannot apply its websocket fixes to hypercorn {installed}")
     assert "written for hypercorn 0.18.0" in message
     assert advice in message

@@ -1,32 +1,57 @@
-"""Make hypercorn fail a websocket with a close frame, not a bare TCP close.
+"""Two fixes to hypercorn's websocket stream: the close frame for a protocol error, and frames
+that arrive before the handshake is answered.
 
-The bug (hypercorn 0.18.0 with wsproto 1.3, in ``hypercorn.protocol.ws_stream``):
+The bugs (hypercorn 0.18.0 with wsproto 1.3), both in ``hypercorn.protocol.ws_stream``:
 
-A peer that breaks the websocket protocol (a text frame that is not UTF-8, an unmasked
-client frame, a reserved opcode, a fragmented control frame) must be answered with a Close
-frame carrying the status code (RFC 6455 §7.1.7 "Fail the WebSocket Connection"; §7.4.1:
-1007 for invalid payload data, 1002 for a protocol error) before the TCP connection closes.
-wsproto reports such a frame as a ``CloseConnection`` event with that code and leaves its
-connection ``OPEN``: sending the close frame is the server's part (a close the peer sent
-moves the connection to ``REMOTE_CLOSING`` instead). ``WSStream._handle_events`` answers a
-``CloseConnection`` only in ``REMOTE_CLOSING``, then ends the stream either way::
+1. **A protocol error ends with a bare TCP close.** A peer that breaks the websocket
+   protocol (a text frame that is not UTF-8, an unmasked client frame, a reserved opcode, a
+   fragmented control frame) must be answered with a Close frame carrying the status code
+   (RFC 6455 §7.1.7 "Fail the WebSocket Connection"; §7.4.1: 1007 for invalid payload data,
+   1002 for a protocol error) before the TCP connection closes. wsproto reports such a
+   frame as a ``CloseConnection`` event with that code and leaves its connection ``OPEN``:
+   sending the close frame is the server's part (a close the peer sent moves the connection
+   to ``REMOTE_CLOSING`` instead). ``WSStream._handle_events`` answers a ``CloseConnection``
+   only in ``REMOTE_CLOSING``, then ends the stream either way::
 
-    elif isinstance(event, CloseConnection):
-        if self.connection.state == ConnectionState.REMOTE_CLOSING:
-            await self._send_wsproto_event(event.response())
-        await self.send(StreamClosed(stream_id=self.stream_id))   <- OPEN: nothing sent
+       elif isinstance(event, CloseConnection):
+           if self.connection.state == ConnectionState.REMOTE_CLOSING:
+               await self._send_wsproto_event(event.response())
+           await self.send(StreamClosed(stream_id=self.stream_id))   <- OPEN: nothing sent
 
-so the client sees the connection drop (1006) and cannot tell its mistake from a network
-failure.
+   so the client sees the connection drop (1006) and cannot tell its mistake from a
+   network failure.
 
-The fix replaces ``WSStream._handle_events`` with hypercorn's own code plus the missing
-branch: a ``CloseConnection`` that arrives while the connection is still ``OPEN`` is sent
-back as a close frame with wsproto's code and reason, then the stream ends as before.
+2. **A frame before the handshake's answer can take the whole server down.** A client
+   that writes a frame right behind its handshake request (RFC 6455 §4.1 says it must wait
+   for the answer; not every client does) has it handed to ``WSStream.handle`` while the
+   app is still deciding. ``handle`` answers it with a 400 at once, from the connection's
+   reading task, while the app's task answers the handshake (101, or a refusal)::
 
-Because the whole method is replaced, ``apply()`` refuses (``RuntimeError``, nothing
-patched) unless hypercorn's method is, to the character, the one the copy was made from
-(its source's digest), and unless wsproto still reports a refused frame as described (it
-is fed one).
+       reading task: handle(Data) ─ _send_error_response(400) ─ Response sent, awaits the socket
+       app's task:   app_send(accept) ─ _accept ─ Response(101)  <- h11: LocalProtocolError
+       reading task: ─ EndBody   <- h11 is in ERROR: LocalProtocolError, not caught
+
+   The reading task's error leaves ``TCPServer.run``, which lets only ``OSError`` through
+   quietly, and trio's ``serve_listeners`` ends the whole server with it (hypercorn issue
+   #225, only partly fixed upstream). Which answer wins depends on the scheduler.
+
+The fixes:
+
+1. ``WSStream._handle_events`` is replaced by hypercorn's own code plus the missing branch:
+   a ``CloseConnection`` that arrives while the connection is still ``OPEN`` is sent back
+   as a close frame with wsproto's code and reason, then the stream ends as before.
+2. ``WSStream.handle`` holds a frame that comes before the handshake is decided until the
+   app has decided it (``WSStream.app_send`` says when): once accepted, the frame is read
+   as if it had come after the 101; once refused, it is dropped with the connection. The
+   reading task waits rather than buffering, so a client that keeps sending only fills its
+   own socket buffers; an app that never answers the handshake holds that connection's
+   reading (with HTTP/2, that connection's other streams too) as it would hold its own.
+
+``apply()`` checks the internals these rely on and raises ``RuntimeError`` if they changed,
+patching nothing: ``_handle_events`` must be, to the character, the method the copy was
+made from (its source's digest), wsproto must still report a refused frame as described
+(it is fed one), and ``handle``, ``app_send`` and ``Handshake.accept`` must still use the
+names the wrappers read.
 """
 
 from __future__ import annotations
@@ -39,15 +64,21 @@ import textwrap
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
-from hypercorn.protocol.events import StreamClosed
-from hypercorn.protocol.ws_stream import FrameTooLargeError, WSStream
+from hypercorn.protocol.events import Body, Data, StreamClosed
+from hypercorn.protocol.ws_stream import (
+    ASGIWebsocketState,
+    FrameTooLargeError,
+    Handshake,
+    WSStream,
+)
 from wsproto.connection import Connection, ConnectionState, ConnectionType
 from wsproto.events import CloseConnection, Message, Ping
 from wsproto.frame_protocol import CloseReason
 
 __all__ = ["TESTED_HYPERCORN_VERSION", "TESTED_WSPROTO_VERSION", "apply", "is_applied"]
 
-#: The hypercorn release whose ``WSStream._handle_events`` the replacement copies.
+#: The hypercorn release whose ``WSStream`` these fixes were written against (the
+#: replaced ``_handle_events`` is its copy).
 TESTED_HYPERCORN_VERSION: Final = "0.18.0"
 _PIN: Final = "hypercorn>=0.18,<0.19"
 #: The wsproto release whose way of reporting a refused frame the replacement relies on.
@@ -57,6 +88,8 @@ TESTED_WSPROTO_VERSION: Final = "1.3.2"
 _HANDLE_EVENTS_SHA256: Final = "3a32ba6592e09f194fe018d61281dd6961e2558e590ad2628823cee05dc202e2"
 
 _MARKER: Final = "_pipework_ws"
+# Where a stream keeps the event that says its handshake is decided.
+_DECIDED: Final = "_pipework_handshake_decided"
 
 # An unmasked text frame "hi", as a client may not send it (RFC 6455 §5.1).
 _UNMASKED_CLIENT_FRAME: Final = b"\x81\x02hi"
@@ -98,46 +131,120 @@ def _answering_refused_frames(original: _AsyncMethod) -> _AsyncMethod:
     return _handle_events
 
 
+def _holding_early_frames(original: _AsyncMethod) -> _AsyncMethod:
+    @functools.wraps(original)
+    async def handle(self: Any, event: Any) -> None:
+        if isinstance(event, Body | Data) and not self.closed and not self.handshake.accepted:
+            await _decided(self).wait()
+            if self.closed or not self.handshake.accepted:
+                return  # refused, or the app failed: the connection ends with its answer
+        await original(self, event)
+
+    return handle
+
+
+def _telling_when_decided(original: _AsyncMethod) -> _AsyncMethod:
+    @functools.wraps(original)
+    async def app_send(self: Any, message: Any) -> None:
+        try:
+            await original(self, message)
+        finally:
+            # Accepted (the 101 is out), refused (an answer has begun or is sent), or
+            # ended: a held frame may go on.
+            if self.closed or self.handshake.accepted or self.state != ASGIWebsocketState.HANDSHAKE:
+                await _decided(self).set()
+
+    return app_send
+
+
+def _decided(stream: Any) -> Any:
+    """The stream's "handshake decided" event (the worker's own event class)."""
+    event = vars(stream).get(_DECIDED)
+    if event is None:
+        event = stream.context.event_class()
+        setattr(stream, _DECIDED, event)
+    return event
+
+
+# (method, how it is patched, its parameters, names its body must use)
+_TARGETS: Final[
+    tuple[tuple[str, Callable[[_AsyncMethod], _AsyncMethod], tuple[str, ...], frozenset[str]], ...]
+] = (
+    ("_handle_events", _answering_refused_frames, ("self",), frozenset()),
+    (
+        "handle",
+        _holding_early_frames,
+        ("self", "event"),
+        frozenset({"accepted", "closed", "_send_error_response"}),
+    ),
+    (
+        "app_send",
+        _telling_when_decided,
+        ("self", "message"),
+        frozenset({"closed", "state", "_accept"}),
+    ),
+)
+
+
 def is_applied() -> bool:
-    """Whether ``WSStream._handle_events`` is this module's version."""
-    return _is_patched(getattr(WSStream, "_handle_events", None))
+    """Whether every ``WSStream`` method this module patches is the patched version."""
+    return all(_is_patched(getattr(WSStream, name, None)) for name, _, _, _ in _TARGETS)
 
 
 def apply() -> None:
-    """Make hypercorn send the close frame for a websocket frame wsproto refused.
-    Idempotent.
+    """Make hypercorn send the close frame for a websocket frame wsproto refused, and read
+    a frame that comes before the handshake's answer after it. Idempotent.
 
-    Raises ``RuntimeError`` if hypercorn's ``WSStream._handle_events`` is not the one the
-    fix copies, or wsproto no longer reports a refused frame the way the fix expects;
-    nothing is patched then.
+    Raises ``RuntimeError`` if hypercorn's ``WSStream`` or wsproto no longer look like the
+    ones these fixes were written for; nothing is patched then.
     """
-    original = getattr(WSStream, "_handle_events", None)
-    if original is None:
-        raise _incompatible("WSStream._handle_events is missing")
-    if _is_patched(original):
-        return
-    _check_internals(original)
-    patched = _answering_refused_frames(original)
-    setattr(patched, _MARKER, True)
-    WSStream._handle_events = patched  # type: ignore[method-assign]
+    originals = _check_internals()
+    for (name, patch, _, _), original in zip(_TARGETS, originals, strict=True):
+        if not _is_patched(original):
+            patched = patch(original)
+            setattr(patched, _MARKER, True)
+            setattr(WSStream, name, patched)
 
 
 def _is_patched(method: object) -> bool:
     return getattr(method, _MARKER, False) is True
 
 
-def _check_internals(original: _AsyncMethod) -> None:
-    """Check what the fix relies on: hypercorn's method is the one copied (its digest
-    covers its signature too), and wsproto reports a refused frame as described."""
-    try:
-        source = textwrap.dedent(inspect.getsource(original))
-    except (OSError, TypeError) as exc:
-        raise _incompatible(
-            f"the source of WSStream._handle_events cannot be read ({exc})"
-        ) from None
-    if hashlib.sha256(source.encode()).hexdigest() != _HANDLE_EVENTS_SHA256:
-        raise _incompatible("WSStream._handle_events is not the method the fix copies")
+def _check_internals() -> list[_AsyncMethod]:
+    """Return the current target methods after checking what the fixes rely on."""
+    methods: list[_AsyncMethod] = []
+    for name, _, parameters, uses in _TARGETS:
+        where = f"WSStream.{name}"
+        method = getattr(WSStream, name, None)
+        if method is None:
+            raise _incompatible(f"{where} is missing")
+        methods.append(method)
+        if _is_patched(method):
+            continue
+        if not inspect.iscoroutinefunction(method):
+            raise _incompatible(f"{where} is not an async method")
+        signature = inspect.signature(method)
+        if tuple(signature.parameters) != parameters:
+            raise _incompatible(f"{where}{signature} does not take {parameters}")
+        if not uses <= set(method.__code__.co_names):
+            raise _incompatible(f"{where} no longer uses {', '.join(sorted(uses))}")
+    if not _is_patched(WSStream._handle_events):
+        try:
+            source = textwrap.dedent(inspect.getsource(WSStream._handle_events))
+        except (OSError, TypeError) as exc:
+            raise _incompatible(
+                f"the source of WSStream._handle_events cannot be read ({exc})"
+            ) from None
+        if hashlib.sha256(source.encode()).hexdigest() != _HANDLE_EVENTS_SHA256:
+            raise _incompatible("WSStream._handle_events is not the method the fix copies")
+    # The 101 goes out after ``accepted`` is set, so a held frame never meets a stream
+    # that has sent its 101 but does not know it.
+    if "accepted" not in Handshake.accept.__code__.co_names:
+        raise _incompatible("Handshake.accept no longer sets accepted")
+    if not hasattr(ASGIWebsocketState, "HANDSHAKE"):
+        raise _incompatible("ASGIWebsocketState has no HANDSHAKE")
     _check_wsproto()
+    return methods
 
 
 def _check_wsproto() -> None:
@@ -151,10 +258,10 @@ def _check_wsproto() -> None:
         and connection.state == ConnectionState.OPEN
     ):
         raise RuntimeError(
-            "pipework cannot apply its websocket close fix: wsproto "
+            "pipework cannot apply its websocket fixes: wsproto "
             f"{_installed_version('wsproto')} no longer reports an unmasked client frame "
             f"as a CloseConnection (1002) on an open connection (it gave {events!r} in "
-            f"state {connection.state.name}). The fix was written for wsproto "
+            f"state {connection.state.name}). The fixes were written for wsproto "
             f"{TESTED_WSPROTO_VERSION}: install that (pip install "
             f"'wsproto=={TESTED_WSPROTO_VERSION}'), or re-check "
             "pipework/container/_hypercorn_ws.py against the installed one."
@@ -178,11 +285,11 @@ def _incompatible(problem: str) -> RuntimeError:
     else:
         todo = (
             f"install the series pipework declares (pip install '{_PIN}'), or, to move to "
-            f"hypercorn {installed}, re-check the bug described in "
+            f"hypercorn {installed}, re-check the bugs described in "
             "pipework/container/_hypercorn_ws.py against it, update the copied method, "
             "its digest, TESTED_HYPERCORN_VERSION and the pin in pyproject.toml together"
         )
     return RuntimeError(
-        f"pipework cannot apply its websocket close fix to hypercorn {installed}: {problem}. "
-        f"The fix was written for hypercorn {TESTED_HYPERCORN_VERSION}; {todo}."
+        f"pipework cannot apply its websocket fixes to hypercorn {installed}: {problem}. "
+        f"The fixes were written for hypercorn {TESTED_HYPERCORN_VERSION}; {todo}."
     )
