@@ -26,6 +26,7 @@ from wsproto.connection import Connection
 from pipework.container import _hypercorn_ws
 
 from .test_container_harness import HANG_GUARD
+from .test_server import unpatch as unpatch_server
 
 PATCHED = ("_handle_events", "handle", "app_send")
 
@@ -110,6 +111,7 @@ async def test_unpatched_hypercorn_still_dies_of_a_frame_before_the_101(
     ``pipework.container._hypercorn_ws`` is still needed before updating this test.
     """
     unpatch(monkeypatch)
+    unpatch_server(monkeypatch)  # its connection boundary would keep the server up
     with (
         trio.fail_after(HANG_GUARD),
         pytest.RaisesGroup(h11.LocalProtocolError, flatten_subgroups=True),

@@ -292,7 +292,9 @@ def _check_internals() -> list[_AsyncMethod]:
             raise _incompatible(f"{where} no longer uses {', '.join(sorted(patch.uses))}")
         methods.append(method)
     for cls, name, uses in _CALLERS:
-        code = getattr(getattr(cls, name, None), "__code__", None)
+        # Unwrapped: another fix may wrap a caller (_hypercorn_ws wraps WSStream.handle).
+        method = getattr(cls, name, None)
+        code = None if method is None else getattr(inspect.unwrap(method), "__code__", None)
         if code is None or not uses <= _names(code):
             raise _incompatible(f"{cls.__name__}.{name} no longer uses {', '.join(sorted(uses))}")
     return methods

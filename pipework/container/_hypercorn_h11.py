@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 import h11
-from hypercorn.events import Closed
+from hypercorn.events import Closed, RawData
 from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
@@ -106,11 +106,22 @@ def h11_problem_answer(_original: _AsyncMethod) -> _AsyncMethod:
 
 
 async def _send_problem(protocol: H11Protocol, problem: Problem) -> None:
+    """The whole answer framed at once, then sent: the application's task may try to answer
+    while this one waits on the socket, and h11 turns our side to ERROR when it refuses
+    that answer, so a body framed after such a wait would never be sent."""
     headers, body = _framing.encode(problem, close=True)
     headers += protocol.config.response_headers("h11")
-    await protocol._send_h11_event(h11.Response(status_code=problem.status, headers=headers))
-    await protocol._send_h11_event(h11.Data(data=body))
-    await protocol._send_h11_event(h11.EndOfMessage())
+    status = problem.status
+    connection = protocol.connection
+    try:
+        data = connection.send(
+            h11.Response(status_code=status, headers=headers, reason=_framing.reason(status))
+        )
+        data += connection.send(h11.Data(data=body))
+        data += connection.send(h11.EndOfMessage())
+    except h11.LocalProtocolError:
+        return  # an answer is under way already: it is the one the client gets
+    await protocol.send(RawData(data=data))
 
 
 def with_reason(send_h11_event: _AsyncMethod) -> _AsyncMethod:

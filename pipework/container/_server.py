@@ -19,8 +19,10 @@ stops at once and the app's shutdown does not run.
 The app must handle the ASGI ``lifespan`` scope (Quart does): one that simply returns
 from it makes hypercorn's trio worker fail at startup with ``ClosedResourceError``.
 
-``serve`` applies :mod:`._hypercorn_fix`, without which hypercorn's trio worker leaves
-connections open after ``Connection: close`` and after keep-alive timeouts.
+``serve`` applies :mod:`._hypercorn_fix` and :mod:`._hypercorn_ws`, without which one
+client's bytes could end the whole server, requests HTTP/1.1 refuses would be served,
+connections would stay open after ``Connection: close`` and keep-alive timeouts, and a
+websocket protocol error would end without its close frame.
 """
 
 from __future__ import annotations
