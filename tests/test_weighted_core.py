@@ -322,6 +322,21 @@ def test_pausing_rejects_waiters_and_unpausing_admits_again() -> None:
     granted(c, "a", 3.0)
 
 
+def test_a_pause_rejects_new_waiters_but_not_steps_of_accepted_work() -> None:
+    c = core(1)
+    holder = granted(c, "a")
+    new = waiting(c, "a")
+    accepted = c.acquire("a", 0.0, deadline=100.0, continuing=True)
+    settled = c.reconfigure(c.config.with_weights("a", Weights(limit=0)), 1.0)
+    assert settled == [new]
+    assert accepted.state is TicketState.WAITING  # waits the pause out, up to its deadline
+    c.release(holder, 2.0)
+    assert accepted.state is TicketState.WAITING  # a paused key grants nothing
+    settled = c.reconfigure(c.config.with_weights("a", Weights()), 3.0)
+    assert settled == [accepted]
+    assert accepted.state is TicketState.GRANTED
+
+
 def test_removing_a_key_falls_back_to_the_default() -> None:
     c = core(4, a=Weights(reserve=2, limit=2))
     c.reconfigure(PoolConfig(max_workers=4, default=Weights(limit=1)), 1.0)

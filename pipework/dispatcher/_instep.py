@@ -138,6 +138,7 @@ class InStepStage:
         # turned durable nothing reaches the join before its record is written.
         self._writing: trio.Lock | None = None
         self._written: trio.Event | None = None
+        self._lent: trio.Lock | None = None
 
     @property
     def over(self) -> bool:
@@ -377,6 +378,14 @@ class InStepStage:
                 invoke = _invoke or _load_invoke()
                 now: float | None = trio.current_time()
                 while now is not None and index < len(flat):
+                    if index and d.limited(key):
+                        # The key was limited while the stage ran: it still counts, so
+                        # the branch's next pipes take slots of their own (_run_segments).
+                        branch.frames = [Frame(index, bound)]
+                        branch.transition(Status.QUEUED)
+                        await self._run_segments(branch)
+                        now = None
+                        break
                     pipe = flat[index]
                     limit = math.inf if pipe.timeout is None else now + pipe.timeout
                     deadline = bound if limit > bound else limit
@@ -472,6 +481,13 @@ class InStepStage:
                 await d._run_held(branch, now)
                 continue
             held = None if d._grant is None else d._grant(key)
+            if held is None and key == parent_key:
+                # The parent's key, limited since the stage started: the parent's own slot
+                # is the stage's to lend, one branch at a time (waiting for another while
+                # the parent holds this one could wait for ever under a limit of one).
+                async with self._lent_slot():
+                    await d._run_held(branch, trio.current_time())
+                continue
             if held is not None:
                 d._waited(key, 0.0)
                 ended = None
@@ -491,6 +507,12 @@ class InStepStage:
                 d._waited(key, trio.current_time() - now)
                 d.note(exc, branch, f"admission key {key!r}")
                 await d.finish(branch, Status.FAILED, exc=exc)
+
+    def _lent_slot(self) -> trio.Lock:
+        """The parent's slot, lent to one branch at a time (see _run_segments)."""
+        if self._lent is None:
+            self._lent = trio.Lock()
+        return self._lent
 
     # -- a branch suspends ---------------------------------------------------------------
 

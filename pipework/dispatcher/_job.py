@@ -356,6 +356,7 @@ class Job:
             "finished_at": self.finished_at,
             "retain_until": self.retain_until,
             "accepted_at": self.accepted_at,
+            "admitted": self.admitted,
             "plan": self.plan,
             "parent": self.parent,
             "branch": self.branch,

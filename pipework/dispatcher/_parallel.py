@@ -304,6 +304,12 @@ def _stage_error(
     stage: Parallel, errors: list[BaseException], where: str, parent: Job
 ) -> BaseException:
     errors = [_as_stage_timeout(e, where, parent) for e in errors]
+    # The stage's own time ran out (its timeout, or the job's deadline): that is why it
+    # failed, whatever else its branches met before (docs/stages.md). The job's deadline
+    # first: it makes the job expired.
+    ran_out = [e for e in errors if isinstance(e, DeadlineExceeded) and e.scope in _OWN_TIME]
+    if ran_out:
+        return min(ran_out, key=lambda e: _OWN_TIME.index(e.scope))
     if stage.kind == "any_of" and len(errors) > 1:
         return ExceptionGroup(f"every branch of {where} failed", _exceptions(errors))
     if stage.kind == "quorum" and len(errors) > 1:
@@ -311,6 +317,10 @@ def _stage_error(
             f"{where} can no longer reach {stage.k} successes", _exceptions(errors)
         )
     return errors[0]
+
+
+#: The limits that are the stage's own time, the job's first.
+_OWN_TIME = ("job", "stage")
 
 
 def _exceptions(errors: list[BaseException]) -> list[Exception]:

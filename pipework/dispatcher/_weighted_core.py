@@ -181,6 +181,7 @@ class Ticket:
     __slots__ = (
         "_key",
         "_starved",
+        "continuing",
         "enqueued_at",
         "expires_at",
         "expiry_reason",
@@ -202,6 +203,8 @@ class Ticket:
         self.granted_at = now
         self.expires_at = math.inf
         self.expiry_reason = "wait_timeout"
+        #: A step of accepted work (see ``acquire``): a pause never refuses it.
+        self.continuing = False
         self.passed_over = 0
         self._starved = -1  # order in which it hit the passed-over bound; -1: not yet
         self.rejection: Rejected | None = None
@@ -493,13 +496,13 @@ class AdmissionCore:
 
     def reconfigure(self, config: PoolConfig, now: float) -> list[Ticket]:
         """Swap ``config`` in; returns the waiters it settles (granted, or rejected if their
-        key is now paused). Admitted work is never revoked."""
+        key is now paused and they are new work: a step of accepted work waits the pause
+        out, up to its deadline). Admitted work is never revoked."""
         self._apply(config)
         settled: list[Ticket] = []
         for k in list(self._queued):
             if k.weights.limit == 0:
-                while k.queue:
-                    ticket = k.queue[0]
+                for ticket in [t for t in k.queue if not t.continuing]:
                     self._unqueue(ticket)
                     ticket.state = TicketState.REJECTED
                     ticket.rejection = self._paused(k)
@@ -655,6 +658,7 @@ class AdmissionCore:
         self._waiting += 1
 
     def _enqueue_continuing(self, k: _Key, ticket: Ticket, now: float, deadline: float) -> None:
+        ticket.continuing = True
         if deadline <= now:
             raise self._reject(
                 k,
