@@ -1,8 +1,10 @@
 """Reading a server's raw answers strictly, for the tests that talk to it with raw bytes.
 
 :func:`split_answers` cuts what a server sent on one connection into HTTP/1.1 answers and
-says whether the bytes end cleanly. It knows only what a client can know: an answer to a
-``HEAD`` request looks like one to a ``GET`` here, so the tests that use it send none.
+says whether the bytes end cleanly. An answer with neither length nor chunks (to an
+HTTP/1.0 request) runs to the end of the connection: its body is whatever follows. It
+knows only what a client can know: an answer to a ``HEAD`` request looks like one to a
+``GET`` here, so the tests that use it send none.
 """
 
 from __future__ import annotations
@@ -85,7 +87,13 @@ def _answer(data: bytes, at: int) -> tuple[Answer, int] | None:
         if encoding.lower() != b"chunked":
             raise Malformed(f"an answer with Transfer-Encoding {encoding!r}")
         return _chunked(data, position, answer)
-    if length is None or not length.isdigit():
+    if length is None:
+        # Delimited by the end of the connection (an HTTP/1.0 stream): the rest is its body.
+        if (answer.header(b"connection") or b"").lower() != b"close":
+            raise Malformed(f"an answer with no length that keeps its connection: {headers!r}")
+        answer.body = data[position:]
+        return answer, len(data)
+    if not length.isdigit():
         raise Malformed(f"an answer with no valid length: {headers!r}")
     end = position + int(length)
     if end > len(data):
