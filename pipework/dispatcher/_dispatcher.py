@@ -37,11 +37,12 @@ from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._merge import snapshot
 from ..pipes._pipe import Context, Pipe, Suspend
-from ..pipes._stages import Chain, Parallel, Serial
+from ..pipes._stages import Chain, Parallel
 from ..pipes._state import check_state, storable_part
 from ._admission import Admission
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
+from ._cursor import advance, next_key, path_of, stage_path, top_node
 from ._events import BranchDone, Expire, Resume, RunJob
 from ._instep import InStepStage
 from ._job import ENDED_CURSOR, ErrorInfo, Frame, Job, Progress
@@ -57,7 +58,6 @@ from ._wake import Wake
 __all__ = ["INTERNAL_PLAN", "Dispatcher", "check_early_signal"]
 
 _log = logging.getLogger("pipework.dispatcher")
-_RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
 
 # The statuses a step reads on every job, as module globals: on Python 3.11 ``Status.DONE``
 # goes through ``EnumType.__getattr__``, three times the cost of reading a global.
@@ -289,78 +289,6 @@ class Dispatcher:
             return
         assert self._release is not None
         self._release(claim.held, claim.granted, self.clock())
-
-    # -- cursor --------------------------------------------------------------------------
-
-    def start_frames(self, job: Job, chain: Chain) -> None:
-        """Give a new job its root frame and the key of its first step."""
-        root = chain.node_at(job.root) if job.root else chain.root
-        frame = Frame(0, job.deadline)
-        if isinstance(root, Serial) and root.timeout is not None:
-            limit = self.clock() + root.timeout
-            if limit < frame.deadline:
-                frame = Frame(0, limit, 0)
-        job.frames = [frame]
-        flat = root.flat if isinstance(root, Serial) else None
-        # A sequence of pipes (most chains): its first pipe's key, with no walk.
-        job.key = (flat[0].key or chain.key) if flat else self._next_key(job, chain)
-
-    def _next_key(self, job: Job, chain: Chain) -> str:
-        """The admission key of the job's next step, found without entering any stage: a
-        stage's timer starts when a worker's cursor enters it, not when it is looked at."""
-        if len(job.frames) == 1:  # a flat chain: no stage to look into
-            root: Any = chain.node_at(job.root)  # a serial sequence: a chain's or a branch's
-            index = job.frames[0].index
-            if index < len(root.children) and isinstance(root.children[index], Pipe):
-                return root.children[index].key or chain.key
-        frames = [Frame(f.index, f.deadline, f.bound) for f in job.frames]
-        step = self._walk(frames, job.root, chain, math.inf)
-        return step.key or chain.key if isinstance(step, Pipe) else chain.key
-
-    def _advance(self, job: Job, chain: Chain) -> Pipe | Parallel | None:
-        """Move the cursor to the next pipe or parallel stage, entering and leaving serial
-        stages (an entered stage's timer starts now); None when the sequence is complete."""
-        return self._walk(job.frames, job.root, chain, None)
-
-    def _walk(
-        self, frames: list[Frame], root: tuple[int, ...], chain: Chain, now: float | None
-    ) -> Pipe | Parallel | None:
-        """``now`` None: read the clock only if a stage with a timeout is entered."""
-        if not frames:
-            return None
-        node: Any = _top_node(frames, root, chain)
-        while True:
-            top = frames[-1]
-            children = node.children
-            if top.index >= len(children):
-                frames.pop()
-                if not frames:
-                    return None
-                frames[-1].index += 1
-                node = _top_node(frames, root, chain)
-                continue
-            child = children[top.index]
-            if isinstance(child, _RUNNABLE):
-                return child
-            frame = Frame(0, top.deadline, top.bound)
-            if child.timeout is not None:
-                if now is None:
-                    now = trio.current_time()
-                if now + child.timeout < top.deadline:
-                    frame = Frame(0, now + child.timeout, len(frames))
-            frames.append(frame)
-            node = child
-
-    def path_of(self, job: Job) -> tuple[int, ...]:
-        frames = job.frames
-        if len(frames) <= 1:
-            return job.root  # the common case: a flat chain
-        return (*job.root, *(f.index for f in frames[:-1]))
-
-    @staticmethod
-    def _stage_path(job: Job, depth: int) -> tuple[int, ...]:
-        """The path of the serial stage the frame at ``depth`` walks."""
-        return (*job.root, *(f.index for f in job.frames[:depth]))
 
     # -- a step --------------------------------------------------------------------------
 
@@ -603,7 +531,7 @@ class Dispatcher:
                 self.changed(job)
         frames = job.frames
         # A flat sequence of pipes (most chains, most branches) is walked as a list; a
-        # sequence holding stages walks the cursor's frames (_advance).
+        # sequence holding stages walks the cursor's frames (advance).
         flat = None
         if len(frames) == 1:
             sequence: Any = chain.node_at(job.root) if job.root else chain.root  # a Serial
@@ -618,7 +546,7 @@ class Dispatcher:
                     frames.pop()
                     pipe = None
             else:
-                pipe = self._advance(job, chain)
+                pipe = advance(job, chain, self.clock)
             if pipe is None:
                 if job.parent is not None:
                     result = None  # a branch's result is its delta, sent to the join
@@ -680,7 +608,7 @@ class Dispatcher:
                 chain.name,
                 pipe,
                 chain,
-                job.root if len(frames) == 1 else self.path_of(job),  # path_of's flat case
+                job.root if len(frames) == 1 else path_of(job),  # path_of's flat case
                 held,
                 deadline,
                 self,
@@ -756,7 +684,7 @@ class Dispatcher:
             chain.name,
             pipe,
             chain,
-            self.path_of(job),
+            path_of(job),
             job.key,
             deadline,
             self,
@@ -925,7 +853,7 @@ class Dispatcher:
                 where=path,
                 deadline=top.deadline,
             )
-        stage = chain.describe(self._stage_path(job, top.bound))
+        stage = chain.describe(stage_path(job, top.bound))
         return DeadlineExceeded(
             f"the stage timeout of {stage} ran out{while_} (in {path})",
             scope="stage",
@@ -959,7 +887,7 @@ class Dispatcher:
         job.suspend_deadline = min(limit, top.deadline)
         job.waiting_for = suspend.signal
         job.suspend_into = suspend.into
-        job.key = self._next_key(job, chain)
+        job.key = next_key(job, chain)
         job.transition(Status.SUSPENDED)
         if unstored:  # an in-step branch must outlive the step: it gets its record now
             assert job.join_id is not None
@@ -1126,8 +1054,8 @@ class Dispatcher:
             chain = self.chain_of(job)
             top = job.frames[-1]
             # The cursor is already past the suspended pipe, in the same frame.
-            pipe = _top_node(job.frames, job.root, chain).children[top.index - 1]
-            where = chain.describe(self.path_of(job), pipe)
+            pipe = top_node(job.frames, job.root, chain).children[top.index - 1]
+            where = chain.describe(path_of(job), pipe)
             waiting = f" while suspended for {job.waiting_for!r}"
             if job.suspend_deadline < top.deadline:
                 exc = DeadlineExceeded(
@@ -1148,7 +1076,7 @@ class Dispatcher:
 
     async def continue_later(self, job: Job, chain: Chain) -> None:
         """Send a job back through the queue to continue at its cursor (after a join)."""
-        job.key = self._next_key(job, chain)
+        job.key = next_key(job, chain)
         job.transition(Status.QUEUED)
         await self.store.update(job)
         self.changed(job)
@@ -1571,17 +1499,9 @@ def _is_job_timeout(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
 
-def _top_node(frames: list[Frame], root: tuple[int, ...], chain: Chain) -> Any:
-    """The serial sequence the top frame walks."""
-    node: Any = chain.node_at(root)
-    for frame in frames[:-1]:
-        node = node.children[frame.index]
-    return node
-
-
 def chain_where(d: Dispatcher, job: Job) -> str:
     try:
-        return d.chain_of(job).describe(d.path_of(job))
+        return d.chain_of(job).describe(path_of(job))
     except Exception:  # only a description, for an error already raised
         return f"chain {job.chain!r}"
 

@@ -30,6 +30,7 @@ from ..pipes._pipe import Context, Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
 from ._admission import Admission
+from ._cursor import start_frames
 from ._dispatcher import INTERNAL_PLAN, Dispatcher, check_early_signal
 from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_ids
@@ -356,7 +357,7 @@ class Engine:
             admit,
             wall,
         )
-        self._dispatcher.start_frames(job, plan)
+        start_frames(job, plan, now)
         check_admission = getattr(self.pool, "check_admission", None) if admit else None
         if check_admission is not None:
             check_admission(job.key, deadline=deadline)

@@ -45,6 +45,7 @@ from ..pipes._pipe import Context, Pipe
 from ..pipes._stages import Chain, Parallel
 from ..pipes._state import check_state
 from ._boundary import split_outside
+from ._cursor import path_of, start_frames
 from ._job import Frame, Job, JoinRecord, new_ids
 from ._parallel import (
     _callback,
@@ -118,7 +119,7 @@ class InStepStage:
         self.record = JoinRecord(
             # A job id's 128 random bits, from the batched read-ahead: no system call per stage.
             id=new_ids()[0],
-            path=(*d.path_of(parent), top.index),
+            path=(*path_of(parent), top.index),
             join=self.join,
             deadline=deadline,
         )
@@ -270,7 +271,7 @@ class InStepStage:
             # What start_frames finds for a branch of pipes only, without walking the chain.
             branch.key = flat[0].key or self.chain.key
         else:
-            d.start_frames(branch, self.chain)
+            start_frames(branch, self.chain, d.clock())
             flat = None
         record.children[index] = branch.id
         self.branches[index] = branch

@@ -42,6 +42,7 @@ from ..pipes._join import Outcome
 from ..pipes._merge import Delta, delta, merge, snapshot
 from ..pipes._stages import BranchEnd, Callback, Chain, Parallel
 from ._boundary import split_outside
+from ._cursor import path_of, start_frames
 from ._events import BranchDone, RunJob
 from ._job import ErrorInfo, Job, JoinRecord, new_job_id
 from ._status import TERMINAL, Status
@@ -63,7 +64,7 @@ async def fork(d: Dispatcher, job: Job, chain: Chain, stage: Parallel) -> None:
     join = stage.new_join()
     decision = join.start()
     job.join = JoinRecord(
-        id=new_job_id(), path=(*d.path_of(job), top.index), join=join, deadline=deadline
+        id=new_job_id(), path=(*path_of(job), top.index), join=join, deadline=deadline
     )
     # The branches run only once the join is in the parent's record: on a shared store a
     # branch could otherwise end, and report to a join not written yet, while the others
@@ -97,7 +98,7 @@ async def _start_branch(
         plan=parent.plan,
         admitted=parent.admitted,
     )
-    d.start_frames(child, chain)
+    start_frames(child, chain, trio.current_time())
     record.children[index] = child.id
     await d.store.create(child)
     if run:
