@@ -39,20 +39,18 @@ from ..pipes._merge import snapshot
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain, Parallel
 from ..pipes._state import check_state, storable_part
-from ._admission import Admission
+from ._abilities import Abilities
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
 from ._cursor import advance, next_key, path_of, stage_path, top_node
-from ._events import BranchDone, Expire, Resume, RunJob
+from ._events import BranchDone, Event, Expire, Resume, RunJob, job_of
 from ._instep import InStepStage
 from ._job import ENDED_CURSOR, ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
 from ._parallel import cancel_branches, fork, on_branch_done, report_branch
-from ._queue import EventQueue
 from ._retained import Retained
 from ._runners import StepRunners
 from ._status import TERMINAL, Status
-from ._store import JobStore, nowait_access
 from ._wake import Wake
 
 __all__ = ["INTERNAL_PLAN", "Dispatcher", "check_early_signal"]
@@ -84,36 +82,34 @@ class Dispatcher:
     def __init__(
         self,
         registry: ChainLookup,
-        store: JobStore,
-        queue: EventQueue,
-        pool: Admission,
+        abilities: Abilities,
         metrics: Metrics,
         key_label: Callable[[str], str],
     ) -> None:
         #: Every plan (registry) jobs may still run on, by generation: a reload adds one,
         #: and a job keeps the plan it was accepted under (its cursor means nothing elsewhere).
         self.plans: dict[int, ChainLookup] = {1: registry}
-        self.store = store
-        self.queue = queue
-        self.pool = pool
+        #: What the store, the queue and the pool can do, resolved once (see _abilities.py).
+        self.abilities = abilities
+        self.store = abilities.store
+        self.queue = abilities.queue
+        self.pool = abilities.pool
         self.metrics = metrics
         self.key_label = key_label
         self._nursery: trio.Nursery | None = None
         #: The trio clock, read without ``trio.current_time``'s two calls of indirection
         #: (the same reading: that asks this clock); bound to the run's clock in :meth:`run`.
         self.clock: Callable[[], float] = trio.current_time
-        #: The store's and the pool's synchronous fast paths, when they offer them.
-        self.nowait = nowait_access(store)
-        self._grant: Callable[[str], object | None] | None = getattr(pool, "grant_nowait", None)
-        self._release: Callable[[object, float, float], None] | None = getattr(
-            pool, "release_nowait", None
-        )
+        #: The store's synchronous access, when it offers it; the pool's uncontended grant.
+        self.nowait = abilities.nowait
+        self._grant = abilities.grant
+        self._release = abilities.release
+        self.limited = abilities.limited
         #: The scope each running step runs in (its runner's): a cancel goes through it.
         self._scopes: dict[str, trio.CancelScope] = {}
         #: New jobs whose creator holds a slot for their first step (see hold_first).
         self._claiming: dict[str, _Claim] = {}
-        can_claim = getattr(queue, "can_claim", None)
-        self._claims: bool = can_claim is not None and can_claim(store)
+        self._claims = abilities.claims
         self.runners = StepRunners(self._step)
         # The observers of the two series every job feeds, by pipe and by route: no label
         # tuples built and hashed per observation (label values are bounded by registration).
@@ -128,7 +124,6 @@ class Dispatcher:
         self.branch_runners = BranchRunners(self.in_step)
         #: Parents whose in-step stage turned durable: their step no longer owns the record.
         self.left_to_join: set[str] = set()
-        self._limited: Callable[[str], bool] | None = getattr(pool, "limited", None)
         #: The record each running step works on: the job's own pipes report to it.
         self._running: dict[str, Job] = {}
         # Suspended jobs' deadlines in one heap, served by one task (not a task per job):
@@ -142,7 +137,7 @@ class Dispatcher:
         #: record read back from a store has only their type, message and stage path. Kept
         #: as long as finished records are, and only in the process that ran the job.
         self.exceptions: Retained[BaseException] = Retained(
-            getattr(store, "retain_count", 10_000), getattr(store, "retain_seconds", 3600.0)
+            abilities.retain_count, abilities.retain_seconds
         )
         #: Exception objects of ended branches, until their join takes them (in-process only).
         self.branch_errors: dict[str, BaseException] = {}
@@ -157,18 +152,15 @@ class Dispatcher:
         self.observers: list[Any] = []
         # A shared queue (Redis) keeps a step's event until the step ends, and says when an
         # event was taken over from a process that died during its step.
-        self._step_ended: Callable[[Any], None] | None = getattr(queue, "step_ended", None)
-        self.reclaimed: Callable[[Any], bool] = getattr(queue, "reclaimed", _never)
+        self._step_ended = abilities.step_ended
+        self.reclaimed = abilities.reclaimed
         # A shared store may take a step's final write without the step waiting for it
         # (update_soon): the jobs whose end is on its way, with their step's event once
         # the step has ended (let go of only when the end is written, see _end_soon).
-        self._update_soon: Callable[[Job, Callable[[BaseException | None], None]], bool] | None
-        self._update_soon = getattr(store, "update_soon", None)
+        self._update_soon = abilities.update_soon
         self._end_pending: dict[str, Any] = {}
         # A shared queue keeps suspend timers where they outlive this process.
-        self._durable_expire: Callable[[float, str, int], None] | None = getattr(
-            queue, "expire_at", None
-        )
+        self._durable_expire = abilities.expire_at
         #: Set when a job's steps may run in other processes: a cancel of a job not running
         #: here is told to them, and a streamed job's chunks go to where its reader is
         #: (True when taken; False leaves them in the record).
@@ -212,14 +204,13 @@ class Dispatcher:
         finally:
             self.clock = trio.current_time  # another run may have another clock
 
-    async def _event_failed(self, event: Any, exc: Exception) -> None:
+    async def _event_failed(self, event: Event, exc: Exception) -> None:
         _log.error("pipework: handling %r failed inside the engine", event, exc_info=exc)
-        job_id = getattr(event, "parent_id", None) or getattr(event, "job_id", None)
         try:
-            job = await self.store.get(job_id) if job_id is not None else None
+            job = await self.store.get(job_of(event))
         except Exception:  # the store itself is what failed: the log line above is all
             return
-        if job is not None and job.status not in TERMINAL:
+        if job.status not in TERMINAL:
             await self._fail_inside(job, exc)
 
     async def _fail_inside(self, job: Job, bug: BaseException) -> None:
@@ -255,7 +246,7 @@ class Dispatcher:
         caller writes the record, then calls :meth:`start_claimed` or :meth:`let_go_first`.
         A cancel before the step starts (here, or published from elsewhere) is noted, and
         the step then runs nothing."""
-        if not self._claims or self._grant is None or self._nursery is None:
+        if not self._claims or self._nursery is None:
             return None
         held = self._grant(job.key)
         if held is not None:
@@ -282,13 +273,8 @@ class Dispatcher:
             self._unhold(claim)
 
     def _unhold(self, claim: _Claim) -> None:
-        """Give back a claim's slot, unused: no hold time counted, where the pool can."""
-        withdraw = getattr(self.pool, "withdraw_nowait", None)
-        if withdraw is not None:
-            withdraw(claim.held)
-            return
-        assert self._release is not None
-        self._release(claim.held, claim.granted, self.clock())
+        """Give back a claim's slot, unused: no hold time counted."""
+        self.abilities.withdraw(claim.held)
 
     # -- a step --------------------------------------------------------------------------
 
@@ -316,9 +302,9 @@ class Dispatcher:
                 else:
                     # A shared store may hold the record as it wrote it (a job it created or
                     # handed off): no read, and the status write below says if it is stale.
-                    read_own = getattr(self.store, "read_own", None)
-                    if read_own and type(event) is RunJob and not self.reclaimed(event):
-                        own = read_own(event.job_id)
+                    shared = self.abilities.shared_store
+                    if shared and type(event) is RunJob and not self.reclaimed(event):
+                        own = shared.read_own(event.job_id)
                     job = own or await self.store.get(event.job_id)
             except PipeworkError:
                 return False
@@ -349,7 +335,7 @@ class Dispatcher:
                 if claim is not None:
                     held, granted, claim = claim.held, claim.granted, None  # released below
                 else:
-                    held = None if self._grant is None else self._grant(job.key)
+                    held = self._grant(job.key)
                     granted = now
                 if held is not None:
                     ended = None
@@ -363,7 +349,6 @@ class Dispatcher:
                         ended = await self._run_held(job, now, True, own is job, marked, grant)
                         settled = True
                     finally:
-                        assert self._release is not None
                         end = self.clock() if ended is None else ended
                         self._release(grant[0], grant[1], end)
                 else:
@@ -413,12 +398,11 @@ class Dispatcher:
                 self._unhold(claim)
             if not acked:
                 self.queue.ack(event)
-            if self._step_ended is not None:
-                pending = self._end_pending
-                if pending and pending.get(event.job_id, event) is None:
-                    pending[event.job_id] = event  # let go of once the end is written
-                else:
-                    self._step_ended(event)  # a shared queue lets go of the event only now
+            pending = self._end_pending
+            if pending and pending.get(event.job_id, event) is None:
+                pending[event.job_id] = event  # let go of once the end is written
+            else:
+                self._step_ended(event)  # a shared queue lets go of the event only now
 
     async def _end_unsettled(
         self, job: Job, scope: trio.CancelScope, escaped: BaseException | None
@@ -458,11 +442,6 @@ class Dispatcher:
         except JobNotFound:
             return job.parent is not None  # a branch's record goes once its end is reported
         return stored.status in TERMINAL
-
-    def limited(self, key: str) -> bool:
-        """Whether work under ``key`` must hold a slot of its own (a pool that cannot say
-        is taken to limit every key)."""
-        return True if self._limited is None else self._limited(key)
 
     def _shares_slot(self, job: Job, chain: Chain, stage: Parallel) -> bool:
         """Whether every branch of the stage would run under the parent's slot (its key,
@@ -512,7 +491,8 @@ class Dispatcher:
                     nowait[1](job)
                 else:
                     # A shared store may write only what changed since the read: the status.
-                    status_only = getattr(self.store, "update_status", None) if as_read else None
+                    shared = self.abilities.shared_store
+                    status_only = shared.update_status if shared and as_read else None
                     if status_only is None:
                         await self.store.update(job)  # readers see it running at once
                     elif own:
@@ -576,10 +556,13 @@ class Dispatcher:
                     return now  # an in-step branch: its task takes the next key's slot
                 # A shared queue that writes the record and the next event together (Redis),
                 # if it can without this step waiting for the write (see _end_soon).
-                soon = getattr(self.queue, "update_and_put_soon", None)
-                together = getattr(self.queue, "update_and_put", None)
-                if soon is None or not self._hand_off_soon(soon, job):
-                    if together is not None and await together(self.store, job, RunJob(job.id)):
+                shared_queue = self.abilities.shared_queue
+                if shared_queue is None or not self._hand_off_soon(
+                    shared_queue.update_and_put_soon, job
+                ):
+                    if shared_queue is not None and await shared_queue.update_and_put(
+                        self.store, job, RunJob(job.id)
+                    ):
                         self.changed(job)
                     else:
                         await self.store.update(job)
@@ -653,8 +636,6 @@ class Dispatcher:
         slot is free at once."""
         if self.nowait or job.parent is not None:
             return False
-        assert self._grant is not None
-        assert self._release is not None
         granted = self._grant(key)
         if granted is None:
             return False
@@ -950,14 +931,13 @@ class Dispatcher:
         A parent no step here holds is read again and written under its lock on a shared
         store: its branches' ends change its join meanwhile, and writing back the copy read
         before would lose them (the parent would wait at its join for ever)."""
-        lock = getattr(self.store, "lock", None)
-        if lock is None or self._running.get(parent.id) is parent:
+        if self.abilities.shared_store is None or self._running.get(parent.id) is parent:
             # In this process's memory: no checkpoint between the read and the change.
             if not change(parent):
                 return None
             await self.store.update(parent)
             return parent
-        async with lock(parent.id):
+        async with self.abilities.lock(parent.id):
             try:
                 parent = await self.store.get(parent.id)
                 if parent.status in TERMINAL or not change(parent):
@@ -995,15 +975,11 @@ class Dispatcher:
         job.waiting_for = job.suspend_into = job.suspend_deadline = None
         job.took(signal)
         job.transition(Status.QUEUED)
-        unless_changed = getattr(self.store, "update_unless_changed", None)
-        if unless_changed is None:
-            await self.store.update(job)
-        else:
-            try:
-                if not await unless_changed(job):
-                    return False
-            except JobNotFound:  # ended since: the caller's read says how
+        try:
+            if not await self.abilities.update_unless_changed(job):
                 return False
+        except JobNotFound:  # ended since: the caller's read says how
+            return False
         self.changed(job)
         self.queue.put_nowait(Resume(job.id, signal))
         log_job(
@@ -1438,12 +1414,7 @@ class Dispatcher:
             change(running)
             return True
         change(job)
-        unless_changed = getattr(self.store, "update_unless_changed", None)
-        if unless_changed is None:  # an in-process store: no step wrote since the read
-            await self.store.update(job)
-            return True
-        kept: bool = await unless_changed(job)
-        return kept
+        return await self.abilities.update_unless_changed(job)
 
 
 def check_early_signal(job: Job, name: str) -> None:
@@ -1489,10 +1460,6 @@ def _log_hand_off(job: Job) -> None:
             key=job.key,
             status=job.status.value,
         )
-
-
-def _never(event: Any) -> bool:
-    return False
 
 
 def _is_job_timeout(exc: BaseException) -> bool:

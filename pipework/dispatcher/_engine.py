@@ -3,7 +3,6 @@ worker pool and the dispatcher, and runs them in its own nursery while it is ope
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
 import math
@@ -29,6 +28,15 @@ from ..pipes._catalogue import Catalogue
 from ..pipes._pipe import Context, Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
+from ._abilities import (
+    Abilities,
+    CheckedAdmission,
+    CountingStore,
+    FastAdmission,
+    FollowingStore,
+    KeyedAdmission,
+    SharedQueue,
+)
 from ._admission import Admission
 from ._cursor import start_frames
 from ._dispatcher import INTERNAL_PLAN, Dispatcher, check_early_signal
@@ -111,14 +119,14 @@ class Engine:
         self.default_timeout = default_timeout
         self._stream_buffer = stream_buffer
         self.metrics = metrics or Metrics()
-        self._dispatcher = Dispatcher(
-            self.registry,
-            self.store,
-            self.queue,
-            _ProbeLane(self.pool),
-            self.metrics,
-            self.key_label,
-        )
+        # What the parts can do, looked at once; the dispatcher sees the pool through the
+        # probe's lane.
+        self._abilities = abilities = Abilities.of(self.store, self.queue, _probe_lane(self.pool))
+        self._checked = self.pool if isinstance(self.pool, CheckedAdmission) else None
+        self._keyed = self.pool if isinstance(self.pool, KeyedAdmission) else None
+        self._counting = self.store if isinstance(self.store, CountingStore) else None
+        self._following = self.store if isinstance(self.store, FollowingStore) else None
+        self._dispatcher = Dispatcher(self.registry, abilities, self.metrics, self.key_label)
         # The engine's own chains live in a plan of their own, which no swap replaces.
         self._dispatcher.plans[INTERNAL_PLAN] = _internal_registry()
         # The active top-level jobs of each user plan: a replaced plan with none left is
@@ -137,8 +145,8 @@ class Engine:
         self._dispatcher.changed = self._changed
         self._dispatcher.observers = self._observers  # the same list: see Dispatcher.observers
         # A shared queue's relay (Redis): steps of a job may run in other processes.
-        self._relay: Any = getattr(self.queue, "relay", None)
-        self._flush: Any = getattr(self.queue, "flush", None)
+        shared_queue = abilities.shared_queue
+        self._relay: Any = None if shared_queue is None else shared_queue.relay
         self._relayed: set[str] = set()  # streamed jobs whose chunks come through it
 
     @property
@@ -198,13 +206,12 @@ class Engine:
     def key_label(self, key: str) -> str:
         """The metrics label for an admission key: configured keys by name, others
         ``default``, so label values stay bounded whatever keys pipes use."""
-        config = getattr(self.pool, "config", None)
-        keys = getattr(config, "keys", None)
-        return key if keys is not None and key in keys else "default"
+        keyed = self._keyed
+        return key if keyed is not None and key in keyed.config.keys else "default"
 
     def _job_counts(self) -> dict[str, int]:
-        counts = getattr(self.store, "counts", None)
-        return {} if counts is None else {s.value: n for s, n in counts().items()}
+        counting = self._counting
+        return {} if counting is None else {s.value: n for s, n in counting.counts().items()}
 
     # -- registration --------------------------------------------------------------------
 
@@ -237,9 +244,9 @@ class Engine:
                 if isinstance(part, AbstractAsyncContextManager):
                     await stack.enter_async_context(part)
             nursery = await stack.enter_async_context(trio.open_nursery())
-            follow = getattr(self.store, "follow_finished", None)
-            if follow is not None:  # jobs parked here may finish in another process
-                await nursery.start(follow, self._heard_finished)
+            following = self._following
+            if following is not None:  # jobs parked here may finish in another process
+                await nursery.start(following.follow_finished, self._heard_finished)
             if self._relay is not None:
                 await nursery.start(self._relay.run, _RelayTarget(self))
                 self._dispatcher.cancel_elsewhere = self._relay.cancel
@@ -295,7 +302,7 @@ class Engine:
             self._generation, chain, state, timeout, correlation_id, token, admit, traceparent
         )
         nowait = self._dispatcher.nowait
-        if stream or not nowait or self._flush is not None:
+        if stream or not nowait or self._abilities.shared_queue is not None:
             return await self._enqueue(job, stream)
         # An in-process store and queue: the common case awaits nothing, so it runs here
         # rather than in a coroutine of its own.
@@ -358,9 +365,8 @@ class Engine:
             wall,
         )
         start_frames(job, plan, now)
-        check_admission = getattr(self.pool, "check_admission", None) if admit else None
-        if check_admission is not None:
-            check_admission(job.key, deadline=deadline)
+        if admit and self._checked is not None:
+            self._checked.check_admission(job.key, deadline=deadline)
         # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
         jobs = self._plan_jobs.get(generation)
         if jobs is not None:
@@ -375,10 +381,11 @@ class Engine:
                 await self._relay.open_stream(job.id)
             nowait = self._dispatcher.nowait
             # A shared queue that writes the record and the first event together (Redis).
-            together = None if nowait else getattr(self.queue, "create_and_submit", None)
-            handled = together is not None and await self._create_claiming(job)
+            shared_queue = self._abilities.shared_queue
+            handled = shared_queue is not None and await self._create_claiming(job, shared_queue)
             if not handled and (
-                together is None or not await together(self.store, job, RunJob(job.id))
+                shared_queue is None
+                or not await shared_queue.create_and_submit(self.store, job, RunJob(job.id))
             ):
                 if nowait:
                     nowait[2](job)
@@ -389,8 +396,7 @@ class Engine:
                 except Overloaded:
                     await self.store.delete(job.id)
                     raise
-                if self._flush is not None:  # a shared queue: the first event is in Redis first
-                    await self._flush()
+                await self._abilities.flush()  # a shared queue: the first event is there first
         except BaseException:
             if relayed:
                 self._relay.close_stream(job.id)
@@ -403,16 +409,15 @@ class Engine:
         self._accepted(job)
         return job.id
 
-    async def _create_claiming(self, job: Job) -> bool:
+    async def _create_claiming(self, job: Job, shared_queue: SharedQueue) -> bool:
         """Write a new job's record and first event with the event claimed by this process,
         its first step started at once on a slot held meanwhile, when a slot is free now
         (``Dispatcher.hold_first``); False, with nothing written, when that cannot be."""
-        create_and_claim = getattr(self.queue, "create_and_claim", None)
-        if create_and_claim is None or self._dispatcher.hold_first(job) is None:
+        if self._dispatcher.hold_first(job) is None:
             return False
         event = RunJob(job.id)
         try:
-            claimed = await create_and_claim(self.store, job, event)
+            claimed = await shared_queue.create_and_claim(self.store, job, event)
         except BaseException:
             self._dispatcher.let_go_first(job.id)
             raise
@@ -455,12 +460,12 @@ class Engine:
                 return job.result
             return _outcome(job, self._dispatcher.exceptions.get(job_id))
         waiters = self._dispatcher._waiters
+        following = self._following
         # A shared store may know the record without reading it (a job it ended itself).
-        read = getattr(self.store, "read_awaited", self.store.get)
+        read = self.store.get if following is None else following.read_awaited
         # Ends recorded elsewhere are heard through a subscription that may miss some.
-        follows = getattr(self.store, "follow_finished", None) is not None
-        recheck = _RECHECK_SECONDS if follows else math.inf
-        wait_end = getattr(self.store, "wait_end", None)
+        recheck = math.inf if following is None else _RECHECK_SECONDS
+        wait_end = None if following is None else following.wait_end
         while True:
             # The waiter exists before the record is read: an end recorded while the read
             # waits on a shared store still wakes it.
@@ -585,13 +590,13 @@ class Engine:
         it again: a repeat (of a callback, say) is refused, never kept, so of several
         sent at once exactly one is delivered."""
         check_value(payload, root="payload")
-        lock = getattr(self.store, "lock", None)
-        if lock is None:  # an in-process store: the read-check-write has no checkpoint
+        if self._abilities.shared_store is None:
+            # An in-process store: the read-check-write has no checkpoint.
             await self._signal(job_id, name, payload)
             return
         # A shared store: a join's update (a branch ending here or in another process)
         # must not land between this read and this write, or one of the two is lost.
-        async with lock(job_id):
+        async with self._abilities.lock(job_id):
             await self._signal(job_id, name, payload)
 
     async def _signal(self, job_id: str, name: str, payload: Any) -> None:
@@ -689,15 +694,6 @@ class _ProbeLane:
     def __init__(self, pool: Admission) -> None:
         self.pool = pool
         self._lane: trio.Lock | None = None
-        limited = getattr(pool, "limited", None)
-        if limited is not None:
-            self.limited = limited
-        # The pool's synchronous fast path, when it has one (the dispatcher looks for it).
-        grant = getattr(pool, "grant_nowait", None)
-        release = getattr(pool, "release_nowait", None)
-        if grant is not None and release is not None:
-            self.grant_nowait = functools.partial(_grant_unless_probe, grant)
-            self.release_nowait = release
 
     def slot(
         self, key: str, *, deadline: float = math.inf, continuing: bool = False
@@ -718,8 +714,32 @@ class _ProbeLane:
             self.pool.record(key, ok=ok, latency=latency)
 
 
-def _grant_unless_probe(grant: Callable[[str], object | None], key: str) -> object | None:
-    return None if key == PROBE_KEY else grant(key)
+class _FastProbeLane(_ProbeLane):
+    """The lane over a pool with an uncontended grant (every method of
+    :class:`~._abilities.FastAdmission`, each the pool's but the probe's key's grant, which
+    never comes: its steps take the lane)."""
+
+    def __init__(self, pool: Admission, fast: FastAdmission) -> None:
+        super().__init__(pool)
+        self.fast = fast
+
+    def grant_nowait(self, key: str) -> object | None:
+        return None if key == PROBE_KEY else self.fast.grant_nowait(key)
+
+    def release_nowait(self, handle: object, granted_at: float, now: float) -> None:
+        self.fast.release_nowait(handle, granted_at, now)
+
+    def withdraw_nowait(self, handle: object) -> None:
+        self.fast.withdraw_nowait(handle)
+
+    def limited(self, key: str) -> bool:
+        return self.fast.limited(key)
+
+
+def _probe_lane(pool: Admission) -> _ProbeLane:
+    if isinstance(pool, FastAdmission):
+        return _FastProbeLane(pool, pool)
+    return _ProbeLane(pool)
 
 
 def _outcome(job: Job, exception: BaseException | None) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..pipes._join import Outcome
 
-__all__ = ["BranchDone", "Event", "Expire", "Resume", "RunJob"]
+__all__ = ["BranchDone", "Event", "Expire", "Resume", "RunJob", "job_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +58,8 @@ class BranchDone:
 
 
 Event = RunJob | Resume | Expire | BranchDone
+
+
+def job_of(event: Event) -> str:
+    """The job an event is about: a branch's end is about the parent it reports to."""
+    return event.parent_id if isinstance(event, BranchDone) else event.job_id

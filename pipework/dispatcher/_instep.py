@@ -481,7 +481,7 @@ class InStepStage:
             if key == parent_key and not d.limited(key):
                 await d._run_held(branch, now)
                 continue
-            held = None if d._grant is None else d._grant(key)
+            held = d._grant(key)
             if held is None and key == parent_key:
                 # The parent's key, limited since the stage started: the parent's own slot
                 # is the stage's to lend, one branch at a time (waiting for another while
@@ -495,7 +495,6 @@ class InStepStage:
                 try:
                     ended = await d._run_held(branch, now)
                 finally:
-                    assert d._release is not None
                     d._release(held, now, trio.current_time() if ended is None else ended)
                 continue
             slot = d.pool.slot(key, deadline=branch.deadline, continuing=branch.admitted)

@@ -161,11 +161,9 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
             error=error,
         )
     )
-    flush = getattr(d.queue, "flush", None)
-    if flush is not None:
-        # A shared queue: the report is in Redis before the record goes, so a process dying
-        # in between leaves a branch to rerun (its event is still pending), never a lost one.
-        await flush()
+    # A shared queue: the report is in Redis before the record goes, so a process dying in
+    # between leaves a branch to rerun (its event is still pending), never a lost one.
+    await d.abilities.flush()
     await d.store.delete(child.id)
 
 
@@ -173,12 +171,8 @@ async def on_branch_done(d: Dispatcher, event: BranchDone) -> None:
     try:
         # A shared store holds the parent's record while its join changes: two branches
         # ending at once in two processes must not both read it and one lose its update.
-        lock = getattr(d.store, "lock", None)
-        if lock is None:
+        async with d.abilities.lock(event.parent_id):
             await _branch_done(d, event)
-        else:
-            async with lock(event.parent_id):
-                await _branch_done(d, event)
     finally:
         d.queue.ack(event)
 

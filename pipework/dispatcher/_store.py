@@ -19,10 +19,10 @@ from .._errors import JobGone, JobNotFound
 from ._job import Job
 from ._status import TERMINAL, Status
 
-__all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess", "nowait_access"]
+__all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess"]
 
-#: ``(get, update, create)`` as plain calls: a store's synchronous fast path (see
-#: :func:`nowait_access`).
+#: ``(get, update, create)`` as plain calls: an in-process store's synchronous access (see
+#: ``_abilities.InProcessStore``).
 NowaitAccess = tuple[Callable[[str], Job], "UpdateNowait", Callable[[Job], None]]
 
 
@@ -44,15 +44,6 @@ class JobStore(Protocol):
     async def delete(self, job_id: str) -> None: ...
 
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]: ...
-
-
-def nowait_access(store: JobStore) -> NowaitAccess | None:
-    """The store's synchronous ``get``/``update``/``create``, if it offers them
-    (``nowait_access()``); None for any other store, which the engine then awaits as the
-    protocol says. Only an in-process store can answer without waiting; the engine works
-    with any JobStore."""
-    offer = getattr(store, "nowait_access", None)
-    return None if offer is None else offer()
 
 
 class MemoryJobStore:

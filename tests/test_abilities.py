@@ -1,0 +1,82 @@
+"""What the engine finds its store, queue and pool can do, resolved once (_abilities.py)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import trio
+
+import pipework as pw
+from pipework.dispatcher._abilities import Abilities, FastAdmission
+from pipework.dispatcher._engine import PROBE_KEY, _probe_lane
+
+from ._copying_store import CopyingJobStore
+
+
+class PlainPool:
+    """An Admission with nothing but the interface."""
+
+    def __init__(self) -> None:
+        self.slots = 0
+
+    @asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        self.slots += 1
+        yield
+
+    def slot(
+        self, key: str, *, deadline: float = math.inf, continuing: bool = False
+    ) -> AbstractAsyncContextManager[None]:
+        return self._slot()
+
+    def record(self, key: str, *, ok: bool, latency: float) -> None:
+        return None
+
+
+def test_the_memory_parts_have_the_fast_paths_and_nothing_shared() -> None:
+    abilities = Abilities.of(pw.MemoryJobStore(), pw.MemoryEventQueue(), pw.WeightedPool(2))
+    assert abilities.nowait is not None
+    assert abilities.shared_store is None
+    assert abilities.shared_queue is None
+    assert abilities.expire_at is None  # this process keeps its own timers
+    assert not abilities.claims
+    held = abilities.grant("k")
+    assert held is not None
+    abilities.release(held, 0.0, 1.0)
+    assert not abilities.limited("k")
+
+
+def test_a_store_handing_out_copies_is_awaited() -> None:
+    abilities = Abilities.of(CopyingJobStore(), pw.MemoryEventQueue(), pw.WeightedPool(2))
+    assert abilities.nowait is None
+    assert abilities.shared_store is None
+
+
+def test_a_plain_pool_grants_nothing_at_once_and_limits_every_key() -> None:
+    abilities = Abilities.of(pw.MemoryJobStore(), pw.MemoryEventQueue(), PlainPool())
+    assert abilities.grant("k") is None
+    assert abilities.limited("k")
+
+
+async def test_the_probe_lane_keeps_every_fast_ability_of_its_pool(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The lane forwarded the grant and the release but not the withdrawal, so a claimed
+    slot given back unused counted a hold time (the pool's wait estimate) it never had."""
+    pool = pw.WeightedPool(1)
+    lane = _probe_lane(pool)
+    assert isinstance(lane, FastAdmission)
+    abilities = Abilities.of(pw.MemoryJobStore(), pw.MemoryEventQueue(), lane)
+    assert abilities.grant(PROBE_KEY) is None  # the probe takes its lane, never a slot
+    used = abilities.grant("k")
+    assert used is not None
+    abilities.release(used, 0.0, 1.0)  # held one second: a sample
+    unused = abilities.grant("k")
+    assert unused is not None
+    await trio.sleep(5)
+    abilities.withdraw(unused)  # never used: no sample of five seconds
+    stats = pool.statistics().keys["k"]
+    assert stats.in_use == 0
+    assert stats.mean_hold == 1.0
