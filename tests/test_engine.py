@@ -4,6 +4,7 @@ cancellation and errors. Time is virtual (autojump_clock), so every time is exac
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 from typing import Any
 
 import pytest
@@ -626,6 +627,32 @@ async def test_progress_and_output_chunks() -> None:
         chunks = [chunk async for chunk in engine.stream(job_id)]
         assert chunks == [{"row": 0}, {"row": 1}, {"row": 2}]
         assert (await engine.status(job_id)).progress == pw.Progress(2, 2, "done")
+
+
+@pytest.mark.parametrize("branched", [False, True], ids=["own-pipe", "in-a-branch"])
+async def test_a_stream_whose_reader_left_cancels_its_job(
+    autojump_clock: trio.abc.Clock, branched: bool
+) -> None:
+    """A stream route's client hung up: its reader closed the stream while the pipe still
+    emits. The job is cancelled, as a hang-up cancels it; it used to fail with the
+    channel's BrokenResourceError, as if the pipe had a bug."""
+    engine = make_engine()
+
+    @engine.pipe
+    async def export(ctx: pw.Context) -> None:
+        for i in range(100):
+            await ctx.emit({"row": i})
+
+    engine.chain("c", pw.all_of(export) if branched else export, timeout=60)
+    async with engine:
+        job_id = await engine.submit("c", stream=True)
+        async with aclosing(engine.stream(job_id)) as chunks:
+            async for chunk in chunks:
+                assert chunk == {"row": 0}
+                break  # the reader leaves
+        with pytest.raises(pw.JobCancelled):
+            await engine.wait(job_id)
+        assert (await engine.status(job_id)).status is pw.Status.CANCELLED
 
 
 async def test_progress_moves_the_jobs_updated_at() -> None:

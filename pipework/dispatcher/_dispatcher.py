@@ -1368,7 +1368,16 @@ class Dispatcher:
             own = True
         stream = self._streams.get(job.id)
         if stream is not None:
-            await stream.send(chunk)
+            try:
+                await stream.send(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # The reader left (a stream route's client hung up): nobody reads the job's
+                # chunks any more, so it is cancelled, as a hang-up cancels it; the cancel
+                # lands here when it is this step's (a branch's lands with its stage's).
+                self._streams.pop(job.id, None)
+                if job.status not in TERMINAL:
+                    await self.cancel(job)
+                await trio.lowlevel.checkpoint_if_cancelled()
             return
         if self.emit_elsewhere is not None and await self.emit_elsewhere(job.id, chunk):
             return
