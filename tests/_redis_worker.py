@@ -76,7 +76,7 @@ async def main(url: str, prefix: str, shared: bool, accept: int) -> None:
         print("ready", flush=True)
         for i in range(accept):
             job_id = await engine.submit("slow", {"n": i})
-            claimed = job_id in engine._dispatcher._claiming  # its step not started yet
+            claimed = job_id in engine._dispatcher.flight.claiming  # its step not started yet
             print(job_id, int(claimed), flush=True)
             await trio.sleep(0.02)  # below what its slots take: most find one free, claimed
         await trio.sleep_forever()

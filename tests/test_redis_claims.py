@@ -141,7 +141,7 @@ async def _cancel_before_the_step(redis_server: RedisServer, *, here: bool) -> N
             assert [e.job_id for e in held] == [job_id]
             await (engine if here else other).cancel(job_id)
             for _ in range(1000):  # the cancel reaches it (published, from elsewhere)
-                if dispatcher._claiming[job_id].cancelled:
+                if dispatcher.flight.claiming[job_id].cancelled:
                     break
                 await trio.sleep(0.01)
             start(held[0])
@@ -154,7 +154,7 @@ async def _cancel_before_the_step(redis_server: RedisServer, *, here: bool) -> N
             await _until_pending(redis_server, prefix, 0)
         assert (await engine.status(job_id)).status is pw.Status.CANCELLED
         assert ran == []
-        assert job_id not in dispatcher._claiming
+        assert job_id not in dispatcher.flight.claiming
         assert pool.statistics().in_use == 0
 
 

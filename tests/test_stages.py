@@ -728,7 +728,7 @@ async def test_a_branch_error_from_another_process_surfaces_as_its_record(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     engine = pw.Engine(store=RoundTripStore())
-    engine._dispatcher.branch_errors = ForgetfulErrors()
+    engine._dispatcher.flight.branch_errors = ForgetfulErrors()
     engine.chain("order", pw.all_of(sleeper("slow", 10), failing("quote", 1, KeyError("x"))))
     async with engine:
         with pytest.raises(pw.JobFailed) as info:
@@ -755,7 +755,7 @@ async def test_branch_exceptions_are_kept_only_while_their_join_needs_them(
         pw.graph(pw.node("a", sleeper("a", 1)), pw.node("d", failing("d", 3, boom), detach=True)),
     )
     engine.chain("cancelled", pw.any_of(failing("a", 1, boom), pw.Pipe(forever, "forever")))
-    side_table = engine._dispatcher.branch_errors
+    side_table = engine._dispatcher.flight.branch_errors
     async with engine:
         with pytest.raises(RuntimeError):
             await engine.run("all")

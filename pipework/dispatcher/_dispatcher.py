@@ -9,7 +9,6 @@ the job record, so any worker can take the next one (see docs/design.md).
 from __future__ import annotations
 
 import functools
-import heapq
 import inspect
 import logging
 import math
@@ -44,6 +43,7 @@ from ._boundary import split_outside
 from ._branch_runners import BranchRunners
 from ._cursor import advance, next_key, path_of, stage_path, top_node
 from ._events import BranchDone, Event, Expire, Resume, RunJob, job_of
+from ._flight import Claim, Flight
 from ._instep import InStepStage
 from ._job import ENDED_CURSOR, ErrorInfo, Frame, Job, Progress
 from ._lookup import ChainLookup
@@ -51,6 +51,7 @@ from ._parallel import cancel_branches, fork, on_branch_done, report_branch
 from ._retained import Retained
 from ._runners import StepRunners
 from ._status import TERMINAL, Status
+from ._timers import SuspendTimers
 from ._wake import Wake
 
 __all__ = ["INTERNAL_PLAN", "Dispatcher", "check_early_signal"]
@@ -105,10 +106,8 @@ class Dispatcher:
         self._grant = abilities.grant
         self._release = abilities.release
         self.limited = abilities.limited
-        #: The scope each running step runs in (its runner's): a cancel goes through it.
-        self._scopes: dict[str, trio.CancelScope] = {}
-        #: New jobs whose creator holds a slot for their first step (see hold_first).
-        self._claiming: dict[str, _Claim] = {}
+        #: What this process holds of the jobs it runs now (see _flight.py).
+        self.flight = Flight()
         self._claims = abilities.claims
         self.runners = StepRunners(self._step)
         # The observers of the two series every job feeds, by pipe and by route: no label
@@ -116,21 +115,10 @@ class Dispatcher:
         self._pipe_ok: dict[str, Callable[[float], None]] = {}
         self._job_done: dict[str, Callable[[float], None]] = {}
         self._waits: dict[str, Callable[[float], None]] = {}  # by key label
-        #: Parallel stages running inside their parent's step, by join id (see _instep.py),
-        #: and the ids of their branches that have no record in the store.
-        self.in_step: dict[str, InStepStage] = {}
-        self.unstored: set[str] = set()
         #: The tasks in-step branches run in (see _branch_runners.py).
-        self.branch_runners = BranchRunners(self.in_step)
-        #: Parents whose in-step stage turned durable: their step no longer owns the record.
-        self.left_to_join: set[str] = set()
-        #: The record each running step works on: the job's own pipes report to it.
-        self._running: dict[str, Job] = {}
-        # Suspended jobs' deadlines in one heap, served by one task (not a task per job):
-        # (deadline, job id, version at suspension). An entry left by a job that resumed
-        # early fires an Expire that finds a newer version and does nothing.
-        self._deadlines: list[tuple[float, str, int]] = []
-        self._deadline_moved = trio.Event()
+        self.branch_runners = BranchRunners(self.flight.in_step)
+        #: Suspended jobs' timers (see _timers.py).
+        self.timers = SuspendTimers(abilities.queue, abilities.expire_at)
         self._waiters: dict[str, Wake] = {}
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
         #: The exception objects of failed jobs, for ``Engine.wait`` to raise as they are: a
@@ -139,8 +127,6 @@ class Dispatcher:
         self.exceptions: Retained[BaseException] = Retained(
             abilities.retain_count, abilities.retain_seconds
         )
-        #: Exception objects of ended branches, until their join takes them (in-process only).
-        self.branch_errors: dict[str, BaseException] = {}
         #: Set by an HTTP container: (job id, signal, ttl) -> a signed callback URL.
         self.callback_factory: Callable[[str, str, float], str] | None = None
         #: Called with each top-level job once it is final (the engine retires idle plans).
@@ -159,8 +145,6 @@ class Dispatcher:
         # the step has ended (let go of only when the end is written, see _end_soon).
         self._update_soon = abilities.update_soon
         self._end_pending: dict[str, Any] = {}
-        # A shared queue keeps suspend timers where they outlive this process.
-        self._durable_expire = abilities.expire_at
         #: Set when a job's steps may run in other processes: a cancel of a job not running
         #: here is told to them, and a streamed job's chunks go to where its reader is
         #: (True when taken; False leaves them in the record).
@@ -186,7 +170,7 @@ class Dispatcher:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._expire_when_due)
+                nursery.start_soon(self.timers.run)
                 task_status.started()
                 handlers = self._handlers
                 start = self.runners.start
@@ -250,12 +234,12 @@ class Dispatcher:
             return None
         held = self._grant(job.key)
         if held is not None:
-            self._claiming[job.id] = _Claim(held, self.clock())
+            self.flight.claiming[job.id] = Claim(held, self.clock())
         return held
 
     def start_claimed(self, event: RunJob) -> None:
         """Start the step of a job whose event was claimed with its record (hold_first)."""
-        claim = self._claiming[event.job_id]
+        claim = self.flight.claiming[event.job_id]
         claim.event = event
         try:
             assert self._nursery is not None, "the dispatcher is not running"
@@ -268,11 +252,11 @@ class Dispatcher:
     def let_go_first(self, job_id: str) -> None:
         """The slot hold_first held, not used (the record was not written, or its event was
         not claimed)."""
-        claim = self._claiming.pop(job_id, None)
+        claim = self.flight.claiming.pop(job_id, None)
         if claim is not None:
             self._unhold(claim)
 
-    def _unhold(self, claim: _Claim) -> None:
+    def _unhold(self, claim: Claim) -> None:
         """Give back a claim's slot, unused: no hold time counted."""
         self.abilities.withdraw(claim.held)
 
@@ -289,8 +273,8 @@ class Dispatcher:
         own shutdown (a cancellation from outside the step) travels on."""
         acked = False
         claim = None  # the slot its creator holds for it (hold_first), until the step runs
-        if self._claiming:
-            claim = self._claiming.get(event.job_id)
+        if self.flight.claiming:
+            claim = self.flight.claiming.get(event.job_id)
             if claim is not None and claim.event is not event:
                 claim = None
         try:
@@ -315,15 +299,15 @@ class Dispatcher:
                 job.transition(Status.QUEUED)
             if job.status is not _QUEUED or (claim is not None and claim.cancelled):
                 if job.status is Status.SUSPENDED and self.reclaimed(event):
-                    self._rearm(job)  # its step died before its timer was surely stored
+                    self.timers.rearm(job)  # its step died before its timer was surely stored
                 # Cancelled or finished while the event waited (a claimed job: while its
                 # record was written; the cancel recorded its end): nothing to run.
                 return False
             record = job  # what a cancel marks, whichever record the step ends with
-            self._scopes[job.id] = scope
-            self._running[job.id] = job
+            self.flight.scopes[job.id] = scope
+            self.flight.running[job.id] = job
             if claim is not None:  # from here a cancel goes through the step's scope
-                del self._claiming[job.id]
+                del self.flight.claiming[job.id]
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
             now = self.clock()
@@ -373,14 +357,14 @@ class Dispatcher:
             except BaseException as exc:  # the step boundary: what belongs outside is re-raised
                 escaped = exc
             finally:
-                if self._scopes.get(job.id) is scope:
-                    del self._scopes[job.id]
-                if self._running.get(job.id) is job:
-                    del self._running[job.id]
-            if self.left_to_join and job.id in self.left_to_join:
+                if self.flight.scopes.get(job.id) is scope:
+                    del self.flight.scopes[job.id]
+                if self.flight.running.get(job.id) is job:
+                    del self.flight.running[job.id]
+            if self.flight.left_to_join and job.id in self.flight.left_to_join:
                 # Its in-step stage turned durable: the record is the join's now, so a step
                 # ended early reads it afresh before ending the job.
-                self.left_to_join.discard(job.id)
+                self.flight.left_to_join.discard(job.id)
                 if not settled:
                     with trio.CancelScope(shield=True):
                         job = await self.store.get(job.id)
@@ -394,7 +378,7 @@ class Dispatcher:
             return record.cancel_requested or scope.deadline != math.inf
         finally:
             if claim is not None:  # its slot was not used: the step ran nothing
-                self._claiming.pop(event.job_id, None)
+                self.flight.claiming.pop(event.job_id, None)
                 self._unhold(claim)
             if not acked:
                 self.queue.ack(event)
@@ -426,10 +410,6 @@ class Dispatcher:
             await self.finish(job, Status.CANCELLED, exc=exc)
         except Exception as bug:
             await self._fail_inside(job, bug)
-
-    def in_step_branch(self, job_id: str) -> Job | None:
-        """The record of a branch running in its parent's step (it is in no store)."""
-        return self._running.get(job_id) if job_id in self.unstored else None
 
     async def _ended_elsewhere(self, job: Job) -> bool:
         """Whether the store refused the step's write because the job ended meanwhile (a
@@ -484,7 +464,7 @@ class Dispatcher:
         if marked:  # written running with its record (hold_first)
             if self.observers:
                 self.changed(job)
-        elif job.parent is None or job.id not in self.unstored:
+        elif job.parent is None or job.id not in self.flight.unstored:
             nowait = self.nowait
             try:
                 if nowait:
@@ -552,7 +532,7 @@ class Dispatcher:
             elif key != held:
                 job.key = key
                 job.transition(Status.QUEUED)
-                if job.parent is not None and job.id in self.unstored:
+                if job.parent is not None and job.id in self.flight.unstored:
                     return now  # an in-step branch: its task takes the next key's slot
                 # A shared queue that writes the record and the next event together (Redis),
                 # if it can without this step waiting for the write (see _end_soon).
@@ -616,7 +596,7 @@ class Dispatcher:
                     job.state = ctx.state
                 now = self._pipe_ended(job, pipe, now, "ok")
                 top.index += 1
-                if not then_writes and (job.parent is None or job.id not in self.unstored):
+                if not then_writes and (job.parent is None or job.id not in self.flight.unstored):
                     nowait = self.nowait
                     if nowait:
                         nowait[1](job)
@@ -684,7 +664,7 @@ class Dispatcher:
             job.state = ctx.state
         ended = self._pipe_ended(job, pipe, started, "ok")
         top.index += 1
-        if write and (job.parent is None or job.id not in self.unstored):
+        if write and (job.parent is None or job.id not in self.flight.unstored):
             nowait = self.nowait
             if nowait:
                 nowait[1](job)
@@ -793,7 +773,7 @@ class Dispatcher:
         """Run the pipe within ``ctx.deadline``; raise _Timeout if that limit ran out."""
         # The step's own scope carries the pipe's limit: one scope per step, not one more
         # per pipe. A cancel marks the record first, which is how the two are told apart.
-        scope = self._scopes[job.id]
+        scope = self.flight.scopes[job.id]
         scope.deadline = ctx.deadline
         try:
             await _invoke(pipe, ctx)
@@ -846,10 +826,10 @@ class Dispatcher:
 
     async def _suspend(self, job: Job, chain: Chain, suspend: Suspend, path: str) -> bool:
         check_state(job.state)
-        unstored = job.parent is not None and job.id in self.unstored
+        unstored = job.parent is not None and job.id in self.flight.unstored
         if unstored:
             assert job.join_id is not None
-            stage = self.in_step.get(job.join_id)
+            stage = self.flight.in_step.get(job.join_id)
             if stage is None or stage.over:
                 # Its stage resolved while this branch ran: it is cancelled, not parked.
                 job.cancel_requested = True
@@ -872,12 +852,12 @@ class Dispatcher:
         job.transition(Status.SUSPENDED)
         if unstored:  # an in-step branch must outlive the step: it gets its record now
             assert job.join_id is not None
-            await self.in_step[job.join_id].outlive(job)
+            await self.flight.in_step[job.join_id].outlive(job)
         else:
             await self.store.update(job)
         self.changed(job)
         if job.suspend_deadline < math.inf:
-            self._expire_at(job.suspend_deadline, job.id, job.version)
+            self.timers.expire_at(job.suspend_deadline, job.id, job.version)
         log_job(
             "job suspended",
             correlation_id=job.correlation_id,
@@ -899,7 +879,9 @@ class Dispatcher:
             if current.parent is None:
                 return None
             # A parent in a step keeps early signals on the step's record.
-            current = self._running.get(current.parent) or await self.store.get(current.parent)
+            current = self.flight.running.get(current.parent) or await self.store.get(
+                current.parent
+            )
         return None
 
     async def _take_kept(self, job: Job, holder: Job, suspend: Suspend) -> bool:
@@ -931,7 +913,7 @@ class Dispatcher:
         A parent no step here holds is read again and written under its lock on a shared
         store: its branches' ends change its join meanwhile, and writing back the copy read
         before would lose them (the parent would wait at its join for ever)."""
-        if self.abilities.shared_store is None or self._running.get(parent.id) is parent:
+        if self.abilities.shared_store is None or self.flight.running.get(parent.id) is parent:
             # In this process's memory: no checkpoint between the read and the change.
             if not change(parent):
                 return None
@@ -992,32 +974,6 @@ class Dispatcher:
         )
         return True
 
-    def _expire_at(self, deadline: float, job_id: str, version: int) -> None:
-        if self._durable_expire is not None:
-            self._durable_expire(deadline, job_id, version)
-            return
-        if not self._deadlines or deadline < self._deadlines[0][0]:
-            self._deadline_moved.set()  # the serving task sleeps until a later one
-        heapq.heappush(self._deadlines, (deadline, job_id, version))
-
-    def _rearm(self, job: Job) -> None:
-        """Set a suspended job's timer again (a timer already set is the same one: it fires
-        once; one that fired already finds the job moved on)."""
-        if job.suspend_deadline is not None and job.suspend_deadline < math.inf:
-            self._expire_at(job.suspend_deadline, job.id, job.version)
-
-    async def _expire_when_due(self) -> None:
-        """Put an Expire event for every suspension whose deadline has come."""
-        heap = self._deadlines
-        while True:
-            moved = self._deadline_moved = trio.Event()
-            with trio.move_on_at(heap[0][0] if heap else math.inf):
-                await moved.wait()
-            now = trio.current_time()
-            while heap and heap[0][0] <= now:
-                _, job_id, version = heapq.heappop(heap)
-                self.queue.put_nowait(Expire(job_id, version))
-
     async def _expire(self, event: Expire) -> None:
         try:
             try:
@@ -1060,16 +1016,16 @@ class Dispatcher:
 
     async def cancel(self, job: Job) -> None:
         job.cancel_requested = True
-        scope = self._scopes.get(job.id)
+        scope = self.flight.scopes.get(job.id)
         if scope is not None:
             # The step's own record: its scope also carries pipe deadlines, and this is how
             # the step tells a cancel from a timeout.
-            running = self._running.get(job.id)
+            running = self.flight.running.get(job.id)
             if running is not None:
                 running.cancel_requested = True
             scope.cancel()  # the step finishes it once the pipe's cleanup has run
         else:
-            claim = self._claiming.get(job.id)
+            claim = self.flight.claiming.get(job.id)
             if claim is not None:
                 claim.cancelled = True  # its step has not started: it will not
             await self.finish(
@@ -1081,13 +1037,13 @@ class Dispatcher:
     def interrupt(self, job_id: str) -> None:
         """Cancel the step running ``job_id`` here, if one is (a cancel recorded by another
         process): the step ends the job once the pipe's cleanup has run."""
-        scope = self._scopes.get(job_id)
+        scope = self.flight.scopes.get(job_id)
         if scope is None:
-            claim = self._claiming.get(job_id)
+            claim = self.flight.claiming.get(job_id)
             if claim is not None:  # its step has not started: it will not
                 claim.cancelled = True
             return
-        running = self._running.get(job_id)
+        running = self.flight.running.get(job_id)
         if running is not None:
             running.cancel_requested = True
         scope.cancel()
@@ -1244,8 +1200,8 @@ class Dispatcher:
         if job.join is not None:
             await cancel_branches(self, job)
         if job.parent is not None:
-            stage = None if job.join_id is None else self.in_step.get(job.join_id)
-            if stage is None or job.id not in self.unstored:
+            stage = None if job.join_id is None else self.flight.in_step.get(job.join_id)
+            if stage is None or job.id not in self.flight.unstored:
                 await report_branch(self, job)
             elif stage.durable:
                 await stage.report_late(job)
@@ -1325,7 +1281,7 @@ class Dispatcher:
     async def report_progress(
         self, ctx: Context, done: float, total: float | None, message: str | None
     ) -> None:
-        job = self._running.get(ctx.job_id)
+        job = self.flight.running.get(ctx.job_id)
         if job is not None and job.parent is None:  # the job's own pipe, in this step
             job.progress = Progress(done, total, message)
             job.updated_at = time.time()
@@ -1345,10 +1301,10 @@ class Dispatcher:
 
     async def _root_of(self, job_id: str) -> Job:
         """The top-level job a branch (at any depth) belongs to."""
-        job = self._running.get(job_id) or await self.store.get(job_id)
+        job = self.flight.running.get(job_id) or await self.store.get(job_id)
         while job.parent is not None:
             # A parent in a step (its stage runs there) is the step's record, not the store's.
-            job = self._running.get(job.parent) or await self.store.get(job.parent)
+            job = self.flight.running.get(job.parent) or await self.store.get(job.parent)
         return job
 
     def callback_url(self, ctx: Context, signal: str, ttl: float) -> str:
@@ -1360,7 +1316,7 @@ class Dispatcher:
         return self.callback_factory(ctx.job_id, signal, ttl)
 
     async def emit(self, ctx: Context, chunk: Any) -> None:
-        job = self._running.get(ctx.job_id)
+        job = self.flight.running.get(ctx.job_id)
         if job is None or job.parent is not None:
             job = await self._root_of(ctx.job_id)
             own = False
@@ -1414,7 +1370,7 @@ class Dispatcher:
         """``change`` made on the job's record where it stays: the step's, if one runs the
         job here, else ``job``'s, written back unless the store's changed since it was read
         (False, as for :meth:`keep_signal`)."""
-        running = self._running.get(job.id)
+        running = self.flight.running.get(job.id)
         if running is not None:
             if running is not job and running.status is Status.SUSPENDED:
                 # Its step parked it, and the write of its record is on its way: a signal
@@ -1442,19 +1398,6 @@ def check_early_signal(job: Job, name: str) -> None:
         )
     if name in job.signals:
         raise SignalError(f"signal {name!r} is already pending for job {job.id}")
-
-
-class _Claim:
-    """A slot held for a new job's first step (Dispatcher.hold_first); ``event``: the step's,
-    once claimed; ``cancelled``: the job was cancelled before its step started."""
-
-    __slots__ = ("cancelled", "event", "granted", "held")
-
-    def __init__(self, held: object, granted: float) -> None:
-        self.held = held
-        self.granted = granted
-        self.event: RunJob | None = None
-        self.cancelled = False
 
 
 def _log_hand_off(job: Job) -> None:

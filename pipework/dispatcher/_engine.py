@@ -575,7 +575,7 @@ class Engine:
 
     async def cancel(self, job_id: str) -> JobView:
         """Cancel the job if it is still active (a running pipe's cleanup runs first)."""
-        branch = self._dispatcher.in_step_branch(job_id)  # a branch running in a step
+        branch = self._dispatcher.flight.in_step_branch(job_id)  # a branch running in a step
         job = branch if branch is not None else await self.store.get(job_id)
         if job.status not in TERMINAL:
             await self._dispatcher.cancel(job)

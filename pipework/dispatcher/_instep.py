@@ -155,7 +155,7 @@ class InStepStage:
         """Run the stage; True when the parent goes on in this step (its state merged),
         False when the step ends here (the parent finished, or waits at a durable join)."""
         d = self.d
-        d.in_step[self.record.id] = self
+        d.flight.in_step[self.record.id] = self
         try:
             self._apply(self.join.start())
             if d.nowait is None:
@@ -172,8 +172,8 @@ class InStepStage:
             raise
         finally:
             # Losers still ending report through events from now on, and find it over.
-            del d.in_step[self.record.id]
-            if not d.in_step:  # no branch is started before another stage runs
+            del d.flight.in_step[self.record.id]
+            if not d.flight.in_step:  # no branch is started before another stage runs
                 d.branch_runners.release()
         if self.durable:
             return False
@@ -303,7 +303,7 @@ class InStepStage:
         if branch is None:
             return
         branch.cancel_requested = True
-        scope = self.d._scopes.get(branch.id)
+        scope = self.d.flight.scopes.get(branch.id)
         if scope is not None:
             scope.cancel()
 
@@ -337,7 +337,7 @@ class InStepStage:
         if branch.error is not None:
             self.record.errors[index] = branch.error
         if branch.exception is not None:  # in the process-local side table, as any branch's
-            self.d.branch_errors[branch.id] = branch.exception
+            self.d.flight.branch_errors[branch.id] = branch.exception
         if self.stage.kind == "graph":
             _callback(self.d, branch, outcome)
         self._apply(self.join.branch_done(index, outcome))
@@ -353,9 +353,9 @@ class InStepStage:
         ``flat``: the branch's pipes, when it is a sequence of pipes only (no stage, no
         timeout of its own)."""
         d = self.d
-        d._scopes[branch.id] = scope
-        d._running[branch.id] = branch
-        d.unstored.add(branch.id)
+        d.flight.scopes[branch.id] = scope
+        d.flight.running[branch.id] = branch
+        d.flight.unstored.add(branch.id)
         escaped: BaseException | None = None
         try:
             key = branch.key
@@ -434,14 +434,14 @@ class InStepStage:
         except BaseException as exc:
             escaped = exc
         finally:
-            d._scopes.pop(branch.id, None)
-            d._running.pop(branch.id, None)
+            d.flight.scopes.pop(branch.id, None)
+            d.flight.running.pop(branch.id, None)
         try:
             if branch.status not in TERMINAL and branch.status is not Status.SUSPENDED:
                 with trio.CancelScope(shield=True):
                     await d._end_unsettled(branch, scope, escaped)
         finally:
-            d.unstored.discard(branch.id)
+            d.flight.unstored.discard(branch.id)
         if escaped is not None:
             outside, _ = split_outside(escaped)
             if outside is not None:
@@ -455,8 +455,8 @@ class InStepStage:
         if (
             d.nowait is None
             or self.durable
-            or d.in_step.get(self.record.id) is not self
-            or branch.id not in d.unstored
+            or d.flight.in_step.get(self.record.id) is not self
+            or branch.id not in d.flight.unstored
             or branch.join is not None
         ):
             return False
@@ -536,12 +536,12 @@ class InStepStage:
                         await d.store.update(parent)
             finally:
                 written.set()  # whoever waits goes on (a failed write fails the parent)
-            if d._running.get(parent.id) is parent:
-                del d._running[parent.id]
-            d.left_to_join.add(parent.id)
+            if d.flight.running.get(parent.id) is parent:
+                del d.flight.running[parent.id]
+            d.flight.left_to_join.add(parent.id)
         else:
             await self._join_written()
-        d.unstored.discard(branch.id)
+        d.flight.unstored.discard(branch.id)
         self.branches.pop(branch.branch or 0, None)
         await d.store.create(branch)
         if not self.branches:

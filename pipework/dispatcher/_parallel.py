@@ -147,7 +147,7 @@ async def report_branch(d: Dispatcher, child: Job) -> None:
         e = child.error
         error = (e.type, e.message, e.where, e.status)
     if child.exception is not None:
-        d.branch_errors[child.id] = child.exception
+        d.flight.branch_errors[child.id] = child.exception
     _callback(d, child, outcome)
     d.queue.put_nowait(
         BranchDone(
@@ -181,7 +181,7 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
     try:
         parent = await d.store.get(event.parent_id)
     except JobNotFound:
-        d.branch_errors.pop(event.branch_id, None)
+        d.flight.branch_errors.pop(event.branch_id, None)
         return  # the parent ended and was dropped: nothing waits for this branch
     chain = d.chain_of(parent)
     stage = chain.node_at(event.stage)
@@ -190,7 +190,7 @@ async def _branch_done(d: Dispatcher, event: BranchDone) -> None:
         d.metrics.detached_failures.labels(parent.chain).inc()
     record = parent.join
     if parent.status in TERMINAL or record is None or record.id != event.join_id:
-        d.branch_errors.pop(event.branch_id, None)
+        d.flight.branch_errors.pop(event.branch_id, None)
         if parent.status is Status.QUEUED and d.reclaimed(event):
             # The process that took this end in died after it sent the parent on (the
             # record says queued), perhaps before the parent's event reached the shared
@@ -249,7 +249,7 @@ async def _continue(
 
 
 async def _cancel_branch(d: Dispatcher, child_id: str) -> None:
-    running = d._running.get(child_id)
+    running = d.flight.running.get(child_id)
     if running is not None and running.parent is not None:  # a branch running in a step
         await d.cancel(running)
         return
@@ -273,7 +273,7 @@ def _error_of(d: Dispatcher, record: JoinRecord, index: int) -> BaseException:
     """The branch's own exception when it ended in this process (traceback intact), else
     what its record says."""
     child_id = record.children.get(index)
-    exception = None if child_id is None else d.branch_errors.get(child_id)
+    exception = None if child_id is None else d.flight.branch_errors.get(child_id)
     return _error_of_exception(exception, record, index)
 
 
@@ -292,7 +292,7 @@ def _forget_errors(d: Dispatcher, record: JoinRecord) -> None:
     """Drop the exception objects of the join's branches once it no longer needs them; a
     branch that reports later finds the join over and drops its own."""
     for child_id in record.children.values():
-        d.branch_errors.pop(child_id, None)
+        d.flight.branch_errors.pop(child_id, None)
 
 
 def _stage_error(
