@@ -7,7 +7,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
@@ -635,7 +635,7 @@ class Engine:
             if job.status in TERMINAL:
                 return
 
-    async def stream(self, job_id: str) -> AsyncIterator[Any]:
+    async def stream(self, job_id: str) -> AsyncGenerator[Any, None]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.
         Only for jobs submitted with ``stream=True``, and only once."""
         if job_id in self._relayed:  # its steps may run in other processes
