@@ -395,6 +395,10 @@ async def exchange(port: int, pieces: list[bytes], ending: str) -> Outcome:
                 stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return Outcome(bytes(received), False, reset)
             try:
+                if ending == "until-closed":
+                    while chunk := await stream.receive_some():
+                        received += chunk
+                    return Outcome(bytes(received), True, reset)
                 if ending == "read":
                     while True:
                         with trio.move_on_after(IDLE):
@@ -422,8 +426,8 @@ async def exchange(port: int, pieces: list[bytes], ending: str) -> Outcome:
 
 
 async def _one(port: int, request: Request) -> Answer:
-    request.close = True  # the server ends the connection after its answer
-    outcome = await exchange(port, [request.encode()], "read")
+    request.close = True  # the server ends the connection after its answer: wait for that
+    outcome = await exchange(port, [request.encode()], "until-closed")
     answers, rest = split_answers(outcome.received)
     assert answers, outcome
     assert not rest, outcome
@@ -511,7 +515,7 @@ def test_a_thousand_early_answers_with_bytes_after_a_closing_request(
 
     async def client(count: int) -> None:
         for _ in range(count):
-            outcome = await exchange(live.port, [raw], "read")
+            outcome = await exchange(live.port, [raw], "until-closed")
             answers, rest = split_answers(outcome.received)
             assert [a.status for a in answers] == [status], outcome
             assert not rest, outcome
