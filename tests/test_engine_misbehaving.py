@@ -208,9 +208,9 @@ def _running_tasks(engine: pw.Engine) -> int:
     """Steps, in-step branches and callbacks still running: they run in the dispatcher's
     nursery beside its one timer task and the step runners parked between steps (the engine
     has no public count of them)."""
-    nursery = engine._dispatcher._nursery
+    nursery = engine._dispatcher.flight.nursery
     assert nursery is not None
-    return len(nursery.child_tasks) - 1 - len(engine._dispatcher.runners.idle)
+    return len(nursery.child_tasks) - 1 - len(engine._dispatcher.steps.runners.idle)
 
 
 times = st.one_of(st.none(), st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 3.5]))

@@ -1,4 +1,4 @@
-"""A new job's first event claimed as its record is written (Dispatcher.hold_first,
+"""A new job's first event claimed as its record is written (Steps.hold_first,
 RedisEventQueue.create_and_claim): with a worker slot free at once, the record is written
 running, the event is pending for this consumer, and the step starts with no status write
 and no read; a cancel before the step starts runs nothing; an event with other events
@@ -132,9 +132,9 @@ async def _cancel_before_the_step(redis_server: RedisServer, *, here: bool) -> N
 
     engine.chain("c", work)
     dispatcher: Dispatcher = engine._dispatcher
-    start = dispatcher.start_claimed
+    start = dispatcher.steps.start_claimed
     held: list[RunJob] = []
-    dispatcher.start_claimed = held.append  # type: ignore[method-assign,assignment]  # starts when told
+    dispatcher.steps.start_claimed = held.append  # type: ignore[method-assign,assignment]  # starts when told
     async with engine, other:
         with trio.fail_after(10):
             job_id = await engine.submit("c")
@@ -207,7 +207,7 @@ async def test_a_queue_with_a_connection_of_its_own_claims_nothing(
     redis_server: RedisServer,
 ) -> None:
     """Claims ride in the store's round trips: a queue that does not share them holds no
-    slot for a new job (Dispatcher.hold_first), and its jobs run as before."""
+    slot for a new job (Steps.hold_first), and its jobs run as before."""
     prefix = _prefix()
     pool = pw.WeightedPool(4)
     engine = pw.Engine(
@@ -223,7 +223,7 @@ async def test_a_queue_with_a_connection_of_its_own_claims_nothing(
     engine.chain("c", work)
     async with engine:
         job = Job(id=new_job_id(), chain="c", state={}, correlation_id="x")
-        assert engine._dispatcher.hold_first(job) is None
+        assert engine._dispatcher.steps.hold_first(job) is None
         assert pool.statistics().in_use == 0
         with trio.fail_after(10):
             assert await engine.run("c") == {"done": True}

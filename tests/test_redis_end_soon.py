@@ -89,8 +89,8 @@ async def _run_all(
         return False
 
     # Every hand-off goes through the queue, as when its next key has no slot free at once
-    # (a step with one runs on under it: Dispatcher._go_on_under).
-    engine._dispatcher._go_on_under = through_the_queue  # type: ignore[method-assign,assignment]  # a test double
+    # (a step with one runs on under it: Steps._go_on_under).
+    engine._dispatcher.steps._go_on_under = through_the_queue  # type: ignore[method-assign,assignment]  # a test double
     engine.registry.add_pipe(pw.Pipe(_chain, "p"))
     engine.registry.add_pipe(pw.Pipe(_chain, "q", key="other"))
     engine.chain("c", *["p", "q"][: _PIPES[kind]])

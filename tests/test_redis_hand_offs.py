@@ -18,7 +18,7 @@ from ._redis import RedisServer
 
 def _steps(engine: pw.Engine) -> list[Any]:
     """The events whose steps the engine runs from now on."""
-    runners = engine._dispatcher.runners
+    runners = engine._dispatcher.steps.runners
     step = runners._step
     events: list[Any] = []
 

@@ -279,7 +279,7 @@ async def test_a_branch_reusing_a_runner_sees_its_own_parents_context_and_a_fres
         assert cleaned == ["first", "second"]
         await engine.wait(keep)
         await trio.testing.wait_all_tasks_blocked()
-        assert engine._dispatcher.branch_runners.idle == []
+        assert engine._dispatcher.steps.branch_runners.idle == []
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["signal-after", "signal-before"])
@@ -337,7 +337,7 @@ async def test_a_runner_keeps_no_deadline_of_a_branch_it_ran_before(
         keep = await engine.submit("keep")
         await trio.sleep(1)
         assert await engine.run("timed") == {"t": 1}
-        assert len(engine._dispatcher.branch_runners.idle) == 1
+        assert len(engine._dispatcher.steps.branch_runners.idle) == 1
         start = trio.current_time()
         assert await engine.run("slow") == {"s": 30}
         assert trio.current_time() - start == pytest.approx(30)

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Sized
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 
 from ..pipes._pipe import Pipe
 from ._job import Job
-
-if TYPE_CHECKING:
-    from ._instep import InStepStage
 
 __all__ = ["BranchRunners"]
 
@@ -35,6 +32,14 @@ __all__ = ["BranchRunners"]
 IDLE_MAX: Final = 256
 
 
+class Stage(Protocol):
+    """What runs a branch (an in-step stage)."""
+
+    async def run_branch(
+        self, scope: trio.CancelScope, branch: Job, flat: tuple[Pipe, ...] | None
+    ) -> None: ...
+
+
 class _Runner:
     """A runner, and the branch handed to it while it was parked."""
 
@@ -42,7 +47,7 @@ class _Runner:
 
     def __init__(self, task: trio.lowlevel.Task) -> None:
         self.task = task
-        self.stage: InStepStage | None = None
+        self.stage: Stage | None = None
         self.branch: Job | None = None
         self.flat: tuple[Pipe, ...] | None = None
 
@@ -65,9 +70,9 @@ class BranchRunners:
             trio.lowlevel.reschedule(runner.task)
 
     def start(
-        self, nursery: trio.Nursery, stage: InStepStage, branch: Job, flat: tuple[Pipe, ...] | None
+        self, nursery: trio.Nursery, stage: Stage, branch: Job, flat: tuple[Pipe, ...] | None
     ) -> None:
-        """Run ``stage._run_branch(scope, branch, flat)`` on a parked runner if there is one,
+        """Run ``stage.run_branch(scope, branch, flat)`` on a parked runner if there is one,
         else on a new one. The branch runs in ``scope``, its runner's, entered and uncancelled
         when it starts; it sets the scope's deadline back to infinity before it ends, unless
         the scope was cancelled, and lets a cancellation of the scope travel out of it."""
@@ -82,7 +87,7 @@ class BranchRunners:
             nursery.start_soon(self._run, stage, branch, flat)
 
     async def _run(
-        self, stage: InStepStage | None, branch: Job | None, flat: tuple[Pipe, ...] | None
+        self, stage: Stage | None, branch: Job | None, flat: tuple[Pipe, ...] | None
     ) -> None:
         task = trio.lowlevel.current_task()
         runner = _Runner(task)
@@ -110,7 +115,7 @@ class BranchRunners:
                     assert branch is not None
                     run, stage = stage, None  # a branch is run once, however it ends
                     try:
-                        await run._run_branch(scope, branch, flat)
+                        await run.run_branch(scope, branch, flat)
                     finally:
                         # Parked, it holds nothing of the branch it ran.
                         del run

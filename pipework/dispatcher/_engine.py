@@ -39,12 +39,13 @@ from ._abilities import (
 )
 from ._admission import Admission
 from ._cursor import start_frames
-from ._dispatcher import INTERNAL_PLAN, Dispatcher, check_early_signal
+from ._dispatcher import INTERNAL_PLAN, Dispatcher
 from ._events import RunJob
 from ._job import Job, JobView, hash_token, new_ids
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
+from ._suspend import check_early_signal
 from ._wake import Wake
 from ._weighted import WeightedPool
 
@@ -134,7 +135,7 @@ class Engine:
         self._plan_jobs: dict[int, set[str]] = {1: set()}
         self._generation = 1  # the newest plan's
         self._retired: dict[int, trio.Event] = {}
-        self._dispatcher.on_finished = self._job_finished
+        self._dispatcher.hooks.on_finished = self._job_finished
         self.metrics.watch(
             queue=self.queue, jobs=self._job_counts, pool=self.pool, key_label=self.key_label
         )
@@ -142,8 +143,8 @@ class Engine:
         self._nursery: trio.Nursery | None = None
         self._receivers: dict[str, trio.MemoryReceiveChannel[Any]] = {}
         self._observers: list[JobObserver] = []
-        self._dispatcher.changed = self._changed
-        self._dispatcher.observers = self._observers  # the same list: see Dispatcher.observers
+        self._dispatcher.hooks.changed = self._changed
+        self._dispatcher.hooks.observers = self._observers  # the same list: see Hooks.observers
         # A shared queue's relay (Redis): steps of a job may run in other processes.
         shared_queue = abilities.shared_queue
         self._relay: Any = None if shared_queue is None else shared_queue.relay
@@ -175,7 +176,7 @@ class Engine:
         await self._retired.setdefault(generation, trio.Event()).wait()
 
     def _finished_elsewhere(self, job_id: str) -> None:
-        waiter = self._dispatcher._waiters.pop(job_id, None)
+        waiter = self._dispatcher.ends.waiters.pop(job_id, None)
         if waiter is not None:
             waiter.set()
 
@@ -249,8 +250,8 @@ class Engine:
                 await nursery.start(following.follow_finished, self._heard_finished)
             if self._relay is not None:
                 await nursery.start(self._relay.run, _RelayTarget(self))
-                self._dispatcher.cancel_elsewhere = self._relay.cancel
-                self._dispatcher.emit_elsewhere = self._relay.emit
+                self._dispatcher.hooks.cancel_elsewhere = self._relay.cancel
+                self._dispatcher.hooks.emit_elsewhere = self._relay.emit
             await nursery.start(self._dispatcher.run)
             self._running = stack.pop_all()  # started: the nursery stays open until __aexit__
         self._nursery = nursery
@@ -347,7 +348,7 @@ class Engine:
         plan = self._dispatcher.plans[generation].get_chain(chain)
         state = check_state({} if state is None else state)
         limit = timeout if timeout is not None else plan.timeout or self.default_timeout
-        now = self._dispatcher.clock()
+        now = self._dispatcher.flight.clock()
         deadline = math.inf if limit is None else now + limit
         wall = time.time()
         job_id, new_correlation = new_ids()
@@ -405,7 +406,7 @@ class Engine:
         if relayed:
             self._relayed.add(job.id)
         elif stream:
-            self._receivers[job.id] = self._dispatcher.open_stream(job.id, self._stream_buffer)
+            self._receivers[job.id] = self._dispatcher.ends.open_stream(job.id, self._stream_buffer)
         self._accepted(job)
         return job.id
 
@@ -413,18 +414,18 @@ class Engine:
         """Write a new job's record and first event with the event claimed by this process,
         its first step started at once on a slot held meanwhile, when a slot is free now
         (``Dispatcher.hold_first``); False, with nothing written, when that cannot be."""
-        if self._dispatcher.hold_first(job) is None:
+        if self._dispatcher.steps.hold_first(job) is None:
             return False
         event = RunJob(job.id)
         try:
             claimed = await shared_queue.create_and_claim(self.store, job, event)
         except BaseException:
-            self._dispatcher.let_go_first(job.id)
+            self._dispatcher.steps.let_go_first(job.id)
             raise
         if claimed:
-            self._dispatcher.start_claimed(event)
+            self._dispatcher.steps.start_claimed(event)
         else:  # not written (None), or its event left on the stream for the next read
-            self._dispatcher.let_go_first(job.id)
+            self._dispatcher.steps.let_go_first(job.id)
         return claimed is not None
 
     def _not_accepted(self, job: Job) -> None:
@@ -451,15 +452,15 @@ class Engine:
         nowait = self._dispatcher.nowait
         if nowait:  # an in-process store: no read waits, so no end can slip past one
             job = nowait[0](job_id)
-            waiters = self._dispatcher._waiters
+            waiters = self._dispatcher.ends.waiters
             while job.status not in TERMINAL:
                 # The waiter's wait awaited here: no frame between a parked request and it.
                 await waiters.setdefault(job_id, Wake()).wait()
                 job = nowait[0](job_id)
             if job.status is _DONE:
                 return job.result
-            return _outcome(job, self._dispatcher.exceptions.get(job_id))
-        waiters = self._dispatcher._waiters
+            return _outcome(job, self._dispatcher.ends.exceptions.get(job_id))
+        waiters = self._dispatcher.ends.waiters
         following = self._following
         # A shared store may know the record without reading it (a job it ended itself).
         read = self.store.get if following is None else following.read_awaited
@@ -477,7 +478,7 @@ class Engine:
                 raise
             if job.status in TERMINAL:
                 self._finished_elsewhere(job_id)
-                return _outcome(job, self._dispatcher.exceptions.get(job_id))
+                return _outcome(job, self._dispatcher.ends.exceptions.get(job_id))
             if wait_end is not None:  # the store knows when no end can be missed
                 await wait_end(job_id, waiter, recheck)
                 continue
@@ -494,7 +495,7 @@ class Engine:
             return None
         if nowait[0](job_id).status in TERMINAL:
             return _ENDED
-        return self._dispatcher._waiters.setdefault(job_id, Wake())
+        return self._dispatcher.ends.waiters.setdefault(job_id, Wake())
 
     async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Submit and wait: the job's result, or its exception."""
@@ -521,7 +522,7 @@ class Engine:
                 if job.status in TERMINAL:
                     await self.store.delete(job_id)
                 else:  # cancelled, or too slow: the step ends it and its record retires
-                    await self._dispatcher.cancel(job)
+                    await self._dispatcher.ends.cancel(job)
 
     async def status(self, job_id: str) -> JobView:
         return (await self.store.get(job_id)).view()
@@ -571,14 +572,14 @@ class Engine:
 
     def set_callback_factory(self, factory: Callable[[str, str, float], str] | None) -> None:
         """Let pipes hand out callback URLs: ``factory(job_id, signal, ttl) -> url``."""
-        self._dispatcher.callback_factory = factory
+        self._dispatcher.hooks.callback_factory = factory
 
     async def cancel(self, job_id: str) -> JobView:
         """Cancel the job if it is still active (a running pipe's cleanup runs first)."""
         branch = self._dispatcher.flight.in_step_branch(job_id)  # a branch running in a step
         job = branch if branch is not None else await self.store.get(job_id)
         if job.status not in TERMINAL:
-            await self._dispatcher.cancel(job)
+            await self._dispatcher.ends.cancel(job)
         return job.view()
 
     async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
@@ -612,22 +613,22 @@ class Engine:
                     f"job {job_id} is {job.status.value}; "
                     f"signal {name!r} can only reach an active job"
                 )
-            target = await self._dispatcher.find_waiting(job, name)
+            target = await self._dispatcher.suspensions.find_waiting(job, name)
             if target is not None:
-                if not await self._dispatcher.deliver(target, name, payload):
+                if not await self._dispatcher.suspensions.deliver(target, name, payload):
                     continue
                 if target is not job:
                     await self._note_taken(job, name)
                 return
             check_early_signal(job, name)
-            if await self._dispatcher.keep_signal(job, name, payload):
+            if await self._dispatcher.suspensions.keep_signal(job, name, payload):
                 return
 
     async def _note_taken(self, job: Job, name: str) -> None:
         """Remember on ``job`` the signal sent to it that one of its branches took: a
         repeat of it will be sent to ``job`` too. The signal is delivered already: a job
         that ended meanwhile needs nothing remembered, and nothing is raised for it."""
-        while not await self._dispatcher.note_taken(job, name):
+        while not await self._dispatcher.suspensions.note_taken(job, name):
             try:
                 job = await self.store.get(job.id)
             except JobNotFound:
@@ -665,7 +666,7 @@ class _RelayTarget:
         self._engine = engine
 
     def interrupt(self, job_id: str) -> None:
-        self._engine._dispatcher.interrupt(job_id)
+        self._engine._dispatcher.ends.interrupt(job_id)
 
     async def read(self, job_id: str) -> Job:
         return await self._engine.store.get(job_id)

@@ -125,6 +125,9 @@ class ErrorInfo:
     where: str = ""
     status: int = 500
 
+    def to_wire(self) -> tuple[str, str, str, int]:
+        return (self.type, self.message, self.where, self.status)
+
 
 @dataclass(slots=True, eq=False)
 class JoinRecord:
@@ -233,7 +236,7 @@ class Job:
     parent: str | None = None
     branch: int | None = None
     join_id: str | None = None
-    #: A parent waiting at a parallel stage: its join's record (see _parallel.py).
+    #: A parent waiting at a parallel stage: its join's record (see _forked.py).
     join: JoinRecord | None = None
     #: The names of the signals the job took: delivered to it (or, sent to it, to one of
     #: its branches), or taken from its mailbox by a suspend. Another of one of these names

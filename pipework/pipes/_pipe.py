@@ -14,7 +14,7 @@ import trio
 from .._errors import RegistrationError
 from ._state import check_value
 
-__all__ = ["Context", "Pipe", "PipeFunction", "Suspend", "as_pipe", "is_seconds"]
+__all__ = ["Context", "JobOps", "Pipe", "PipeFunction", "Suspend", "as_pipe", "is_seconds"]
 
 PipeFunction = Callable[["Context"], Awaitable[None]] | Callable[["Context"], None]
 
@@ -37,7 +37,7 @@ class _Describes(Protocol):
     def describe(self, path: tuple[int, ...], pipe: Pipe | None = None) -> str: ...
 
 
-class _JobOps(Protocol):
+class JobOps(Protocol):
     async def report_progress(
         self, ctx: Context, done: float, total: float | None, message: str | None
     ) -> None: ...
@@ -149,7 +149,7 @@ class Context:
         position: tuple[int, ...],
         key: str,
         deadline: float,
-        ops: _JobOps,
+        ops: JobOps,
         traceparent: str | None = None,
     ) -> None:
         self.state = state

@@ -1,0 +1,223 @@
+"""Running one pipe: its context, its deadline, and what its end means for its job.
+
+Every pipe a worker runs, in a job's step or in a branch running in its parent's step,
+runs through :meth:`PipeRunner.run`: the pipe gets a :class:`~pipework.Context` on the
+job's state (a copy, for a blocking pipe, adopted only if it ends in time), runs within the
+earliest of its own timeout, its stages' and the job's deadline — carried by the step's own
+cancel scope, not a scope per pipe — and its end is measured, logged and fed to the key's
+adaptive limit. What it raised is sorted out (:mod:`._outcomes`): a suspension parks the
+job, a timeout or an error ends it, the step's cancellation travels on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import trio
+
+from .._errors import BackendError, DeadlineExceeded, StateError
+from .._logging import job_logger, log_job
+from .._metrics import Metrics
+from ..pipes._merge import snapshot
+from ..pipes._pipe import Context, JobOps, Pipe, Suspend
+from ..pipes._stages import Chain
+from ..pipes._state import check_state, storable_part
+from ._admission import Admission
+from ._cursor import path_of
+from ._ends import INTERNAL_PLAN, Ends
+from ._flight import Flight
+from ._job import Frame, Job
+from ._outcomes import (
+    PipeTimeout,
+    backend_trouble,
+    cancellation_in,
+    invoke,
+    is_job_timeout,
+    note,
+    pipe_error,
+    timeout_of,
+)
+from ._status import Status
+from ._suspend import Suspensions
+
+__all__ = ["PipeRunner"]
+
+
+class PipeRunner:
+    def __init__(
+        self,
+        flight: Flight,
+        ends: Ends,
+        suspensions: Suspensions,
+        pool: Admission,
+        metrics: Metrics,
+        ops: JobOps,
+    ) -> None:
+        self._flight = flight
+        self._ends = ends
+        self._suspensions = suspensions
+        self._pool = pool
+        self._metrics = metrics
+        self._ops = ops
+        # The observers of the duration of pipes that ended ok, by pipe: no label tuples
+        # built and hashed per pipe (label values are bounded by registration).
+        self._ok: dict[str, Callable[[float], None]] = {}
+
+    async def run(self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame) -> float | None:
+        """Run ``pipe`` for ``job`` from ``now`` (the clock at its start); ``top`` is the
+        cursor's frame it sits in (moved past it when it ends well). Returns the clock at
+        its end to go on from, or None when the job's step ended here (the pipe failed,
+        timed out or suspended the job). The step's cancellation travels on."""
+        pipe_deadline = math.inf if pipe.timeout is None else now + pipe.timeout
+        deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
+        # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
+        # adopted only if it ends in time and uncancelled.
+        ctx = Context(  # in the order of its parameters: no keyword matching
+            snapshot(job.state) if pipe.blocking else job.state,
+            job.id,
+            job.correlation_id,
+            chain.name,
+            pipe,
+            chain,
+            path_of(job),
+            job.key,
+            deadline,
+            self._ops,
+            job.traceparent,
+        )
+        try:
+            if deadline == math.inf:
+                await invoke(pipe, ctx)  # no limit anywhere: nothing to arm
+                # A pipe that swallowed the step's cancellation (or a thread that could not
+                # see it) must not carry on as if it had not come.
+                await trio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await self._within(pipe, ctx, job)
+            check_state(ctx.state)
+        except BaseException as raised:  # sorted out there; a cancellation travels on
+            return await self._raised(job, chain, pipe, now, raised, ctx, top)
+        if pipe.blocking:
+            job.state = ctx.state
+        top.index += 1
+        return self.ended(job, pipe, now, "ok")
+
+    async def _within(self, pipe: Pipe, ctx: Context, job: Job) -> None:
+        """Run the pipe within ``ctx.deadline``; raise PipeTimeout if that limit ran out."""
+        # The step's own scope carries the pipe's limit: one scope per step, not one more
+        # per pipe. A cancel marks the record first, which is how the two are told apart.
+        scope = self._flight.scopes[job.id]
+        scope.deadline = ctx.deadline
+        try:
+            await invoke(pipe, ctx)
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as exc:
+            if (
+                scope.cancel_called
+                and not job.cancel_requested
+                and trio.current_time() >= ctx.deadline
+                and cancellation_in(exc, lambda: ctx.path) is not None
+            ):
+                raise PipeTimeout from None
+            raise
+        finally:
+            if not scope.cancel_called:
+                scope.deadline = math.inf  # the bookkeeping that follows is not the pipe's
+
+    async def _raised(
+        self,
+        job: Job,
+        chain: Chain,
+        pipe: Pipe,
+        started: float,
+        raised: BaseException,
+        ctx: Context,
+        top: Frame,
+    ) -> float | None:
+        """What a pipe raised, sorted out: the clock to go on at (a suspension whose signal
+        had come), None when the step ended (failure, timeout, suspension). Cancellation of
+        the step travels on."""
+        if isinstance(raised, Suspend):
+            ended = self.ended(job, pipe, started, "suspended")
+            top.index += 1
+            # A signal that came while the pipe ran lets the step go on at once.
+            resumed = await self._suspensions.suspend(job, chain, raised, ctx.path)
+            return ended if resumed else None
+        if isinstance(raised, PipeTimeout):
+            pipe_deadline = math.inf if pipe.timeout is None else started + pipe.timeout
+            timeout = timeout_of(job, chain, pipe_deadline, top, ctx.path)
+            # The step's scope stays cancelled once a deadline passed: record the end shielded.
+            with trio.CancelScope(shield=True):
+                await self._failed(job, pipe, started, timeout, ctx.path)
+            return None
+        cancellation = cancellation_in(raised, lambda: ctx.path)
+        if cancellation is not None:
+            # The step's (or the engine's) cancellation: the step boundary ends the job.
+            self.ended(job, pipe, started, "cancelled")
+            raise cancellation from None
+        await self._failed(job, pipe, started, pipe_error(raised, ctx.path), ctx.path)
+        return None
+
+    async def _failed(
+        self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str
+    ) -> None:
+        outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
+        if isinstance(exc, StateError):
+            exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
+            job.state = storable_part(job.state)  # the record must still be storable
+        self.ended(job, pipe, started, outcome, exc)
+        where = exc.where if isinstance(exc, DeadlineExceeded) and exc.where else path
+        note(exc, job, path)
+        status = Status.EXPIRED if is_job_timeout(exc) else Status.FAILED
+        await self._ends.finish(job, status, exc=exc, where=where)
+
+    def ended(
+        self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
+    ) -> float:
+        """Measure, record and log a pipe's end; returns the clock read at its end."""
+        now = self._flight.clock()
+        if job.plan == INTERNAL_PLAN:
+            return now  # the engine's own probe: no user pipe to measure, nothing to learn
+        duration = now - started
+        metrics = self._metrics
+        if outcome == "ok":
+            observe = self._ok.get(pipe.name)
+            if observe is None:
+                observe = metrics.observer(metrics.pipe_duration, (pipe.name, outcome))
+                self._ok[pipe.name] = observe
+            observe(duration)
+        else:
+            metrics.observe(metrics.pipe_duration, (pipe.name, outcome), duration)
+        # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
+        # bug in a pipe says nothing about the backend's capacity; a cancel says nothing.
+        if outcome in ("ok", "suspended"):
+            self._pool.record(job.key, ok=True, latency=duration)
+        elif outcome == "timeout" or (exc is not None and backend_trouble(exc)):
+            self._pool.record(job.key, ok=False, latency=duration)
+        level = logging.WARNING if exc is not None else logging.INFO
+        if not job_logger.isEnabledFor(level):
+            return now  # the common case: skip building the record's fields
+        log_job(
+            "pipe ended",
+            level,
+            # A backend's failure is logged where it happens, in one line; its traceback
+            # (the client's chain of causes) only at DEBUG. A pipe's own bug keeps its own.
+            exc
+            if outcome == "error"
+            and exc is not None
+            and not (
+                (isinstance(exc, BackendError) or backend_trouble(exc))
+                and not job_logger.isEnabledFor(logging.DEBUG)
+            )
+            else None,
+            correlation_id=job.correlation_id,
+            job_id=job.id,
+            route=job.chain,
+            pipe=pipe.name,
+            key=job.key,
+            duration=round(duration, 6),
+            outcome=outcome,
+            error=None if exc is None else f"{type(exc).__name__}: {exc}",
+        )
+        return now
