@@ -2,6 +2,8 @@
 HTTP pipe as pipework's error, the same for both clients (the lean pool for ``http://``,
 httpx for ``https://``, here over plain TCP), with the client's own exception as
 ``__cause__`` — and counts as the backend's trouble, which lowers an adaptive limit.
+Also the dispatcher's classification of backend trouble, which knows pipework's errors and
+the standard library's only.
 
 Each failure is real: a raw trio server on 127.0.0.1 that refuses, resets, answers garbage
 or never answers. Time is virtual (``autojump_clock``)."""
@@ -12,7 +14,7 @@ import contextlib
 import functools
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -266,3 +268,86 @@ async def test_a_backend_that_never_answers_is_a_deadline_caused_by_the_clients_
         assert isinstance(error.__cause__, httpx.ReadTimeout)
     assert server.held == 1
     assert after < before
+
+
+# -- what counts as the backend's trouble ------------------------------------------------
+
+
+def _describe(error: BaseException) -> str:
+    name = type(error).__name__
+    if isinstance(error, pw.DeadlineExceeded):
+        return f"{name}({error.scope})"
+    if isinstance(error, pw.BackendError):
+        return f"{name}({error.status})"
+    if isinstance(error, BaseExceptionGroup):
+        return f"{name}({','.join(_describe(e) for e in error.exceptions)})"
+    return name
+
+
+@pytest.mark.parametrize(
+    ("make_error", "trouble"),
+    [
+        (lambda: pw.BackendUnreachable("down", service="api"), True),
+        (lambda: pw.BackendError("broken", service="api"), True),
+        (lambda: pw.BackendError("busy", service="api", status=503), True),
+        (lambda: pw.BackendError("teapot", service="api", status=418), False),
+        (lambda: pw.DeadlineExceeded("slow", scope="pipe"), True),
+        (lambda: TimeoutError("slow"), True),
+        (lambda: ConnectionResetError("reset"), True),
+        (lambda: OSError("all attempts to connect failed"), True),
+        (lambda: FileNotFoundError("a pipe's own file"), False),
+        (lambda: KeyError("missing"), False),
+        (lambda: ExceptionGroup("two", [KeyError("k"), pw.BackendError("b", service="a")]), True),
+        (lambda: ExceptionGroup("two", [KeyError("k"), ValueError("v")]), False),
+        # An HTTP client's own exception is the pipe's bug unless the pipe says otherwise.
+        (lambda: httpx.ConnectError("refused"), False),
+        (lambda: httpx.ReadTimeout("slow"), False),
+        (lambda: httpx.RemoteProtocolError("garbage"), False),
+    ],
+    ids=lambda value: str(value) if isinstance(value, bool) else _describe(value()),
+)
+async def test_only_pipeworks_errors_and_the_standard_librarys_are_the_backends_trouble(
+    autojump_clock: trio.testing.MockClock,
+    make_error: Callable[[], Exception],
+    trouble: bool,
+) -> None:
+    """What a pipe raises lowers its key's adaptive limit exactly when it points at the
+    backend; the dispatcher knows no HTTP client's exception types."""
+    pool = pw.WeightedPool(8, keys={"api": pw.Weights(limit=4, adaptive=pw.Adaptive())})
+    engine = pw.Engine(pool=pool)
+
+    @engine.pipe(key="api")
+    async def call(ctx: pw.Context) -> None:
+        raise make_error()
+
+    engine.chain("go", call)
+    async with engine:
+        before = adaptive_limit(pool)
+        with pytest.raises(BaseException) as info:  # noqa: PT011 - each parametrized error
+            await engine.run("go")
+        assert type(info.value) is type(make_error())
+        assert (adaptive_limit(pool) < before) is trouble
+
+
+async def test_a_pipe_with_a_client_of_its_own_counts_when_it_raises_a_backend_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As docs/design.md says: the same httpx failure raised as a BackendError from the
+    client's exception lowers the limit (left as it is, it does not: above)."""
+    pool = pw.WeightedPool(8, keys={"api": pw.Weights(limit=4, adaptive=pw.Adaptive())})
+    engine = pw.Engine(pool=pool)
+
+    @engine.pipe(key="api")
+    async def call(ctx: pw.Context) -> None:
+        try:
+            raise httpx.ConnectError("refused")
+        except httpx.TransportError as exc:
+            raise pw.BackendError("service 'api' failed", service="api") from exc
+
+    engine.chain("go", call)
+    async with engine:
+        before = adaptive_limit(pool)
+        with pytest.raises(pw.BackendError) as info:
+            await engine.run("go")
+        assert isinstance(info.value.__cause__, httpx.ConnectError)
+        assert adaptive_limit(pool) < before
