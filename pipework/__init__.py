@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._errors import BackendError as BackendError
+from ._errors import BackendUnreachable as BackendUnreachable
 from ._errors import BorrowTimeout as BorrowTimeout
 from ._errors import ConfigError as ConfigError
 from ._errors import ConfigProblem as ConfigProblem
@@ -86,6 +87,7 @@ __all__ = [
     "Adaptive",
     "Admission",
     "BackendError",
+    "BackendUnreachable",
     "Backends",
     "BorrowTimeout",
     "BranchEnd",

@@ -6,6 +6,7 @@
     │   └── StoreUnavailable            the shared job store (Redis) cannot be reached (503)
     ├── DeadlineExceeded (TimeoutError) a pipe, stage, suspend or job ran out of time (504)
     ├── BackendError                    a backend answered badly or not at all (HTTP 502)
+    │   └── BackendUnreachable          no connection to it could be made: nothing was sent
     ├── JobNotFound (LookupError)       no such job (HTTP 404)
     │   └── JobGone                     the job existed but is past retention (HTTP 410)
     ├── JobCancelled                    the job was cancelled before it finished (HTTP 409)
@@ -47,6 +48,7 @@ from typing import Literal, TypeAlias
 
 __all__ = [
     "BackendError",
+    "BackendUnreachable",
     "BorrowTimeout",
     "ConfigError",
     "ConfigProblem",
@@ -131,8 +133,14 @@ class DeadlineExceeded(PipeworkError, TimeoutError):
 
 
 class BackendError(PipeworkError):
-    """A backend service failed: it answered with an unaccepted status, or the connection
-    failed. ``service`` names it and ``status`` is its HTTP status (None: no answer)."""
+    """A backend service failed: it answered with an unaccepted status or an answer that
+    cannot be read, or the connection failed. ``service`` names it and ``status`` is its HTTP
+    status (None: no whole answer came). The HTTP client's own exception, if any, is
+    ``__cause__``.
+
+    A pipe that calls a backend through a client of its own raises this (``status=None``
+    for a failed connection, else the status) to have the failure count as the backend's:
+    only the backend's trouble lowers an adaptive limit."""
 
     http_status = 502
 
@@ -140,6 +148,16 @@ class BackendError(PipeworkError):
         super().__init__(message)
         self.service = service
         self.status = status
+
+
+class BackendUnreachable(BackendError):
+    """No connection to the backend could be made (refused, unresolvable, unreachable):
+    nothing of the request was sent, so it may be sent again whatever its method. Every
+    other failed connection is a plain :class:`BackendError` without ``status``: the
+    backend may have received the request."""
+
+    def __init__(self, message: str, *, service: str):
+        super().__init__(message, service=service)
 
 
 class JobNotFound(PipeworkError, LookupError):

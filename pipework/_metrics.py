@@ -221,7 +221,7 @@ class Metrics:
         )
         self.backend_errors = Counter(
             "pipework_backend_errors_total",
-            "Failed backend calls by service and kind (status, connect, timeout).",
+            "Failed backend calls by service and kind (status, connect, broken, timeout).",
             ["service", "kind"],
             registry=r,
         )

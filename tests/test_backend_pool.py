@@ -21,6 +21,8 @@ import trio.testing
 
 import pipework as pw
 from pipework.backends._client import ServiceClient
+from pipework.backends._failures import CallTimeout, ConnectFailed, ConnectionBroken
+from pipework.backends._h1 import BadEncoding
 from pipework.backends._http import Backends
 from pipework.backends._http_spec import HttpCall, Service
 from pipework.backends._pool import Pool, ResponseTooLarge
@@ -250,8 +252,9 @@ async def test_a_silent_backend_times_out_at_the_deadline(
     async with serving(silent) as (_backend, port):
         pool = pools("127.0.0.1", port)
         start = trio.current_time()
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(CallTimeout) as info:
             await pool.request(b"GET", b"/", head(port), deadline=start + 3, max_bytes=100)
+        assert info.value.phase == "answer"
         assert trio.current_time() == start + 3
         assert pool.statistics().open == 0  # the connection in use was closed
 
@@ -270,8 +273,9 @@ async def test_waiting_for_a_connection_times_out_at_the_deadline(
             nursery.start_soon(get, pool, port)
             await trio.testing.wait_all_tasks_blocked()
             start = trio.current_time()
-            with pytest.raises(httpx.PoolTimeout):
+            with pytest.raises(CallTimeout) as info:
                 await pool.request(b"GET", b"/", head(port), deadline=start + 2, max_bytes=100)
+            assert info.value.phase == "pool"
             assert trio.current_time() == start + 2
             assert pool.statistics().waiting == 0
             backend.release.set()
@@ -288,12 +292,14 @@ async def test_connecting_times_out_at_the_connect_timeout(
 
     pool = pools("127.0.0.1", 9, connect_timeout=1.5, connect=never)
     start = trio.current_time()
-    with pytest.raises(httpx.ConnectTimeout):
+    with pytest.raises(CallTimeout) as info:
         await pool.request(b"GET", b"/", head(9), deadline=start + 10, max_bytes=100)
+    assert info.value.phase == "connect"
     assert trio.current_time() == start + 1.5
     assert pool.statistics().open == 0
-    with pytest.raises(httpx.ConnectTimeout):  # the call's deadline, when it comes first
+    with pytest.raises(CallTimeout) as info:  # the call's deadline, when it comes first
         await pool.request(b"GET", b"/", head(9), deadline=start + 2, max_bytes=100)
+    assert info.value.phase == "connect"
     assert trio.current_time() == start + 2
     assert pool.statistics().open == 0
 
@@ -303,8 +309,9 @@ async def test_a_refused_connection_is_a_connect_error(pools: Callable[..., Pool
         raise OSError("all attempts to connect failed")
 
     pool = pools("127.0.0.1", 9, connect=refuse)
-    with trio.fail_after(HANG_GUARD), pytest.raises(httpx.ConnectError):
+    with trio.fail_after(HANG_GUARD), pytest.raises(ConnectFailed) as info:
         await pool.request(b"GET", b"/", head(9), deadline=trio.current_time() + 1, max_bytes=1)
+    assert isinstance(info.value.__cause__, OSError)
     assert pool.statistics().open == 0
 
 
@@ -467,7 +474,7 @@ async def test_a_post_on_a_stale_connection_is_not_sent_again(pools: Callable[..
         async with serving(plan) as (backend, port):
             pool = pools("127.0.0.1", port)
             await get(pool, port)
-            with pytest.raises(httpx.RemoteProtocolError, match="failed before an answer"):
+            with pytest.raises(ConnectionBroken, match="failed before an answer"):
                 await get(pool, port, method=b"POST")
             assert [s.method for s in backend.seen] == ["GET", "POST"]
             assert pool.statistics().open == 0
@@ -483,7 +490,7 @@ async def test_a_failure_after_the_first_byte_is_never_retried(pools: Callable[.
         async with serving(plan) as (backend, port):
             pool = pools("127.0.0.1", port)
             await get(pool, port)
-            with pytest.raises(httpx.RemoteProtocolError):
+            with pytest.raises(ConnectionBroken, match="closed the connection before the answer"):
                 await get(pool, port)
             assert len(backend.seen) == 2
             assert pool.statistics().open == 0
@@ -496,7 +503,7 @@ async def test_a_fresh_connection_that_fails_is_not_retried(pools: Callable[...,
     with trio.fail_after(HANG_GUARD):
         async with serving(plan) as (backend, port):
             pool = pools("127.0.0.1", port)
-            with pytest.raises(httpx.RemoteProtocolError):
+            with pytest.raises(ConnectionBroken, match="failed before an answer"):
                 await get(pool, port)
             assert len(backend.seen) == 1
 
@@ -713,5 +720,11 @@ async def test_a_body_that_does_not_decode_is_the_same_error_on_both_clients(cli
             async with Backends([service], transport=transport) as backends:
                 with pytest.raises(pw.BackendError) as info:
                     await backends.call(HttpCall.of("api", "/"), cast(Context, _Ctx({})))
-    assert str(info.value) == "service 'api' failed: DecodingError"
+    assert str(info.value) == (
+        "service 'api' answered with a body that does not decode in its Content-Encoding "
+        "(for test); check how the service compresses its answers"
+    )
+    assert type(info.value) is pw.BackendError
     assert info.value.status is None
+    # One decoder for both clients, and its verdict is the cause on both.
+    assert isinstance(info.value.__cause__, BadEncoding)

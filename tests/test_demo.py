@@ -173,7 +173,11 @@ def inventory_timed_out(r: httpx.Response) -> None:
     problem = json_of(r, 504)
     assert r.headers["Content-Type"] == "application/problem+json"
     assert problem["type"] == "urn:pipework:problem:deadline-exceeded"
-    assert problem["detail"] == "service 'inventory' did not answer within 1s"
+    assert problem["detail"] == (
+        "service 'inventory' did not answer within 1s (for chain 'order' > all_of[0] > "
+        "branch 'check_stock' > pipe 'check_stock'); check why it is slow, or raise its "
+        "timeout if it may take that long"
+    )
 
 
 def no_slot_for_inventory(r: httpx.Response) -> None:

@@ -16,6 +16,7 @@ PUBLIC = [
     "Adaptive",
     "Admission",
     "BackendError",
+    "BackendUnreachable",
     "Backends",
     "BorrowTimeout",
     "BranchEnd",

@@ -261,10 +261,14 @@ async def test_a_refused_connection_is_a_backend_error_without_status() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     pipes = '[pipes.call]\nservice = "api"\npath = "/"'
-    with pytest.raises(pw.BackendError) as info:
+    with pytest.raises(pw.BackendUnreachable) as info:
         await run(gateway(f"http://127.0.0.1:{port}", pipes), {})
     assert info.value.status is None
-    assert str(info.value) == "service 'api' failed: ConnectError"
+    assert info.value.http_status == 502
+    assert str(info.value) == (
+        "could not connect to service 'api' (for chain 'go' > pipe 'call'); nothing was "
+        "sent: check that the service is up and reachable at its base_url"
+    )
 
 
 async def test_a_slow_service_times_out_at_its_own_timeout(backend: Backend) -> None:
@@ -274,7 +278,10 @@ async def test_a_slow_service_times_out_at_its_own_timeout(backend: Backend) -> 
         await run(text, {})
     assert info.value.scope == "pipe"
     assert info.value.http_status == 504
-    assert str(info.value) == "service 'api' did not answer within 0.2s"
+    assert str(info.value) == (
+        "service 'api' did not answer within 0.2s (for chain 'go' > pipe 'call'); check why "
+        "it is slow, or raise its timeout if it may take that long"
+    )
 
 
 async def test_the_jobs_deadline_caps_a_slower_service_timeout(backend: Backend) -> None:

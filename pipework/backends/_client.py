@@ -6,8 +6,8 @@ JSON body; ``Accept-Encoding: gzip, deflate``) without httpx's request and URL m
 which cost more than the exchange itself, and reads the answer with the same rules: the
 status checked against ``accept``, ``max_response_bytes`` counted on the decoded body,
 JSON parsed, other text decoded with its charset. What fails is raised as the same
-:class:`~pipework.BackendError` texts, or as httpx's transport exceptions for the caller
-to translate (see :mod:`._pool`).
+:class:`~pipework.BackendError` texts, or as the lean client's own exceptions
+(:mod:`._failures`) for the caller to translate.
 """
 
 from __future__ import annotations

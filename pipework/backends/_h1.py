@@ -23,6 +23,8 @@ from typing import Final
 import h11
 import trio
 
+from ._failures import BadAnswer
+
 __all__ = [
     "ACCEPT_ENCODING",
     "Answer",
@@ -47,7 +49,7 @@ class ResponseTooLarge(Exception):
         self.status = status
 
 
-class BadEncoding(Exception):
+class BadEncoding(BadAnswer):
     """The answer's body does not decode in the content coding it declared."""
 
 
@@ -103,6 +105,12 @@ class Connection:
             return True  # already closed
         return bool(ready)
 
+    @property
+    def peer_closed(self) -> bool:
+        """Whether the peer's end of the connection was read: an answer that h11 finds
+        incomplete after that was cut short by the peer, not malformed."""
+        return self._h11.trailing_data[1]
+
     def close(self) -> None:
         """Close the socket now (no checkpoint): safe in cleanup and in cancelled code.
         The h11 state goes too, with whatever it buffered: a failed call's error may keep
@@ -123,9 +131,10 @@ class Connection:
         :class:`StaleConnection` if the connection failed before any byte of the answer
         arrived, :class:`ResponseTooLarge` past ``max_bytes`` of decoded body (as soon as
         it is past: the rest is never read), :class:`BadEncoding` for a body that does not
-        decode, ``h11.ProtocolError`` for a malformed answer, ``trio.BrokenResourceError`` /
-        ``OSError`` for a connection broken mid-answer. After anything but a normal return
-        the connection is not reusable: close it."""
+        decode, ``h11.RemoteProtocolError`` for an answer that is malformed or was cut short
+        (:attr:`peer_closed` says which), ``trio.BrokenResourceError`` / ``OSError`` for a
+        connection broken mid-answer. After anything but a normal return the connection is
+        not reusable: close it."""
         h = self._h11
         if self.exchanges:
             h.start_next_cycle()

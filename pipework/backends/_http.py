@@ -13,9 +13,14 @@
 Every call goes to its service's configured host: the templates fill only the path, the
 query, headers and body, and the finished URL is checked against the base URL before
 anything is sent. Redirects are not followed and the environment's proxy settings are not
-read, for the same reason. Failures are translated here, at the boundary: an unaccepted
-status or a broken connection is a :class:`~pipework.BackendError` (502), running out of
-time a :class:`~pipework.DeadlineExceeded` (504).
+read, for the same reason.
+
+Failures are translated here, at the boundary, the same for both clients (:func:`_failure`):
+an unaccepted status, an answer that cannot be read or a broken connection is a
+:class:`~pipework.BackendError` (502), no connection at all a
+:class:`~pipework.BackendUnreachable`, running out of time a
+:class:`~pipework.DeadlineExceeded` (504) — each saying what failed, where and what to do,
+with the client's own exception as ``__cause__``. Neither client's exceptions go further.
 """
 
 from __future__ import annotations
@@ -31,11 +36,19 @@ from typing import Any, Final
 import httpx
 import trio
 
-from .._errors import BackendError, DeadlineExceeded, RegistrationError
+from .._errors import BackendError, BackendUnreachable, DeadlineExceeded, RegistrationError
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
 from ._client import ServiceClient, decode_answer, too_big, unaccepted
+from ._failures import (
+    BadAnswer,
+    CallTimeout,
+    ConnectFailed,
+    ConnectionBroken,
+    Phase,
+    TransportFailure,
+)
 from ._h1 import ACCEPT_ENCODING, BadEncoding, content_decoder
 from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
@@ -44,6 +57,8 @@ __all__ = ["Backends", "http_pipe"]
 
 _USER_AGENT: Final = "pipework"
 _ACCEPT_ENCODING: Final = ACCEPT_ENCODING.decode()
+#: How long after an httpx call's deadline the bound on the whole call ends it (seconds).
+_BACKSTOP_GRACE: Final = 0.1
 
 
 class Backends:
@@ -127,7 +142,10 @@ class Backends:
         try:
             answer = await self._call(call, ctx)
         except BackendError as exc:
-            kind = "connect" if exc.status is None else "status"
+            if exc.status is not None:
+                kind = "status"
+            else:
+                kind = "connect" if isinstance(exc, BackendUnreachable) else "broken"
             self._observe(call.service, started, kind)
             _log_failure(call.service, kind, ctx, started, exc)
             raise
@@ -166,46 +184,39 @@ class Backends:
         service = self.services[call.service]
         lean = self._lean.get(call.service)
         client = self.client(call.service) if lean is None else None
-        # The client's timeouts (httpx's per operation, the pool's one deadline), capped by
-        # the time the job has left.
+        # The client's timeouts, capped by the time the job has left. The job's deadline is
+        # enforced by the engine's cancel scope around the pipe, which names the right scope
+        # (pipe, stage or job); these add the service's own bound.
         started = trio.current_time()
         budget = min(service.timeout, ctx.remaining)
-        request = None
-        if client is not None:
-            timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
-            request = _build_request(client, service, call, ctx, timeout)
-        # The job's deadline is enforced by the engine's cancel scope around the pipe, which
-        # names the right scope (pipe, stage or job); this one adds the service's own bound.
-        with trio.move_on_after(service.timeout) as scope:
+        deadline = started + budget
+        if lean is not None:
+            # The pool's one deadline covers the whole call, and its timeout names the phase.
             try:
-                if lean is not None:
-                    return await lean.call(
-                        call, ctx.state, started + budget, _trace_headers(service, ctx)
-                    )
-                assert client is not None
-                assert request is not None
+                return await lean.call(call, ctx.state, deadline, _trace_headers(service, ctx))
+            except TransportFailure as exc:
+                raise _failure(service, ctx, budget, deadline, exc) from exc
+        assert client is not None
+        timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
+        request = _build_request(client, service, call, ctx, timeout)
+        # httpx's timeouts are per operation, so this scope bounds the whole call: a little
+        # after the deadline, so that an operation that ran out says so itself (the
+        # outermost of two scopes cancelled at once is the one that catches it).
+        with trio.move_on_at(deadline + _BACKSTOP_GRACE) as scope:
+            try:
                 return await _send(client, service, call, request)
-            except httpx.TimeoutException as exc:
-                raise _timeout(service, ctx, budget, started + budget, exc) from exc
-            except httpx.HTTPError as exc:
-                raise BackendError(
-                    f"service {service.name!r} failed: {type(exc).__name__}",
-                    service=service.name,
-                ) from exc
+            except (BadEncoding, httpx.HTTPError) as exc:
+                raise _failure(service, ctx, budget, deadline, exc) from exc
         assert scope.cancelled_caught
-        raise DeadlineExceeded(
-            f"service {service.name!r} did not answer within {service.timeout:g}s",
-            scope="pipe",
-            where=ctx.path,
-            deadline=scope.deadline,
-        )
+        raise _timed_out(service, ctx, "answer", budget, deadline)
 
 
 def _log_failure(
     service: str, kind: str, ctx: Context, started: float, exc: BackendError | DeadlineExceeded
 ) -> None:
-    """One WARNING line per failed call; the exception's traceback (httpx's chain of
-    causes) only when DEBUG is on."""
+    """One WARNING line per failed call, naming the client's own exception (``cause``); the
+    traceback (with the chain of causes) only when DEBUG is on."""
+    cause = exc.__cause__
     log_job(
         "backend call failed",
         logging.WARNING,
@@ -218,6 +229,7 @@ def _log_failure(
         correlation_id=ctx.correlation_id,
         duration=round(trio.current_time() - started, 6),
         error=str(exc),
+        cause=None if cause is None else f"{type(cause).__name__}: {cause}",
     )
 
 
@@ -338,26 +350,24 @@ async def _read_body(
     """The answer's body, decoded, of at most the service's ``max_response_bytes``: too
     big is raised at the first byte past it, as an answer may never end. It is decoded
     here, with the lean client's decoder: httpx's own decodes a whole chunk at once,
-    however far past the limit it inflates."""
+    however far past the limit it inflates; a body that does not decode raises its
+    :class:`~._h1.BadEncoding`, as on the lean client."""
     limit = service.max_response_bytes
     decoder = content_decoder(response.headers.get("Content-Encoding"))
     declared = response.headers.get("Content-Length", "")
     if decoder is None and declared.isdigit() and int(declared) > limit:
         raise _too_big(service, response)
     body = bytearray()
-    try:
-        async for chunk in chunks:
-            piece = chunk if decoder is None else decoder.feed(chunk, limit - len(body))
-            if len(body) + len(piece) > limit:
-                raise _too_big(service, response)
-            body += piece
-        if decoder is not None:
-            tail = decoder.flush(limit - len(body))
-            if len(body) + len(tail) > limit:
-                raise _too_big(service, response)
-            body += tail
-    except BadEncoding as exc:
-        raise httpx.DecodingError(str(exc), request=response.request) from None
+    async for chunk in chunks:
+        piece = chunk if decoder is None else decoder.feed(chunk, limit - len(body))
+        if len(body) + len(piece) > limit:
+            raise _too_big(service, response)
+        body += piece
+    if decoder is not None:
+        tail = decoder.flush(limit - len(body))
+        if len(body) + len(tail) > limit:
+            raise _too_big(service, response)
+        body += tail
     return bytes(body)
 
 
@@ -385,16 +395,73 @@ def _decode(service: Service, response: httpx.Response, body: bytes) -> Any:
     return decode_answer(service, response.status_code, content_type, body)
 
 
-def _timeout(
-    service: Service, ctx: Context, budget: float, deadline: float, exc: httpx.TimeoutException
-) -> DeadlineExceeded:
-    if isinstance(exc, httpx.ConnectTimeout):
-        what = f"could not connect to service {service.name!r} within {budget:g}s"
-    elif isinstance(exc, httpx.PoolTimeout):
+def _failure(
+    service: Service,
+    ctx: Context,
+    budget: float,
+    deadline: float,
+    exc: TransportFailure | httpx.HTTPError,
+) -> BackendError | DeadlineExceeded:
+    """Pipework's error for a call that failed in either client (the lean one's
+    :mod:`._failures`, or httpx's): what failed, where, and what to do."""
+    if isinstance(exc, CallTimeout):
+        return _timed_out(service, ctx, exc.phase, budget, deadline)
+    if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, httpx.PoolTimeout):
+            return _timed_out(service, ctx, "pool", budget, deadline)
+        phase: Phase = "connect" if isinstance(exc, httpx.ConnectTimeout) else "answer"
+        return _timed_out(service, ctx, phase, budget, deadline)
+    name, at = service.name, f"(for {ctx.path})"
+    if isinstance(exc, ConnectFailed | httpx.ConnectError):
+        return BackendUnreachable(
+            f"could not connect to service {name!r} {at}; nothing was sent: check that the "
+            "service is up and reachable at its base_url",
+            service=name,
+        )
+    if isinstance(exc, BadEncoding | httpx.DecodingError):
         what = (
-            f"no free connection to service {service.name!r} within {budget:g}s "
-            f"(all {service.max_connections} of its max_connections were busy)"
+            f"service {name!r} answered with a body that does not decode in its "
+            f"Content-Encoding {at}; check how the service compresses its answers"
+        )
+    elif isinstance(exc, BadAnswer | httpx.RemoteProtocolError):
+        # httpx (h11 under it) also says this of an answer the peer cut short by closing.
+        what = (
+            f"service {name!r} sent an invalid or incomplete HTTP answer {at}; check the "
+            "service (and any proxy in front of it)"
+        )
+    elif isinstance(exc, ConnectionBroken | httpx.NetworkError):
+        what = (
+            f"the connection to service {name!r} broke before its answer was complete {at}; "
+            "the service may have acted on the request: check its health and logs"
+        )
+    else:  # a request the client would not send, a proxy's error: unreachable in practice
+        what = (
+            f"the call to service {name!r} failed {at}: {type(exc).__name__}; the server "
+            "log has the cause"
+        )
+    return BackendError(what, service=name)
+
+
+def _timed_out(
+    service: Service, ctx: Context, phase: Phase, budget: float, deadline: float
+) -> DeadlineExceeded:
+    name, where = service.name, ctx.path
+    at = f"(for {where})"
+    if phase == "pool":
+        what = (
+            f"no connection to service {name!r} came free within {budget:g}s {at}: all "
+            f"{service.max_connections} of its max_connections were busy; raise them, or "
+            "lower the limit of the service's key"
+        )
+    elif phase == "connect":
+        seconds = min(_connect(service), budget)
+        what = (
+            f"could not connect to service {name!r} within {seconds:g}s {at}; check that "
+            "the service is up and reachable at its base_url, or raise its connect_timeout"
         )
     else:
-        what = f"service {service.name!r} did not answer within {budget:g}s"
-    return DeadlineExceeded(what, scope="pipe", where=ctx.path, deadline=deadline)
+        what = (
+            f"service {name!r} did not answer within {budget:g}s {at}; check why it is "
+            "slow, or raise its timeout if it may take that long"
+        )
+    return DeadlineExceeded(what, scope="pipe", where=where, deadline=deadline)

@@ -4,8 +4,8 @@ What it promises:
 
 - **A bounded pool.** At most ``max_connections`` are open or being opened at once. A
   call that finds none free waits its turn, first come first served, within its own
-  timeout (then :class:`httpx.PoolTimeout`). A connection put back goes straight to the
-  longest waiter, so a newcomer never overtakes one.
+  timeout (then :class:`~._failures.CallTimeout`, phase ``pool``). A connection put back
+  goes straight to the longest waiter, so a newcomer never overtakes one.
 - **Reuse.** A connection whose exchange ended cleanly, and that neither side asked to
   close (``Connection: close``, HTTP/1.0, a body read to EOF), goes back idle and carries
   the next call. The most recently used idle connection is taken first (warm, least likely
@@ -16,8 +16,8 @@ What it promises:
   socket reads EOF) and replaced.
 - **Timeouts.** One deadline, given with the call, covers waiting for a connection,
   connecting and the exchange; connecting is also bounded by ``connect_timeout``. Running
-  out raises :class:`httpx.PoolTimeout`, :class:`httpx.ConnectTimeout` or
-  :class:`httpx.ReadTimeout` after the phase it hit.
+  out raises :class:`~._failures.CallTimeout` naming the phase it hit (``pool``,
+  ``connect`` or ``answer``).
 - **Clean cancellation.** A connection in use when its call is cancelled, times out or
   fails in any way is closed, never reused; a waiter that is cancelled after being handed
   a connection or a place passes it on.
@@ -32,10 +32,12 @@ What it promises:
 - **A failed call keeps nothing it read.** Its error may outlive it (a failed job keeps its
   own): neither the error's frames nor the closed connection hold the body read so far.
 
-Failures are raised as httpx's exceptions (``ConnectError``, ``ReadError``,
-``RemoteProtocolError``, ``DecodingError``, the timeouts above), so callers and the
-dispatcher's classification of backend trouble treat both clients alike;
-:class:`~._h1.ResponseTooLarge` passes through.
+Failures are raised as the lean client's own exceptions (:mod:`._failures`), each with
+what it came from as ``__cause__``: :class:`~._failures.ConnectFailed` (nothing was sent),
+:class:`~._failures.ConnectionBroken` (reset, or closed before the answer's end),
+:class:`~._failures.BadAnswer` (not valid HTTP/1.1; :class:`~._h1.BadEncoding` for a body
+that does not decode), :class:`~._failures.CallTimeout`. ``Backends`` translates them into
+pipework's errors. :class:`~._h1.ResponseTooLarge` passes through.
 """
 
 from __future__ import annotations
@@ -46,10 +48,17 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 import h11
-import httpx
 import trio
 
-from ._h1 import Answer, BadEncoding, Connection, ResponseTooLarge, StaleConnection
+from ._failures import (
+    BadAnswer,
+    CallTimeout,
+    ConnectFailed,
+    ConnectionBroken,
+    Phase,
+    TransportFailure,
+)
+from ._h1 import Answer, Connection, ResponseTooLarge, StaleConnection
 
 __all__ = ["IDEMPOTENT", "Answer", "Pool", "PoolStatistics", "ResponseTooLarge"]
 
@@ -58,6 +67,12 @@ __all__ = ["IDEMPOTENT", "Answer", "Pool", "PoolStatistics", "ResponseTooLarge"]
 IDEMPOTENT: Final = frozenset({b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"})
 
 Connect = Callable[[str, int], Awaitable[trio.SocketStream]]
+
+_RAN_OUT: Final[dict[Phase, str]] = {
+    "pool": "no connection came free",
+    "connect": "no connection was made",
+    "answer": "no whole answer came",
+}
 
 
 class PoolStatistics:
@@ -128,14 +143,14 @@ class Pool:
         rules), by ``deadline`` (trio time). ``headers`` must include ``Host``."""
         retry = method in IDEMPOTENT
         with trio.CancelScope(deadline=deadline) as scope:
-            phase: type[httpx.TimeoutException] = httpx.PoolTimeout
+            phase: Phase = "pool"
             while True:
-                phase = httpx.PoolTimeout
+                phase = "pool"
                 connection = await self._checkout()
                 if connection is None:  # a place to open one
-                    phase = httpx.ConnectTimeout
+                    phase = "connect"
                     connection = await self._new_connection()
-                phase = httpx.ReadTimeout
+                phase = "answer"
                 reused = connection.exchanges > 0
                 done = False
                 try:
@@ -154,22 +169,31 @@ class Pool:
                     if reused and retry:
                         retry = False
                         continue  # the finally below closed it; one more try, fresh
-                    raise httpx.RemoteProtocolError(
-                        f"the connection to {self.host}:{self.port} failed before an answer ({exc})"
+                    raise ConnectionBroken(
+                        f"the connection to {self.where} failed before an answer ({exc})"
                     ) from exc
                 except h11.RemoteProtocolError as exc:
-                    raise httpx.RemoteProtocolError(str(exc)) from exc
-                except h11.LocalProtocolError as exc:
-                    raise httpx.LocalProtocolError(str(exc)) from exc
-                except BadEncoding as exc:
-                    raise httpx.DecodingError(str(exc)) from exc
+                    if connection.peer_closed:  # cut short, not malformed
+                        raise ConnectionBroken(
+                            f"{self.where} closed the connection before the answer's end ({exc})"
+                        ) from exc
+                    raise BadAnswer(f"{self.where} sent an invalid answer: {exc}") from exc
+                except h11.LocalProtocolError as exc:  # unreachable: requests are checked first
+                    raise TransportFailure(f"the request could not be sent: {exc}") from exc
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise httpx.ReadError(f"{exc!r}") from exc
+                    raise ConnectionBroken(
+                        f"the connection to {self.where} broke mid-answer: {exc!r}"
+                    ) from exc
                 finally:
                     self._checkin(connection, reusable=done and connection.reusable)
                 return answer
         assert scope.cancelled_caught
-        raise phase(f"{phase.__name__}: {self.host}:{self.port} at its deadline")
+        raise CallTimeout(f"{self.where}: {_RAN_OUT[phase]} by the call's deadline", phase=phase)
+
+    @property
+    def where(self) -> str:
+        """``host:port``, as the pool's errors name it."""
+        return f"{self.host}:{self.port}"
 
     async def aclose(self) -> None:
         """Close every idle connection and refuse new calls; connections in use close
@@ -184,7 +208,7 @@ class Pool:
     async def _checkout(self) -> Connection | None:
         """An idle connection, or None with a place reserved to open a new one."""
         if self._closed:
-            raise httpx.ConnectError("the pool is closed")
+            raise ConnectFailed(f"the pool of connections to {self.where} is closed")
         # A cancellation is taken before anything is taken from the pool; the schedule
         # point after it is shielded, so that what was taken is never lost to one.
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -223,13 +247,14 @@ class Pool:
             self._open -= 1
             self._hand_on()
             if isinstance(exc, OSError):
-                raise httpx.ConnectError(str(exc)) from exc
+                raise ConnectFailed(f"could not connect to {self.where}: {exc}") from exc
             raise
         if scope.cancelled_caught:
             self._open -= 1
             self._hand_on()
-            raise httpx.ConnectTimeout(
-                f"could not connect to {self.host}:{self.port} within {self.connect_timeout:g}s"
+            raise CallTimeout(
+                f"could not connect to {self.where} within {self.connect_timeout:g}s",
+                phase="connect",
             )
         return Connection(stream)
 

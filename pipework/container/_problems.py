@@ -52,6 +52,7 @@ _KINDS: Final[Mapping[str, tuple[str, str]]] = {
     "StoreUnavailable": ("store-unavailable", "Job store unavailable"),
     "DeadlineExceeded": ("deadline-exceeded", "Deadline exceeded"),
     "BackendError": ("backend-failed", "Backend failed"),
+    "BackendUnreachable": ("backend-failed", "Backend failed"),
     "JobGone": ("job-gone", "Job gone"),
     "JobNotFound": ("job-not-found", "Job not found"),
     "JobCancelled": ("job-cancelled", "Job cancelled"),

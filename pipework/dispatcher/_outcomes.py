@@ -96,22 +96,21 @@ def is_job_timeout(exc: BaseException) -> bool:
     return isinstance(exc, DeadlineExceeded) and exc.scope == "job"
 
 
-#: Names of transport errors raised by HTTP clients the dispatcher does not import.
-_TRANSPORT_ERRORS = frozenset({"httpx.TransportError", "httpcore.NetworkError"})
-
-
 def backend_trouble(exc: BaseException) -> bool:
-    """Whether ``exc`` points at the key's backend (it failed or could not be reached), as
-    opposed to a bug in the pipe: only such trouble may shrink an adaptive limit."""
+    """Whether ``exc`` points at the key's backend (it failed, could not be reached or was
+    too slow), as opposed to a bug in the pipe: only such trouble may shrink an adaptive
+    limit. Only pipework's errors and the standard library's are known here: the backends
+    layer turns its clients' failures into pipework's, and a pipe that calls a backend
+    through a client of its own raises ``BackendError`` to count (docs/design.md)."""
     if isinstance(exc, BaseExceptionGroup):
         return any(backend_trouble(e) for e in exc.exceptions)
     if isinstance(exc, BackendError):
         return exc.status is None or exc.status >= 500
     if isinstance(exc, TimeoutError | ConnectionError):
         return True
-    if type(exc) is OSError:  # trio's "all attempts to connect failed", socket errors
-        return True
-    return any(f"{c.__module__}.{c.__qualname__}" in _TRANSPORT_ERRORS for c in type(exc).__mro__)
+    # A bare OSError: trio's "all attempts to connect failed", socket errors. Anything
+    # else, an HTTP client's own exception too, is the pipe's.
+    return type(exc) is OSError
 
 
 def note(exc: BaseException, job: Job, where: str) -> None:

@@ -202,7 +202,7 @@ class PipeRunner:
             "pipe ended",
             level,
             # A backend's failure is logged where it happens, in one line; its traceback
-            # (the client's chain of causes) only at DEBUG. A pipe's own bug keeps its own.
+            # (its chain of causes) only at DEBUG. A pipe's own bug keeps its traceback.
             exc
             if outcome == "error"
             and exc is not None
