@@ -30,11 +30,11 @@ from ._abilities import Abilities
 from ._boundary import split_outside
 from ._events import Event, RunJob
 from ._flight import Flight, Hooks
-from ._job import ENDED_CURSOR, ErrorInfo, Job
+from ._job import ErrorInfo, Job
 from ._lookup import ChainLookup
 from ._outcomes import note, where_in
 from ._retained import Retained
-from ._status import TERMINAL, Status
+from ._status import DONE, TERMINAL, Status
 from ._wake import Wake
 
 __all__ = ["INTERNAL_PLAN", "BranchEnds", "Ends"]
@@ -45,8 +45,6 @@ _log = logging.getLogger("pipework.dispatcher")
 #: plan, never swapped, and kept out of the per-route and per-pipe metrics.
 INTERNAL_PLAN: Final = 0
 
-# On Python 3.11 ``Status.DONE`` goes through ``EnumType.__getattr__``: read once.
-_DONE: Final = Status.DONE
 #: The statuses whose end is logged at INFO (others at WARNING).
 _ORDINARY_ENDS: Final = frozenset({Status.DONE, Status.CANCELLED})
 
@@ -131,13 +129,13 @@ class Ends:
             return True
         try:
             previous = job.status
-            self.mark(job, _DONE, result, None, "")
+            self.mark(job, DONE, result, None, "")
             try:
                 nowait[1](job, now)  # the step's clock read: the store reads none of its own
             except BaseException:
                 job.status = previous  # not recorded: ending it may be tried again
                 raise
-            self.ended(job, _DONE, "", now)
+            self.ended(job, DONE, "", now)
         finally:
             self.heard(job)
         return True
@@ -263,8 +261,8 @@ class Ends:
         job.finished_at = job.updated_at  # the transition's wall-clock read
         job.waiting_for = None
         if not job.frames:  # it ran to the end of its chain: nothing to keep of the cursor
-            job.frames = ENDED_CURSOR
-        if status is _DONE:
+            job.frames = []
+        if status is DONE:
             job.result = result
         elif exc is not None:
             job.exception = exc
@@ -281,7 +279,7 @@ class Ends:
         duration = (self._flight.clock() if now is None else now) - job.accepted_at
         if job.parent is None and job.plan != INTERNAL_PLAN:
             metrics = self._metrics
-            if status is _DONE:
+            if status is DONE:
                 observe = self._job_done.get(job.chain)
                 if observe is None:
                     observe = metrics.observer(metrics.job_duration, (job.chain, status.value))

@@ -19,14 +19,13 @@ from binascii import b2a_base64
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from ..pipes._join import Join
 from ..pipes._merge import Delta
-from ._status import TRANSITIONS, Status, check_transition
+from ._status import QUEUED, TRANSITIONS, Status, check_transition
 
 __all__ = [
-    "ENDED_CURSOR",
     "ErrorInfo",
     "Frame",
     "Job",
@@ -39,7 +38,6 @@ __all__ = [
 
 _JOIN_RECORD_VERSION: Final = 1
 _new_object = object.__new__
-_QUEUED: Final = Status.QUEUED  # a global: ``Status.QUEUED`` costs three times as much on 3.11
 
 
 def new_job_id() -> str:
@@ -95,14 +93,6 @@ class Frame:
     index: int
     deadline: float
     bound: int = -1
-
-
-#: The cursor of a job that ran to the end of its chain, shared by every such record: an
-#: empty list per finished record kept for retention is one more object for every full
-#: collection to walk (and a full collection walks every retained record). A tuple under
-#: the list's type, so that anything appending to a finished job's cursor fails at once
-#: rather than changing every record's; reading it (empty) works as on a list.
-ENDED_CURSOR: Final = cast("list[Frame]", ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +262,7 @@ class Job:
         job.correlation_id = correlation_id
         job.deadline = deadline
         job.key = "default"
-        job.status = _QUEUED
+        job.status = QUEUED
         job.traceparent = traceparent
         job.frames = []
         job.root = ()

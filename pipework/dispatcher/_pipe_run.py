@@ -74,18 +74,18 @@ class PipeRunner:
         deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
         # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
         # adopted only if it ends in time and uncancelled.
-        ctx = Context(  # in the order of its parameters: no keyword matching
-            snapshot(job.state) if pipe.blocking else job.state,
-            job.id,
-            job.correlation_id,
-            chain.name,
-            pipe,
-            chain,
-            path_of(job),
-            job.key,
-            deadline,
-            self._ops,
-            job.traceparent,
+        ctx = Context(
+            state=snapshot(job.state) if pipe.blocking else job.state,
+            job_id=job.id,
+            correlation_id=job.correlation_id,
+            chain=chain.name,
+            pipe=pipe,
+            where=chain,
+            position=path_of(job),
+            key=job.key,
+            deadline=deadline,
+            ops=self._ops,
+            traceparent=job.traceparent,
         )
         try:
             if deadline == math.inf:

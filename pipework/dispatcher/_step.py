@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import trio
 
@@ -45,15 +45,10 @@ from ._lookup import ChainLookup
 from ._outcomes import note
 from ._pipe_run import PipeRunner
 from ._runners import StepRunners
-from ._status import TERMINAL, Status
+from ._status import QUEUED, RUNNING, TERMINAL, Status
 from ._timers import SuspendTimers
 
 __all__ = ["Steps"]
-
-# The statuses a step reads on every job, as module globals: on Python 3.11 ``Status.DONE``
-# goes through ``EnumType.__getattr__``, three times the cost of reading a global.
-_QUEUED: Final = Status.QUEUED
-_RUNNING: Final = Status.RUNNING
 
 
 class Steps:
@@ -170,12 +165,12 @@ class Steps:
                     job = own or await self._store.get(event.job_id)
             except PipeworkError:
                 return False
-            if job.status is _RUNNING and (claim is not None or abilities.reclaimed(event)):
+            if job.status is RUNNING and (claim is not None or abilities.reclaimed(event)):
                 # Its step died with the process that ran it (a shared queue handed the
                 # event on), or it is claimed and was marked running with its record: run
                 # it from the cursor, the last pipe that finished.
-                job.transition(_QUEUED)
-            if job.status is not _QUEUED or (claim is not None and claim.cancelled):
+                job.transition(QUEUED)
+            if job.status is not QUEUED or (claim is not None and claim.cancelled):
                 if job.status is Status.SUSPENDED and abilities.reclaimed(event):
                     self._timers.rearm(job)  # its step died before its timer was surely stored
                 # Cancelled or finished while the event waited (a claimed job: while its
@@ -299,7 +294,7 @@ class Steps:
         hooks = self._hooks
         unstored = self._flight.unstored
         held = job.key
-        job.transition(_RUNNING)
+        job.transition(RUNNING)
         if marked:  # written running with its record (hold_first)
             if hooks.observers:
                 hooks.changed(job)
@@ -351,7 +346,7 @@ class Steps:
                 held = key
             elif key != held:
                 job.key = key
-                job.transition(_QUEUED)
+                job.transition(QUEUED)
                 if job.parent is not None and job.id in unstored:
                     return now  # an in-step branch: its task takes the next key's slot
                 await self._hand_off(job)

@@ -136,8 +136,6 @@ class Context:
         "traceparent",
     )
 
-    # Positional or keyword: the engine builds one per pipe run, and a call naming eleven
-    # keywords costs three times one passing them in order.
     def __init__(
         self,
         state: dict[str, Any],
