@@ -20,7 +20,7 @@ import trio
 
 from pipework.container._board import Backplane, Boards, BoardSpec, Change
 from pipework.container._board_core import BoardSettings, Version
-from pipework.container._board_redis import RedisBackplane
+from pipework.redis._backplane import RedisBackplane
 
 from ._redis import redis_server
 from ._timing import median_of

@@ -24,8 +24,8 @@ import coredis
 import trio
 
 import pipework as pw
-from pipework.dispatcher._resp import Connection
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.redis._wire import Connection
 
 from ._redis import redis_server
 

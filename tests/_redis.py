@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import trio
 
-from pipework.dispatcher._redis_store import RedisJobStore, StoreUnavailable
+from pipework.redis._store import RedisJobStore, StoreUnavailable
 
 __all__ = ["RedisServer", "TestRedisJobStore", "redis_server", "start_redis", "store_class"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipework.__main__ import main
-from pipework.container._board_redis import RedisBackplane
+from pipework.redis._backplane import RedisBackplane
 from pipework.registry._config import ConfigError, loads_config
 
 REDIS = """

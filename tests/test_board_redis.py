@@ -29,7 +29,7 @@ from pipework.container._board import (
     LocalBackplane,
 )
 from pipework.container._board_core import BoardCore, BoardSettings, Kind, Version
-from pipework.container._board_redis import RedisBackplane
+from pipework.redis._backplane import RedisBackplane
 from pipework.registry._gateway import Gateway
 
 from ._redis import RedisServer, redis_server, start_redis

@@ -18,10 +18,10 @@ import pipework as pw
 from pipework.dispatcher._dispatcher import Dispatcher
 from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Job, new_job_id
-from pipework.dispatcher._redis_queue import _CLAIM_READ, encode_event
-from pipework.dispatcher._redis_store import _SHAS
-from pipework.dispatcher._resp import Connection
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.redis._queue import _CLAIM_READ, encode_event
+from pipework.redis._store import _SHAS
+from pipework.redis._wire import Connection
 
 from ._redis import RedisServer
 

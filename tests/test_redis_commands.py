@@ -10,10 +10,10 @@ import pytest
 import trio
 
 from pipework.dispatcher._job import Job
-from pipework.dispatcher._redis_store import _SHAS
-from pipework.dispatcher._resp import _parse
 from pipework.dispatcher._status import Status
 from pipework.redis import RedisJobStore
+from pipework.redis._store import _SHAS
+from pipework.redis._wire import _parse
 
 
 def _args(command: bytes) -> list[bytes]:

@@ -14,8 +14,8 @@ import trio
 
 import pipework as pw
 from pipework.dispatcher._job import Job
-from pipework.dispatcher._resp import Connection, encode_args
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.redis._wire import Connection, encode_args
 
 from ._redis import RedisServer
 

@@ -26,10 +26,10 @@ import trio
 import pipework as pw
 from pipework.dispatcher._events import Expire, RunJob
 from pipework.dispatcher._job import JobView
-from pipework.dispatcher._redis_queue import decode_event, encode_event
-from pipework.dispatcher._redis_timers import RedisTimers
-from pipework.dispatcher._resp import Arg, Connection
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.redis._queue import decode_event, encode_event
+from pipework.redis._timers import RedisTimers
+from pipework.redis._wire import Arg, Connection
 
 from ._redis import RedisServer
 from ._redis_worker import declare as declare_work

@@ -18,10 +18,10 @@ import trio.testing
 import pipework as pw
 from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Frame, Job, new_job_id
-from pipework.dispatcher._redis_batches import _EARLY, _FLIGHTS
-from pipework.dispatcher._resp import Connection
 from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
+from pipework.redis._batches import _EARLY, _FLIGHTS
+from pipework.redis._wire import Connection
 
 from ._redis import RedisServer, TestRedisJobStore
 

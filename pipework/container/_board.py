@@ -10,7 +10,7 @@ and wakes tasks.
 Every write goes through a :class:`Backplane`, which decides its version and applies it
 (:meth:`Boards.apply`) on every process that serves the board. :class:`LocalBackplane` (the
 default) is one process: it applies at once and the board counts its own versions. A shared
-one (``_board_redis.RedisBackplane``) is the one authority on versions: a write's version is
+one (``pipework.redis``'s ``RedisBackplane``) is the one authority on versions: a write's version is
 assigned where every process reads the changes in the same order, and ``await
 boards.write(...)`` returns it once the change is applied here too (a read after a write on
 the same process sees it). The HTTP side only ever calls :class:`Boards`.

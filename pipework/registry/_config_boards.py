@@ -93,7 +93,7 @@ class BackplaneSettings:
         """The backplane a container gets (None: its own, in-process)."""
         if self.backplane == "local":
             return None
-        from ..container._board_redis import RedisBackplane  # the optional extra
+        from ..redis._backplane import RedisBackplane  # the optional extra
 
         return RedisBackplane(self.url_value(environ), prefix=self.prefix)
 

@@ -48,8 +48,8 @@ import coredis.exceptions
 import coredis.retry
 import trio
 
-from ._board import Boards, BoardUnavailable, Change, new_epoch
-from ._board_core import BoardFull, ResourceExists, ResourceNotFound, Version
+from ..container._board import Boards, BoardUnavailable, Change, new_epoch
+from ..container._board_core import BoardFull, ResourceExists, ResourceNotFound, Version
 
 __all__ = ["RedisBackplane"]
 

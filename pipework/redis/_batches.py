@@ -1,6 +1,6 @@
-"""The Redis job store's round trips (:class:`~._redis_store.RedisJobStore` is a
+"""The Redis job store's round trips (:class:`~._store.RedisJobStore` is a
 :class:`Batches`): its calls, and those of the event queue sharing it, go in batches on its
-one connection (:mod:`._resp`), one write and one pipeline each.
+one connection (:mod:`._wire`), one write and one pipeline each.
 
 - **Who sends.** The first call made with no batch gathering becomes the batch's *lead*: it
   lets the tasks that are ready run (up to _PASSES passes of the run loop), so their calls
@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import StoreUnavailable
-from ._resp import Command, Connection, ReplyError
+from ._wire import Command, Connection, ReplyError
 
 __all__ = ["Batches"]
 

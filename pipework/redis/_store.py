@@ -15,7 +15,7 @@ build themselves):
   writes no index).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
-  publishes the new version on ``{p}:relay:{id}`` (see ``_redis_relay.py``).
+  publishes the new version on ``{p}:relay:{id}`` (see ``_relay.py``).
 - ``{p}:gone:{id}`` a tombstone (the owner-token hash, "" for none) written when the job
   finishes and kept ``tombstone_seconds``: once the record is dropped, ``get`` raises
   :class:`JobGone` rather than :class:`JobNotFound`.
@@ -28,7 +28,7 @@ beyond ``retain_count`` in the same step. Read-modify-write sequences that span 
 commands (a join's record when two branches end at once) take :meth:`lock`. A read is one
 ``HMGET``, and a step's read of a record this store wrote and left queued none
 (:meth:`RedisJobStore.read_own`). Calls go in batches on the store's one connection, with
-the event queue's writes and reads when it shares the store (:mod:`._redis_batches`, and
+the event queue's writes and reads when it shares the store (:mod:`._batches`, and
 :class:`RedisEventQueue`).
 
 **Ends.** An end is published on ``{p}:finished`` only when a process other than the one
@@ -67,11 +67,11 @@ import msgpack
 import trio
 
 from .._errors import JobGone, JobNotFound, StoreUnavailable
-from ._job import ErrorInfo, Frame, Job, JoinRecord, Progress
-from ._redis_batches import _UNREACHABLE, Batches, _Call
-from ._resp import Arg, Connection, encode_args
-from ._status import ACTIVE, TERMINAL, Status
-from ._wake import Waiting, Wake
+from ..dispatcher._job import ErrorInfo, Frame, Job, JoinRecord, Progress
+from ..dispatcher._status import ACTIVE, TERMINAL, Status
+from ..dispatcher._wake import Waiting, Wake
+from ._batches import _UNREACHABLE, Batches, _Call
+from ._wire import Arg, Connection, encode_args
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
 

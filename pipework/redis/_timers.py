@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import trio
 
-from ._resp import Arg, ReplyError
+from ._wire import Arg, ReplyError
 
 __all__ = ["RedisTimers"]
 

@@ -25,7 +25,7 @@ events only once those reads have brought nothing for a moment.
   it still holds (``XCLAIM ... JUSTID``) and claims every entry idle for ``claim_idle``
   seconds (``XAUTOCLAIM``): those are a dead consumer's, and run here. Delivery is at least
   once: the dispatcher already ignores an event whose job has moved on.
-- **Suspend timers** live in Redis too (:class:`~._redis_timers.RedisTimers`): a timer set
+- **Suspend timers** live in Redis too (:class:`~._timers.RedisTimers`): a timer set
   here fires on whichever process is alive when it is due, once.
 - **A dead consumer's steps.** A ``RunJob`` or ``Resume`` stops counting toward the depth
   when its step gets a worker slot (``ack``), but it is acknowledged in the group only when
@@ -50,14 +50,14 @@ import msgpack
 import trio
 
 from .._errors import Overloaded, StoreUnavailable
-from ._events import BranchDone, Event, Expire, Resume, RunJob
-from ._job import Job
-from ._queue import QueueStatistics
-from ._redis_batches import _UNREACHABLE, _public
-from ._redis_relay import RedisRelay
-from ._redis_store import RedisJobStore
-from ._redis_timers import RedisTimers
-from ._resp import Arg, Command, Connection, ReplyError, encode_args
+from ..dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
+from ..dispatcher._job import Job
+from ..dispatcher._queue import QueueStatistics
+from ._batches import _UNREACHABLE, _public
+from ._relay import RedisRelay
+from ._store import RedisJobStore
+from ._timers import RedisTimers
+from ._wire import Arg, Command, Connection, ReplyError, encode_args
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 

@@ -13,8 +13,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework.dispatcher import _resp
-from pipework.dispatcher._resp import Connection, ConnectionLost, ReplyError, encode, new_reader
+from pipework.redis import _wire
+from pipework.redis._wire import Connection, ConnectionLost, ReplyError, encode, new_reader
 
 #: Which reader a test's connection uses: hiredis's (C) or the Python one.
 READERS = pytest.mark.parametrize("c_reader", [True, False], ids=["hiredis", "python"])
@@ -61,9 +61,9 @@ def _pair(c_reader: bool) -> tuple[Connection, trio.abc.Stream]:
 def test_the_c_reader_is_installed_with_the_test_extra() -> None:
     # The tests' installs (make test, CI) have hiredis: the C reader is the one tested and
     # benchmarked, and a connection takes it by default.
-    assert _resp.C_READER is not None
+    assert _wire.C_READER is not None
     by_default = Connection(trio.testing.memory_stream_pair()[0])
-    assert type(by_default._reader) is _resp.C_READER
+    assert type(by_default._reader) is _wire.C_READER
 
 
 @READERS

@@ -40,8 +40,8 @@ import coredis.exceptions
 import msgpack
 import trio
 
-from ._job import Job
-from ._status import TERMINAL
+from ..dispatcher._job import Job
+from ..dispatcher._status import TERMINAL
 
 __all__ = ["RedisRelay", "RelayTarget"]
 

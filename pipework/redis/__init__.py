@@ -1,0 +1,24 @@
+"""Distributed mode: every Redis part of pipework (``pip install 'pipework[redis]'``).
+
+Several processes given stores and queues on the same server and prefix share one job pool:
+any of them may run a job's next step, and a status request or a signal may land on any of
+them. See docs/scaling.md.
+
+The engine and the container never import this package: the registry (``[store]`` and
+``[boards]``), or a program, builds these parts and hands them to an engine or a container
+through their interfaces (the layers are checked by ``lint-imports``). Inside:
+
+- ``_wire``: the RESP protocol and one connection (``Connection``);
+- ``_batches`` and ``_store``: the job store, its calls batched on one connection;
+- ``_queue`` and ``_timers``: the event queue on a Stream, and suspend timers;
+- ``_relay``: a job's progress, chunks and cancels between processes (coredis);
+- ``_backplane``: the push board's writes shared between processes (coredis).
+"""
+
+from __future__ import annotations
+
+from .._errors import StoreUnavailable
+from ._queue import RedisEventQueue
+from ._store import RedisJobStore
+
+__all__ = ["RedisEventQueue", "RedisJobStore", "StoreUnavailable"]
