@@ -9,6 +9,7 @@ The engine and the container never import this package: the registry (``[store]`
 through their interfaces (the layers are checked by ``lint-imports``). Inside:
 
 - ``_wire``: the RESP protocol and one connection (``Connection``);
+- ``_scripts``: the Lua scripts, files under ``lua/`` read once at import;
 - ``_batches`` and ``_store``: the job store, its calls batched on one connection;
 - ``_queue`` and ``_timers``: the event queue on a Stream, and suspend timers;
 - ``_relay``: a job's progress, chunks and cancels between processes (coredis);

@@ -50,6 +50,7 @@ import trio
 
 from ..container._board import Boards, BoardUnavailable, Change, new_epoch
 from ..container._board_core import BoardFull, ResourceExists, ResourceNotFound, Version
+from ._scripts import load
 
 __all__ = ["RedisBackplane"]
 
@@ -57,49 +58,9 @@ _log = logging.getLogger("pipework.boards")
 
 _UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError, TimeoutError)
 
-# KEYS: meta, state, log. ARGV: op, resource, state (JSON), max_resources, log_length.
-_WRITE: Final = """
-local epoch = redis.call('HGET', KEYS[1], 'epoch')
-if not epoch then return {'unseeded'} end
-local op, resource = ARGV[1], ARGV[2]
-local exists = redis.call('HEXISTS', KEYS[2], resource) == 1
-if op == 'create' then
-  if exists then return {'exists'} end
-  local held = redis.call('HLEN', KEYS[2])
-  if held >= tonumber(ARGV[4]) then return {'full', tostring(held)} end
-elseif not exists then
-  return {'missing'}
-end
-local offset = redis.call('HINCRBY', KEYS[1], 'offset', 1)
-if op == 'delete' then
-  redis.call('HDEL', KEYS[2], resource)
-else
-  redis.call('HSET', KEYS[2], resource, '[' .. offset .. ',' .. ARGV[3] .. ']')
-end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-  'e', epoch, 'v', offset, 'op', op, 'r', resource, 'd', ARGV[3])
-return {'ok', epoch, tostring(offset)}
-"""
-
-# KEYS: meta, state, log. The board's epoch, offset, last log entry and state, at once.
-_LOAD: Final = """
-local meta = redis.call('HMGET', KEYS[1], 'epoch', 'offset')
-if not meta[1] then return false end
-local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
-local id = '0-0'
-if #last > 0 then id = last[1][1] end
-return {meta[1], meta[2], id, redis.call('HGETALL', KEYS[2])}
-"""
-
-# KEYS: meta, state. ARGV: epoch, offset, then resource, [offset, state] pairs. Only if the
-# board has no shared state: the first process to find it missing writes its copy.
-_SEED: Final = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'offset', ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
+_WRITE: Final = load("board_write").source
+_LOAD: Final = load("board_load").source
+_SEED: Final = load("board_seed").source
 
 
 def _public(url: str) -> str:

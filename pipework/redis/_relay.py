@@ -42,6 +42,7 @@ import trio
 
 from ..dispatcher._job import Job
 from ..dispatcher._status import TERMINAL
+from ._scripts import load
 
 __all__ = ["RedisRelay", "RelayTarget"]
 
@@ -50,23 +51,8 @@ _log = logging.getLogger("pipework.dispatcher")
 #: Negative answers kept about jobs whose chunks stay in their record.
 _PLAIN_MEMORY: Final = 10_000
 
-# KEYS: the streamed mark, the chunk stream, the job's channel. ARGV: chunk, ttl ms.
-_EMIT: Final = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', 'c', ARGV[1])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('PUBLISH', KEYS[3], 'c')
-return 1
-"""
-
-# KEYS: the chunk stream. ARGV: the last entry read, how many. Entries after it, flat.
-_READ: Final = """
-local out = {}
-for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])) do
-  out[#out + 1] = e[1]; out[#out + 1] = e[2][2]
-end
-return out
-"""
+_EMIT: Final = load("relay_emit").source
+_READ: Final = load("relay_read").source
 
 
 class RelayTarget(Protocol):

@@ -52,7 +52,6 @@ again.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import operator
@@ -71,6 +70,7 @@ from ..dispatcher._job import ErrorInfo, Frame, Job, JoinRecord, Progress
 from ..dispatcher._status import ACTIVE, TERMINAL, Status
 from ..dispatcher._wake import Waiting, Wake
 from ._batches import _UNREACHABLE, Batches, _Call
+from ._scripts import Script, load, terminal_statuses
 from ._wire import Arg, Connection, encode_args
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
@@ -87,175 +87,25 @@ _ENDED_KEPT: Final = 4096
 #: next (``read_own``).
 _OWN_KEPT: Final = 4096
 
-#: The terminal statuses as a Lua table literal.
-_TERMINAL_LUA: Final = "{" + ", ".join(f"['{s.value}'] = true" for s in TERMINAL) + "}"
 
-# KEYS: job, the active set, then optionally a stream. ARGV: blob, status, version, id, origin,
-# then (with the stream) an entry's field and value: the job's first event, written with
-# its record (see RedisEventQueue.create_and_submit); then, to claim it, the group, the
-# consumer, how many entries it may read, and the record's updated_at. A claim reads the
-# group's next entries for the consumer, as its XREADGROUP would (they are pending for it
-# from then on); if the job's own event is among them, its record is marked running (its
-# creator holds a worker slot for its first step) and the answer is {its entry id, the
-# entries}, else {"", the entries}, the record left queued. A read the group refuses
-# (NOGROUP: Redis restarted empty) claims nothing: what was written stays written.
-_CREATE: Final = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[4])
-if not KEYS[3] then return 1 end
-local at = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7])
-if not ARGV[8] then return 1 end
-local read = redis.pcall('XREADGROUP', 'GROUP', ARGV[8], ARGV[9], 'COUNT', ARGV[10],
-    'STREAMS', KEYS[3], '>')
-if type(read) ~= 'table' or read.err or not read[1] then return {'', {}} end
-local entries = read[1][2]
-for _, entry in ipairs(entries) do
-    if entry[1] == at then
-        redis.call('HSET', KEYS[1], 's', 'running', 'u', ARGV[11])
-        return {at, entries}
-    end
-end
-return {'', entries}
-"""
-
-# The update and status scripts answer with one integer (one reply to read, not three):
-# the new version (1 or more) once written; -1 no such record, -2 a finished record a
-# non-terminal write may not change, -3 written since at another version (nothing
-# written); -10 - v a finished record at version v that a terminal write leaves as it is.
-
-# KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
-# hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
-# ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
-# the record must still have ("" for any); then optionally (a fourth key, a stream) an
-# entry's field and value, added once the record is written (the job's next event, see
-# RedisEventQueue.update_and_put). An end is published only if someone elsewhere may wait
-# for it: the job came from another process (its origin), or a process that did
-# not create it waits for it (the field ``w``).
-_UPDATE: Final = (
-    "local terminal = "
-    + _TERMINAL_LUA
-    + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
-if not cur[1] then return -1 end
-if terminal[cur[1]] then
-  if ARGV[4] == '1' then return -10 - tonumber(cur[2]) end
-  return -2
-end
-if ARGV[12] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[12]) then
-  return -3
-end
-local v = tonumber(cur[2]) + 1
-local p = ARGV[7]
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v, 'u', '')
-if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
-  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
-end
-if ARGV[4] == '1' then
-  redis.call('SREM', p .. ':active', ARGV[3])
-  redis.call('PEXPIRE', KEYS[1], ARGV[8])
-  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
-  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[9])
-  if cur[3] ~= ARGV[11] or cur[4] then redis.call('PUBLISH', p .. ':finished', ARGV[3]) end
-  local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[10])
-  if extra > 0 then
-    local old = redis.call('ZPOPMIN', KEYS[2], extra)
-    for i = 1, #old, 2 do redis.call('DEL', p .. ':job:' .. old[i]) end
-  end
-end
-if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
-return v
-"""
-)
-
-# KEYS: job. ARGV: status (not terminal), updated_at, id, prefix, the version the record
-# must still have. A write of the status alone (and ``updated_at``, kept in ``u`` until the
-# next whole write), for a record otherwise as it was read at that version: its blob is
-# left as it is. A record written since is refused (-3), and written whole by the caller.
-_STATUS: Final = (
-    "local terminal = "
-    + _TERMINAL_LUA
-    + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'v')
-if not cur[1] then return -1 end
-if terminal[cur[1]] then return -2 end
-if tonumber(cur[2]) ~= tonumber(ARGV[5]) then return -3 end
-local v = tonumber(cur[2]) + 1
-local p = ARGV[4]
-redis.call('HSET', KEYS[1], 's', ARGV[1], 'v', v, 'u', ARGV[2])
-if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
-  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
-end
-return v
-"""
-)
-
-# KEYS: job, gone. The record for a waiter (Engine.wait) in a process that may not hear of
-# the job's end otherwise: marked so that its end is published (see _UPDATE).
-_AWAITED: Final = (
-    "local terminal = "
-    + _TERMINAL_LUA
-    + """
-local r = redis.call('HMGET', KEYS[1], 'd', 'v', 's', 'u')
-if r[1] then
-  if not terminal[r[3]] then redis.call('HSET', KEYS[1], 'w', '1') end
-  return {r[1], r[2], false, r[3], r[4]}
-end
-local g = redis.call('GET', KEYS[2])
-if g then return {false, false, g} end
-return {}
-"""
-)
-
-# KEYS: job, finished. ARGV: id, prefix. Drops a record whatever its status.
-_DELETE: Final = """
-redis.call('SREM', ARGV[2] .. ':active', ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return redis.call('DEL', KEYS[1])
-"""
-
-# KEYS: finished. ARGV: now (wall), prefix. Drops finished records past their time.
-_EXPIRE: Final = """
-local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-for _, id in ipairs(old) do redis.call('DEL', ARGV[2] .. ':job:' .. id) end
-if #old > 0 then redis.call('ZREM', KEYS[1], unpack(old)) end
-return #old
-"""
-
-# KEYS: the active set, then (optionally) the finished sorted set. ARGV: prefix.
-_LIST: Final = """
-local out = {}
-for _, key in ipairs(KEYS) do
-  local ids
-  if redis.call('TYPE', key).ok == 'zset' then ids = redis.call('ZRANGE', key, 0, -1)
-  else ids = redis.call('SMEMBERS', key) end
-  for _, id in ipairs(ids) do
-    local r = redis.call('HMGET', ARGV[1] .. ':job:' .. id, 'd', 'v', 's', 'u')
-    if r[1] then
-      out[#out + 1] = r[1]; out[#out + 1] = r[2]; out[#out + 1] = r[3]; out[#out + 1] = r[4]
-    end
-  end
-end
-return out
-"""
-
-_RELEASE: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+def _load(name: str) -> Script:
+    """The store's script ``name`` (``lua/store_{name}.lua``). A script that tells finished
+    jobs apart lists the terminal statuses itself: the engine's, or this module refuses to
+    load."""
+    script = load(f"store_{name}")
+    wanted = {status.value for status in TERMINAL}
+    if "local terminal" in script.source and terminal_statuses(script) != wanted:
+        raise RuntimeError(f"lua/store_{name}.lua's terminal statuses are not {sorted(wanted)}")
+    return script
 
 
-_SOURCES: Final = {
-    "create": _CREATE,
-    "update": _UPDATE,
-    "status": _STATUS,
-    "awaited": _AWAITED,
-    "delete": _DELETE,
-    "expire": _EXPIRE,
-    "list": _LIST,
-    "release": _RELEASE,
+_SCRIPTS: Final = {
+    name: _load(name)
+    for name in ("create", "update", "status", "awaited", "delete", "expire", "list", "release")
 }
-_SHAS: Final = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in _SOURCES.items()}
+#: The scripts' sources and SHA1s by name (a store's calls name the script they run).
+_SOURCES: Final = {name: script.source for name, script in _SCRIPTS.items()}
+_SHAS: Final = {name: script.sha for name, script in _SCRIPTS.items()}
 
 #: The update script's last argument when the record may have any version.
 _ANY_VERSION: Final = encode_args([""])

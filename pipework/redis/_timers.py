@@ -17,7 +17,6 @@ tests holds) and other processes' agree as far as the machines' wall clocks do.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 import time
@@ -26,21 +25,13 @@ from typing import Any, Final
 
 import trio
 
+from ._scripts import load
 from ._wire import Arg, ReplyError
 
 __all__ = ["RedisTimers"]
 
-# KEYS: the timers' sorted set, the event stream. ARGV: now (score), how many at most, the
-# stream's field. Moves every due timer onto the stream, once.
-_CLAIM: Final = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
-for _, event in ipairs(due) do
-  redis.call('XADD', KEYS[2], '*', ARGV[3], event)
-  redis.call('ZREM', KEYS[1], event)
-end
-return #due
-"""
-_CLAIM_SHA: Final = hashlib.sha1(_CLAIM.encode()).hexdigest()
+#: Moves every due timer onto the event stream, once.
+_CLAIM: Final = load("timers_claim")
 
 
 class RedisTimers:
@@ -144,10 +135,10 @@ class RedisTimers:
         score = repr(now + self.shift())
         args: list[Arg] = [2, self.key, self.stream, score, self.batch, self.field]
         while True:
-            (reply,) = await self._call([["EVALSHA", _CLAIM_SHA, *args]])
+            (reply,) = await self._call([["EVALSHA", _CLAIM.sha, *args]])
             if isinstance(reply, ReplyError) and reply.code == "NOSCRIPT":
                 # A new or restarted server: the script goes along once (then it is cached).
-                (reply,) = await self._call([["EVAL", _CLAIM, *args]])
+                (reply,) = await self._call([["EVAL", _CLAIM.source, *args]])
             fired = int(_answered([reply]))
             self.fired += fired
             if fired < self.batch:

@@ -1,0 +1,27 @@
+-- A job's record created (_store.py), never over an existing one (0 then).
+-- KEYS: job, the active set, then optionally a stream. ARGV: blob, status, version, id,
+-- origin, then (with the stream) an entry's field and value: the job's first event, written
+-- with its record (see RedisEventQueue.create_and_submit); then, to claim it, the group, the
+-- consumer, how many entries it may read, and the record's updated_at. A claim reads the
+-- group's next entries for the consumer, as its XREADGROUP would (they are pending for it
+-- from then on); if the job's own event is among them, its record is marked running (its
+-- creator holds a worker slot for its first step) and the answer is {its entry id, the
+-- entries}, else {"", the entries}, the record left queued. A read the group refuses
+-- (NOGROUP: Redis restarted empty) claims nothing: what was written stays written.
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[4])
+if not KEYS[3] then return 1 end
+local at = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7])
+if not ARGV[8] then return 1 end
+local read = redis.pcall('XREADGROUP', 'GROUP', ARGV[8], ARGV[9], 'COUNT', ARGV[10],
+    'STREAMS', KEYS[3], '>')
+if type(read) ~= 'table' or read.err or not read[1] then return {'', {}} end
+local entries = read[1][2]
+for _, entry in ipairs(entries) do
+    if entry[1] == at then
+        redis.call('HSET', KEYS[1], 's', 'running', 'u', ARGV[11])
+        return {at, entries}
+    end
+end
+return {'', entries}

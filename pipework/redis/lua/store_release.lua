@@ -1,0 +1,4 @@
+-- A job's lock let go, by its holder only.
+-- KEYS: the lock. ARGV: the holder's token.
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0

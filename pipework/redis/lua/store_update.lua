@@ -1,0 +1,44 @@
+-- A job's record written whole (_store.py). Answers one integer: the new version (1 or
+-- more) once written; -1 no such record, -2 a finished record a non-terminal write may not
+-- change, -3 written since at another version (nothing written); -10 - v a finished record
+-- at version v that a terminal write leaves as it is.
+-- KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
+-- hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
+-- ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
+-- the record must still have ("" for any); then optionally (a fourth key, a stream) an
+-- entry's field and value, added once the record is written (the job's next event, see
+-- RedisEventQueue.update_and_put). An end is published only if someone elsewhere may wait
+-- for it: the job came from another process (its origin), or a process that did not
+-- create it waits for it (the field w).
+--
+-- The terminal statuses (pipework.dispatcher's TERMINAL; _store.py checks the table).
+local terminal = {['cancelled'] = true, ['done'] = true, ['expired'] = true, ['failed'] = true}
+local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
+if not cur[1] then return -1 end
+if terminal[cur[1]] then
+  if ARGV[4] == '1' then return -10 - tonumber(cur[2]) end
+  return -2
+end
+if ARGV[12] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[12]) then
+  return -3
+end
+local v = tonumber(cur[2]) + 1
+local p = ARGV[7]
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', v, 'u', '')
+if redis.call('EXISTS', p .. ':watch:' .. ARGV[3]) == 1 then
+  redis.call('PUBLISH', p .. ':relay:' .. ARGV[3], v)
+end
+if ARGV[4] == '1' then
+  redis.call('SREM', p .. ':active', ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[8])
+  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
+  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[9])
+  if cur[3] ~= ARGV[11] or cur[4] then redis.call('PUBLISH', p .. ':finished', ARGV[3]) end
+  local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[10])
+  if extra > 0 then
+    local old = redis.call('ZPOPMIN', KEYS[2], extra)
+    for i = 1, #old, 2 do redis.call('DEL', p .. ':job:' .. old[i]) end
+  end
+end
+if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
+return v
