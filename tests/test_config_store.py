@@ -13,6 +13,7 @@ import trio
 import pipework as pw
 from pipework.container import BoundAddress
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.registry import _config_redis
 from pipework.registry._config import ConfigError, config_from_dict
 from pipework.registry._gateway import Gateway
 
@@ -55,6 +56,27 @@ def test_the_redis_store_and_queue_are_built_from_the_file() -> None:
     )
     assert isinstance(queue, RedisEventQueue)
     assert (queue.stream, queue.capacity, queue.claim_idle) == ("shop:events", 7, 5)
+
+
+@pytest.mark.parametrize("section", ["store", "boards"])
+def test_without_hiredis_redis_is_served_and_the_slower_reader_warned_about(
+    section: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The redis extra brings only hiredis's C reader of replies: without it pipework reads
+    them in Python, and says so."""
+    monkeypatch.setattr(_config_redis, "c_reader_installed", lambda: False)
+    switch = "backend" if section == "store" else "backplane"
+    config = config_from_dict(
+        {**ROUTES, section: {switch: "redis", "url": "redis://redis.internal:6379/2"}}
+    )
+    (warning,) = [str(w) for w in config.warnings if f"{section}.{switch}" in str(w)]
+    assert "hiredis is not installed" in warning
+    assert "pip install 'pipework[redis]'" in warning
+    monkeypatch.undo()
+    config = config_from_dict(
+        {**ROUTES, section: {switch: "redis", "url": "redis://redis.internal:6379/2"}}
+    )
+    assert not [w for w in config.warnings if "hiredis" in str(w)]
 
 
 def test_the_url_may_come_from_the_environment() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import secrets
 import subprocess
 import sys
@@ -25,9 +26,10 @@ import trio
 
 import pipework as pw
 from pipework.dispatcher._events import Expire, RunJob
-from pipework.dispatcher._job import JobView
+from pipework.dispatcher._job import Job, JobView
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._queue import decode_event, encode_event
+from pipework.redis._relay import RedisRelay
 from pipework.redis._timers import RedisTimers
 from pipework.redis._wire import Arg, Connection
 
@@ -262,6 +264,52 @@ async def test_an_unwatched_job_publishes_nothing(redis_server: RedisServer, sha
                     async for message in sub:
                         assert message["data"] == b"sentinel"
                         break
+
+
+class _Followed:
+    """A relay's target that counts its reads of a job that stays queued."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.read_again = trio.Event()
+
+    def interrupt(self, job_id: str) -> None:
+        pass
+
+    async def read(self, job_id: str) -> Job:
+        self.reads += 1
+        self.read_again.set()
+        self.read_again = trio.Event()
+        return Job.accepted(job_id, "c", {}, "corr", math.inf, None, None, 1, 0.0, False, 0.0)
+
+    def changed(self, job: Job) -> None:
+        pass
+
+    async def until_read(self, times: int) -> None:
+        while self.reads < times:
+            await self.read_again.wait()
+
+
+async def test_a_relay_whose_subscription_dropped_reads_every_followed_job_again(
+    redis_server: RedisServer,
+) -> None:
+    """Redis drops the relay's subscription (CLIENT KILL): it subscribes again, and reads
+    every job it follows again, since what was published meanwhile was lost."""
+    relay = RedisRelay(redis_server.url, prefix=_prefix())
+    relay._subscription.retry = 0.01
+    target = _Followed()
+    killer = await Connection.open(redis_server.url)
+    try:
+        with trio.fail_after(30):
+            async with relay, trio.open_nursery() as nursery:
+                await nursery.start(relay.run, target)
+                relay.watch("j")
+                await target.until_read(1)  # once subscribed and marked
+                await killer.call([["CLIENT", "KILL", "TYPE", "pubsub"]])
+                await target.until_read(2)
+                nursery.cancel_scope.cancel()
+    finally:
+        await killer.aclose()
 
 
 # -- cancel ------------------------------------------------------------------------------

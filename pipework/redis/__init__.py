@@ -8,12 +8,18 @@ The engine and the container never import this package: the registry (``[store]`
 ``[boards]``), or a program, builds these parts and hands them to an engine or a container
 through their interfaces (the layers are checked by ``lint-imports``). Inside:
 
-- ``_wire``: the RESP protocol and one connection (``Connection``);
+- ``_wire``: the RESP protocol and one connection (``Connection``), read by hiredis's C
+  reader when it is installed (a Python reader otherwise);
+- ``_client``: on top of it, a connection concurrent callers share (``Client``), and a
+  pub/sub subscription that is made again after every reconnect (``Subscription``);
 - ``_scripts``: the Lua scripts, files under ``lua/`` read once at import;
 - ``_batches`` and ``_store``: the job store, its calls batched on one connection;
 - ``_queue`` and ``_timers``: the event queue on a Stream, and suspend timers;
-- ``_relay``: a job's progress, chunks and cancels between processes (coredis);
-- ``_backplane``: the push board's writes shared between processes (coredis).
+- ``_relay``: a job's progress, chunks and cancels between processes;
+- ``_backplane``: the push board's writes shared between processes.
+
+One client speaks to Redis for all of them: pipework's own (see docs/design.md, "One Redis
+client").
 """
 
 from __future__ import annotations

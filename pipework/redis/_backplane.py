@@ -40,35 +40,25 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final
 
-import coredis
-import coredis.exceptions
-import coredis.retry
 import trio
 
+# The board's types: the one place this module says where the board lives.
 from ..container._board import Boards, BoardUnavailable, Change, new_epoch
 from ..container._board_core import BoardFull, ResourceExists, ResourceNotFound, Version
-from ._scripts import load
+from ._client import Client
+from ._scripts import Script, load
+from ._wire import UNREACHABLE, Arg, Connection, ConnectionLost, ReplyError, public_url
 
 __all__ = ["RedisBackplane"]
 
 _log = logging.getLogger("pipework.boards")
 
-_UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError, TimeoutError)
-
-_WRITE: Final = load("board_write").source
-_LOAD: Final = load("board_load").source
-_SEED: Final = load("board_seed").source
-
-
-def _public(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+_WRITE: Final = load("board_write")
+_LOAD: Final = load("board_load")
+_SEED: Final = load("board_seed")
 
 
 def _text(value: Any) -> str:
@@ -101,8 +91,10 @@ class RedisBackplane:
         self.block = block
         self.log_length = log_length
         self._boards: Boards | None = None
-        self._client: coredis.Redis[bytes] | None = None
-        self._scripts: dict[str, Any] = {}
+        #: The writes' connection (and the loads'), while :meth:`run` runs.
+        self._client: Client | None = None
+        #: The reader's connection, for its blocking reads.
+        self._reader: Connection | None = None
         #: Per shared board: the last log entry applied here (absent: not loaded yet).
         self._read_from: dict[str, str] = {}
         #: Boards whose log showed a gap: reloaded and reconciled before reading on.
@@ -132,16 +124,16 @@ class RedisBackplane:
         args = [change.op, change.resource, data, settings.max_resources, self.log_length]
         if self._failure is not None:  # fail at once while Redis is known to be away
             raise BoardUnavailable(
-                f"the board backplane at {_public(self.url)} cannot be reached ({self._failure})"
+                f"the board backplane at {public_url(self.url)} cannot be reached ({self._failure})"
             )
         with trio.move_on_after(self.io_timeout) as waited:
             await self._until(lambda: change.board in self._read_from)
         if waited.cancelled_caught:
             raise BoardUnavailable(
-                f"the board backplane at {_public(self.url)} is not connected yet "
+                f"the board backplane at {public_url(self.url)} is not connected yet "
                 f"(board {change.board!r})"
             )
-        reply = await self._script("write", _WRITE, self._keys(change.board), args)
+        reply = await self._script(_WRITE, self._keys(change.board), args)
         status = _text(reply[0])
         if status == "exists":
             raise ResourceExists(change.resource)
@@ -151,7 +143,7 @@ class RedisBackplane:
             raise BoardFull(f"the board holds {_text(reply[1])} resources, its limit", "resources")
         if status == "unseeded":
             raise BoardUnavailable(
-                f"board {change.board!r} is being restored on {_public(self.url)}"
+                f"board {change.board!r} is being restored on {public_url(self.url)}"
             )
         version = Version(int(_text(reply[1])), int(_text(reply[2])))
         # Answered once applied here (in log order): a read after it sees it. If the reader
@@ -176,35 +168,25 @@ class RedisBackplane:
         self._progress.set()
         self._progress = trio.Event()
 
-    async def _script(self, name: str, source: str, keys: list[str], args: list[Any]) -> Any:
+    async def _script(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         """One script, shielded and bounded: a write the caller was cancelled during has
         happened or not, never "perhaps", and the connection is not left mid-answer."""
         client = self._client
         if client is None:
-            raise BoardUnavailable(f"the board backplane at {_public(self.url)} is not running")
-        script = self._scripts.get(name)
-        if script is None:
-            script = self._scripts[name] = client.register_script(source)
-        return await self._io(lambda: script(keys=keys, args=args))
-
-    async def _io(self, request: Callable[[], Awaitable[Any]]) -> Any:
+            raise BoardUnavailable(f"the board backplane at {public_url(self.url)} is not running")
         with trio.move_on_after(self.io_timeout, shield=True):
             try:
-                return await request()
-            except _UNREACHABLE as exc:
+                return await client.script(script, keys, args)
+            except UNREACHABLE as exc:
                 raise self._unavailable(exc) from exc
-            except BaseExceptionGroup as group:  # the client's task group reports it so
-                unreachable, rest = group.split(_UNREACHABLE)
-                if unreachable is None or rest is not None:
-                    raise
-                raise self._unavailable(unreachable.exceptions[0]) from group
         raise BoardUnavailable(
-            f"the board backplane at {_public(self.url)} did not answer within {self.io_timeout:g}s"
+            f"the board backplane at {public_url(self.url)} did not answer within "
+            f"{self.io_timeout:g}s"
         )
 
     def _unavailable(self, exc: BaseException) -> BoardUnavailable:
         return BoardUnavailable(
-            f"the board backplane at {_public(self.url)} cannot be reached ({exc})"
+            f"the board backplane at {public_url(self.url)} cannot be reached ({exc})"
         )
 
     # -- reading -------------------------------------------------------------------------
@@ -212,24 +194,19 @@ class RedisBackplane:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read every shared board's log until cancelled; reports started at once (writes
         wait for their board to be loaded, or fail after ``io_timeout``)."""
-        # No retries inside the client: a write sent twice would be applied twice.
-        client: coredis.Redis[bytes] = coredis.Redis.from_url(
-            self.url, retry_policy=coredis.retry.NoRetryPolicy()
-        )
+        # A write is sent once: if its answer is lost, it may have happened (no retries).
+        self._client = Client(self.url, timeout=self.io_timeout)
         task_status.started()
         try:
-            async with client:
-                self._client = client
-                await self._read_loop()
-        except BaseExceptionGroup as group:
-            # The client's own task group reports a lost connection at exit so; the loop
-            # has already said what happened.
-            _, rest = group.split(_UNREACHABLE)
-            if rest is not None:
-                raise rest from None
+            await self._read_loop()
         finally:
-            self._client, self._scripts = None, {}
+            client, self._client = self._client, None
+            reader, self._reader = self._reader, None
             self._read_from.clear()
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+                if reader is not None:
+                    await reader.aclose()
 
     async def _read_loop(self) -> None:
         delay = 0.05
@@ -239,10 +216,10 @@ class RedisBackplane:
                 self._failure = None
                 await self._read()
                 delay = 0.05
-            except (*_UNREACHABLE, BoardUnavailable) as exc:
+            except (*UNREACHABLE, BoardUnavailable) as exc:
                 _log.warning(
                     "pipework: the board backplane at %s failed (%s); retrying in %gs",
-                    _public(self.url),
+                    public_url(self.url),
                     exc,
                     delay,
                 )
@@ -272,23 +249,23 @@ class RedisBackplane:
     async def _load(self, board: str) -> None:
         assert self._boards is not None
         keys = self._keys(board)
-        reply = await self._script("load", _LOAD, keys, [])
+        reply = await self._script(_LOAD, keys, [])
         if reply is None:
             core = self._boards.cores[board]
             pairs: list[Any] = []
             for resource, (offset, data) in core.snapshot().items():
                 pairs += [resource, json.dumps([offset, data], separators=(",", ":"))]
             epoch = new_epoch()
-            if await self._script("seed", _SEED, keys[:2], [epoch, core.position.offset, *pairs]):
+            if await self._script(_SEED, keys[:2], [epoch, core.position.offset, *pairs]):
                 _log.warning(
                     "pipework: board %r had no shared state on %s: wrote this process's "
                     "copy (%d resources) under epoch %d",
                     board,
-                    _public(self.url),
+                    public_url(self.url),
                     len(pairs) // 2,
                     epoch,
                 )
-            reply = await self._script("load", _LOAD, keys, [])
+            reply = await self._script(_LOAD, keys, [])
             if reply is None:
                 raise BoardUnavailable(f"board {board!r} vanished while it was loaded")
         epoch, offset = int(_text(reply[0])), int(_text(reply[1]))
@@ -307,22 +284,40 @@ class RedisBackplane:
         self._read_from[board] = _text(reply[2])
 
     async def _read(self) -> None:
-        assert self._client is not None
         names = {self._keys(b)[2]: b for b in self._read_from}
         if not names:
             await trio.sleep(self.block)
             return
-        client = self._client
-        streams = {key: self._read_from[board] for key, board in names.items()}
-        reply = await client.xread(streams=streams, count=1000, block=int(self.block * 1000))
-        for key, entries in (reply or {}).items():
-            board = names[_text(key)]
-            for entry in entries:
+        streams = list(names)
+        command: list[Arg] = ["XREAD", "COUNT", 1000, "BLOCK", int(self.block * 1000), "STREAMS"]
+        command += streams
+        command += [self._read_from[names[key]] for key in streams]
+        reply = await self._blocking_read(command)
+        if isinstance(reply, ReplyError):
+            raise reply
+        for key, entries in reply or ():
+            board = names[key.decode()]
+            for identifier, fields in entries:
                 if board in self._stale or board not in self._read_from:
                     break
-                self._receive(board, entry.field_values)
-                self._read_from[board] = _text(entry.identifier)
+                self._receive(board, dict(zip(fields[::2], fields[1::2], strict=True)))
+                self._read_from[board] = identifier.decode()
         self._moved()
+
+    async def _blocking_read(self, command: list[Arg]) -> Any:
+        """One blocking read on the reader's own connection (so writes never wait behind
+        it), bounded: a Redis gone silent is taken for gone."""
+        if self._reader is None or self._reader.closed:
+            self._reader = None
+            with trio.move_on_after(self.io_timeout):
+                self._reader = await Connection.open(self.url)
+            if self._reader is None:
+                raise ConnectionLost(f"no connection within {self.io_timeout:g}s")
+        reader = self._reader
+        with trio.move_on_after(self.block + self.io_timeout):
+            (reply,) = await reader.call([command])
+            return reply
+        raise ConnectionLost(f"no answer within {self.block + self.io_timeout:g}s")
 
     def _receive(self, board: str, fields: Any) -> None:
         assert self._boards is not None

@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import StoreUnavailable
-from ._wire import Command, Connection, ReplyError
+from ._wire import UNREACHABLE, Command, Connection, ReplyError, public_url
 
 __all__ = ["Batches"]
 
@@ -51,9 +51,6 @@ _PASSES: Final = 3
 #: _FLIGHTS). A whole pass's calls in one batch would leave Redis idle while this process
 #: runs them, and this process idle while Redis runs theirs.
 _EARLY: Final = 8
-
-#: What a lost or refused connection raises (a batch cut short, a refused connect).
-_UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class _Call:
@@ -169,7 +166,7 @@ class Batches:
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(
-            f"the job store at {_public(self.url)} cannot be reached ({exc}); retry later"
+            f"the job store at {public_url(self.url)} cannot be reached ({exc}); retry later"
         )
 
     async def _run(self, command: Command, script: str | None = None) -> Any:
@@ -261,7 +258,7 @@ class Batches:
 
     def _no_answer(self) -> StoreUnavailable:
         return StoreUnavailable(
-            f"the job store at {_public(self.url)} did not answer within {self.io_timeout:g}s"
+            f"the job store at {public_url(self.url)} did not answer within {self.io_timeout:g}s"
         )
 
     async def _fly(self) -> None:
@@ -275,7 +272,7 @@ class Batches:
         try:
             try:
                 replies = await self._wait(functools.partial(self._round_trip, flight))
-            except _UNREACHABLE as exc:
+            except UNREACHABLE as exc:
                 raise self._unavailable(exc) from exc
             self._take(batch, replies)
         except Exception as exc:
@@ -417,8 +414,9 @@ class Batches:
         """A command's error reply, for its caller: a server that is loading its data or
         cannot write is unavailable for now; anything else is a bug, raised as it is."""
         if reply.code in ("LOADING", "MASTERDOWN", "READONLY", "BUSY", "OOM", "MISCONF"):
+            where = public_url(self.url)
             return StoreUnavailable(
-                f"the job store at {_public(self.url)} refused the command ({reply}); retry later"
+                f"the job store at {where} refused the command ({reply}); retry later"
             )
         return reply
 
@@ -440,11 +438,3 @@ class Batches:
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
         """Every round trip goes through here (tests under a mock clock wrap it)."""
         return await request()
-
-
-def _public(url: str) -> str:
-    """The URL without its password, for messages."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -53,11 +53,10 @@ from .._errors import Overloaded, StoreUnavailable
 from ..dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
 from ..dispatcher._job import Job
 from ..dispatcher._queue import QueueStatistics
-from ._batches import _UNREACHABLE, _public
 from ._relay import RedisRelay
 from ._store import RedisJobStore
 from ._timers import RedisTimers
-from ._wire import Arg, Command, Connection, ReplyError, encode_args
+from ._wire import UNREACHABLE, Arg, Command, Connection, ReplyError, encode_args, public_url
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 
@@ -160,7 +159,7 @@ class RedisEventQueue:
         if store is not None and store.url != url:
             raise ValueError(
                 f"the queue shares the store's connection: give both the same URL "
-                f"(the store's is {_public(store.url)}, the queue's {_public(url)})"
+                f"(the store's is {public_url(store.url)}, the queue's {public_url(url)})"
             )
         if capacity < 1:
             raise ValueError(f"queue capacity must be at least 1, got {capacity}")
@@ -681,11 +680,11 @@ class RedisEventQueue:
         while True:
             try:
                 return await fn(*args)
-            except (*_UNREACHABLE, StoreUnavailable) as exc:
+            except (*UNREACHABLE, StoreUnavailable) as exc:
                 _log.warning(
                     "pipework: %s on %s failed (%s); retrying in %gs",
                     what,
-                    _public(self.url),
+                    public_url(self.url),
                     exc,
                     delay,
                 )

@@ -35,14 +35,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Final, Protocol
 
-import coredis
-import coredis.exceptions
 import msgpack
 import trio
 
 from ..dispatcher._job import Job
 from ..dispatcher._status import TERMINAL
+from ._client import Client, Subscription
 from ._scripts import load
+from ._wire import UNREACHABLE, ReplyError
 
 __all__ = ["RedisRelay", "RelayTarget"]
 
@@ -51,8 +51,11 @@ _log = logging.getLogger("pipework.dispatcher")
 #: Negative answers kept about jobs whose chunks stay in their record.
 _PLAIN_MEMORY: Final = 10_000
 
-_EMIT: Final = load("relay_emit").source
-_READ: Final = load("relay_read").source
+_EMIT: Final = load("relay_emit")
+_READ: Final = load("relay_read")
+
+#: What a command of the relay's that could not be made raises.
+_FAILED: Final = (*UNREACHABLE, ReplyError)
 
 
 class RelayTarget(Protocol):
@@ -86,9 +89,18 @@ class RedisRelay:
         self.url = url
         self.prefix = prefix
         self.lease = lease
-        self._client: coredis.Redis[bytes] | None = None
-        self._pubsub: Any = None
-        self._scripts: dict[str, Any] = {}
+        self._client: Client | None = None
+        # The process's one subscription: the broadcast channels and the channel of every
+        # job followed here. Ends are not listened for here: the engine hears them already
+        # (the store's subscription) and tells :meth:`ended`, so each end is decoded once
+        # per process.
+        self._subscription = Subscription(
+            url,
+            [f"{prefix}:cancel"],
+            what="the relay's subscription",
+            # A loaded machine may take more than a second to confirm.
+            confirm_timeout=10.0,
+        )
         self._channels: dict[str, int] = {}  # job id -> users of its channel here
         self._watched: dict[str, int] = {}  # job id -> newest version told here
         self._readers: dict[str, _Reader] = {}
@@ -110,16 +122,17 @@ class RedisRelay:
 
     async def __aenter__(self) -> RedisRelay:
         # Opened before the engine's nursery and closed after it (the event queue does
-        # both): the client's connections must outlive the tasks that use them.
-        client: coredis.Redis[bytes] = coredis.Redis.from_url(self.url)
-        await client.__aenter__()
-        self._client = client
+        # both): the connection must outlive the tasks that use it. Its commands (marks,
+        # leases, reads, cancel notices) may run twice, so a batch that finds its idle
+        # connection dropped (Redis restarted) goes again at once rather than failing; a
+        # chunk whose append Redis ran just before the connection broke may so come twice.
+        self._client = Client(self.url, resend_stale=True)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        client, self._client, self._scripts = self._client, None, {}
+        client, self._client = self._client, None
         if client is not None:
-            await client.__aexit__(None, None, None)
+            await client.aclose()
 
     async def run(
         self, target: RelayTarget, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -139,42 +152,21 @@ class RedisRelay:
             self.running = False
 
     async def _listen(self, *, task_status: trio.TaskStatus[None]) -> None:
-        """The process's one subscription: the broadcast channels and the channel of every
-        job followed here, subscribed again after Redis came back."""
-        # Ends are not listened for here: the engine hears them already (the store's
-        # subscription) and tells :meth:`ended`, so each end is decoded once per process.
-        broadcast = [f"{self.prefix}:cancel"]
-        started = False
-        while True:
-            channels = broadcast + [self._key("relay", job_id) for job_id in self._channels]
-            try:
-                async with self._redis().pubsub(
-                    channels=channels,
-                    ignore_subscribe_messages=True,
-                    # A loaded machine may take more than the client's default second.
-                    subscription_timeout=10,
-                ) as pubsub:
-                    self._pubsub = pubsub
-                    if started:
-                        self._resubscribed()
-                    else:
-                        started = True
-                        task_status.started()
-                    async for message in pubsub:
-                        self._on_message(message)
-            except (coredis.exceptions.RedisError, OSError, TimeoutError) as exc:
-                if not started:
-                    raise
-                _log.warning("pipework: the relay's subscription ended (%s); again in 1s", exc)
-            finally:
-                self._pubsub = None
-            await trio.sleep(1.0)
+        """The subscription, made again after Redis came back (then every followed job is
+        read again)."""
+        made = 0
 
-    def _on_message(self, message: Any) -> None:
-        channel = message["channel"]
-        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
-        data = message["data"]
-        data = data.decode() if isinstance(data, bytes) else str(data)
+        def live() -> None:
+            nonlocal made
+            made += 1
+            if made > 1:
+                self._resubscribed()
+
+        await self._subscription.run(self._on_message, live=live, task_status=task_status)
+
+    def _on_message(self, channel_name: bytes, message: bytes) -> None:
+        channel = channel_name.decode(errors="replace")
+        data = message.decode(errors="replace")
         kind, _, job_id = channel[len(self.prefix) + 1 :].partition(":")
         assert self._target is not None
         try:
@@ -240,18 +232,18 @@ class RedisRelay:
             self._have_watch = trio.Event()
             released, self._to_release = self._to_release, []
             for job_id in released:
-                with contextlib.suppress(coredis.exceptions.RedisError, OSError):
+                with contextlib.suppress(*_FAILED):
                     keys = [self._key("streamed", job_id), self._key("chunks", job_id)]
-                    await self._redis().delete(keys)
+                    await self._redis().call("DEL", *keys)
                 await self._unsubscribe(job_id)
             batch, self._to_watch = self._to_watch, []
             for job_id in batch:
                 try:
                     await self._subscribe(job_id)
-                    await self._redis().set(
-                        self._key("watch", job_id), b"1", px=int(self.lease * 1000)
+                    await self._redis().call(
+                        "SET", self._key("watch", job_id), b"1", "PX", int(self.lease * 1000)
                     )
-                except (coredis.exceptions.RedisError, OSError, TimeoutError) as exc:
+                except _FAILED as exc:
                     _log.warning("pipework: watching job %s failed: %s", job_id, exc)
                     self._watched.pop(job_id, None)
                     continue
@@ -282,23 +274,24 @@ class RedisRelay:
     async def _unwatch(self, job_id: str) -> None:
         if self._watched.pop(job_id, None) is None:
             return
-        with contextlib.suppress(coredis.exceptions.RedisError, OSError):
-            await self._redis().delete([self._key("watch", job_id)])
+        with contextlib.suppress(*_FAILED):
+            await self._redis().call("DEL", self._key("watch", job_id))
         await self._unsubscribe(job_id)
 
     async def _subscribe(self, job_id: str) -> None:
+        """Hear the job's channel (once Redis has confirmed it, or, while Redis is away, as
+        soon as the subscription is made again)."""
         users = self._channels.get(job_id, 0)
         self._channels[job_id] = users + 1
-        if users == 0 and self._pubsub is not None:  # else subscribed when it reconnects
-            await self._pubsub.subscribe(self._key("relay", job_id))
+        if users == 0:
+            await self._subscription.subscribe(self._key("relay", job_id))
 
     async def _unsubscribe(self, job_id: str) -> None:
         users = self._channels.pop(job_id, 0) - 1
         if users > 0:
             self._channels[job_id] = users
-        elif self._pubsub is not None:
-            with contextlib.suppress(coredis.exceptions.RedisError, OSError):
-                await self._pubsub.unsubscribe(self._key("relay", job_id))
+        else:
+            await self._subscription.unsubscribe(self._key("relay", job_id))
 
     async def _lease_loop(self) -> None:
         """Keep this process's marks alive while it lives."""
@@ -309,11 +302,10 @@ class RedisRelay:
                 keys += [self._key("streamed", job_id), self._key("chunks", job_id)]
             if not keys:
                 continue
+            lease = int(self.lease * 1000)
             try:
-                async with self._redis().pipeline(transaction=False) as pipe:
-                    for key in keys:
-                        pipe.pexpire(key, int(self.lease * 1000))
-            except (coredis.exceptions.RedisError, OSError) as exc:
+                await self._redis().pipeline([["PEXPIRE", key, lease] for key in keys])
+            except _FAILED as exc:
                 _log.warning("pipework: refreshing relay marks failed: %s", exc)
 
     # -- streamed chunks -----------------------------------------------------------------
@@ -323,7 +315,8 @@ class RedisRelay:
         through :meth:`chunks` here, wherever its steps run."""
         self._readers[job_id] = _Reader()
         await self._subscribe(job_id)
-        await self._redis().set(self._key("streamed", job_id), b"1", px=int(self.lease * 1000))
+        lease = int(self.lease * 1000)
+        await self._redis().call("SET", self._key("streamed", job_id), b"1", "PX", lease)
 
     def close_stream(self, job_id: str) -> None:
         """Let the job's stream go (read to its end, left early, or never read): its keys
@@ -340,8 +333,8 @@ class RedisRelay:
             while True:
                 reader.notice = trio.Event()
                 ended = reader.ended  # read before the entries: none can come after an end
-                entries = await self._script("read", _READ)(
-                    keys=[self._key("chunks", job_id)], args=[last, batch]
+                entries = await self._redis().script(
+                    _READ, [self._key("chunks", job_id)], [last, batch]
                 )
                 for i in range(0, len(entries), 2):
                     last = entries[i]
@@ -368,7 +361,7 @@ class RedisRelay:
         data = msgpack.packb(chunk, use_bin_type=True)
         keys = [self._key("streamed", job_id), self._key("chunks", job_id)]
         keys.append(self._key("relay", job_id))
-        appended = await self._script("emit", _EMIT)(keys=keys, args=[data, int(self.lease * 1000)])
+        appended = await self._redis().script(_EMIT, keys, [data, int(self.lease * 1000)])
         if not appended:
             self._plain[job_id] = None
             if len(self._plain) > _PLAIN_MEMORY:
@@ -388,24 +381,17 @@ class RedisRelay:
             await self._have_cancels.wait()
             self._have_cancels = trio.Event()
             batch, self._cancels = self._cancels, []
+            channel = f"{self.prefix}:cancel"
             try:
-                async with self._redis().pipeline(transaction=False) as pipe:
-                    for job_id in batch:
-                        pipe.publish(f"{self.prefix}:cancel", job_id)
-            except (coredis.exceptions.RedisError, OSError) as exc:
+                await self._redis().pipeline([["PUBLISH", channel, job_id] for job_id in batch])
+            except _FAILED as exc:
                 # Best effort: the record says cancelled already, and the step ends at its
                 # next write.
                 _log.warning("pipework: publishing %d cancels failed: %s", len(batch), exc)
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _redis(self) -> coredis.Redis[bytes]:
+    def _redis(self) -> Client:
         if self._client is None:
             raise RuntimeError("the relay is not running")
         return self._client
-
-    def _script(self, name: str, source: str) -> Any:
-        script = self._scripts.get(name)
-        if script is None:
-            script = self._scripts[name] = self._redis().register_script(source)
-        return script

@@ -69,9 +69,10 @@ from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ..dispatcher._job import ErrorInfo, Frame, Job, JoinRecord, Progress
 from ..dispatcher._status import ACTIVE, TERMINAL, Status
 from ..dispatcher._wake import Waiting, Wake
-from ._batches import _UNREACHABLE, Batches, _Call
+from ._batches import Batches, _Call
+from ._client import Subscription
 from ._scripts import Script, load, terminal_statuses
-from ._wire import Arg, Connection, encode_args
+from ._wire import UNREACHABLE, Arg, Connection, encode_args
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
 
@@ -721,40 +722,29 @@ class RedisJobStore(Batches):
         """Call ``finished(job_id)`` for every job any process finishes (published by the
         update that records the end), until cancelled: whoever waits here for a job that
         another process ran hears of its end. Reconnects while Redis is away."""
-        channel = f"{self.prefix}:finished"
-        started = False
+
+        def heard(channel: bytes, data: bytes) -> None:
+            job_id = data.decode()
+            self._active.pop(job_id, None)  # before the waiter wakes
+            finished(job_id)
+
+        def live() -> None:
+            self._subscribed += 1
+
+        def dropped() -> None:
+            # Ends published until it subscribes again are not heard: whoever waits reads
+            # the record from now on.
+            self._subscribed -= 1
+            self._deaf()
+
+        subscription = Subscription(
+            self.url, [f"{self.prefix}:finished"], what="the job store's subscription to ends"
+        )
         self._following += 1
         try:
-            while True:
-                connection = None
-                subscribed = False
-                try:
-                    connection = await Connection.open(self.url)
-                    await connection.call([["SUBSCRIBE", channel]])
-                    subscribed = True
-                    self._subscribed += 1
-                    if not started:
-                        started = True
-                        task_status.started()
-                    while True:
-                        kind, _, data = (await connection.read(1))[0]
-                        if kind == b"message":
-                            job_id = data.decode()
-                            self._active.pop(job_id, None)  # before the waiter wakes
-                            finished(job_id)
-                except _UNREACHABLE as exc:
-                    _log.warning("pipework: following finished jobs: %s", self._unavailable(exc))
-                    if not started:
-                        raise self._unavailable(exc) from exc
-                finally:
-                    if subscribed:
-                        # Ends published until it subscribes again are not heard: whoever
-                        # waits reads the record from now on.
-                        self._subscribed -= 1
-                        self._deaf()
-                    if connection is not None:
-                        await connection.aclose()
-                await trio.sleep(1.0)  # the subscription ended (Redis restarted): again
+            await subscription.run(heard, live=live, dropped=dropped, task_status=task_status)
+        except UNREACHABLE as exc:  # the first connection failed
+            raise self._unavailable(exc) from exc
         finally:
             self._following -= 1
             self._deaf()

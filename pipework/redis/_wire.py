@@ -1,8 +1,9 @@
-"""A lean Redis connection for the job store and the event queue: commands go out as RESP
-in one write per batch and their replies are read back in order, with nothing per command
-but its bytes. A general client's per-command objects (a request, its timeout scope, its
-reply callback) cost ≈ 100 µs of CPU each, more than a whole job on the memory store; here a
-pipelined command costs a few µs.
+"""A lean Redis connection, the one every Redis part of pipework speaks through (the job
+store and event queue directly, the relay and the backplane through :mod:`._client`):
+commands go out as RESP in one write per batch and their replies are read back in order,
+with nothing per command but its bytes. A general client's per-command objects (a request,
+its timeout scope, its reply callback) cost ≈ 100 µs of CPU each, more than a whole job on
+the memory store; here a pipelined command costs a few µs.
 
 One connection carries one batch at a time: its user sends a batch and reads every reply
 before the next one goes (the store's calls and the queue's loops take turns). A batch cut
@@ -28,6 +29,7 @@ import trio
 
 __all__ = [
     "C_READER",
+    "UNREACHABLE",
     "Arg",
     "Command",
     "Connection",
@@ -36,6 +38,7 @@ __all__ = [
     "encode",
     "encode_args",
     "new_reader",
+    "public_url",
 ]
 
 _CRLF: Final = b"\r\n"
@@ -52,6 +55,18 @@ class ReplyError(Exception):
 
 class ConnectionLost(OSError):
     """The connection closed, or was closed, before every reply of a batch arrived."""
+
+
+#: What a lost or refused connection raises (a batch cut short, a refused connect).
+UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def public_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
 class _Incomplete(Exception):
