@@ -474,6 +474,29 @@ async def test_a_caller_cancelled_while_it_waits_leaves_the_connection_in_step(
     assert not scopes["first"].cancelled_caught
 
 
+async def test_every_caller_of_a_batch_hears_that_redis_refused_the_connection(
+    redis_server: RedisServer,
+) -> None:
+    """A password the server does not take: the connection is refused when it is opened,
+    and each caller of the batch gets the refusal (none is left waiting)."""
+    client = Client(f"redis://:wrong@127.0.0.1:{redis_server.port}/0")
+    refusals: list[str] = []
+
+    async def call(n: int) -> None:
+        with pytest.raises(ReplyError) as refused:
+            await client.call("GET", f"k{n}")
+        refusals.append(refused.value.code)
+
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for n in range(3):  # the first sends alone, the two others together
+                    nursery.start_soon(call, n)
+    finally:
+        await client.aclose()
+    assert refusals == ["ERR"] * 3
+
+
 async def test_a_round_trip_past_its_time_fails_its_calls_and_the_next_one_reconnects(
     redis_server: RedisServer, mock_clock: trio.testing.MockClock
 ) -> None:

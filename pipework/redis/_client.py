@@ -137,38 +137,51 @@ class Client:
 
     async def _send(self, batch: list[_Call]) -> None:
         """One round trip for the batch, shielded: its callers may leave, the connection
-        is not left with their replies unread."""
+        is not left with their replies unread. Every caller of the batch is answered,
+        whatever happens."""
         commands = [command for call in batch for command in call.commands]
         error: BaseException | None = None
         replies: list[Any] = []
-        with trio.move_on_after(self.timeout, shield=True) as scope:
-            for resend in (self.resend_stale, False):
-                connection = self._connection
-                stale = connection is not None and not connection.closed
-                try:
-                    if connection is None or connection.closed:
-                        connection = self._connection = await Connection.open(self.url)
-                    replies = await connection.call(commands)
-                except UNREACHABLE as exc:
-                    error = exc
-                    if resend and stale:
-                        continue  # (see resend_stale)
+        try:
+            with trio.move_on_after(self.timeout, shield=True) as scope:
+                for resend in (self.resend_stale, False):
+                    connection = self._connection
+                    stale = connection is not None and not connection.closed
+                    try:
+                        if connection is None or connection.closed:
+                            connection = self._connection = await Connection.open(self.url)
+                        replies = await connection.call(commands)
+                    except UNREACHABLE as exc:
+                        error = exc
+                        if resend and stale:
+                            continue  # (see resend_stale)
+                    else:
+                        error = None
+                    break
+            if scope.cancelled_caught:  # the connection closed itself, its replies unread
+                error = TimeoutError(f"no answer within {self.timeout:g}s")
+        except BaseException as exc:  # (a refused AUTH, say): told to every caller
+            error = exc
+            raise
+        finally:
+            at = 0
+            for call in batch:
+                if error is None:
+                    call.replies = replies[at : at + len(call.commands)]
+                    at += len(call.commands)
                 else:
-                    error = None
-                break
-        if scope.cancelled_caught:  # the connection closed itself, its replies unread
-            error = TimeoutError(f"no answer within {self.timeout:g}s")
-        at = 0
-        for call in batch:
-            if error is None:
-                call.replies = replies[at : at + len(call.commands)]
-                at += len(call.commands)
-            else:
-                call.error = ConnectionLost(
-                    f"Redis at {public_url(self.url)} cannot be reached ({error})"
-                )
-                call.error.__cause__ = error
-            self._wake(call)  # (the caller that sent it waits for nobody)
+                    call.error = self._failed(error)
+                self._wake(call)  # (the caller that sent it waits for nobody)
+
+    def _failed(self, error: BaseException) -> Exception:
+        """The batch's error, an object of its own for each of its callers."""
+        failure: Exception
+        if isinstance(error, ReplyError):
+            failure = ReplyError(str(error))
+        else:
+            failure = ConnectionLost(f"Redis at {public_url(self.url)} cannot be reached ({error})")
+        failure.__cause__ = error
+        return failure
 
     @staticmethod
     def _answer(call: _Call) -> list[Any]:
