@@ -21,6 +21,7 @@ from pipework.dispatcher._job import Frame, Job, new_job_id
 from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
 from pipework.redis._batches import _EARLY, _FLIGHTS
+from pipework.redis._store import _FIELDS
 from pipework.redis._wire import Connection
 
 from ._redis import RedisServer, TestRedisJobStore
@@ -567,8 +568,10 @@ async def test_a_record_written_as_a_map_by_an_older_version_still_reads(
 async def test_the_signals_a_job_took_are_stored_and_an_older_record_took_none(
     redis_server: RedisServer,
 ) -> None:
-    """``delivered`` round-trips; a record written as an array before jobs remembered the
-    signals they took (one field fewer) reads as having taken none."""
+    """``delivered`` round-trips; a record written as an array by an earlier pipework —
+    before jobs remembered the signals they took, when the running process's cancel flag
+    was stored before ``created_at`` and the blob's last element was its writer's clock —
+    reads as having taken none, the cancel flag dropped."""
     async with _store(redis_server) as store:
         job = _job()
         job.took("go")
@@ -581,7 +584,9 @@ async def test_the_signals_a_job_took_are_stored_and_an_older_record_took_none(
         try:
             [blob] = await connection.call([["HGET", key, "d"]])
             values = msgpack.unpackb(blob, raw=False)
-            del values[-2]  # the last field, before the writer's clock
+            assert values.pop() == 2  # the layout: none before
+            del values[-2]  # delivered, the last field, before the writer's clock
+            values.insert(_FIELDS.index("created_at"), True)  # the cancel flag, stored then
             older_blob = msgpack.packb(values, use_bin_type=True)
             await connection.call([["HSET", key, "d", older_blob]])
         finally:

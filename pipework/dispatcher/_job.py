@@ -19,7 +19,7 @@ from binascii import b2a_base64
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from ..pipes._join import Join
 from ..pipes._merge import Delta
@@ -184,7 +184,12 @@ class JoinRecord:
 
 
 @dataclass(slots=True, eq=False)
-class Job:
+class JobRecord:
+    """What is stored of a job, and so what any process can continue it from: its wire
+    form is :meth:`to_wire` / :meth:`from_wire` (a shared store writes these fields, in
+    this order, as a msgpack array). What only the process running it knows is
+    :class:`Job`'s."""
+
     id: str
     chain: str
     state: dict[str, Any]
@@ -209,7 +214,6 @@ class Job:
     #: Chunks a pipe emitted with no stream reading them: none until the first (an empty
     #: tuple, not a list per job: every object a record holds is one more for the collector).
     output: list[Any] | tuple[()] = ()
-    cancel_requested: bool = False
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -233,8 +237,101 @@ class Job:
     #: is refused unless the job suspends for it again (Engine.signal). Last of the stored
     #: fields, so a record written before it existed reads as having taken none.
     delivered: tuple[str, ...] = ()
+    #: The store's count of writes (a shared store compares it to refuse a stale write).
     version: int = 0
-    # In-process only, never stored remotely.
+
+    def took(self, signal: str) -> None:
+        """Remember that the job took ``signal`` (see ``delivered``)."""
+        if signal not in self.delivered:
+            self.delivered = (*self.delivered, signal)
+
+    def transition(self, target: Status) -> None:
+        if target not in TRANSITIONS[self.status]:  # check_transition's test, inline
+            check_transition(self.status, target, self.id)  # raises InvalidTransition
+        self.status = target
+        self.updated_at = time.time()
+
+    def view(self) -> JobView:
+        return JobView(
+            id=self.id,
+            chain=self.chain,
+            status=self.status,
+            correlation_id=self.correlation_id,
+            key=self.key,
+            progress=self.progress,
+            error=self.error,
+            result=self.result if self.status is Status.DONE else None,
+            waiting_for=self.waiting_for,
+            deadline=self.deadline,
+            created_at=self.created_at,
+            updated_at=self.updated_at,
+            finished_at=self.finished_at,
+            retain_until=self.retain_until,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The record as plain msgpack-able data (for a shared store)."""
+        return {
+            "id": self.id,
+            "chain": self.chain,
+            "state": self.state,
+            "correlation_id": self.correlation_id,
+            "traceparent": self.traceparent,
+            "deadline": self.deadline,
+            "key": self.key,
+            "status": self.status.value,
+            "frames": [[f.index, f.deadline, f.bound] for f in self.frames],
+            "root": list(self.root),
+            "progress": None if self.progress is None else list(_progress_tuple(self.progress)),
+            "result": self.result,
+            "error": None if self.error is None else _error_tuple(self.error),
+            "token_hash": self.token_hash,
+            "waiting_for": self.waiting_for,
+            "suspend_into": self.suspend_into,
+            "suspend_deadline": self.suspend_deadline,
+            "signals": self.signals,
+            "output": list(self.output),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "finished_at": self.finished_at,
+            "retain_until": self.retain_until,
+            "accepted_at": self.accepted_at,
+            "admitted": self.admitted,
+            "plan": self.plan,
+            "parent": self.parent,
+            "branch": self.branch,
+            "join_id": self.join_id,
+            "join": None if self.join is None else self.join.to_wire(),
+            "delivered": list(self.delivered),
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Self:
+        fields = dict(data)
+        fields.pop("cancel_requested", None)  # written by an earlier pipework: not stored now
+        fields["status"] = Status(fields["status"])
+        fields["frames"] = [Frame(int(i), float(d), int(b)) for i, d, b in fields["frames"]]
+        fields["root"] = tuple(fields["root"])
+        if fields["progress"] is not None:
+            fields["progress"] = Progress(*fields["progress"])
+        if fields["error"] is not None:
+            fields["error"] = ErrorInfo(*fields["error"])
+        if fields["join"] is not None:
+            fields["join"] = JoinRecord.from_wire(fields["join"])
+        fields["delivered"] = tuple(fields.get("delivered", ()))
+        return cls(**fields)
+
+
+@dataclass(slots=True, eq=False)
+class Job(JobRecord):
+    """A job as this process holds it: its stored record, and what only this process
+    knows of it, which no store keeps and no other process needs."""
+
+    #: A cancel was asked of the step running it here: how the step tells its scope's
+    #: cancellation from a pipe's deadline riding on the same scope.
+    cancel_requested: bool = False
+    #: The exception it failed with, traceback intact (a store keeps only ``error``).
     exception: BaseException | None = None
 
     @classmethod
@@ -291,88 +388,6 @@ class Job:
         job.version = 0
         job.exception = None
         return job
-
-    def took(self, signal: str) -> None:
-        """Remember that the job took ``signal`` (see ``delivered``)."""
-        if signal not in self.delivered:
-            self.delivered = (*self.delivered, signal)
-
-    def transition(self, target: Status) -> None:
-        if target not in TRANSITIONS[self.status]:  # check_transition's test, inline
-            check_transition(self.status, target, self.id)  # raises InvalidTransition
-        self.status = target
-        self.updated_at = time.time()
-
-    def view(self) -> JobView:
-        return JobView(
-            id=self.id,
-            chain=self.chain,
-            status=self.status,
-            correlation_id=self.correlation_id,
-            key=self.key,
-            progress=self.progress,
-            error=self.error,
-            result=self.result if self.status is Status.DONE else None,
-            waiting_for=self.waiting_for,
-            deadline=self.deadline,
-            created_at=self.created_at,
-            updated_at=self.updated_at,
-            finished_at=self.finished_at,
-            retain_until=self.retain_until,
-        )
-
-    def to_wire(self) -> dict[str, Any]:
-        """The record as plain msgpack-able data (for a shared store)."""
-        return {
-            "id": self.id,
-            "chain": self.chain,
-            "state": self.state,
-            "correlation_id": self.correlation_id,
-            "traceparent": self.traceparent,
-            "deadline": self.deadline,
-            "key": self.key,
-            "status": self.status.value,
-            "frames": [[f.index, f.deadline, f.bound] for f in self.frames],
-            "root": list(self.root),
-            "progress": None if self.progress is None else list(_progress_tuple(self.progress)),
-            "result": self.result,
-            "error": None if self.error is None else _error_tuple(self.error),
-            "token_hash": self.token_hash,
-            "waiting_for": self.waiting_for,
-            "suspend_into": self.suspend_into,
-            "suspend_deadline": self.suspend_deadline,
-            "signals": self.signals,
-            "output": list(self.output),
-            "cancel_requested": self.cancel_requested,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-            "finished_at": self.finished_at,
-            "retain_until": self.retain_until,
-            "accepted_at": self.accepted_at,
-            "admitted": self.admitted,
-            "plan": self.plan,
-            "parent": self.parent,
-            "branch": self.branch,
-            "join_id": self.join_id,
-            "join": None if self.join is None else self.join.to_wire(),
-            "delivered": list(self.delivered),
-            "version": self.version,
-        }
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Job:
-        fields = dict(data)
-        fields["status"] = Status(fields["status"])
-        fields["frames"] = [Frame(int(i), float(d), int(b)) for i, d, b in fields["frames"]]
-        fields["root"] = tuple(fields["root"])
-        if fields["progress"] is not None:
-            fields["progress"] = Progress(*fields["progress"])
-        if fields["error"] is not None:
-            fields["error"] = ErrorInfo(*fields["error"])
-        if fields["join"] is not None:
-            fields["join"] = JoinRecord.from_wire(fields["join"])
-        fields["delivered"] = tuple(fields.get("delivered", ()))
-        return cls(**fields)
 
 
 def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None, str | None]:

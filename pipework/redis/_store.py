@@ -66,7 +66,7 @@ import msgpack
 import trio
 
 from .._errors import JobGone, JobNotFound, StoreUnavailable
-from ..dispatcher._job import ErrorInfo, Frame, Job, JoinRecord, Progress
+from ..dispatcher._job import ErrorInfo, Frame, Job, JobRecord, JoinRecord, Progress
 from ..dispatcher._status import ACTIVE, TERMINAL, Status
 from ..dispatcher._wake import Waiting, Wake
 from ._batches import Batches, _Call
@@ -118,12 +118,17 @@ _NOT_FINISHED_ARG: Final = encode_args([repr(0.0)])
 _NO_TOKEN_ARG: Final = encode_args([""])
 
 
-#: The fields a record's blob holds, in the order of Job's own (so a decoded record is
-#: ``Job(*fields, version)``): every field but the version (kept in the hash's ``v``) and
-#: the in-process exception, the last.
-_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Job))[:-2]
-if tuple(f.name for f in dataclasses.fields(Job))[-2:] != ("version", "exception"):
-    raise RuntimeError("Job's last fields must be version and exception (see _FIELDS)")
+#: The fields a record's blob holds, in the order of JobRecord's (so a decoded record is
+#: ``Job(*fields, version)``): every stored field but the version, the last (kept in the
+#: hash's ``v``). What only the running process holds (Job's own fields) is not stored.
+_FIELDS: Final = tuple(f.name for f in dataclasses.fields(JobRecord))[:-1]
+if dataclasses.fields(JobRecord)[-1].name != "version":
+    raise RuntimeError("JobRecord's last field must be version (see _FIELDS)")
+#: The layout of a blob: its last element. A blob written before it had one (its last
+#: element the writer's clock, a float) held the running process's cancel flag before
+#: ``created_at``; it is read still, that element dropped.
+_LAYOUT: Final = 2
+_AT_OLD_CANCEL: Final = _FIELDS.index("created_at")
 _GET: Final = operator.attrgetter(*_FIELDS)
 _AT_STATUS, _AT_UPDATED, _AT_FRAMES, _AT_ROOT, _AT_PROGRESS, _AT_ERROR, _AT_OUTPUT, _AT_JOIN = (
     _FIELDS.index(name)
@@ -273,7 +278,7 @@ class RedisJobStore(Batches):
         the writer's clock (for readers elsewhere). No field names: a third of the bytes of
         a map, and cheaper to write and read. The cursor's frames, the progress, the error
         and the join are arrays of their own (_wire)."""
-        data: bytes = self._packer.pack((*_GET(job), self._shift()))
+        data: bytes = self._packer.pack((*_GET(job), self._shift(), _LAYOUT))
         return data
 
     def _decode(
@@ -284,6 +289,10 @@ class RedisJobStore(Batches):
         values = msgpack.unpackb(blob, raw=False)
         if type(values) is dict:  # written as a map (Job.to_wire) by an older pipework
             values = [values.get(name, False) for name in _FIELDS] + [values["clock"]]
+        elif type(values[-1]) is int:  # the layout (_LAYOUT)
+            values.pop()
+        else:  # written before the layout was marked: the cancel flag was stored then
+            del values[_AT_OLD_CANCEL]
         # Times written by another process move from its trio clock to this one's; this
         # process's own come back exactly as they were written.
         shift = values.pop() - self._shift()
