@@ -13,8 +13,7 @@ import trio.testing
 from werkzeug.datastructures import MultiDict
 
 import pipework as pw
-from pipework.container import CallbackSigner
-from pipework.container._bodies import (
+from pipework._http._bodies import (
     Preferences,
     build_state,
     content_length,
@@ -23,9 +22,10 @@ from pipework.container._bodies import (
     parse_prefer,
     sse_event,
 )
+from pipework._http._problems import Problem, problem_for_error, problem_for_exception
+from pipework.container import CallbackSigner
 from pipework.container._idempotency import IdempotencyTable, check_key, fingerprint
 from pipework.container._modes import Parking
-from pipework.container._problems import Problem, problem_for_error, problem_for_exception
 from pipework.container._request import read_headers
 from pipework.dispatcher._wake import Wake
 

@@ -27,12 +27,12 @@ from typing import Any, Final
 from quart import Response, request
 
 from .._errors import PipeworkError
+from .._http._bodies import JSON, decode_object, dumps_json, read_body
+from .._http._credentials import bearer_token, same_secret
+from .._http._problems import Problem
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError, PoolStatistics, Weights
-from ._bodies import JSON, decode_object, dumps_json, read_body
-from ._credentials import bearer_token, same_secret
-from ._problems import Problem
 
 __all__ = ["AdminApi", "LiveWeights", "Reload", "admin_token"]
 

@@ -32,6 +32,8 @@ from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
 from .._errors import Overloaded, PipeworkError
+from .._http._bodies import JSON, dumps_json
+from .._http._problems import Problem, problem_for_exception, problem_for_http, render_problem
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .._metrics import Metrics
 from ..dispatcher._engine import PROBE_CHAIN, Engine
@@ -41,13 +43,11 @@ from ._board import Backplane, Boards, BoardSpec
 from ._board_http import BoardApi, add_board_rules
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_metrics import BoardCollector
-from ._bodies import JSON, dumps_json
 from ._callbacks import CallbackSigner
 from ._collector import SERVING_GC_THRESHOLD, tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._modes import Parking, Submissions, shutting_down
-from ._problems import Problem, problem_for_exception, problem_for_http, render_problem
 from ._request import Incoming, current_g, current_request, incoming, read_headers
 from ._routes import Route, routes_of
 from ._server import BoundAddress, serve
@@ -191,7 +191,7 @@ class Container:
         self.board_api = BoardApi(
             self.boards,
             self.job_board,
-            self.jobs,
+            engine,
             max_body=config.max_body,
             body_time_limit=config.body_time_limit,
         )

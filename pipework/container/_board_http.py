@@ -33,16 +33,17 @@ import trio
 from quart import Response, request, websocket
 
 from .._errors import JobNotFound
+from .._http._bodies import JSON, decode, dumps_json, read_body
+from .._http._credentials import bearer_token, same_secret
+from .._http._jobs import authorize, job_document, job_token
+from .._http._problems import Problem
+from ..dispatcher._engine import Engine
 from ..dispatcher._job import hash_token
 from ..dispatcher._status import TERMINAL
 from ._board import Boards, BoardSpec, BoardUnavailable, Change, Follower
 from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
 from ._board_jobs import JOB_BOARD, JobBoard
 from ._board_page import jobs_page
-from ._bodies import JSON, decode, dumps_json, read_body
-from ._credentials import bearer_token, same_secret
-from ._jobs_api import JobsApi, job_document, job_token
-from ._problems import Problem
 
 __all__ = ["BoardApi", "sse_event", "sse_events"]
 
@@ -142,14 +143,14 @@ class BoardApi:
         self,
         boards: Boards,
         job_board: JobBoard,
-        jobs: JobsApi,
+        engine: Engine,
         *,
         max_body: int,
         body_time_limit: float,
     ) -> None:
         self.boards = boards
         self.job_board = job_board
-        self.jobs = jobs
+        self.engine = engine
         self.max_body = max_body
         self.body_time_limit = body_time_limit
 
@@ -345,13 +346,14 @@ class BoardApi:
 
     def _on_board(self, view: Any, token: str | None) -> None:
         self.job_board.publish(view, None if token is None else hash_token(token))
-        self.jobs.engine.watch(view.id)  # its steps may run in another process
+        self.engine.watch(view.id)  # its steps may run in another process
 
     async def job_events(self, job_id: str) -> Response:
         """``GET /jobs/{id}/events``: the job's document on every change, ending with its
         final state (at once, if it has ended already)."""
-        view = await self.jobs.authorize(job_id)
-        self._on_board(view, job_token())
+        token = job_token(request.headers)
+        view = await authorize(self.engine, job_id, token)
+        self._on_board(view, token)
         try:
             follower = self._follow(JOB_BOARD, [job_id], _since(request.args, request.headers))
         except ResourceNotFound:  # finished and being dropped from the board this instant
@@ -383,7 +385,7 @@ class BoardApi:
         for ticket in tickets:
             job_id, _, token = ticket.partition(":")
             try:
-                view = await self.jobs.engine.authorize(job_id, token)
+                view = await self.engine.authorize(job_id, token)
             except JobNotFound:
                 missing.append(job_id)
                 continue

@@ -23,12 +23,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
+from .._http._jobs import job_document
 from ..dispatcher._engine import JobObserver
 from ..dispatcher._job import JobView
 from ..dispatcher._status import TERMINAL
 from ._board import Boards, BoardSpec
 from ._board_core import BoardSettings, ResourceExists
-from ._jobs_api import job_document
 
 __all__ = ["JOB_BOARD", "JobBoard"]
 

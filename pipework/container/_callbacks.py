@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Final
 from urllib.parse import quote, urlencode
 
-from ._problems import Problem
+from .._http._problems import Problem
 
 __all__ = ["SECRET_ENV", "CallbackSigner"]
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Final
 
+from .._http._problems import PROBLEM_JSON, Problem, encode_problem
 from ..dispatcher._job import new_correlation_id
-from ._problems import PROBLEM_JSON, Problem, encode_problem
 
 __all__ = ["encode", "problem_for", "reason", "refusal"]
 

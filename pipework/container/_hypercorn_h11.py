@@ -29,8 +29,8 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.protocol.ws_stream import WSStream
 
+from .._http._problems import Problem
 from . import _framing
-from ._problems import Problem
 
 __all__ = [
     "h11_problem_answer",

@@ -22,7 +22,7 @@ import cachetools
 import msgpack
 import trio
 
-from ._problems import Problem
+from .._http._problems import Problem
 
 __all__ = ["Claim", "IdempotencyTable", "check_key", "fingerprint"]
 

@@ -25,11 +25,7 @@ from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
-from ..dispatcher._engine import Engine
-from ..dispatcher._status import Status
-from ..dispatcher._wake import Waiting, Wake
-from ..pipes._state import check_state
-from ._bodies import (
+from .._http._bodies import (
     JSON,
     Preferences,
     build_state,
@@ -41,9 +37,13 @@ from ._bodies import (
     read_body,
     sse_event,
 )
+from .._http._jobs import job_document
+from .._http._problems import Problem, problem_for_exception
+from ..dispatcher._engine import Engine
+from ..dispatcher._status import Status
+from ..dispatcher._wake import Waiting, Wake
+from ..pipes._state import check_state
 from ._idempotency import IdempotencyTable, check_key, fingerprint
-from ._jobs_api import job_document
-from ._problems import Problem, problem_for_exception
 from ._request import Incoming, current_g, current_request, incoming
 from ._routes import Route
 
