@@ -25,8 +25,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 import pipework as pw
-from pipework.container._board import BoardSpec
-from pipework.container._board_core import BoardSettings
+from pipework.board import BoardSettings, BoardSpec
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import serve
 

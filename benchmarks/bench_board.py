@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from pipework.container._board_core import BoardCore, BoardSettings
+from pipework.board import BoardCore, BoardSettings
 
 from . import _load
 from ._load import Server

@@ -18,8 +18,7 @@ from typing import Any
 
 import trio
 
-from pipework.container._board import Backplane, Boards, BoardSpec, Change
-from pipework.container._board_core import BoardSettings, Version
+from pipework.board import Backplane, Boards, BoardSettings, BoardSpec, Change, Version
 from pipework.redis._backplane import RedisBackplane
 
 from ._redis import redis_server

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pipework.container._board_core import (
+from pipework.board import (
     BoardCore,
     BoardFull,
     BoardSettings,

@@ -6,8 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from pipework.container._board import Boards, BoardSpec, Follower
-from pipework.container._board_core import BoardSettings
+from pipework.board import Boards, BoardSettings, BoardSpec, Follower
 
 
 async def test_an_idle_stream_gets_a_beat_and_a_busy_one_none(

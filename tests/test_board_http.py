@@ -20,9 +20,8 @@ import wsproto
 import wsproto.events
 
 import pipework as pw
+from pipework.board import BoardSettings, BoardSpec
 from pipework.container import BoundAddress, Container, ContainerConfig
-from pipework.container._board import BoardSpec
-from pipework.container._board_core import BoardSettings
 
 from .test_container_harness import (
     HANG_GUARD,

@@ -20,15 +20,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipework as pw
-from pipework.container import BoundAddress, Container, ContainerConfig
-from pipework.container._board import (
+from pipework.board import (
     Backplane,
+    BoardCore,
     Boards,
+    BoardSettings,
     BoardSpec,
     Change,
+    Kind,
     LocalBackplane,
+    Version,
 )
-from pipework.container._board_core import BoardCore, BoardSettings, Kind, Version
+from pipework.container import BoundAddress, Container, ContainerConfig
 from pipework.redis._backplane import RedisBackplane
 from pipework.registry._gateway import Gateway
 

@@ -24,8 +24,8 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipework as pw
-from pipework.container._board import Boards, BoardSpec
-from pipework.container._board_metrics import BoardCollector
+from pipework.board import Boards, BoardSpec
+from pipework.board._metrics import BoardCollector
 from pipework.dispatcher._weighted import WeightedPool
 from pipework.dispatcher._weighted_core import Weights
 

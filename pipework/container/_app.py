@@ -36,13 +36,13 @@ from .._http._bodies import JSON, dumps_json
 from .._http._problems import Problem, problem_for_exception, problem_for_http, render_problem
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .._metrics import Metrics
+from ..board import Backplane, Boards, BoardSpec
+from ..board._api import BoardApi, add_board_rules
+from ..board._jobs import JOB_BOARD, JobBoard
+from ..board._metrics import BoardCollector
 from ..dispatcher._engine import PROBE_CHAIN, Engine
 from ..dispatcher._job import new_correlation_id
 from ._admin import AdminApi, Reload, admin_token
-from ._board import Backplane, Boards, BoardSpec
-from ._board_http import BoardApi, add_board_rules
-from ._board_jobs import JOB_BOARD, JobBoard
-from ._board_metrics import BoardCollector
 from ._callbacks import CallbackSigner
 from ._collector import SERVING_GC_THRESHOLD, tuned_collector
 from ._idempotency import IdempotencyTable

@@ -46,8 +46,16 @@ from typing import Any, Final
 import trio
 
 # The board's types: the one place this module says where the board lives.
-from ..container._board import Boards, BoardUnavailable, Change, new_epoch
-from ..container._board_core import BoardFull, ResourceExists, ResourceNotFound, Version
+from ..board import (
+    BoardFull,
+    Boards,
+    BoardUnavailable,
+    Change,
+    ResourceExists,
+    ResourceNotFound,
+    Version,
+    new_epoch,
+)
 from ._client import Client
 from ._scripts import Script, load
 from ._wire import UNREACHABLE, Arg, Connection, ConnectionLost, ReplyError, public_url

@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..container._board import Backplane, BoardSpec
-from ..container._board_core import BoardSettings
-from ..container._board_jobs import JOB_BOARD
+from ..board import Backplane, BoardSettings, BoardSpec
+from ..board._jobs import JOB_BOARD
 from ._config_problems import Collector, KeyPath
 from ._config_read import Table, check_name, open_table
 from ._config_redis import read_redis_target, redis_url

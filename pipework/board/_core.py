@@ -2,7 +2,7 @@
 
 A board holds resources (an id, a JSON-able state, a version). Writes change a resource at
 once (a read sees them) and queue a *change* for its followers; the trio driver
-(``_board.py``) flushes the queued batch when :meth:`BoardCore.deadline` comes -- the batch
+(``_driver.py``) flushes the queued batch when :meth:`BoardCore.deadline` comes -- the batch
 window after its first change, or at once when the batch holds ``max_batch`` events -- and
 wakes the followers :meth:`BoardCore.flush` names, which then :meth:`BoardCore.take` their
 events and send them.

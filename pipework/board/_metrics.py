@@ -7,8 +7,8 @@ from collections.abc import Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ._board import Boards
-from ._board_core import BoardStatistics
+from ._core import BoardStatistics
+from ._driver import Boards
 
 __all__ = ["BoardCollector"]
 

@@ -27,8 +27,8 @@ from .._http._jobs import job_document
 from ..dispatcher._engine import JobObserver
 from ..dispatcher._job import JobView
 from ..dispatcher._status import TERMINAL
-from ._board import Boards, BoardSpec
-from ._board_core import BoardSettings, ResourceExists
+from ._core import BoardSettings, ResourceExists
+from ._driver import Boards, BoardSpec
 
 __all__ = ["JOB_BOARD", "JobBoard"]
 

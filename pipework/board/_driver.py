@@ -1,6 +1,6 @@
 """The push board's trio driver: one flush task for every board, and followers that wait.
 
-:class:`Boards` owns the :class:`~._board_core.BoardCore` of each board and drives them:
+:class:`Boards` owns the :class:`~._core.BoardCore` of each board and drives them:
 writes go in through the board's backplane (synchronously on a board in one process, so an
 engine observer can publish from the dispatcher's tasks), one task flushes each board when
 its batch is due and wakes the followers the core names, and a :class:`Follower` waits for
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import trio
 
-from ._board_core import (
+from ._core import (
     BoardCore,
     BoardSettings,
     BoardStatistics,

@@ -40,10 +40,10 @@ from .._http._problems import Problem
 from ..dispatcher._engine import Engine
 from ..dispatcher._job import hash_token
 from ..dispatcher._status import TERMINAL
-from ._board import Boards, BoardSpec, BoardUnavailable, Change, Follower
-from ._board_core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
-from ._board_jobs import JOB_BOARD, JobBoard
-from ._board_page import jobs_page
+from ._core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
+from ._driver import Boards, BoardSpec, BoardUnavailable, Change, Follower
+from ._jobs import JOB_BOARD, JobBoard
+from ._page import jobs_page
 
 __all__ = ["BoardApi", "sse_event", "sse_events"]
 
