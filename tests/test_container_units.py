@@ -13,19 +13,12 @@ import trio.testing
 from werkzeug.datastructures import MultiDict
 
 import pipework as pw
-from pipework._http._bodies import (
-    Preferences,
-    build_state,
-    content_length,
-    decode,
-    encode,
-    parse_prefer,
-    sse_event,
-)
+from pipework._http._bodies import content_length, decode, encode
 from pipework._http._problems import Problem, problem_for_error, problem_for_exception
 from pipework.container import CallbackSigner
-from pipework.container._idempotency import IdempotencyTable, check_key, fingerprint
-from pipework.container._modes import Parking
+from pipework.container._idempotency import IdempotencyTable, fingerprint
+from pipework.container._modes import Parking, sse_event
+from pipework.container._modes_core import Preferences, build_state, check_key, parse_prefer
 from pipework.container._request import read_headers
 from pipework.dispatcher._wake import Wake
 

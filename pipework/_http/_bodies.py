@@ -1,5 +1,4 @@
-"""Request and response bodies: JSON by default, msgpack when the client sends or accepts it;
-what a request's body, query and path become as job state; and the ``Prefer`` header.
+"""Request and response bodies: JSON by default, msgpack when the client sends or accepts it.
 
 Reading a body is bounded twice: by size (413 as soon as it is over the limit, without
 reading the rest) and by time. Decoding refuses what job state could not hold, with the
@@ -13,13 +12,11 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
 import msgpack
 import trio
 from quart import Request
-from werkzeug.datastructures import MultiDict
 from werkzeug.http import parse_options_header, parse_set_header
 
 from ._problems import Problem
@@ -27,15 +24,13 @@ from ._problems import Problem
 __all__ = [
     "JSON",
     "MSGPACK",
-    "Preferences",
-    "build_state",
     "choose_media_type",
+    "content_length",
     "decode",
     "decode_object",
+    "dumps_json",
     "encode",
-    "parse_prefer",
     "read_body",
-    "sse_event",
 ]
 
 JSON: Final = "application/json"
@@ -48,7 +43,6 @@ _MEDIA_TYPE: Final = re.compile(f"{_TOKEN}/{_TOKEN}\\Z")
 #: How deep a request's body may nest (objects and arrays); deeper is a 400. Job state
 #: is walked recursively (checked, fingerprinted, merged), so the bound is the container's.
 MAX_DEPTH: Final = 100
-_WAIT: Final = re.compile(r"[0-9]{1,9}\Z")
 
 
 def is_msgpack(media_type: str) -> bool:
@@ -319,65 +313,3 @@ def _bytes(value: object) -> str:
 _ENCODER: Final = json.JSONEncoder(
     separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_bytes
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Preferences:
-    """What a client asked for in ``Prefer`` (RFC 7240) that the container acts on."""
-
-    respond_async: bool = False
-    wait: float | None = None
-
-
-def parse_prefer(headers: Iterable[str]) -> Preferences:
-    """Read ``respond-async`` and ``wait=N``; the first of a repeated preference counts."""
-    respond_async = False
-    wait: float | None = None
-    for header in headers:
-        for item in header.split(","):
-            name, _, value = item.split(";", 1)[0].partition("=")
-            name, value = name.strip().lower(), value.strip().strip('"')
-            if name == "respond-async":
-                respond_async = True
-            elif name == "wait" and wait is None and _WAIT.match(value):
-                wait = float(value)  # ASCII digits only: anything else is ignored (RFC 7240)
-    return Preferences(respond_async, wait)
-
-
-def build_state(body: Any, query: MultiDict[str, str], params: Mapping[str, str]) -> dict[str, Any]:
-    """The job's state: the body's members, then query and path parameters, all top-level.
-
-    A repeated query parameter becomes a list of strings. A name given twice with different
-    values (say in the body and the path) is refused rather than silently overridden.
-    """
-    if body is None:
-        state: dict[str, Any] = {}
-    elif isinstance(body, dict):
-        state = dict(body)
-    else:
-        raise Problem(
-            400,
-            "Malformed body",
-            f"the request body must be a JSON object or msgpack map, not {type(body).__name__}: "
-            "its members become the job's state",
-            slug="body-not-an-object",
-        )
-    args = {key: values[0] if len(values) == 1 else values for key, values in query.lists()}
-    for source, values in (("query parameter", args), ("path parameter", params)):
-        for key, value in values.items():
-            if key in state and state[key] != value:
-                raise Problem(
-                    400,
-                    "Conflicting input",
-                    f"{source} {key!r} differs from the value given for it elsewhere",
-                    slug="conflicting-input",
-                    key=key,
-                )
-            state[key] = value
-    return state
-
-
-def sse_event(event: str, json_text: str, *, event_id: int | None = None) -> bytes:
-    """One server-sent event; ``json_text`` is one line (compact JSON never breaks lines)."""
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\ndata: {json_text}\n\n".encode()

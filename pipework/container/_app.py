@@ -47,7 +47,8 @@ from ._callbacks import CallbackSigner
 from ._collector import SERVING_GC_THRESHOLD, tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
-from ._modes import Parking, Submissions, shutting_down
+from ._modes import Parking, Submissions
+from ._modes_core import shutting_down
 from ._request import Incoming, current_g, current_request, incoming, read_headers
 from ._routes import Route, routes_of
 from ._server import BoundAddress, serve

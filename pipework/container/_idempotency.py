@@ -8,13 +8,13 @@ used keys go first) and lives in this process.
 
 A key is bound to a fingerprint of the request (method, path and the decoded input), so a
 key reused for a different request is refused rather than answered with another
-request's job and token.
+request's job and token. What a request does with a key already claimed is decided in
+``_modes_core`` (:func:`~._modes_core.key_step`); this module keeps the table.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -22,26 +22,10 @@ import cachetools
 import msgpack
 import trio
 
-from .._http._problems import Problem
+__all__ = ["Claim", "IdempotencyTable", "fingerprint"]
 
-__all__ = ["Claim", "IdempotencyTable", "check_key", "fingerprint"]
-
-_KEY: Final = re.compile(r"[\x21-\x7e]{1,255}\Z")
 # How long a claim may stay unbound (its submission is in flight) before it is dropped.
 _PENDING_TTL: Final = 60.0
-
-
-def check_key(value: str) -> str:
-    """The header's value if it is 1-255 visible ASCII characters, else a 400 problem."""
-    value = value.strip()
-    if not _KEY.match(value):
-        raise Problem(
-            400,
-            "Bad Idempotency-Key",
-            "an Idempotency-Key must be 1 to 255 visible ASCII characters (use a UUID)",
-            slug="bad-idempotency-key",
-        )
-    return value
 
 
 def fingerprint(method: str, path: str, state: dict[str, Any]) -> str:

@@ -5,6 +5,10 @@ answer comes. A parked request holds no worker: it waits on the job's end, bound
 job's deadline, and a server that is shutting down cuts every such wait to its grace
 period (see :class:`Parking`). A client that hangs up while parked cancels its job unless
 the route says ``on_disconnect = "continue"`` or another request waits on the same job.
+
+This module reads the request and the clock and does the waiting; what to answer is
+decided from values in ``_modes_core`` (the route's mode, ``Prefer``, ``Idempotency-Key``,
+the time).
 """
 
 from __future__ import annotations
@@ -25,35 +29,42 @@ from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
-from .._http._bodies import (
-    JSON,
-    Preferences,
-    build_state,
-    choose_media_type,
-    decode_object,
-    dumps_json,
-    encode,
-    parse_prefer,
-    read_body,
-    sse_event,
-)
+from .._http._bodies import JSON, choose_media_type, decode_object, dumps_json, encode, read_body
 from .._http._jobs import job_document
 from .._http._problems import Problem, problem_for_exception
 from ..dispatcher._engine import Engine
-from ..dispatcher._status import Status
 from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state
-from ._idempotency import IdempotencyTable, check_key, fingerprint
+from ._idempotency import IdempotencyTable, fingerprint
+from ._modes_core import (
+    NO_PREFERENCES,
+    SLACK,
+    KeyStep,
+    Preferences,
+    RanOut,
+    admits_now,
+    build_state,
+    deadline_passed,
+    frees_key,
+    idempotency_key,
+    job_timeout,
+    key_busy,
+    key_step,
+    needs_token,
+    parse_prefer,
+    preference_applied,
+    ran_out,
+    shutting_down,
+    stream_taken,
+    wait_terms,
+)
 from ._request import Incoming, current_g, current_request, incoming
 from ._routes import Route
 
-__all__ = ["EventStream", "Parking", "Submissions", "shutting_down"]
+__all__ = ["EventStream", "Parking", "Submissions", "sse_event"]
 
 _log = logging.getLogger("pipework.container")
 
-# The engine itself ends a job at its deadline and records why; a parked request gives it
-# this long to do so before answering 504 on its own.
-_SLACK: Final = 0.5
 # How long a retry waits for a concurrent submission with its Idempotency-Key.
 _CLAIM_WAIT: Final = 5.0
 
@@ -202,26 +213,6 @@ class Parking:
         return self._watchers.get(job_id, 0)
 
 
-def shutting_down() -> Problem:
-    return Problem(
-        503,
-        "Shutting down",
-        "the server is shutting down; try again (another instance may answer)",
-        slug="shutting-down",
-        headers={"Retry-After": "1"},
-    )
-
-
-def _deadline_passed(job_id: str) -> Problem:
-    return Problem(
-        504,
-        "Deadline exceeded",
-        f"job {job_id} did not finish before its deadline",
-        slug="deadline-exceeded",
-        job_id=job_id,
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class _Ticket:
     job_id: str
@@ -230,7 +221,6 @@ class _Ticket:
     deadline: float  # the job's (trio time)
 
 
-_NO_PREFERENCES: Final = Preferences()
 _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 _NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
@@ -313,25 +303,17 @@ class Submissions:
     def _terms(
         self, route: Route, prefs: Preferences, ticket: _Ticket
     ) -> tuple[float, float, str, tuple[str, ...]]:
-        """How a sync or auto request waits: until when, the job's deadline with the
-        slack, the answer's media type and the preferences applied."""
-        wait: float | None = None
-        applied: tuple[str, ...] = ()  # a tuple: an empty one is shared, not kept per request
-        if route.mode == "auto":
-            wait = route.sync_wait
-            if prefs.wait is not None and prefs.wait <= route.sync_wait:
-                wait = prefs.wait
-                applied = (f"wait={prefs.wait:g}",)
-            elif prefs.respond_async and prefs.wait is None:
-                wait = 0.0
+        """How a sync or auto request waits (:func:`wait_terms`: until when, the job's
+        deadline with the slack, the preferences applied) and the answer's media type."""
+        limit, deadline, applied = wait_terms(
+            route.mode, route.sync_wait, prefs, ticket.deadline, trio.current_time()
+        )
         media_type = JSON
         ctx = incoming()
         if ctx is not None:
             if "accept" in ctx.headers:
                 media_type = choose_media_type(current_request())
             ctx.headers = _NO_HEADERS  # read: a parked request keeps none of them
-        deadline = ticket.deadline + _SLACK
-        limit = deadline if wait is None else min(deadline, trio.current_time() + wait)
         return limit, deadline, media_type, applied
 
     async def _hung_up(self, route: Route, job_id: str) -> None:
@@ -365,7 +347,7 @@ class Submissions:
             raise
         finally:
             parking.close(scope, job_id)
-        return await self._ran_out(ticket, prefs, limit, ticket.deadline + _SLACK, applied)
+        return await self._ran_out(ticket, prefs, limit, ticket.deadline + SLACK, applied)
 
     @staticmethod
     def _answer(result: Any, media_type: str, job_id: str, applied: tuple[str, ...]) -> Response:
@@ -385,13 +367,13 @@ class Submissions:
     ) -> Response:
         """A parked wait ran out: the job's deadline, the shutdown's grace, or the auto wait."""
         job_id = ticket.job_id
-        if self.parking.drained:
-            await self.cancel_quietly(job_id)
-            raise shutting_down()
-        if limit < deadline:
+        outcome = ran_out(limit, deadline, drained=self.parking.drained)
+        if outcome is RanOut.ACCEPTED:
             return await self._accepted(ticket, respond_async=prefs.respond_async, applied=applied)
         await self.cancel_quietly(job_id)
-        raise _deadline_passed(job_id)
+        if outcome is RanOut.SHUTTING_DOWN:
+            raise shutting_down()
+        raise deadline_passed(job_id)
 
     async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
@@ -399,11 +381,10 @@ class Submissions:
         req = current_request()
         ctx = incoming()
         headers = _NO_HEADERS if ctx is None else ctx.headers
-        prefs = _NO_PREFERENCES
+        prefs = NO_PREFERENCES
         if "prefer" in headers:
             prefs = parse_prefer(req.headers.getlist("Prefer"))
-        header = headers.get("idempotency-key")
-        key = None if header is None else f"{route.name}\n{check_key(header)}"
+        key = idempotency_key(route.name, headers.get("idempotency-key"))
         limit = self.max_body if route.max_body is None else route.max_body
         data = await read_body(req, limit=limit, time_limit=self.body_time_limit, headers=headers)
         body = decode_object(data, headers.get("content-type"))
@@ -411,8 +392,7 @@ class Submissions:
         state = check_state(build_state(body, query, params))
         # An async answer promises the job will run: its admission is decided now (503 +
         # Retry-After if the pool would refuse it), and it then waits for its slot.
-        admit = route.mode == "async"
-        return await self._submit(route, state, key, admit=admit), prefs
+        return await self._submit(route, state, key, admit=admits_now(route.mode)), prefs
 
     # -- submitting ----------------------------------------------------------------------
 
@@ -420,42 +400,31 @@ class Submissions:
         self, route: Route, state: dict[str, Any], key: str | None, *, admit: bool
     ) -> _Ticket:
         if key is None:
-            # A sync or stream answer never carries the owner token: none is made.
-            token = None if route.mode in ("sync", "stream") else secrets.token_urlsafe(32)
+            token = secrets.token_urlsafe(32) if needs_token(route.mode) else None
             deadline, job_id = await self._new_job(route, state, token, admit=admit)
             return _Ticket(job_id, token, replayed=False, deadline=deadline)
         digest = fingerprint(route.method, request.path, state)
         with trio.move_on_after(_CLAIM_WAIT):
             while True:
                 claim = self.idempotency.get(key)
-                if claim is None:
+                step = key_step(claim, digest)
+                if step is KeyStep.SUBMIT:
                     return await self._first_with_key(route, state, key, digest, admit=admit)
-                if claim.fingerprint != digest:
-                    raise Problem(
-                        422,
-                        "Idempotency-Key reused",
-                        "this Idempotency-Key was used for a different request",
-                        slug="idempotency-key-reused",
-                    )
-                if claim.job_id is None:
+                assert claim is not None
+                if step is KeyStep.WAIT:
                     await claim.settled.wait()
                     continue
+                claimed = claim.job_id
+                assert claimed is not None
                 try:
-                    view = await self.engine.status(claim.job_id)
+                    view = await self.engine.status(claimed)
                 except JobNotFound:
                     view = None
-                if view is None or view.status is Status.CANCELLED:
-                    # A cancelled or dropped job frees its key: the retry starts afresh.
+                if view is None or frees_key(view.status):
                     self.idempotency.forget(key, claim)
                     continue
-                return _Ticket(claim.job_id, claim.token, replayed=True, deadline=view.deadline)
-        raise Problem(
-            409,
-            "Idempotency-Key in use",
-            "a request with this Idempotency-Key is still being submitted; retry shortly",
-            slug="idempotency-key-busy",
-            headers={"Retry-After": "1"},
-        )
+                return _Ticket(claimed, claim.token, replayed=True, deadline=view.deadline)
+        raise key_busy()
 
     async def _first_with_key(
         self, route: Route, state: dict[str, Any], key: str, digest: str, *, admit: bool
@@ -475,13 +444,15 @@ class Submissions:
         self, route: Route, state: dict[str, Any], token: str | None, *, admit: bool
     ) -> tuple[float, str]:
         """The new job's deadline and id."""
-        timeout = route.timeout
-        if timeout is None:
-            timeout = self.engine.registry.get_chain(route.chain).timeout
-        if timeout is None:
-            timeout = self.engine.default_timeout
-        if timeout is None:
-            timeout = self.default_timeout
+        engine = self.engine
+        # The chain is looked up only when the route sets no time limit of its own.
+        chain = None if route.timeout is not None else engine.registry.get_chain(route.chain)
+        timeout = job_timeout(
+            route.timeout,
+            None if chain is None else chain.timeout,
+            engine.default_timeout,
+            self.default_timeout,
+        )
         namespace = current_g()
         ctx: Incoming | None = namespace.get("pipework")
         # The engine sets the same deadline: it reads the clock before its first await.
@@ -512,9 +483,9 @@ class Submissions:
         response.headers["X-Job-Id"] = ticket.job_id
         if ticket.token is not None:  # always, for the modes that answer 202
             response.headers["X-Job-Token"] = ticket.token
-        preferences = ["respond-async", *applied] if respond_async else list(applied)
-        if preferences:
-            response.headers["Preference-Applied"] = ", ".join(preferences)
+        preferences = preference_applied(respond_async, applied)
+        if preferences is not None:
+            response.headers["Preference-Applied"] = preferences
         return response
 
     async def cancel_quietly(self, job_id: str) -> None:
@@ -541,14 +512,8 @@ class Submissions:
 
     async def _stream(self, ticket: _Ticket) -> Response:
         if ticket.replayed:
-            raise Problem(
-                409,
-                "Stream already taken",
-                "this Idempotency-Key started a stream, which only its first request can read",
-                slug="stream-taken",
-                headers={"Location": f"/jobs/{ticket.job_id}"},
-            )
-        deadline = ticket.deadline + _SLACK
+            raise stream_taken(ticket.job_id)
+        deadline = ticket.deadline + SLACK
         events = EventStream(self, ticket.job_id, deadline, g.correlation_id, request.path)
         try:
             await events.start()
@@ -619,7 +584,7 @@ class EventStream:
         self._done = True
         await self._submissions.cancel_quietly(self._job_id)
         drained = self._parking.drained
-        return self._error(shutting_down() if drained else _deadline_passed(self._job_id), first)
+        return self._error(shutting_down() if drained else deadline_passed(self._job_id), first)
 
     async def _chunk(self, chunk: Any, first: bool) -> bytes:
         try:
@@ -656,3 +621,9 @@ class EventStream:
             aclose = getattr(self._chunks, "aclose", None)  # an async generator's
             if aclose is not None:
                 await aclose()
+
+
+def sse_event(event: str, json_text: str, *, event_id: int | None = None) -> bytes:
+    """One server-sent event; ``json_text`` is one line (compact JSON never breaks lines)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json_text}\n\n".encode()
