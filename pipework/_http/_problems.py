@@ -1,9 +1,10 @@
 """Every error the container answers with is an RFC 9457 problem (application/problem+json).
 
-A :class:`Problem` is raised anywhere in a handler and rendered by one error handler, which
-adds the correlation id and the request path. Errors are mapped to problems here, in one
-place: pipework errors by their ``http_status``, HTTP errors by their code, and failures
-recorded on a job by its :class:`~pipework.ErrorInfo`.
+A :class:`Problem` is raised anywhere in a handler and rendered by one error handler (the
+container's ``_middleware``), which adds the correlation id and the request path. Errors are
+mapped to problems here, in one place: pipework errors by their ``http_status`` and failures
+recorded on a job by its :class:`~pipework.ErrorInfo` (werkzeug's HTTP errors, by their
+code, in ``_middleware.problem_for_http``). Nothing here knows Quart: a problem is a value.
 
 What a client learns about a failure: pipework's own messages (written to be shown, they
 say what happened and where) and any error whose status is below 500 (a pipe rejecting
@@ -19,9 +20,6 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-from quart import Response
-from werkzeug.exceptions import HTTPException
-
 from .. import _errors
 from ..dispatcher._job import ErrorInfo
 from ..dispatcher._store import JobGone
@@ -33,8 +31,7 @@ __all__ = [
     "encode_problem",
     "problem_for_error",
     "problem_for_exception",
-    "problem_for_http",
-    "render_problem",
+    "retry_after_header",
 ]
 
 PROBLEM_JSON: Final = "application/problem+json"
@@ -127,15 +124,6 @@ def encode_problem(problem: Problem, *, correlation_id: str, instance: str) -> b
     ).encode()
 
 
-def render_problem(problem: Problem, *, correlation_id: str, instance: str) -> Response:
-    body = encode_problem(problem, correlation_id=correlation_id, instance=instance)
-    response = Response(body, status=problem.status, content_type=PROBLEM_JSON)
-    for name, value in problem.headers.items():
-        response.headers[name] = value
-    response.headers["Cache-Control"] = "no-store"
-    return response
-
-
 def retry_after_header(seconds: float) -> dict[str, str]:
     """``Retry-After`` in whole seconds, rounded up (the header takes no fractions)."""
     return {"Retry-After": str(max(0, math.ceil(seconds)))}
@@ -203,16 +191,3 @@ def problem_for_exception(
     if isinstance(exc, _errors.StateError):
         problem.extensions["path"] = exc.path
     return problem
-
-
-def problem_for_http(exc: HTTPException) -> Problem:
-    """The problem for an HTTP error raised by routing or body handling (404, 405, 413...)."""
-    status = exc.code or 500
-    headers = {
-        name: value
-        for name, value in exc.get_headers()
-        if name.lower() not in {"content-type", "content-length"}
-    }
-    detail = exc.description or ""
-    # werkzeug's default descriptions are written for HTML pages; keep them, minus markup.
-    return Problem(status, exc.name, detail.replace("<", "").replace(">", ""), headers=headers)

@@ -12,83 +12,51 @@ container, so jobs outlive the server by exactly as much as the caller decides::
 owns the graceful shutdown: when ``shutdown_trigger`` is set it stops accepting, lets
 parked requests finish within ``shutdown_grace`` seconds, answers the rest 503 and
 cancels their jobs, then returns.
+
+This module wires the parts together and owns their lifecycle: the routes' view
+(``_modes``), the job, board and admin APIs, what every request passes through
+(``_middleware``) and the probes (``_readiness``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import re
-import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
-from urllib.parse import unquote_to_bytes
+from typing import Final
 
 import trio
-from quart import Request, Response, has_websocket_context, request, websocket
+from quart import Request, Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, NotFound
+from werkzeug.exceptions import NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
-from .._errors import Overloaded, PipeworkError
-from .._http._bodies import JSON, dumps_json
-from .._http._problems import Problem, problem_for_exception, problem_for_http, render_problem
-from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .._metrics import Metrics
 from ..board import Backplane, Boards, BoardSpec
 from ..board._api import BoardApi, add_board_rules
 from ..board._jobs import JOB_BOARD, JobBoard
 from ..board._metrics import BoardCollector
-from ..dispatcher._engine import PROBE_CHAIN, Engine
-from ..dispatcher._job import new_correlation_id
+from ..dispatcher._engine import Engine
 from ._admin import AdminApi, Reload, admin_token
 from ._callbacks import CallbackSigner
 from ._collector import SERVING_GC_THRESHOLD, tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
+from ._middleware import CATCH_ALL, Middleware
 from ._modes import Parking, Submissions
-from ._modes_core import shutting_down
-from ._request import Incoming, current_g, current_request, incoming, read_headers
+from ._readiness import CANARY_CHAIN, Probes, healthz
+from ._request import incoming
 from ._routes import Route, routes_of
 from ._server import BoundAddress, serve
 
 __all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
 
 _log = logging.getLogger("pipework.container")
-#: One line per request: method, path, status, duration (to the response's headers; a
-#: stream's body goes on after it) and request id.
-_access_log = logging.getLogger("pipework.access")
 
-# The metrics' endpoint label for the container's own rules.
-_ENDPOINTS: Final = {
-    "job": "jobs",
-    "cancel_job": "jobs",
-    "job_result": "jobs",
-    "job_signal": "jobs",
-    "callback": "callbacks",
-    "admin_pool": "admin",
-    "admin_key": "admin",
-    "admin_key_clear": "admin",
-    "admin_reload": "admin",
-}
-
-#: The chain ``/readyz`` runs to prove a job gets through the queue and a worker: the
-#: engine's own (:meth:`Engine.probe`), in no registry, so reloads leave it in place.
-CANARY_CHAIN: Final = PROBE_CHAIN
-
-# Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
-_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
-# W3C Trace Context: version-trace_id-parent_id-flags; all-zero ids are invalid.
-_TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
-_ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 # Hypercorn's own grace beyond ours: time for the 503s to reach the clients.
 _FLUSH_MARGIN: Final = 1.0
 _NO_PARAMS: Final[Mapping[str, str]] = {}
-#: The endpoints of the rules that hand every other path to the routes' own map.
-_CATCH_ALL: Final = ("routes_root", "routes")
-#: Answers that carry no content (RFC 9110 §15.3.5, §15.4.5): nothing to label.
-_NO_CONTENT: Final = frozenset({204, 304})
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,13 +129,18 @@ class Container:
     ) -> None:
         self.engine = engine
         self.config = config = config or ContainerConfig()
-        self._counters: dict[tuple[str, int], Any] = {}
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
         self.signer = signer or CallbackSigner.from_config(
             config.callback_secret, base_url=config.public_url or ""
         )
         engine.set_callback_factory(self.signer.url)
         self.parking = Parking(engine.metrics.parked)
+        self.middleware = Middleware(
+            engine.metrics,
+            max_header_bytes=config.max_header_bytes,
+            access_log=config.access_log,
+        )
+        self.probes = Probes(engine, self.parking, readiness_timeout=config.readiness_timeout)
         self.submissions = Submissions(
             engine,
             self.parking,
@@ -276,21 +249,15 @@ class Container:
 
     def _build_app(self) -> QuartTrio:
         app = QuartTrio(__name__, static_folder=None)
-        app.asgi_app = _RequestGuard(app.asgi_app)  # type: ignore[method-assign]  # Quart's documented middleware seam
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
-        # One hook each way: Quart awaits every hook through its own wrapper, per request.
-        app.before_request(self._before_request)
-        app.after_request(self._after_request)
-        app.register_error_handler(Problem, self._on_problem)
-        app.register_error_handler(HTTPException, self._on_http_error)
-        app.register_error_handler(Exception, self._on_error)
+        self.middleware.install(app)
         # Routes are matched by our own map, behind one catch-all rule, so that a reload can
         # swap them in one step; the container's own paths are Quart rules and win.
         # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
         self.submissions.match = self._match
-        for rule, endpoint in zip(("/", "/<path:_rest>"), _CATCH_ALL, strict=True):
+        for rule, endpoint in zip(("/", "/<path:_rest>"), CATCH_ALL, strict=True):
             app.add_url_rule(
                 rule,
                 endpoint,
@@ -309,9 +276,9 @@ class Container:
         add_board_rules(app, self.board_api)
         app.before_serving(self._start_boards)
         app.after_serving(self._stop_boards)
-        app.add_url_rule("/healthz", "healthz", _healthz, methods=["GET"])
-        app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
-        app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
+        app.add_url_rule("/healthz", "healthz", healthz, methods=["GET"])
+        app.add_url_rule("/readyz", "readyz", self.probes.readyz, methods=["GET"])
+        app.add_url_rule("/metrics", "metrics", self.probes.metrics, methods=["GET"])
         if self.admin is not None:
             admin = self.admin
             app.add_url_rule("/admin/pool", "admin_pool", admin.pool, methods=["GET"])
@@ -325,7 +292,7 @@ class Container:
         own = [
             Rule(r.rule, endpoint=r.endpoint, methods=r.methods)
             for r in app.url_map.iter_rules()
-            if r.endpoint not in _CATCH_ALL and not r.websocket
+            if r.endpoint not in CATCH_ALL and not r.websocket
         ]
         self._own_paths = Map(own).bind("localhost")
         app.make_default_options_response = self._own_options  # type: ignore[method-assign]  # Quart's hook for OPTIONS
@@ -361,15 +328,6 @@ class Container:
         self._parking_scope.cancel()
         self._unobserve()
         self.engine.metrics.remove_state(self._board_metrics)
-
-    async def _metrics(self) -> Response:
-        metrics = self.engine.metrics
-        if metrics.multiprocess_dir is None:
-            body = metrics.exposition()
-        else:  # the whole node's: this process's state first, then every process's files
-            metrics.publish()
-            body = await trio.to_thread.run_sync(metrics.node_exposition)
-        return Response(body, content_type=METRICS_CONTENT_TYPE)
 
     def set_routes(self, routes: Iterable[Route]) -> None:
         """Serve ``routes`` from the next request on (a reload's swap), in one step."""
@@ -418,216 +376,6 @@ class Container:
             ctx.route = name
         return self._by_name[name], params
 
-    async def _before_request(self) -> None:
-        _take_correlation_id()
-        self._check_headers()
-        _check_target()
-
-    async def _after_request(self, response: Response) -> Response:
-        self._count_response(response)
-        response.headers["X-Request-ID"] = _correlation_id()
-        if response.status_code in _NO_CONTENT:
-            # Quart labels every response (text/html, length 0); one without content has
-            # nothing to describe, and a 204 may not carry a length (RFC 9110 §8.6).
-            del response.headers["Content-Type"]
-            del response.headers["Content-Length"]
-        return response
-
-    def _count_response(self, response: Response) -> None:
-        """Count every response (refusals before any job too) by endpoint, route and
-        status class, and write the access log line."""
-        req, ctx = current_request(), incoming()
-        route = "" if ctx is None else ctx.route
-        status = response.status_code
-        # The counters' children, found once per label pair (a labels() call takes a lock).
-        counter = self._counters.get((route, status // 100))
-        if counter is None:
-            counter = self._counter(req, route, status)
-        counter.inc()
-        if self.config.access_log and _access_log.isEnabledFor(logging.INFO):
-            started = None if ctx is None else ctx.started
-            duration = None if started is None else round(time.perf_counter() - started, 6)
-            _access_log.info(
-                "%s %s %d %.3fs request_id=%s",
-                req.method,
-                req.path,
-                status,
-                duration or 0.0,
-                _correlation_id(),
-                extra={
-                    "event": "request",
-                    "method": req.method,
-                    "path": req.path,
-                    "status": status,
-                    "duration": duration,
-                    "correlation_id": _correlation_id(),
-                    "route": route or None,
-                },
-            )
-
-    def _counter(self, req: Request, route: str, status: int) -> Any:
-        metrics = self.engine.metrics
-        if route:
-            counter = metrics.route_responses.labels(route, f"{status // 100}xx")
-            self._counters[(route, status // 100)] = counter
-            return counter
-        rule = req.url_rule
-        if rule is None or rule.endpoint in ("routes", "routes_root"):
-            endpoint = "unmatched"  # no route for this method and path (404, 405)
-        else:
-            endpoint = _ENDPOINTS.get(rule.endpoint, rule.endpoint)
-        # Keyed by route only: the endpoint of a request without one depends on its rule.
-        return metrics.http_responses.labels(endpoint, f"{status // 100}xx")
-
-    def _check_headers(self) -> None:
-        # hypercorn bounds only headers that arrive in pieces; this bounds them all.
-        ctx = incoming()
-        size = 0 if ctx is None else ctx.header_bytes
-        if size > self.config.max_header_bytes:
-            raise Problem(
-                431,
-                "Request Header Fields Too Large",
-                f"the request's headers take {size} bytes, over the limit of "
-                f"{self.config.max_header_bytes}",
-                slug="headers-too-large",
-            )
-
-    async def _readyz(self) -> Response:
-        if self.parking.draining:
-            raise shutting_down()
-        limit = self.config.readiness_timeout
-        try:
-            await self.engine.probe(limit)
-        except Overloaded as exc:
-            raise problem_for_exception(exc) from None
-        except trio.TooSlowError:
-            raise Problem(
-                503,
-                "Not ready",
-                f"the canary job did not get through the queue and a worker in {limit:g}s",
-                slug="not-ready",
-                headers={"Retry-After": "1"},
-            ) from None
-        return _json({"status": "ready"})
-
-    # -- errors --------------------------------------------------------------------------
-
-    async def _on_problem(self, problem: Problem) -> Response:
-        _, path = _method_and_path()
-        return render_problem(problem, correlation_id=_correlation_id(), instance=path)
-
-    async def _on_http_error(self, exc: HTTPException) -> Response:
-        problem = problem_for_http(exc)
-        method, path = _method_and_path()
-        # werkzeug's descriptions are written for people at a browser
-        if exc.code == 404:
-            problem.detail = f"no route for {method} {path}"
-        elif exc.code == 405:
-            problem.detail = f"{method} is not allowed on {path}; see Allow"
-        return await self._on_problem(problem)
-
-    async def _on_error(self, exc: Exception) -> Response:
-        method, path = _method_and_path()
-        if isinstance(exc, PipeworkError):
-            if isinstance(exc, Overloaded):  # its numbers are for the operator, not the client
-                _log.warning(
-                    "refused %s %s (correlation id %s): %s",
-                    method,
-                    path,
-                    _correlation_id(),
-                    exc,
-                )
-            return await self._on_problem(problem_for_exception(exc))
-        # A bug in the container or a hook, not a job's failure: log all of it, show none.
-        _log.error(
-            "unhandled error on %s %s (correlation id %s)",
-            method,
-            path,
-            _correlation_id(),
-            exc_info=exc,
-        )
-        detail = "the server failed; its log has the details under this correlation id"
-        return await self._on_problem(Problem(500, "Internal Server Error", detail))
-
-
-# RFC 9110: a header name is a token; a value holds no control character but HTAB.
-_HEADER_NAME: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-_HEADER_VALUE: Final = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*\Z")
-# The raw request target: visible ASCII (anything else must be percent-encoded).
-_TARGET: Final = re.compile(rb"[\x21-\x7e]*\Z")
-
-
-class _RequestGuard:
-    """In front of Quart: refuse a request whose header names, header values or raw
-    target could not have come through HTTP/1.1 (h11 refuses them; another server might
-    not), with a 400 problem, before Quart parses them (it would fail on them with a 500)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    def __call__(self, scope: Any, receive: Any, send: Any) -> Coroutine[Any, Any, None]:
-        # Returns the awaitable instead of awaiting it: no frame of its own per request.
-        if scope.get("type") == "http":
-            why = _malformed_request(scope)
-            if why is not None:
-                return _send_problem(send, 400, "Bad Request", why, "malformed-request")
-        result: Coroutine[Any, Any, None] = self.app(scope, receive, send)
-        return result
-
-
-def _malformed_request(scope: Mapping[str, Any]) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if not _HEADER_NAME.match(name):
-            return "a request header has a name that is not an HTTP token"
-        if not _HEADER_VALUE.match(value):
-            return "a request header's value holds a control character"
-    raw_path = scope.get("raw_path")
-    if isinstance(raw_path, bytes) and not _TARGET.match(raw_path):
-        return "the request's path holds characters that must be percent-encoded"
-    if not _TARGET.match(scope.get("query_string", b"")):
-        return "the request's query holds characters that must be percent-encoded"
-    return None
-
-
-async def _send_problem(send: Any, status: int, title: str, detail: str, slug: str) -> None:
-    correlation_id = new_correlation_id()
-    problem = Problem(status, title, detail, slug=slug)
-    body = dumps_json(problem.document(correlation_id=correlation_id, instance="/")).encode()
-    headers = [
-        (b"content-type", b"application/problem+json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"cache-control", b"no-store"),
-        (b"x-request-id", correlation_id.encode()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _check_target() -> None:
-    """One rule for the request target: its path and its query, once percent-decoded, are
-    UTF-8, or the request is a 400. (The server would turn ``%FF`` in a path into U+FFFD
-    and the query parser would keep it as ``%FF``: neither is what the client meant.)"""
-    scope = current_request().scope
-    raw_path = scope.get("raw_path")
-    path = (
-        raw_path
-        if isinstance(raw_path, bytes)
-        else scope.get("path", "").encode("utf-8", "surrogatepass")
-    )
-    query = scope.get("query_string", b"")
-    for part, what in ((path, "path"), (query.replace(b"+", b" "), "query")):
-        if part.isascii() and b"%" not in part:
-            continue  # nothing to decode: ASCII is UTF-8
-        try:
-            unquote_to_bytes(part).decode("utf-8")
-        except UnicodeDecodeError:
-            raise Problem(
-                400,
-                "Bad request target",
-                f"the request's {what} is not UTF-8 once percent-decoded",
-                slug="bad-encoding",
-            ) from None
-
 
 #: With several processes, how often each writes its state families for the others' scrapes.
 _PUBLISH_EVERY: Final = 1.0
@@ -637,47 +385,6 @@ async def _publish_metrics(metrics: Metrics) -> None:
     while True:
         metrics.publish()
         await trio.sleep(_PUBLISH_EVERY)
-
-
-async def _healthz() -> Response:
-    return _json({"status": "ok"})
-
-
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(dumps_json(value), status=status, content_type=JSON)
-
-
-def _method_and_path() -> tuple[str, str]:
-    """What is being answered; a websocket handshake (a board follow refused before it is
-    accepted) has no ``request``, and its refusal is an HTTP answer all the same."""
-    if has_websocket_context():
-        return "GET", websocket.path
-    return request.method, request.path
-
-
-def _correlation_id() -> str:
-    ctx = current_g()
-    value = ctx.get("correlation_id")
-    if value is None:
-        value = ctx.correlation_id = new_correlation_id()
-    return str(value)
-
-
-def _take_correlation_id() -> None:
-    ctx = current_g()
-    started = time.perf_counter()
-    headers, size = read_headers(current_request().scope["headers"])
-    ctx.pipework = record = Incoming(started, headers, size)
-    # W3C trace context: passed on to the backends as sent, when well-formed.
-    trace = headers.get("traceparent")
-    if trace is not None:
-        trace = trace.strip().lower()
-        if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace):
-            record.traceparent = trace
-    given = headers.get("x-request-id")
-    ctx.correlation_id = (
-        given if given is not None and _REQUEST_ID.match(given) else new_correlation_id()
-    )
 
 
 def create_app(
