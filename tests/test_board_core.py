@@ -134,6 +134,22 @@ def test_a_reconnect_gets_exactly_what_it_missed() -> None:
     assert not core.pending_for(up_to_date)
 
 
+def test_a_follower_joining_at_a_version_still_pending_is_not_handed_it() -> None:
+    """A client's own write answered version V before its batch flushed; it follows from
+    V at once: V is not news to it (docs/http-api.md: "every event after V")."""
+    core = BoardCore(BoardSettings(window=0.05))
+    core.create("r", 0, now=0.0)
+    core.flush()
+    written = core.update("r", 1, now=0.0)  # pending: the batch has not flushed yet
+    f = core.join(["r"], since=written)
+    assert not core.pending_for(f)
+    assert f not in core.flush()
+    assert core.take(f).events == ()
+    later = core.update("r", 2, now=0.0)
+    assert f in core.flush()
+    assert [e.version for e in core.take(f).events] == [later]
+
+
 def test_a_follower_older_than_the_history_gets_a_resync_with_the_current_state() -> None:
     core = BoardCore(BoardSettings(history=2))
     core.create("r", 0, now=0.0)

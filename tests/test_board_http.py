@@ -243,6 +243,20 @@ async def test_long_poll_answers_at_once_when_behind_else_at_the_next_change() -
             assert_problem(await served.client.get(path, params={"since": "x"}), 400)
 
 
+async def test_a_long_poll_from_the_callers_own_write_waits_for_news() -> None:
+    """``GET ?since=V`` right after the caller's own ``PUT`` answered V, before the board's
+    batch flushed: answered with every event after V (none, here), not with V at the
+    flush."""
+    slow = [BoardSpec("news", BoardSettings(window=0.3), write_token=WRITE, public_read=True)]
+    with trio.fail_after(HANG_GUARD):
+        async with serving(boards=slow) as served:
+            resource = await create(served, "news", "a")
+            written = await put(served, "news", resource, "b")
+            path = f"/boards/news/{resource}"
+            polled = await served.client.get(path, params={"since": written, "wait": 1})
+            assert polled.json() == {"events": [], "position": written}
+
+
 async def test_a_websocket_follower_gets_changes_and_is_closed_by_the_delete() -> None:
     with trio.fail_after(HANG_GUARD):
         async with serving() as served:

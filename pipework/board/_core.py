@@ -20,6 +20,8 @@ The rules, each tested in ``tests/test_board_core.py``:
   follower joining at a position (``Last-Event-ID``, ``?since=``) gets every event after it
   from that history, or -- when the history no longer reaches back that far, or the
   position belongs to another epoch -- one explicit ``resync`` event with the current state.
+  It gets nothing at or before that position, an event of the batch still pending (its own
+  write, answered with its version before the batch flushed) neither.
 * **Bounded followers.** A follower's queue holds at most one event per resource on a
   coalescing board; on a ``keep_all`` board, once it holds ``max_queue`` events it collapses
   to one ``resync`` per resource carrying that resource's latest state. Either way a slow
@@ -205,6 +207,9 @@ class _Follower:
     #: Waiting events by resource, in the order resources were touched.
     queue: dict[str, list[Event]] = field(default_factory=dict)
     size: int = 0
+    #: The offset it joined at (this epoch's): it knows every event up to there, those
+    #: still in the pending batch too, and is handed none of them.
+    after: int = _NEVER
 
 
 class BoardCore:
@@ -410,7 +415,10 @@ class BoardCore:
                     resource.evicted = resource.history[0].version.offset
                 resource.history.append(event)
                 for follower_id in resource.followers:
-                    self._push(self._followers[follower_id], event, keep_all)
+                    follower = self._followers[follower_id]
+                    if event.version.offset <= follower.after:
+                        continue  # it joined at a position past this event: it has it
+                    self._push(follower, event, keep_all)
                     woken[follower_id] = None
             if events[-1].kind is Kind.DELETE:
                 for follower_id in resource.followers:
@@ -469,6 +477,8 @@ class BoardCore:
         follower_id = next(self._ids)
         follower = self._followers[follower_id] = _Follower(set(wanted))
         foreign = since is not None and (since.epoch != self.epoch or since.offset > self._offset)
+        if since is not None and not foreign:
+            follower.after = since.offset
         for resource in found:
             resource.followers.add(follower_id)
             if not resource.history:
