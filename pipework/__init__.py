@@ -28,6 +28,7 @@ from ._errors import SignalError as SignalError
 from ._errors import StateError as StateError
 from ._errors import StoreUnavailable as StoreUnavailable
 from ._errors import TemplateError as TemplateError
+from ._errors import TemplateSyntaxError as TemplateSyntaxError
 from ._logging import JsonFormatter as JsonFormatter
 from ._metrics import Metrics as Metrics
 from .backends._http import Backends as Backends
@@ -146,6 +147,7 @@ __all__ = [
     "Status",
     "StoreUnavailable",
     "TemplateError",
+    "TemplateSyntaxError",
     "WeightedPool",
     "Weights",
     "__version__",

@@ -1,4 +1,6 @@
-"""The errors pipework raises, as one small tree: every error class is defined here, once.
+"""The errors pipework lets reach its users, as one small tree: each is defined here, once,
+and exported as ``pipework.<Name>`` (``tests/test_exports.py`` keeps this tree equal to the
+exported classes and their bases).
 
     PipeworkError                       base of everything pipework raises itself
     ├── Overloaded                      refused at once: nothing was accepted (HTTP 503)
@@ -32,10 +34,29 @@
 Errors raised *by pipes* are never wrapped: they reach the caller as the same exception
 object, with notes naming the stage path, job id and correlation id.
 
-Two exception classes live elsewhere on purpose, because they are not errors: a pipe's
-``Suspend`` (``pipework.pipes._pipe``, a ``BaseException`` the dispatcher catches to park a
-job, as trio's ``Cancelled`` is), and the container's ``Problem`` (an HTTP error *answer*
-raised inside a request handler and rendered there; it never leaves the container).
+Exceptions that never leave the layer raising them live with that layer, which turns each
+into one of the errors above, or into an HTTP answer, at its edge:
+
+- ``pipework.backends``: the lean HTTP client's failures (``_failures.py``:
+  ``TransportFailure`` and its ``ConnectFailed``, ``ConnectionBroken``, ``BadAnswer`` and
+  ``CallTimeout``; ``_h1.py``: ``BadEncoding``, ``ResponseTooLarge`` and
+  ``StaleConnection``), which ``Backends`` turns into ``BackendError``,
+  ``BackendUnreachable`` or ``DeadlineExceeded``;
+- ``pipework.board``: the sans-IO core's refusals (``_core.py``: ``BoardFull``,
+  ``ResourceNotFound``, ``ResourceExists``) and a write no backplane could make
+  (``_driver.py``: ``BoardUnavailable``), which the board's HTTP face answers as problems;
+- ``pipework.redis``: the wire's ``ReplyError`` and ``ConnectionLost`` (``_wire.py``): a
+  Redis away or refusing for now is ``StoreUnavailable`` from the store and the queue, and
+  ``BoardUnavailable`` from the backplane (an error reply that means a bug travels on as
+  it is, as any bug does);
+- ``pipework.dispatcher``: ``PipeTimeout`` (``_outcomes.py``), a pipe's time running out
+  inside its step, which becomes ``DeadlineExceeded`` naming the limit that fired;
+- ``pipework._http``: ``Problem`` (``_problems.py``), an HTTP error *answer* raised inside
+  a request handler and rendered there.
+
+One more is not an error at all: a pipe's ``Suspend`` (``pipework.pipes._pipe``), a
+``BaseException`` the dispatcher catches to park a job, as trio's ``Cancelled`` is. Classes
+private to one module (a leading underscore) are not listed.
 
 This module imports nothing from pipework, so every layer may import it.
 """

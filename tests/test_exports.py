@@ -4,10 +4,15 @@ docs and examples that use nothing else."""
 from __future__ import annotations
 
 import argparse
+import builtins
+import importlib
+import inspect
+import pkgutil
 import re
 from pathlib import Path
 
 import pipework as pw
+from pipework import _errors
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +80,7 @@ PUBLIC = [
     "Status",
     "StoreUnavailable",
     "TemplateError",
+    "TemplateSyntaxError",
     "WeightedPool",
     "Weights",
     "__version__",
@@ -118,6 +124,90 @@ def test_every_error_is_a_pipework_error() -> None:
     assert len(errors) >= 15
     for error in errors:
         assert issubclass(error, pw.PipeworkError), error
+
+
+# A line of the tree in pipework._errors' docstring: the root at the margin, every other
+# class after a connector, its extra bases in parentheses.
+_TREE_LINE = re.compile(
+    r"^    (?P<indent>(?:[│ ]   )*)(?P<connector>[├└]── )?(?P<name>[A-Z]\w*)"
+    r"(?: \((?P<extra>\w+(?:, \w+)*)\))?(?: |$)"
+)
+
+
+def _drawn_error_tree() -> dict[str, tuple[str, ...]]:
+    """Each class drawn in the tree, with its bases as drawn: its parent in the tree, then
+    the bases in parentheses (the root: none drawn)."""
+    assert _errors.__doc__ is not None
+    drawn: dict[str, tuple[str, ...]] = {}
+    path: list[str] = []
+    for line in _errors.__doc__.splitlines():
+        found = _TREE_LINE.match(line)
+        if found is None or (found["indent"] and not found["connector"]):
+            continue
+        if found["connector"]:
+            depth = len(found["indent"]) // 4 + 1
+        else:
+            assert not drawn, f"a second root: {line.strip()}"
+            depth = 0
+        name = found["name"]
+        assert name not in drawn, f"{name} is drawn twice"
+        assert len(path) >= depth, f"{name} is drawn below no parent"
+        del path[depth:]
+        extra = tuple(found["extra"].split(", ")) if found["extra"] else ()
+        drawn[name] = (*path[-1:], *extra)
+        path.append(name)
+    return drawn
+
+
+def test_the_error_tree_in_the_errors_docstring_is_the_exported_errors() -> None:
+    drawn = _drawn_error_tree()
+    exported = {
+        name: value
+        for name in pw.__all__
+        if isinstance(value := getattr(pw, name), type) and issubclass(value, BaseException)
+    }
+    assert sorted(drawn) == sorted(exported)
+    assert drawn["PipeworkError"] == ()
+    assert pw.PipeworkError.__bases__ == (Exception,)
+    for name, bases in drawn.items():
+        if name == "PipeworkError":
+            continue
+        real = tuple(base.__name__ for base in exported[name].__bases__)
+        assert bases == real, f"{name}: drawn on {bases}, defined on {real}"
+        # Each drawn base is pipework's exported class or the builtin of that name.
+        for base, cls in zip(bases, exported[name].__bases__, strict=True):
+            assert cls is getattr(pw, base, None) or cls is getattr(builtins, base, None), base
+
+
+def test_the_tree_parser_reads_nesting_and_extra_bases() -> None:
+    # The parser itself, on the tree's shapes: a continuation line, a second level, extras.
+    drawn = _drawn_error_tree()
+    assert drawn["Rejected"] == ("Overloaded",)
+    assert drawn["BorrowTimeout"] == ("ResourcePoolError", "TimeoutError")
+    assert drawn["JobNotFound"] == ("PipeworkError", "LookupError")
+    assert drawn["ConfigError"] == ("PipeworkError", "ValueError")
+
+
+def test_exceptions_defined_outside_the_errors_module_are_named_in_it() -> None:
+    """An exception class of pipework that is not one of the exported errors is internal to
+    its layer, and the errors module's docstring says where it lives and what it becomes."""
+    doc = _errors.__doc__
+    assert doc is not None
+    elsewhere = set()
+    for info in pkgutil.walk_packages(pw.__path__, "pipework."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__ == info.name
+                and not name.startswith("_")
+            ):
+                elsewhere.add(name)
+    assert "Suspend" in elsewhere  # the walk sees the modules
+    assert elsewhere.isdisjoint(pw.__all__)
+    missing = sorted(name for name in elsewhere if f"``{name}``" not in doc)
+    assert missing == []
 
 
 # `pipework._x` and `pipework.<sub>._x` are private: docs and examples show only what a user

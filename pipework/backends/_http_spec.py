@@ -216,7 +216,8 @@ class HttpCall:
         into: str | None = None,
         accept: frozenset[int] = DEFAULT_ACCEPT,
     ) -> HttpCall:
-        """Build a call from template strings (parsed here; a bad one raises ValueError)."""
+        """Build a call from template strings, parsed here: one that cannot be parsed raises
+        :class:`~pipework.TemplateSyntaxError` (a ``ValueError``) saying where."""
         return cls(
             service,
             Template.parse_path(path),
