@@ -2,14 +2,14 @@
 driver of :mod:`._stage`, which decides; this module acts.
 
 The parent keeps its step (and its slot) while its branches run in tasks of the
-dispatcher's nursery, each on a snapshot of the state as an in-memory branch record that is
-never stored. A branch takes a worker slot of its own key only when that key differs from
-the parent's or is limited (a limit, an adaptive limit or a pause must count it); otherwise
-it runs under the parent's slot, and when the parent's key becomes limited while the stage
-runs, its branches' next pipes take slots of their own or, when none is free, the parent's,
-lent to one branch at a time. Once the join resolves, running branches are cancelled and
-the parent goes on in the same step with the deltas merged: no event, no second pass
-through the queue.
+dispatcher's nursery (branch runners, ``_branch_runners.py``), each on a snapshot of the
+state as an in-memory branch record that is never stored. Only a stage whose branches all
+run under the parent's slot runs here (their keys are the parent's, and it is not limited:
+``Steps._shares_slot``). When the parent's key becomes limited while the stage runs (a
+limit, an adaptive limit or a pause must count each branch), its branches' next pipes take
+slots of their own or, when none is free, the parent's, lent to one branch at a time. Once
+the join resolves, running branches are cancelled and the parent goes on in the same step
+with the deltas merged: no event, no second pass through the queue.
 
 **A branch that suspends must outlive the step.** It becomes a child job at once (its record
 is created, suspended, exactly as a forked branch suspends), and the stage turns *durable*:
@@ -19,8 +19,9 @@ still running too — reaches the join as a ``BranchDone`` event (``_forked.py``
 then only waits for its in-step branches to end, and the parent waits at its join holding
 nothing, as it does for a forked stage.
 
-Stages that nest another parallel stage inside a branch, or that have detached graph
-nodes (which the parent must not wait for), are forked as child jobs.
+Stages whose branches need slots of their own keys, that nest another parallel stage inside
+a branch, or that have detached graph nodes (which the parent must not wait for), are forked
+as child jobs (``_forked.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The job record, and the frozen view of it that the public API hands out.
 
-A :class:`Job` is everything a stateless worker needs to continue a chain: which chain, the
-state, the cursor (a stack of frames), the admission key of its next step, its deadline and
-its status. Every field but ``exception`` and ``stream`` round-trips through msgpack
-(:meth:`Job.to_wire`), which is what a shared (Redis) store keeps; those two only live in the
-process that runs the job. A parent waiting at a parallel stage holds a :class:`JoinRecord`,
+A :class:`JobRecord` is everything a stateless worker needs to continue a chain: which
+chain, the state, the cursor (a stack of frames), the admission key of its next step, its
+deadline and its status. It round-trips through msgpack (:meth:`JobRecord.to_wire`), which
+is what a shared (Redis) store keeps. A :class:`Job` is the record as the process running it
+holds it, with what only that process knows (a cancel asked of its step, the exception
+object it failed with). A parent waiting at a parallel stage holds a :class:`JoinRecord`,
 plain data too.
 """
 

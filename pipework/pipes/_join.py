@@ -1,9 +1,12 @@
 """The join of a parallel stage, as a pure state machine: branch events in, decisions out.
 
-The engine runs each branch as a child job and reports its end with :meth:`Join.branch_done`;
-the :class:`Decision` it gets back says which branches to start, which to cancel, and whether
-the stage is resolved. A join is stored in the parent's job record between events, so it
-round-trips through msgpack (:meth:`Join.to_wire` / :meth:`Join.from_wire`).
+The engine reports each branch's end with :meth:`Join.branch_done`; the :class:`Decision` it
+gets back says which branches to start, which to cancel, and whether the stage is resolved.
+Branches run as tasks in the parent's step when they can (``dispatcher/_instep.py``: the join
+stays in memory) and as child jobs otherwise (``dispatcher/_forked.py``). A join that must
+outlive the step (a forked stage, or an in-step one whose branch suspended) is stored in the
+parent's job record between events, so it round-trips through msgpack (:meth:`Join.to_wire`
+/ :meth:`Join.from_wire`).
 
 Each branch moves ``waiting -> running -> ok | error | cancelled | timed_out``, or
 ``waiting -> not_started`` when the stage resolves before it was started. Any outcome but
