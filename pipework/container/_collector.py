@@ -5,7 +5,7 @@ interpreter's default thresholds (700 allocations per young collection) a broadc
 5,000 SSE followers runs some 160 young collections, promotes what is in flight at each,
 and so triggers one full collection of the whole heap: measured, about 70% of the server's
 CPU during the broadcast, for pipework and for a bare quart-trio app alike
-(docs/design.md, "Push boards"). A young threshold of 50,000 makes that two young
+(docs/performance.md, "Push boards"). A young threshold of 50,000 makes that two young
 collections and no full one; the garbage a young collection waits for is at most that
 many objects (a few MB). Reference counting frees everything without cycles at once,
 whatever the thresholds.

@@ -59,7 +59,7 @@ _log = logging.getLogger("pipework.dispatcher")
 #: their objects together (more of them survive into older GC generations, so collections
 #: run more often and take longer), and beyond the free slots they queue in the pool
 #: (measured: a 1-pipe job at 4.2 times a bare task with 256, 3.7 with 32; with 64
-#: workers, 2.9 and 1.5; see docs/design.md).
+#: workers, 2.9 and 1.5; see docs/performance.md).
 _BATCH: Final = 32
 
 
