@@ -7,6 +7,7 @@ test that needs Redis fails, saying what to install; it is never skipped.
 
 from __future__ import annotations
 
+import math
 import secrets
 import shutil
 import socket
@@ -14,16 +15,26 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
-from pipework.redis._store import RedisJobStore, StoreUnavailable
+from pipework.redis import RedisJobStore
 
-__all__ = ["RedisServer", "TestRedisJobStore", "redis_server", "start_redis", "store_class"]
+__all__ = [
+    "RedisServer",
+    "TestRedisJobStore",
+    "held",
+    "redis_server",
+    "start_redis",
+    "store_class",
+    "wait_idle",
+]
 
 
 @dataclass
@@ -118,43 +129,121 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 class TestRedisJobStore(RedisJobStore):
-    """The Redis store for the engine's suite, which runs on trio's MockClock: while a
-    round trip waits on the socket, a task spins through checkpoints, so an autojumping
-    clock does not take the wait for idleness and leap to the next deadline.
+    """The Redis store for the engine's suite: :class:`~pipework.redis.RedisJobStore` itself,
+    following ends as in production, with the test's clock held while it waits on Redis.
 
-    The clock stands still meanwhile, so the store's own bound (``io_timeout`` on the trio
-    clock) cannot end a round trip that never ends, nor can anything inside it that waits
-    on the clock (the client's retry back-off): the spin is bounded in real time instead,
-    and a round trip past ``io_timeout`` real seconds fails with the store's error. The
-    round trip is shielded, so without this bound the test would spin until the hang
-    guard's process bound killed the run."""
+    The engine's suite runs on trio's ``MockClock`` with autojump: when no task can run, the
+    clock leaps to the next deadline. A task waiting on a socket cannot run, so without help
+    every round trip to Redis would let virtual time leap (to a pipe's timeout, the store's
+    own ``io_timeout``, the hang guard's bound) while Redis answers in microseconds: times
+    would no longer be exact, and a wait for a subscription's first connection would leap a
+    day. So while a round trip is on its way (the store's ``_wait``, through which each one
+    goes) and while :meth:`follow_finished` makes its subscription, the clock is held
+    (:func:`held`): its autojump waits ``io_timeout`` seconds of real time instead of none,
+    and the run loop sleeps in the kernel until Redis answers. Virtual time stands still
+    meanwhile, as it does for the memory store; a Redis that never answers lets the clock go
+    after ``io_timeout`` real seconds, and the store's own bound then fails the round trip.
+
+    What is not the production path: nothing but the hold. An end published by another
+    engine on the same store reaches this one's subscription outside any round trip, so the
+    clock may move while it is on its way; the suite's single-engine tests do not wait for
+    such ends (tests of several processes use the real store on the real clock)."""
 
     __test__ = False  # not a test class, whatever its name
 
-    #: The suite runs one engine per store, whose own ends wake its waiters; the pub/sub
-    #: subscription that hears other processes' ends keeps client-side timeouts that an
-    #: autojumping clock would fire at once. Tests with two engines use the real store.
-    follow_finished = None  # type: ignore[assignment]  # the capability is absent here
-
     async def _wait(self, request: Callable[[], Awaitable[Any]]) -> Any:
-        result: list[Any] = []
-        give_up = time.monotonic() + self.io_timeout
+        with held(self.io_timeout):
+            return await request()
 
-        async def wait() -> None:
-            result.append(await request())
-            nursery.cancel_scope.cancel()
+    async def follow_finished(
+        self,
+        finished: Callable[[str], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with held(self.io_timeout) as hold:
+            told = _Started(hold, task_status)
+            await super().follow_finished(finished, task_status=told)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait)
-            while time.monotonic() < give_up:
-                await trio.lowlevel.checkpoint()
-            nursery.cancel_scope.cancel()
-        if not result:
-            raise StoreUnavailable(
-                f"the job store at {self.url} did not answer within {self.io_timeout:g}s "
-                "of real time (the test's trio clock stands still while it waits)"
-            )
-        return result[0]
+
+class _Hold:
+    """One holder of the run's clock (see :func:`held`); ``release`` lets go, once."""
+
+    def __init__(self, bound: float) -> None:
+        state = _held.get()
+        if state is None:
+            clock = trio.lowlevel.current_clock()
+            mock = clock if isinstance(clock, trio.testing.MockClock) else None
+            state = _Held(mock)
+            _held.set(state)
+        state.holders += 1
+        if state.clock is not None:
+            state.clock.autojump_threshold = max(bound, state.threshold)
+        self._state: _Held | None = state
+
+    def release(self) -> None:
+        state, self._state = self._state, None
+        if state is None:
+            return
+        state.holders -= 1
+        if state.holders == 0:
+            _held.set(None)
+            if state.clock is not None:
+                state.clock.autojump_threshold = state.threshold
+            state.released.set()
+
+
+class _Held:
+    """The run's clock while it is held: by how many, its autojump threshold before them
+    (if it autojumps), and an event set when the last lets go."""
+
+    def __init__(self, clock: trio.testing.MockClock | None) -> None:
+        self.clock = clock
+        self.threshold = math.inf if clock is None else clock.autojump_threshold
+        self.holders = 0
+        self.released = trio.Event()
+
+
+_held: trio.lowlevel.RunVar[_Held | None] = trio.lowlevel.RunVar("held", default=None)
+
+
+@contextmanager
+def held(bound: float) -> Iterator[_Hold]:
+    """Hold the run's clock while the block waits on Redis: if it autojumps, it leaps only
+    after ``bound`` seconds of real time with no task able to run; and :func:`wait_idle`
+    waits for the block to end. Holds nest (two round trips on their way at once): the last
+    one out restores the clock."""
+    hold = _Hold(bound)
+    try:
+        yield hold
+    finally:
+        hold.release()
+
+
+async def wait_idle() -> None:
+    """:func:`trio.testing.wait_all_tasks_blocked` for the engine's suite: every task is
+    blocked and none waits for Redis's answer (a round trip on its way ends without the
+    clock moving, as a call to the memory store does; see :class:`TestRedisJobStore`)."""
+    while True:
+        await trio.testing.wait_all_tasks_blocked()
+        state = _held.get()
+        if state is None:
+            return
+        await state.released.wait()
+
+
+class _Started:
+    """The task status :meth:`TestRedisJobStore.follow_finished` passes on: the hold ends
+    once the subscription is made (from then on the subscription waits for messages, which
+    is idleness, not a round trip)."""
+
+    def __init__(self, hold: _Hold, status: trio.TaskStatus[None]) -> None:
+        self._hold = hold
+        self._status = status
+
+    def started(self, value: None = None) -> None:
+        self._hold.release()
+        self._status.started(value)
 
 
 def store_class(server: RedisServer) -> type[RedisJobStore]:

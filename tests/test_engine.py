@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import trio
-import trio.testing
 
 import pipework as pw
 from pipework.dispatcher._events import Event
 from pipework.dispatcher._queue import MemoryEventQueue
+
+from ._redis import wait_idle
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
@@ -148,7 +149,7 @@ async def test_suspend_then_signal_continues_at_cursor(autojump_clock: trio.abc.
     engine.chain("order", first, wait_paid, last)
     async with engine:
         job_id = await engine.submit("order")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         view = await engine.status(job_id)
         assert view.status is pw.Status.SUSPENDED
         assert view.waiting_for == "paid"
@@ -171,7 +172,7 @@ async def test_signal_that_arrives_while_running_is_kept() -> None:
     engine.chain("c", hand_out_callback)
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         await engine.signal(job_id, "done", "early")
         go.set()
         assert await engine.wait(job_id) == {"done": "early"}
@@ -231,7 +232,7 @@ async def test_signal_errors_are_clear() -> None:
         with pytest.raises(pw.SignalError, match="is done; signal 'paid' can only reach"):
             await engine.signal(done, "paid")
         parked = await engine.submit("park")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         with pytest.raises(pw.SignalError, match="waiting for signal 'paid', not 'shipped'"):
             await engine.signal(parked, "shipped")
         with pytest.raises(pw.StateError) as info:
@@ -243,7 +244,7 @@ async def test_signal_errors_are_clear() -> None:
 async def _until_suspended(engine: pw.Engine, count: int = 1) -> None:
     """Until ``count`` jobs (branches included) are suspended: a condition, not a time."""
     while len(await engine.store.list(pw.Status.SUSPENDED)) < count:
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
 
 
 async def _signal_all(engine: pw.Engine, job_id: str, name: str, count: int) -> list[Any]:
@@ -469,7 +470,7 @@ async def test_full_queue_refuses_at_once_and_loses_nothing() -> None:
     engine.chain("c", work)
     async with engine:
         accepted = [await engine.submit("c", {"n": 0})]
-        await trio.testing.wait_all_tasks_blocked()  # job 0 holds the only slot
+        await wait_idle()  # job 0 holds the only slot
         accepted.append(await engine.submit("c", {"n": 1}))
         accepted.append(await engine.submit("c", {"n": 2}))
         with pytest.raises(pw.Overloaded) as info:
@@ -496,7 +497,7 @@ async def test_cancelling_a_running_job_cancels_its_pipe() -> None:
     engine.chain("c", forever)
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert (await engine.status(job_id)).status is pw.Status.RUNNING
         await engine.cancel(job_id)
         with pytest.raises(pw.JobCancelled):
@@ -521,10 +522,10 @@ async def test_cancelling_suspended_and_queued_jobs() -> None:
     engine.chain("hold", hold)
     async with engine:
         parked = await engine.submit("park")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         first = await engine.submit("hold")
         second = await engine.submit("hold")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         # Trio schedules the two steps in either order: one holds the slot, one waits.
         statuses = {(await engine.status(j)).status: j for j in (first, second)}
         assert set(statuses) == {pw.Status.RUNNING, pw.Status.QUEUED}
@@ -621,7 +622,7 @@ async def test_progress_and_output_chunks() -> None:
     engine.chain("c", export)
     async with engine:
         job_id = await engine.submit("c", stream=True)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert (await engine.status(job_id)).progress == pw.Progress(1, 2, "half")
         step.set()
         chunks = [chunk async for chunk in engine.stream(job_id)]
@@ -675,7 +676,7 @@ async def test_progress_moves_the_jobs_updated_at() -> None:
             reported.clear()
             gate = trio.Event()
             job_id = await engine.submit(chain)
-            await trio.testing.wait_all_tasks_blocked()
+            await wait_idle()
             view = await engine.status(job_id)
             assert view.progress is not None
             assert view.updated_at >= max(reported.values())
@@ -772,7 +773,7 @@ async def test_a_swapped_plan_runs_new_jobs_and_old_ones_keep_theirs() -> None:
     engine.chain("c", recorder("a"), recorder("wait"), recorder("b"))
     async with engine:
         old = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert engine.plan_generation == 1
         registry = pw.Registry()
         registry.chain("c", recorder("x"), recorder("y"))
@@ -884,7 +885,7 @@ async def test_probe_passes_when_every_worker_is_busy(autojump_clock: trio.abc.C
     async with engine:
         await engine.submit("hold")
         await engine.submit("hold")  # and one waiting for the slot
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         start = trio.current_time()
         await engine.probe(2.0)
         assert trio.current_time() - start < 2.0

@@ -14,12 +14,13 @@ from typing import Any
 import httpx
 import pytest
 import trio
-import trio.testing
 from quart import Response
 from quart_trio import QuartTrio
 
 import pipework as pw
 from pipework.container._server import serve
+
+from ._redis import wait_idle
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
@@ -407,7 +408,7 @@ async def test_a_graph_callback_that_raises_anything_never_stops_the_engine(
     async with engine:
         with caplog.at_level(logging.ERROR, logger="pipework"):
             assert (await engine.run("c"))["ok"] is True
-            await trio.testing.wait_all_tasks_blocked()
+            await wait_idle()
         failed = [r for r in caplog.records if "callback failed" in r.getMessage()]
         assert [r.getMessage().split()[2] for r in failed] == ["'a'", "'b'"]
         await _assert_engine_serves_on(engine)

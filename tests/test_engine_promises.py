@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import trio
-import trio.testing
 
 import pipework as pw
+
+from ._redis import wait_idle
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
@@ -171,7 +172,7 @@ async def test_progress_from_a_branch_reaches_the_parent(autojump_clock: trio.ab
     engine.chain("c", pw.all_of(fetch, other))
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         progress = (await engine.status(job_id)).progress
         assert progress is not None
         assert (progress.done, progress.total, progress.message) == (3, 10, "rows")

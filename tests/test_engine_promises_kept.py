@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import trio
-import trio.testing
 
 import pipework as pw
+
+from ._redis import wait_idle
 
 pytestmark = pytest.mark.usefixtures("each_store")
 
@@ -134,7 +135,7 @@ async def test_a_key_limited_while_an_in_step_stage_runs_counts_its_branches(
     engine.chain("c", pw.all_of(branch, branch, branch), key="k", timeout=600)
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         pool.reconfigure(pool.config.with_weights("k", pw.Weights(limit=1)))
         gate.set()
         await engine.wait(job_id)
@@ -162,7 +163,7 @@ async def test_a_key_limited_under_max_concurrency_never_starves_later_branches(
     engine.chain("c", stage, key="k", timeout=600)
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         pool.reconfigure(pool.config.with_weights("k", pw.Weights(limit=1)))
         gate.set()
         await engine.wait(job_id)  # raised Rejected (wait timeout) before the fix
@@ -218,9 +219,9 @@ async def test_an_admitted_job_waiting_for_a_busy_key_waits_out_its_pause(
     engine.chain("c", on_x, on_y, timeout=60)
     async with engine:
         blocker = await engine.submit("blocker")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         job_id = await engine.submit("c", admit=True)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert pool.statistics().keys["y"].waiting == 1
         pool.reconfigure(pool.config.with_weights("y", pw.Weights(limit=0)))
         await trio.sleep(1)
@@ -246,7 +247,7 @@ async def test_a_resumed_step_waits_out_a_pause(autojump_clock: trio.abc.Clock) 
     engine.chain("c", park, after, timeout=60)
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         pool.reconfigure(pool.config.with_weights("y", pw.Weights(limit=0)))
         await engine.signal(job_id, "go", 1)
         await trio.sleep(1)

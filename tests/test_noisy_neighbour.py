@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import trio
-import trio.testing
 
 import pipework as pw
+
+from ._redis import wait_idle
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
@@ -132,9 +133,9 @@ async def test_accepted_work_waits_out_the_load_new_work_is_refused(
         start = trio.current_time()
         holder = await engine.submit("hold")
         resumed = await engine.submit("resume")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         await engine.signal(resumed, "go")  # its next step needs "s", held for 5 s
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         new = await engine.submit("hold")  # new work: "s" already has a waiter
         with pytest.raises(pw.Rejected) as refused:
             await engine.wait(new)

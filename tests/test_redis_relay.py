@@ -33,7 +33,7 @@ from pipework.redis._relay import RedisRelay
 from pipework.redis._timers import RedisTimers
 from pipework.redis._wire import Arg, Connection
 
-from ._redis import RedisServer
+from ._redis import RedisServer, held
 from ._redis_worker import declare as declare_work
 from .test_board_http import follow_sse, serving
 from .test_board_jobs import Gate
@@ -358,22 +358,13 @@ def _raw(value: str | bytes) -> bytes:
     return value
 
 
-class _Spun:
-    """A round trip under the mock clock: spin through checkpoints while the socket waits,
-    so an autojumping clock does not take the wait for idleness (as tests/_redis.py)."""
+class _Held:
+    """A round trip under the mock clock, the clock held while the socket waits, so an
+    autojumping clock does not take the wait for idleness (see tests/_redis.py)."""
 
     async def __call__(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        result: list[Any] = []
-
-        async def wait() -> None:
-            result.append(await fn(*args))
-            nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait)
-            while True:
-                await trio.lowlevel.checkpoint()
-        return result[0]
+        with held(10.0):
+            return await fn(*args)
 
 
 async def test_suspend_timers_fire_once_on_time_and_outlive_the_process_that_set_them(
@@ -392,10 +383,10 @@ async def test_suspend_timers_fire_once_on_time_and_outlive_the_process_that_set
             await connection.aclose()
 
     def timers() -> RedisTimers:
-        return RedisTimers(call, prefix=prefix, stream=stream, field=b"e", retrying=_Spun(), poll=5)
+        return RedisTimers(call, prefix=prefix, stream=stream, field=b"e", retrying=_Held(), poll=5)
 
     async def fired() -> list[Any]:
-        entries = await _Spun()("read", client.xrange, stream)
+        entries = await _Held()("read", client.xrange, stream)
         return [decode_event(_raw(e.field_values[b"e"])) for e in entries]
 
     async with client:

@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework.dispatcher._abilities import FollowingStore
 from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Frame, Job, new_job_id
 from pipework.dispatcher._wake import Wake
@@ -24,7 +25,7 @@ from pipework.redis._batches import _EARLY, _FLIGHTS
 from pipework.redis._store import _FIELDS
 from pipework.redis._wire import Connection
 
-from ._redis import RedisServer, TestRedisJobStore
+from ._redis import RedisServer, TestRedisJobStore, held, wait_idle
 
 
 def _store(server: RedisServer, prefix: str | None = None, **options: Any) -> RedisJobStore:
@@ -110,6 +111,67 @@ async def test_the_lock_loses_no_update_between_clients(redis_server: RedisServe
             nursery.start_soon(add, one)
             nursery.start_soon(add, two)
         assert (await one.get(job.id)).state["n"] == 100
+
+
+async def _pause(server: RedisServer, milliseconds: int) -> None:
+    """Redis holds every client's commands for ``milliseconds`` of real time: a round trip
+    made meanwhile waits on its socket."""
+    with held(10):  # (a round trip of its own)
+        connection = await Connection.open(server.url)
+        try:
+            await connection.call([["CLIENT", "PAUSE", milliseconds, "ALL"]])
+        finally:
+            await connection.aclose()
+
+
+async def test_the_suites_store_follows_ends_and_its_round_trips_leave_virtual_time_alone(
+    autojump_clock: trio.abc.Clock, redis_server: RedisServer
+) -> None:
+    """The engine suite's store (each_store's "redis") is the production store, following
+    ends; while it waits on Redis (a round trip, the subscription being made) an
+    autojumping clock does not take the wait for idleness: times stay exact, however
+    slowly Redis answers."""
+    store = _store(redis_server)
+    assert isinstance(store, FollowingStore)
+    engine = pw.Engine(store=store)
+
+    async def nap(ctx: pw.Context) -> None:
+        await trio.sleep(5)
+        ctx.state["napped"] = trio.current_time()
+
+    engine.chain("c", pw.Pipe(nap, "nap"))
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep, 3600)  # a deadline for the clock to leap to
+        await _pause(redis_server, 100)
+        async with engine:  # subscribes to ends while Redis holds its commands
+            assert trio.current_time() == start
+            await _pause(redis_server, 100)
+            job_id = await engine.submit("c")
+            assert trio.current_time() == start
+            assert await engine.wait(job_id) == {"napped": start + 5}
+            assert trio.current_time() == start + 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_wait_idle_waits_for_the_round_trip_on_its_way(
+    autojump_clock: trio.abc.Clock, redis_server: RedisServer
+) -> None:
+    """Every task but one is blocked, and that one waits for Redis's answer: the suite's
+    wait_idle waits for it (trio's wait_all_tasks_blocked would not)."""
+    async with _store(redis_server) as store:
+        job = _job()
+        await store.create(job)
+        got: list[Job] = []
+
+        async def get() -> None:
+            got.append(await store.get(job.id))
+
+        await _pause(redis_server, 100)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get)
+            await wait_idle()
+            assert [j.id for j in got] == [job.id]
 
 
 _UNREACHABLE = """
@@ -237,7 +299,7 @@ async def test_a_signal_kept_on_a_record_a_step_wrote_since_it_was_read_loses_no
                 if (await RedisJobStore.get(store, job_id)).join is not None:
                     break
                 await trio.sleep(0.01)
-            await trio.testing.wait_all_tasks_blocked()
+            await wait_idle()
 
         for _ in range(1000):
             if (await store.get(job_id)).status is pw.Status.RUNNING:
@@ -277,7 +339,7 @@ async def test_two_signals_that_read_one_suspended_record_deliver_once(
     async with engine:
         job_id = await engine.submit("c")
         while not await store.list(pw.Status.SUSPENDED):
-            await trio.testing.wait_all_tasks_blocked()
+            await wait_idle()
         [branch_id] = branch_ids
 
         async def sent_to_the_job() -> None:  # while the branch's own signal holds its read
@@ -308,7 +370,7 @@ async def test_a_signal_that_read_a_record_a_cancel_ended_since_is_refused(
     async with engine:
         job_id = await engine.submit("c")
         while not await store.list(pw.Status.SUSPENDED):
-            await trio.testing.wait_all_tasks_blocked()
+            await wait_idle()
 
         async def cancelled() -> None:
             await engine.cancel(job_id)
@@ -320,9 +382,7 @@ async def test_a_signal_that_read_a_record_a_cancel_ended_since_is_refused(
 
 
 class _HeldSuspend(RedisJobStore):
-    """A store whose next write of a parked (suspended) record waits for ``held()``. On
-    the real clock: the suite's store spins while a round trip is on its way, so no task
-    would be idle for ``wait_all_tasks_blocked``."""
+    """A store whose next write of a parked (suspended) record waits for ``held()``."""
 
     held: Callable[[], Awaitable[None]] | None = None
 
@@ -598,8 +658,8 @@ async def test_the_signals_a_job_took_are_stored_and_an_older_record_took_none(
 
 class _Gated(RedisJobStore):
     """A store whose next round trip waits for ``gate`` before it is sent; the calls each
-    batch carries are counted as it goes (in the order the batches go). On the real clock:
-    the suite's store spins while a round trip is on its way, so no task would be idle."""
+    batch carries are counted as it goes (in the order the batches go). On the real clock,
+    where a task waiting for Redis's answer is idle for ``wait_all_tasks_blocked``."""
 
     gate: trio.Event | None = None
 

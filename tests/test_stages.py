@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 import pipework as pw
 from pipework.dispatcher._job import Job
 
+from ._redis import wait_idle
+
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
 
@@ -64,7 +66,7 @@ async def test_all_of_first_failure_cancels_the_rest(autojump_clock: trio.abc.Cl
         assert info.value is boom
         assert trio.current_time() - start == pytest.approx(1)
         assert any("chain 'order' > all_of[0] > branch 'quote'" in n for n in boom.__notes__)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
     assert cleaned == ["slow"]
 
 
@@ -345,7 +347,7 @@ async def test_cancelling_a_parent_cancels_its_branches(autojump_clock: trio.abc
         await engine.cancel(job_id)
         with pytest.raises(pw.JobCancelled):
             await engine.wait(job_id)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
     assert sorted(cleaned) == ["x", "y"]
 
 
@@ -385,7 +387,7 @@ async def test_a_parent_at_a_join_round_trips_through_msgpack() -> None:
     engine.chain("c", pw.all_of(sleeper("a", 0), pw.Pipe(wait, "wait")))
     async with engine:
         job_id = await engine.submit("c")
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         store = engine.store  # whichever store the suite runs on
         parent = await store.get(job_id)
         assert parent.join is not None
@@ -495,7 +497,7 @@ async def settled(engine: pw.Engine, job_id: str) -> BaseException:
         else:
             raise AssertionError(f"job {job_id} did not fail")
         await trio.sleep(30)  # long past every branch's end: a late second call would show
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
     return error
 
 
@@ -659,7 +661,7 @@ async def test_a_graph_runs_on_join_records_copied_at_every_step(
         start = trio.current_time()
         result = await engine.run("g", {"log": []})
         assert trio.current_time() - start == pytest.approx(4)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
     assert outcomes_seen(store) == [
         ["running", "running", "running", "waiting", "waiting"],  # forked
         ["running", "running", "error", "waiting", "waiting"],  # C failed (detached)
@@ -767,5 +769,5 @@ async def test_branch_exceptions_are_kept_only_while_their_join_needs_them(
         assert side_table  # a's error waits for the join to resolve
         await engine.cancel(job_id)
         await trio.sleep(10)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert side_table == {}

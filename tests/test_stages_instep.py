@@ -7,9 +7,10 @@ import contextvars
 
 import pytest
 import trio
-import trio.testing
 
 import pipework as pw
+
+from ._redis import wait_idle
 
 # The engine's suite runs on both stores: see each_store in conftest.py.
 pytestmark = pytest.mark.usefixtures("each_store")
@@ -120,7 +121,7 @@ async def test_cancelling_the_parent_cancels_its_in_step_branches(
         await engine.cancel(job_id)
         with pytest.raises(pw.JobCancelled):
             await engine.wait(job_id)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert sorted(cleaned) == ["x", "y"]
         assert trio.current_time() == pytest.approx(1)
 
@@ -278,7 +279,7 @@ async def test_a_branch_reusing_a_runner_sees_its_own_parents_context_and_a_fres
         assert seen == [(who, who) for who in ("first",) * 3 + ("second",) * 3]
         assert cleaned == ["first", "second"]
         await engine.wait(keep)
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_idle()
         assert engine._dispatcher.steps.branch_runners.idle == []
 
 
