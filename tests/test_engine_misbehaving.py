@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 
 import pipework as pw
 
-# The engine's suite runs on both stores: see each_store in conftest.py.
+# The engine's suite runs on every store: see each_store in conftest.py (on Redis, the
+# smaller "pipework-redis" profile).
 
 BEHAVIOURS = (
     "ok",
@@ -234,7 +236,24 @@ def plans(draw: st.DrawFn) -> Plan:
 
 
 # The store class is the same for every example: the fixture need not be reset.
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("each_store", ["memory", "copying"], indirect=True)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(plan=plans())
 def test_misbehaving_pipes_never_stop_the_engine(plan: Plan, each_store: type[Any]) -> None:
-    trio.run(_scenario, plan, each_store, clock=trio.testing.MockClock(autojump_threshold=0))
+    _run(plan, each_store)
+
+
+@pytest.mark.parametrize("each_store", ["redis"], indirect=True)
+@settings(
+    settings.get_profile("pipework-redis"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(plan=plans())
+def test_misbehaving_pipes_never_stop_the_engine_on_redis(
+    plan: Plan, each_store: type[Any]
+) -> None:
+    _run(plan, each_store)
+
+
+def _run(plan: Plan, store: type[Any]) -> None:
+    trio.run(_scenario, plan, store, clock=trio.testing.MockClock(autojump_threshold=0))

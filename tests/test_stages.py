@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipework as pw
@@ -351,8 +351,23 @@ async def test_cancelling_a_parent_cancels_its_branches(autojump_clock: trio.abc
     assert sorted(cleaned) == ["x", "y"]
 
 
-@given(st.lists(st.integers(min_value=1, max_value=20), min_size=2, max_size=5))
+branch_seconds = st.lists(st.integers(min_value=1, max_value=20), min_size=2, max_size=5)
+
+
+@pytest.mark.parametrize("each_store", ["memory", "copying"], indirect=True)
+@given(branch_seconds)
 def test_merged_state_never_depends_on_completion_order(durations: list[int]) -> None:
+    _merged_in_any_order(durations)
+
+
+@pytest.mark.parametrize("each_store", ["redis"], indirect=True)
+@settings(settings.get_profile("pipework-redis"))
+@given(branch_seconds)
+def test_merged_state_never_depends_on_completion_order_on_redis(durations: list[int]) -> None:
+    _merged_in_any_order(durations)
+
+
+def _merged_in_any_order(durations: list[int]) -> None:
     async def main() -> Any:
         engine = pw.Engine()
         pipes = []
