@@ -11,9 +11,6 @@ from hypothesis import strategies as st
 from pipework._errors import RegistrationError
 from pipework.pipes._graph import find_cycle, topological_order, validate_graph
 
-# The engine's suite runs on both stores: see each_store in conftest.py.
-pytestmark = pytest.mark.usefixtures("each_store")
-
 # The seed-002 shape: A, B, C roots; C detached; D after A; E after B and D.
 SEED = {"a": [], "b": [], "c": [], "d": ["a"], "e": ["b", "d"]}
 

@@ -20,9 +20,6 @@ from pipework.pipes._state import check_state
 
 from ._copying_store import CopyingJobStore
 
-# The engine's suite runs on both stores: see each_store in conftest.py.
-pytestmark = pytest.mark.usefixtures("each_store")
-
 
 def make_job(**kwargs: object) -> Job:
     return Job(id=new_job_id(), chain="c", state={}, correlation_id="corr", **kwargs)  # type: ignore[arg-type]  # fields vary by test
