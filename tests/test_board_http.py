@@ -20,7 +20,7 @@ import wsproto
 import wsproto.events
 
 import pipework as pw
-from pipework.board import BoardSettings, BoardSpec
+from pipework.board import Boards, BoardSettings, BoardSpec
 from pipework.container import BoundAddress, Container, ContainerConfig
 
 from .test_container_harness import (
@@ -82,6 +82,23 @@ async def put(served: Served, board: str, resource: str, data: Any) -> str:
     )
     assert response.status_code == 200, response.text
     return str(response.json()["version"])
+
+
+async def flushed(boards: Boards, *names: str) -> None:
+    """Until each board named has published every change written to it (its batch flushed):
+    a write after this starts a batch of its own."""
+    while True:
+        stats = boards.statistics()
+        if all(stats[n].published + stats[n].coalesced == stats[n].changes for n in names):
+            return
+        await trio.sleep(0.005)  # the boards have no event to wait on
+
+
+async def following(served: Served, board: str, count: int) -> None:
+    """Until ``count`` followers (streams or long-polls) follow the board."""
+    boards = served.container.boards
+    while boards.statistics()[board].followers < count:  # noqa: ASYNC110 - no event either
+        await trio.sleep(0.005)
 
 
 class SseReader:
@@ -155,7 +172,7 @@ async def test_an_sse_follower_gets_the_state_then_every_change_then_the_delete(
     with trio.fail_after(HANG_GUARD):
         async with serving() as served:
             resource = await create(served, "orders", {"n": 0})
-            await trio.sleep(0.05)  # published
+            await flushed(served.container.boards, "orders")
             path = f"/boards/orders/{resource}"
             async with follow_sse(served, path, bearer(READ)) as (response, events):
                 assert response.status_code == 200
@@ -198,7 +215,7 @@ async def test_a_reconnect_with_last_event_id_gets_exactly_what_it_missed() -> N
             missed = []
             for n in (1, 2, 3):
                 missed.append(await put(served, "news", resource, n))
-                await trio.sleep(0.05)  # each its own batch
+                await flushed(served.container.boards, "news")  # each its own batch
             headers = {"Last-Event-ID": str(last_id)}
             async with follow_sse(served, path, headers) as (_, events):
                 got = [await events.next() for _ in missed]
@@ -219,17 +236,17 @@ async def test_long_poll_answers_at_once_when_behind_else_at_the_next_change() -
         async with serving() as served:
             resource = await create(served, "news", "a")
             path = f"/boards/news/{resource}"
-            await trio.sleep(0.05)
+            await flushed(served.container.boards, "news")
             start = (await served.client.get(path)).json()["version"]
             for state in "bc":
                 await put(served, "news", resource, state)
-                await trio.sleep(0.05)
+                await flushed(served.container.boards, "news")  # each its own batch
             behind = (await served.client.get(path, params={"since": start})).json()
             assert [e["data"] for e in behind["events"]] == ["b", "c"]  # several at once
             position = behind["position"]
 
             async def change_later() -> None:
-                await trio.sleep(0.2)
+                await following(served, "news", 1)  # the long-poll waits
                 await put(served, "news", resource, "d")
 
             async with trio.open_nursery() as nursery:
@@ -261,7 +278,7 @@ async def test_a_websocket_follower_gets_changes_and_is_closed_by_the_delete() -
     with trio.fail_after(HANG_GUARD):
         async with serving() as served:
             resource = await create(served, "news", 1)
-            await trio.sleep(0.05)
+            await flushed(served.container.boards, "news")
             address = served.address
             stream = await trio.open_tcp_stream(address.host, address.port)
             async with stream:
@@ -535,7 +552,7 @@ async def test_board_metrics_are_exported() -> None:
             resource = await create(served, "news", 0)
             for n in range(5):
                 await put(served, "news", resource, n)
-            await trio.sleep(0.05)
+            await flushed(served.container.boards, "news")
             async with follow_sse(served, f"/boards/news/{resource}") as (_, events):
                 await events.next()
                 text = (await served.client.get("/metrics")).text
@@ -576,7 +593,7 @@ async def test_memory_returns_to_its_level_after_many_follow_and_disconnect_cycl
     with trio.fail_after(120):
         async with serving() as served:
             resource = await create(served, "news", {"n": 0})
-            await trio.sleep(0.05)
+            await flushed(served.container.boards, "news")
             path = f"/boards/news/{resource}"
             core = served.container.boards.cores["news"]
 

@@ -17,7 +17,7 @@ import trio
 from pipework.container import BoundAddress
 from pipework.registry._gateway import Gateway
 
-from .test_board_http import SseReader
+from .test_board_http import SseReader, flushed
 from .test_container_harness import assert_problem, bearer
 
 HANG_GUARD = 20.0
@@ -81,7 +81,8 @@ async def test_a_reload_adds_changes_and_removes_boards_and_keeps_unchanged_foll
                     created = await client.post(f"/boards/{board}", json=0, headers=bearer(WRITE))
                     assert created.status_code == 201, created.text
                     ids[board] = created.json()["id"]
-                await trio.sleep(0.05)  # published
+                assert gateway.container is not None
+                await flushed(gateway.container.boards, *ids)
                 readers = {}
                 for board, headers in (
                     ("news", {}),
