@@ -1,7 +1,7 @@
 """A pipework process that only works (it accepts nothing): ``python -m tests._redis_worker
 URL PREFIX [shared [accept N]]``. The crash test kills it with SIGKILL in the middle of its
 jobs. ``shared``: its queue shares the store's round trips, as ``[store] backend = "redis"``
-builds them. ``accept N``: it also submits N "slow" jobs, one every 20 ms, and prints
+builds them. ``accept N``: it also submits N "slow" jobs, one every 100 ms, and prints
 each one's id as it is accepted, with 1 if its first event was claimed with its record
 (its step started here at once) or 0."""
 
@@ -39,7 +39,9 @@ def declare(engine: pw.Engine, name: str) -> None:
 
     @engine.pipe(key="a")
     async def fetch_slowly(ctx: pw.Context) -> None:
-        await trio.sleep(0.2)  # the crash lands in it, well after the job was accepted
+        # The crash lands in it, well after the job was accepted: the test kills this
+        # process as soon as it reads that a job was claimed, however busy the machine.
+        await trio.sleep(1.0)
         ctx.state["fetched_by"] = name
 
     engine.chain("slow", fetch_slowly, store, timeout=600)
@@ -78,7 +80,7 @@ async def main(url: str, prefix: str, shared: bool, accept: int) -> None:
             job_id = await engine.submit("slow", {"n": i})
             claimed = job_id in engine._dispatcher.flight.claiming  # its step not started yet
             print(job_id, int(claimed), flush=True)
-            await trio.sleep(0.02)  # below what its slots take: most find one free, claimed
+            await trio.sleep(0.1)  # ten a second for 16 slots: most find one free, claimed
         await trio.sleep_forever()
 
 

@@ -371,8 +371,12 @@ async def test_a_call_cancelled_mid_answer_closes_its_connection(
     with trio.fail_after(HANG_GUARD):
         async with serving(half) as (backend, port):
             pool = pools("127.0.0.1", port)
-            with trio.move_on_after(0.2) as scope:
-                await get(pool, port)
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(get, pool, port)
+                    await trio.testing.wait_all_tasks_blocked()  # it waits for the rest
+                    assert len(backend.seen) == 1
+                    scope.cancel()
             assert scope.cancelled_caught
             assert pool.statistics().open == 0
             await trio.testing.wait_all_tasks_blocked()

@@ -606,7 +606,7 @@ async def test_kill_9_of_the_process_that_accepted_and_claimed_the_jobs_loses_no
             while len(accepted) < 20 or not claimed_last:  # well into them, one just claimed
                 job_id, claimed = (await lines.receive()).split()
                 accepted[job_id] = claimed_last = claimed == "1"
-        worker.kill()  # the job just claimed is in its first pipe (200 ms)
+        worker.kill()  # the job just claimed is in its first pipe (a second)
         await worker.wait()
     assert any(accepted.values())  # claims among them
     rescue_store = RedisJobStore(redis_server.url, prefix=prefix)

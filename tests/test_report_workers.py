@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import trio
+import trio.testing
 
 import pipework as pw
 from examples.report.pdf import PdfWorker, WorkerLauncher, WorkerSettings
@@ -144,8 +145,11 @@ async def test_a_render_cancelled_mid_way_replaces_its_worker() -> None:
         WorkerLauncher(Fake(mode="hang")), 1, borrow_timeout=5, launch_timeout=10, name="pdf"
     )
     async with pool:
-        with trio.move_on_after(0.2) as scope:  # the request's deadline, or its client gone
-            await PdfRenderer(pool).render("<p/>")
+        with trio.CancelScope() as scope:  # the request's deadline, or its client gone
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(PdfRenderer(pool).render, "<p/>")
+                await trio.testing.wait_all_tasks_blocked()  # the worker's answer is due
+                scope.cancel()
         assert scope.cancelled_caught
         with trio.fail_after(10):
             await replaced(pool)
