@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -50,3 +51,11 @@ def each_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         store = store_class(request.getfixturevalue("redis_server"))
     monkeypatch.setattr(_engine, "MemoryJobStore", store)
     return store
+
+
+@pytest.fixture
+async def engine(each_store: type[Any]) -> AsyncIterator[pw.Engine]:
+    """A running engine on each store (each_store): the test declares its pipes and chains
+    on it (an engine takes registrations while it runs); it stops when the test ends."""
+    async with pw.Engine() as engine:
+        yield engine

@@ -1,11 +1,12 @@
 """Documented promises of the engine, each pinned through the public API: stage timers,
 blocking pipes, progress and chunks from branches, adaptive limits, the limit a
-DeadlineExceeded names, and registration errors. Time is virtual (autojump_clock)."""
+DeadlineExceeded names, and registration errors. Time is virtual (autojump_clock). Each
+test declares its pipes and chains on a running engine (the ``engine`` fixture)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -15,17 +16,15 @@ import pipework as pw
 
 from ._redis import wait_idle
 
-# The engine's suite runs on both stores: see each_store in conftest.py.
-pytestmark = pytest.mark.usefixtures("each_store")
+# The engine's suite runs on every store: the engine fixture is each_store's (conftest.py).
 
 # -- 1. a stage's timer starts when the stage is entered ---------------------------------
 
 
 async def test_stage_timer_starts_when_the_stage_is_entered(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe
     async def park(ctx: pw.Context) -> None:
         await ctx.suspend("go")
@@ -36,22 +35,20 @@ async def test_stage_timer_starts_when_the_stage_is_entered(
         ctx.state["stepped"] = True
 
     engine.chain("c", park, pw.serial(step, timeout=5))
-    async with engine:
-        start = trio.current_time()
-        job_id = await engine.submit("c")
-        await trio.sleep(10)
-        assert (await engine.status(job_id)).status is pw.Status.SUSPENDED
-        await engine.signal(job_id, "go")
-        result = await engine.wait(job_id)
-        assert result["stepped"] is True
-        assert trio.current_time() - start == pytest.approx(11)
+    start = trio.current_time()
+    job_id = await engine.submit("c")
+    await trio.sleep(10)
+    assert (await engine.status(job_id)).status is pw.Status.SUSPENDED
+    await engine.signal(job_id, "go")
+    result = await engine.wait(job_id)
+    assert result["stepped"] is True
+    assert trio.current_time() - start == pytest.approx(11)
 
 
 async def test_a_stage_entered_after_a_resume_still_times_out_on_its_own_clock(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe
     async def park(ctx: pw.Context) -> None:
         await ctx.suspend("go")
@@ -61,15 +58,14 @@ async def test_a_stage_entered_after_a_resume_still_times_out_on_its_own_clock(
         await trio.sleep(10)
 
     engine.chain("c", park, pw.serial(slow, timeout=5))
-    async with engine:
-        job_id = await engine.submit("c")
-        await trio.sleep(10)
-        await engine.signal(job_id, "go")
-        resumed = trio.current_time()
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.wait(job_id)
-        assert trio.current_time() - resumed == pytest.approx(5)
-        assert info.value.scope == "stage"
+    job_id = await engine.submit("c")
+    await trio.sleep(10)
+    await engine.signal(job_id, "go")
+    resumed = trio.current_time()
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.wait(job_id)
+    assert trio.current_time() - resumed == pytest.approx(5)
+    assert info.value.scope == "stage"
 
 
 # -- 2. blocking pipes: a timeout or cancel takes effect when the thread returns ---------
@@ -95,69 +91,67 @@ def _blocking_pipe(engine: pw.Engine, release: threading.Event, **options: Any) 
 
 async def test_blocking_pipe_timeout_takes_effect_when_the_thread_returns(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
     release = threading.Event()
     crunch = _blocking_pipe(engine, release, timeout=1)
     engine.chain("c", crunch)
-    async with engine:
-        job_id = await engine.submit("c", {"n": 1})
-        await trio.sleep(5)
-        assert (await engine.status(job_id)).status is pw.Status.RUNNING
-        release.set()
-        await _until_the_thread_returns(engine, job_id)
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.wait(job_id)
-        assert info.value.scope == "pipe"
-        assert "pipe 'crunch'" in info.value.where
-        job = await engine.store.get(job_id)
-        assert job.status is pw.Status.FAILED
-        assert "written_by_thread" not in job.state
+    job_id = await engine.submit("c", {"n": 1})
+    await trio.sleep(5)
+    assert (await engine.status(job_id)).status is pw.Status.RUNNING
+    release.set()
+    await _until_the_thread_returns(engine, job_id)
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.wait(job_id)
+    assert info.value.scope == "pipe"
+    assert "pipe 'crunch'" in info.value.where
+    job = await engine.store.get(job_id)
+    assert job.status is pw.Status.FAILED
+    assert "written_by_thread" not in job.state
 
 
 async def test_blocking_pipe_job_deadline_expires_the_job(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
     release = threading.Event()
     crunch = _blocking_pipe(engine, release)
     engine.chain("c", crunch, timeout=2)
-    async with engine:
-        job_id = await engine.submit("c")
-        await trio.sleep(5)
-        release.set()
-        await _until_the_thread_returns(engine, job_id)
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.wait(job_id)
-        assert info.value.scope == "job"
-        assert (await engine.status(job_id)).status is pw.Status.EXPIRED
+    job_id = await engine.submit("c")
+    await trio.sleep(5)
+    release.set()
+    await _until_the_thread_returns(engine, job_id)
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.wait(job_id)
+    assert info.value.scope == "job"
+    assert (await engine.status(job_id)).status is pw.Status.EXPIRED
 
 
 async def test_blocking_pipe_cancel_takes_effect_when_the_thread_returns(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
     release = threading.Event()
     crunch = _blocking_pipe(engine, release)
     engine.chain("c", crunch)
-    async with engine:
-        job_id = await engine.submit("c")
-        await trio.sleep(1)
-        await engine.cancel(job_id)
-        release.set()
-        await _until_the_thread_returns(engine, job_id)
-        with pytest.raises(pw.JobCancelled):
-            await engine.wait(job_id)
-        job = await engine.store.get(job_id)
-        assert job.status is pw.Status.CANCELLED
-        assert "written_by_thread" not in job.state
+    job_id = await engine.submit("c")
+    await trio.sleep(1)
+    await engine.cancel(job_id)
+    release.set()
+    await _until_the_thread_returns(engine, job_id)
+    with pytest.raises(pw.JobCancelled):
+        await engine.wait(job_id)
+    job = await engine.store.get(job_id)
+    assert job.status is pw.Status.CANCELLED
+    assert "written_by_thread" not in job.state
 
 
 # -- 3. progress and chunks from branches reach the parent job ---------------------------
 
 
-async def test_progress_from_a_branch_reaches_the_parent(autojump_clock: trio.abc.Clock) -> None:
-    engine = pw.Engine()
+async def test_progress_from_a_branch_reaches_the_parent(
+    autojump_clock: trio.abc.Clock, engine: pw.Engine
+) -> None:
     gate = trio.Event()
 
     @engine.pipe
@@ -170,22 +164,20 @@ async def test_progress_from_a_branch_reaches_the_parent(autojump_clock: trio.ab
         await gate.wait()
 
     engine.chain("c", pw.all_of(fetch, other))
-    async with engine:
-        job_id = await engine.submit("c")
-        await wait_idle()
-        progress = (await engine.status(job_id)).progress
-        assert progress is not None
-        assert (progress.done, progress.total, progress.message) == (3, 10, "rows")
-        assert progress.branch == "chain 'c' > all_of[0] > branch 'fetch' > pipe 'fetch'"
-        gate.set()
-        await engine.wait(job_id)
+    job_id = await engine.submit("c")
+    await wait_idle()
+    progress = (await engine.status(job_id)).progress
+    assert progress is not None
+    assert (progress.done, progress.total, progress.message) == (3, 10, "rows")
+    assert progress.branch == "chain 'c' > all_of[0] > branch 'fetch' > pipe 'fetch'"
+    gate.set()
+    await engine.wait(job_id)
 
 
 async def test_chunks_from_branches_reach_the_parents_stream(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe
     async def first(ctx: pw.Context) -> None:
         await ctx.emit("a")
@@ -200,22 +192,24 @@ async def test_chunks_from_branches_reach_the_parents_stream(
         await ctx.emit("c")
 
     engine.chain("c", pw.all_of(first, second), after)
-    async with engine:
-        job_id = await engine.submit("c", stream=True)
-        chunks = [chunk async for chunk in engine.stream(job_id)]
-        assert chunks == ["a", "b", "c"]
-        # Without a stream, the chunks are kept with the parent's output.
-        job_id = await engine.submit("c")
-        await engine.wait(job_id)
-        assert (await engine.store.get(job_id)).output == ["a", "b", "c"]
+    job_id = await engine.submit("c", stream=True)
+    chunks = [chunk async for chunk in engine.stream(job_id)]
+    assert chunks == ["a", "b", "c"]
+    # Without a stream, the chunks are kept with the parent's output.
+    job_id = await engine.submit("c")
+    await engine.wait(job_id)
+    assert (await engine.store.get(job_id)).output == ["a", "b", "c"]
 
 
 # -- 4. adaptive limits shrink only on the backend's trouble -----------------------------
 
 
-def _adaptive_engine() -> tuple[pw.Engine, pw.WeightedPool]:
+@pytest.fixture
+async def adaptive(each_store: type[Any]) -> AsyncIterator[tuple[pw.Engine, pw.WeightedPool]]:
+    """A running engine whose pool limits key "svc" adaptively (8 at most, 1 at least)."""
     pool = pw.WeightedPool(16, keys={"svc": pw.Weights(limit=8, adaptive=pw.Adaptive(min_limit=1))})
-    return pw.Engine(pool=pool), pool
+    async with pw.Engine(pool=pool) as engine:
+        yield engine, pool
 
 
 def _adaptive_limit(pool: pw.WeightedPool) -> float | None:
@@ -228,22 +222,21 @@ def _adaptive_limit(pool: pw.WeightedPool) -> float | None:
     ids=["KeyError", "ValueError", "backend-4xx"],
 )
 async def test_a_pipes_own_bug_never_changes_the_limit(
-    autojump_clock: trio.abc.Clock, error: Exception
+    autojump_clock: trio.abc.Clock, adaptive: tuple[pw.Engine, pw.WeightedPool], error: Exception
 ) -> None:
-    engine, pool = _adaptive_engine()
+    engine, pool = adaptive
 
     @engine.pipe(key="svc")
     async def buggy(ctx: pw.Context) -> None:
         raise error
 
     engine.chain("c", buggy)
-    async with engine:
-        before = _adaptive_limit(pool)
-        for _ in range(5):
-            with pytest.raises(type(error)):
-                await engine.run("c")
-            await trio.sleep(1)
-        assert _adaptive_limit(pool) == before
+    before = _adaptive_limit(pool)
+    for _ in range(5):
+        with pytest.raises(type(error)):
+            await engine.run("c")
+        await trio.sleep(1)
+    assert _adaptive_limit(pool) == before
 
 
 @pytest.mark.parametrize(
@@ -257,41 +250,43 @@ async def test_a_pipes_own_bug_never_changes_the_limit(
     ids=["5xx", "connect", "os-error", "timeout"],
 )
 async def test_backend_trouble_shrinks_the_limit(
-    autojump_clock: trio.abc.Clock, make_error: Callable[[], Exception]
+    autojump_clock: trio.abc.Clock,
+    adaptive: tuple[pw.Engine, pw.WeightedPool],
+    make_error: Callable[[], Exception],
 ) -> None:
-    engine, pool = _adaptive_engine()
+    engine, pool = adaptive
 
     @engine.pipe(key="svc")
     async def call(ctx: pw.Context) -> None:
         raise make_error()
 
     engine.chain("c", call)
-    async with engine:
-        before = _adaptive_limit(pool)
-        assert before is not None
-        with pytest.raises(Exception):  # noqa: B017, PT011 - any of the parametrized errors
-            await engine.run("c")
-        after = _adaptive_limit(pool)
-        assert after is not None
-        assert after < before
+    before = _adaptive_limit(pool)
+    assert before is not None
+    with pytest.raises(Exception):  # noqa: B017, PT011 - any of the parametrized errors
+        await engine.run("c")
+    after = _adaptive_limit(pool)
+    assert after is not None
+    assert after < before
 
 
-async def test_a_pipe_timeout_shrinks_the_limit(autojump_clock: trio.abc.Clock) -> None:
-    engine, pool = _adaptive_engine()
+async def test_a_pipe_timeout_shrinks_the_limit(
+    autojump_clock: trio.abc.Clock, adaptive: tuple[pw.Engine, pw.WeightedPool]
+) -> None:
+    engine, pool = adaptive
 
     @engine.pipe(key="svc", timeout=1)
     async def hang(ctx: pw.Context) -> None:
         await trio.sleep_forever()
 
     engine.chain("c", hang)
-    async with engine:
-        before = _adaptive_limit(pool)
-        assert before is not None
-        with pytest.raises(pw.DeadlineExceeded):
-            await engine.run("c")
-        after = _adaptive_limit(pool)
-        assert after is not None
-        assert after < before
+    before = _adaptive_limit(pool)
+    assert before is not None
+    with pytest.raises(pw.DeadlineExceeded):
+        await engine.run("c")
+    after = _adaptive_limit(pool)
+    assert after is not None
+    assert after < before
 
 
 # -- 6. DeadlineExceeded names the limit that fired --------------------------------------
@@ -299,79 +294,71 @@ async def test_a_pipe_timeout_shrinks_the_limit(autojump_clock: trio.abc.Clock) 
 
 async def test_the_earliest_stage_bound_is_named_with_the_stage_path(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe(timeout=30)
     async def slow(ctx: pw.Context) -> None:
         await trio.sleep(20)
 
     engine.chain("c", slow, pw.serial(pw.serial(slow, timeout=8), timeout=3), timeout=100)
-    async with engine:
-        job_id = await engine.submit("c")
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.wait(job_id)
-        assert info.value.scope == "stage"
-        # The outer serial (3 s) fired, not the inner one (8 s) nor the pipe (30 s).
-        assert info.value.where == "chain 'c' > serial[1]"
-        assert "chain 'c' > serial[1]" in str(info.value)
-        error = (await engine.status(job_id)).error
-        assert error is not None
-        assert error.where == "chain 'c' > serial[1]"
+    job_id = await engine.submit("c")
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.wait(job_id)
+    assert info.value.scope == "stage"
+    # The outer serial (3 s) fired, not the inner one (8 s) nor the pipe (30 s).
+    assert info.value.where == "chain 'c' > serial[1]"
+    assert "chain 'c' > serial[1]" in str(info.value)
+    error = (await engine.status(job_id)).error
+    assert error is not None
+    assert error.where == "chain 'c' > serial[1]"
 
 
 async def test_a_stage_bound_fires_while_a_pipe_in_it_is_suspended(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe
     async def park(ctx: pw.Context) -> None:
         await ctx.suspend("go", timeout=60)
 
     engine.chain("c", _noop, pw.serial(park, timeout=4), timeout=100)
-    async with engine:
-        start = trio.current_time()
-        job_id = await engine.submit("c")
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.wait(job_id)
-        assert trio.current_time() - start == pytest.approx(4)
-        assert info.value.scope == "stage"
-        assert info.value.where == "chain 'c' > serial[1]"
+    start = trio.current_time()
+    job_id = await engine.submit("c")
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.wait(job_id)
+    assert trio.current_time() - start == pytest.approx(4)
+    assert info.value.scope == "stage"
+    assert info.value.where == "chain 'c' > serial[1]"
 
 
 async def test_the_suspend_timeout_is_named_when_it_is_the_earliest(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe
     async def park(ctx: pw.Context) -> None:
         await ctx.suspend("go", timeout=2)
 
     engine.chain("c", _noop, pw.serial(park, timeout=4), timeout=100)
-    async with engine:
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.run("c")
-        assert info.value.scope == "suspend"
-        assert info.value.where == "chain 'c' > serial[1] > pipe 'park'"
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.run("c")
+    assert info.value.scope == "suspend"
+    assert info.value.where == "chain 'c' > serial[1] > pipe 'park'"
 
 
 async def test_the_pipe_bound_is_named_when_it_is_the_earliest(
     autojump_clock: trio.abc.Clock,
+    engine: pw.Engine,
 ) -> None:
-    engine = pw.Engine()
-
     @engine.pipe(timeout=1)
     async def slow(ctx: pw.Context) -> None:
         await trio.sleep(20)
 
     engine.chain("c", _noop, pw.serial(slow, timeout=4), timeout=100)
-    async with engine:
-        with pytest.raises(pw.DeadlineExceeded) as info:
-            await engine.run("c")
-        assert info.value.scope == "pipe"
-        assert info.value.where == "chain 'c' > serial[1] > pipe 'slow'"
+    with pytest.raises(pw.DeadlineExceeded) as info:
+        await engine.run("c")
+    assert info.value.scope == "pipe"
+    assert info.value.where == "chain 'c' > serial[1] > pipe 'slow'"
 
 
 # -- 7. every wrong declaration is a RegistrationError -----------------------------------
