@@ -24,10 +24,9 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework import Backends, HttpCall, Service, http_pipe
 from pipework.backends._failures import BadAnswer, CallTimeout, ConnectFailed, ConnectionBroken
 from pipework.backends._h1 import BadEncoding
-from pipework.backends._http import Backends, http_pipe
-from pipework.backends._http_spec import HttpCall, Service
 
 TIMEOUT = 30.0
 WHERE = "chain 'go' > pipe 'call'"

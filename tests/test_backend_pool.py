@@ -20,13 +20,11 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework import Backends, Context, HttpCall, Pipe, Service
 from pipework.backends._client import ServiceClient
 from pipework.backends._failures import CallTimeout, ConnectFailed, ConnectionBroken
 from pipework.backends._h1 import BadEncoding
-from pipework.backends._http import Backends
-from pipework.backends._http_spec import HttpCall, Service
 from pipework.backends._pool import Pool, ResponseTooLarge
-from pipework.pipes._pipe import Context, Pipe
 
 from ._endless_backend import endless_backend, retained
 

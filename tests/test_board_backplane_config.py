@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pipework import ConfigError, loads_config
 from pipework.__main__ import main
 from pipework.redis._backplane import RedisBackplane
-from pipework.registry._config import ConfigError, loads_config
 
 REDIS = """
 [boards]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipework.registry._config import ConfigError, loads_config
+from pipework import ConfigError, loads_config
 
 BOARDS = """
 [boards.orders]

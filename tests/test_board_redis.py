@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipework as pw
+from pipework import Gateway
 from pipework.board import (
     Backplane,
     BoardCore,
@@ -33,7 +34,6 @@ from pipework.board import (
 )
 from pipework.container import BoundAddress, Container, ContainerConfig
 from pipework.redis._backplane import RedisBackplane
-from pipework.registry._gateway import Gateway
 
 from ._redis import RedisServer, redis_server, start_redis
 from .test_board_http import WRITE, create, follow_sse, put

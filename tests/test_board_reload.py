@@ -14,8 +14,8 @@ import httpx
 import pytest
 import trio
 
+from pipework import Gateway
 from pipework.container import BoundAddress
-from pipework.registry._gateway import Gateway
 
 from .test_board_http import SseReader, flushed
 from .test_container_harness import assert_problem, bearer

@@ -10,11 +10,13 @@ import pytest
 import trio
 
 import pipework as pw
-from pipework.dispatcher._weighted import WeightedPool
-from pipework.dispatcher._weighted_core import Adaptive, Weights
-from pipework.pipes._stages import Parallel, Serial
-from pipework.registry._config import (
+from pipework import (
+    Adaptive,
     ConfigError,
+    Parallel,
+    Serial,
+    WeightedPool,
+    Weights,
     build_registry,
     config_from_dict,
     load_config,

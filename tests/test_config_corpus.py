@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import pipework as pw
-from pipework.registry._config import ConfigError, load_config
+from pipework import ConfigError, load_config
 from pipework.registry._config_problems import Problem
 
 CONFIGS = Path(__file__).parent / "configs"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipework.registry._config import ConfigError, GatewayConfig, config_from_dict
+from pipework import ConfigError, GatewayConfig, config_from_dict
 
 DOC = Path(__file__).parent.parent / "docs" / "configuration.md"
 BLOCKS = re.findall(r"```toml\n(.*?)```", DOC.read_text(encoding="utf-8"), re.DOTALL)

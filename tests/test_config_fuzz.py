@@ -15,13 +15,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipework.registry._config import (
-    ConfigError,
-    GatewayConfig,
-    build_registry,
-    config_from_dict,
-    loads_config,
-)
+from pipework import ConfigError, GatewayConfig, build_registry, config_from_dict, loads_config
 from pipework.registry._config_pipes import HTTP_KEYS, PYTHON_KEYS
 from pipework.registry._config_routes import NODE_KEYS, ROUTE_KEYS, STAGE_OPTIONS
 from pipework.registry._config_sections import (

@@ -11,11 +11,10 @@ import pytest
 import trio
 
 import pipework as pw
+from pipework import ConfigError, Gateway, config_from_dict
 from pipework.container import BoundAddress
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.registry import _config_redis
-from pipework.registry._config import ConfigError, config_from_dict
-from pipework.registry._gateway import Gateway
 
 from ._redis import RedisServer
 from .test_gateway import backend, gateway_file

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipework import Status
 from pipework._http._problems import Problem
 from pipework.container._modes_core import (
     NO_PREFERENCES,
@@ -33,7 +34,6 @@ from pipework.container._modes_core import (
     wait_terms,
 )
 from pipework.container._routes import Mode
-from pipework.dispatcher._status import Status
 
 NOW = 100.0
 DEADLINE = 130.0  # the job's, on the same clock

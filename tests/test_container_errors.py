@@ -13,9 +13,9 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework import MemoryEventQueue
 from pipework.container import ContainerConfig
 from pipework.dispatcher._events import Event
-from pipework.dispatcher._queue import MemoryEventQueue
 
 from .test_container_harness import HANG_GUARD, assert_problem, bearer, raw_client, serving
 

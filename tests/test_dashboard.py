@@ -24,10 +24,9 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipework as pw
+from pipework import WeightedPool, Weights
 from pipework.board import Boards, BoardSpec
 from pipework.board._metrics import BoardCollector
-from pipework.dispatcher._weighted import WeightedPool
-from pipework.dispatcher._weighted_core import Weights
 
 from .test_metrics_honest import demo_under_a_hanging_backend
 

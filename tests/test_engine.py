@@ -11,8 +11,8 @@ import pytest
 import trio
 
 import pipework as pw
+from pipework import MemoryEventQueue
 from pipework.dispatcher._events import Event
-from pipework.dispatcher._queue import MemoryEventQueue
 
 from ._redis import wait_idle
 

@@ -18,7 +18,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 import pipework as pw
-from pipework.container._server import serve
+from pipework.container import serve
 
 from ._redis import wait_idle
 

@@ -18,9 +18,8 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from pipework.container import BoundAddress
-from pipework.container._server import serve
-from pipework.registry._gateway import Gateway
+from pipework import Gateway
+from pipework.container import BoundAddress, serve
 
 HANG_GUARD = 15.0
 TOKEN = "gateway-admin-token"

@@ -15,8 +15,8 @@ import trio
 import trio.testing
 
 import pipework as pw
+from pipework import Gateway
 from pipework.container import BoundAddress
-from pipework.registry._gateway import Gateway
 
 from .test_gateway import TOKEN, gateway_file
 

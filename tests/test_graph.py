@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework._errors import RegistrationError
+from pipework import RegistrationError
 from pipework.pipes._graph import find_cycle, topological_order, validate_graph
 
 # The seed-002 shape: A, B, C roots; C detached; D after A; E after B and D.

@@ -12,8 +12,7 @@ import trio
 import trio.testing
 
 import pipework as pw
-from pipework.backends._http import Backends, http_pipe
-from pipework.backends._http_spec import HttpCall, Service
+from pipework import Backends, HttpCall, Service, http_pipe
 from pipework.container import ContainerConfig
 
 from .test_container_harness import HANG_GUARD, SECRET, assert_problem, bearer, serving

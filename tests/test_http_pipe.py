@@ -21,12 +21,18 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 import pipework as pw
-from pipework.backends._http import Backends, http_pipe
-from pipework.backends._http_spec import HttpCall, Service
-from pipework.backends._http_template import Template, TemplateError, TemplateSyntaxError
-from pipework.container._server import serve
-from pipework.dispatcher._weighted import WeightedPool
-from pipework.registry._config import build_registry, loads_config
+from pipework import (
+    Backends,
+    HttpCall,
+    Service,
+    TemplateError,
+    WeightedPool,
+    build_registry,
+    http_pipe,
+    loads_config,
+)
+from pipework.backends._http_template import Template, TemplateSyntaxError
+from pipework.container import serve
 
 from ._endless_backend import endless_backend, retained
 from .test_container_harness import assert_problem, serving

@@ -11,9 +11,10 @@ import pytest
 import trio
 
 import pipework as pw
+from pipework import ErrorInfo, Status
 from pipework.dispatcher._events import RunJob
-from pipework.dispatcher._job import ErrorInfo, Frame, Job, JobRecord, JoinRecord, new_job_id
-from pipework.dispatcher._status import ACTIVE, TERMINAL, TRANSITIONS, Status, check_transition
+from pipework.dispatcher._job import Frame, Job, JobRecord, JoinRecord, new_job_id
+from pipework.dispatcher._status import ACTIVE, TERMINAL, TRANSITIONS, check_transition
 from pipework.pipes._join import Join
 from pipework.pipes._merge import Delta
 from pipework.pipes._state import check_state

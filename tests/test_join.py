@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework._errors import RegistrationError
+from pipework import RegistrationError
 from pipework.pipes._join import Decision, Join, Outcome
 
 OUTCOMES: list[Outcome] = ["ok", "error", "cancelled", "timed_out"]

@@ -13,12 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework._errors import MergeConflict, RegistrationError, StateError
+from pipework import MISSING, MergeConflict, MergePolicy, RegistrationError, StateError
 from pipework.dispatcher._instep import _packed_unless_scalar
 from pipework.pipes._merge import (
-    MISSING,
     Delta,
-    MergePolicy,
     delta,
     merge,
     merge_strict,

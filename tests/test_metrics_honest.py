@@ -16,10 +16,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipework as pw
-from pipework import Metrics
-from pipework.backends._http import Backends, http_pipe
-from pipework.backends._http_spec import HttpCall, Service
-from pipework.container._app import ContainerConfig
+from pipework import Backends, ContainerConfig, HttpCall, Metrics, Service, http_pipe
 
 from .test_container_harness import HANG_GUARD, SECRET, serving
 

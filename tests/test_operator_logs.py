@@ -18,8 +18,7 @@ import pytest
 import trio
 
 import pipework as pw
-from pipework.backends._http import Backends, http_pipe
-from pipework.backends._http_spec import HttpCall, Service
+from pipework import Backends, HttpCall, Service, http_pipe
 
 from .test_container_harness import HANG_GUARD, assert_no_content, assert_problem, serving
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import trio
 
+from pipework import Status
 from pipework.dispatcher._job import Job
-from pipework.dispatcher._status import Status
 from pipework.redis import RedisJobStore
 from pipework.redis._store import _SHAS
 from pipework.redis._wire import _parse

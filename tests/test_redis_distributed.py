@@ -22,12 +22,12 @@ import pytest
 import trio
 
 import pipework as pw
+from pipework import Gateway
 from pipework.container import BoundAddress
 from pipework.dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
 from pipework.dispatcher._job import Job
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._queue import decode_event, encode_event
-from pipework.registry._gateway import Gateway
 
 from ._redis import RedisServer, start_redis
 from ._redis_worker import SLOT_WAIT

@@ -25,8 +25,9 @@ import pytest
 import trio
 
 import pipework as pw
+from pipework import JobView
 from pipework.dispatcher._events import Expire, RunJob
-from pipework.dispatcher._job import Job, JobView
+from pipework.dispatcher._job import Job
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._queue import decode_event, encode_event
 from pipework.redis._relay import RedisRelay

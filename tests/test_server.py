@@ -22,8 +22,7 @@ from hypercorn.trio.worker_context import TrioSingleTask
 from quart import Response
 from quart_trio import QuartTrio
 
-from pipework.container import _hypercorn_fix
-from pipework.container._server import BoundAddress, serve
+from pipework.container import BoundAddress, _hypercorn_fix, serve
 
 from .test_container_harness import receive_response
 

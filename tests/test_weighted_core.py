@@ -18,16 +18,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pipework._errors import Rejected
+from pipework import Adaptive, PoolConfig, PoolConfigError, Rejected, Weights
 from pipework.dispatcher._weighted_core import (
     PAUSED_RETRY_AFTER,
-    Adaptive,
     AdmissionCore,
-    PoolConfig,
-    PoolConfigError,
     Ticket,
     TicketState,
-    Weights,
 )
 
 

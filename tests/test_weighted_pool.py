@@ -11,10 +11,7 @@ import trio
 import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
-from pipework._errors import Rejected
-from pipework.dispatcher._admission import Admission
-from pipework.dispatcher._weighted import WeightedPool
-from pipework.dispatcher._weighted_core import Adaptive, PoolConfig, Weights
+from pipework import Adaptive, Admission, PoolConfig, Rejected, WeightedPool, Weights
 
 GUARD = 60.0  # virtual seconds: a hang autojumps here and fails instead of blocking
 
