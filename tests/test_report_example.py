@@ -351,14 +351,16 @@ async def eventually(check: Callable[[T], bool], read: Callable[[], T]) -> T:
 async def test_a_render_past_its_timeout_fails_with_504_and_the_worker_is_replaced(
     tmp_path: Path,
 ) -> None:
-    async with running(tmp_path, pool_size=1, render_timeout=2.0) as run:
+    # The timeout must pass for the held render and be ample for the replacement's first
+    # render, which starts a browser context (about 2 s on a busy 2-core machine).
+    async with running(tmp_path, pool_size=1, render_timeout=10.0) as run:
         pool = run.serving.pool
         run.gate.close()  # the page never becomes ready
         stuck = await run.client.post("/reports", json=report())
         assert stuck.status_code == 504, stuck.text
         problem = stuck.json()
         assert problem["type"] == "urn:pipework:problem:deadline-exceeded"
-        assert "did not render the report within render_timeout=2s" in problem["detail"]
+        assert "did not render the report within render_timeout=10s" in problem["detail"]
         pid = trace_events(run.trace)[-1][1]
         await eventually(lambda s: s.replacements == 1 and s.idle == 1, pool.statistics)
         run.gate.open()
