@@ -32,6 +32,7 @@ from werkzeug.exceptions import HTTPException
 from .._errors import Overloaded, PipeworkError
 from .._http._bodies import dumps_json
 from .._http._problems import PROBLEM_JSON, Problem, encode_problem, problem_for_exception
+from .._http._request_ids import request_id
 from .._metrics import Metrics
 from ..dispatcher._job import new_correlation_id
 from ._request import Incoming, current_g, current_request, incoming, read_headers
@@ -65,8 +66,6 @@ _ENDPOINTS: Final = {
 #: The endpoints of the rules that hand every other path to the routes' own map.
 CATCH_ALL: Final = ("routes_root", "routes")
 
-# Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
-_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
 # W3C Trace Context: version-trace_id-parent_id-flags; all-zero ids are invalid.
 _TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
 _ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
@@ -343,6 +342,4 @@ def _take_correlation_id() -> None:
         if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace):
             record.traceparent = trace
     given = headers.get("x-request-id")
-    ctx.correlation_id = (
-        given if given is not None and _REQUEST_ID.match(given) else new_correlation_id()
-    )
+    ctx.correlation_id = request_id(given)
