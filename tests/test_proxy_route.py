@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 import pipework as pw
 from pipework._http._paths import PROXY_RESERVED_PREFIXES, RESERVED_PREFIXES
-from pipework.proxy._route import BadTarget, ProxyMiss, ProxyRoute, ProxyTable, shadowing
+from pipework.proxy._route import (
+    BadTarget,
+    ProxyMiss,
+    ProxyRoute,
+    ProxyTable,
+    is_method,
+    shadowing,
+)
 
 
 def route(prefix: str = "/api", name: str = "r", **fields: Any) -> ProxyRoute:
@@ -165,6 +172,22 @@ def test_the_container_s_own_paths_are_never_proxied_even_under_the_root(path: s
     assert table.match(path, "GET") is None
     first = "/" + path.split("/")[1]
     assert table.match(first + "x", "GET") is not None  # only whole segments are reserved
+
+
+def test_routes_added_one_by_one_are_checked_and_matched_alike() -> None:
+    table = ProxyTable([route("/api", "api")])
+    root = route("/", "root")
+    assert table.add(root) is root
+    assert table.match("/healthz", "GET") is None  # the root added later guards them too
+    assert table.match("/x", "GET") is root
+    with pytest.raises(pw.RegistrationError, match="clashes with proxy route 'api'"):
+        table.add(route("/api/", "again"))
+    assert list(table) == [table.get("api"), root]
+
+
+def test_method_names_are_tokens() -> None:
+    assert all(map(is_method, ["GET", "PROPFIND", "M-SEARCH", "x.y", "get"]))
+    assert not any(map(is_method, ["", "GE T", "GET\r\n", "ÄÖ", "a/b"]))
 
 
 def test_an_empty_table_matches_nothing() -> None:

@@ -43,6 +43,9 @@ __all__ = [
     "ProxyRoute",
     "ProxyTable",
     "Shadow",
+    "check_prefix",
+    "check_rewrite",
+    "is_method",
     "shadowing",
 ]
 
@@ -272,6 +275,11 @@ def _check_segments(normal: str, what: str, given: str, where: str) -> None:
             raise RegistrationError(f"{where}: {what} {given!r} has a {segment!r} segment")
 
 
+def is_method(text: str) -> bool:
+    """Whether ``text`` is an HTTP method name (a token, RFC 9110 §9.1)."""
+    return _TOKEN.match(text) is not None
+
+
 def _methods(methods: object, where: str) -> frozenset[str] | None:
     if methods is None:
         return None
@@ -281,7 +289,7 @@ def _methods(methods: object, where: str) -> frozenset[str] | None:
         )
     found: set[str] = set()
     for method in methods:
-        if not isinstance(method, str) or not _TOKEN.match(method):
+        if not isinstance(method, str) or not is_method(method):
             raise RegistrationError(f"{where}: {method!r} is not an HTTP method token")
         found.add(method.upper())
     if not found:
@@ -326,16 +334,13 @@ class ProxyTable:
     def __init__(self, routes: Iterable[ProxyRoute] = ()) -> None:
         self._routes: dict[str, ProxyRoute] = {}
         self._by_prefix: dict[str, list[ProxyRoute]] = {}
+        # Whether a prefix covers the container's paths: only "/" can.
+        self._guarded = False
         for route in routes:
-            self._add(route)
-        # Only a prefix above a reserved one ("/") can cover the container's paths.
-        self._guarded = any(
-            route.covers(reserved)
-            for route in self._routes.values()
-            for reserved in PROXY_RESERVED_PREFIXES
-        )
+            self.add(route)
 
-    def _add(self, route: ProxyRoute) -> None:
+    def add(self, route: ProxyRoute) -> ProxyRoute:
+        """Add ``route``; RegistrationError if its name is taken or it clashes."""
         if route.name in self._routes:
             raise RegistrationError(f"a proxy route named {route.name!r} is already registered")
         same = self._by_prefix.setdefault(route._match, [])
@@ -352,6 +357,8 @@ class ProxyTable:
                 )
         same.append(route)
         self._routes[route.name] = route
+        self._guarded = self._guarded or any(map(route.covers, PROXY_RESERVED_PREFIXES))
+        return route
 
     def match(self, path: str, method: str) -> ProxyRoute | ProxyMiss | None:
         """The route for the decoded ``path`` and ``method``: the longest prefix covering
