@@ -114,8 +114,15 @@ def trusted_networks(values: Iterable[str]) -> tuple[Network, ...]:
     for value in values:
         try:
             found.append(ip_network(value))
-        except ValueError as exc:
-            raise ValueError(f"{value!r} is not an IP address or CIDR block: {exc}") from None
+        except ValueError:
+            try:
+                meant = ip_network(value, strict=False)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address or CIDR block") from None
+            raise ValueError(
+                f"{value!r} is not an IP address or CIDR block: it has bits set past the "
+                f"/{meant.prefixlen}; write {str(meant)!r}"
+            ) from None
     return tuple(found)
 
 
