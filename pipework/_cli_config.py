@@ -49,9 +49,10 @@ def check(path: str | os.PathLike[str], *, format: str = "text") -> int:
         return 1
     s = loaded[0].summary()
     warned = len(s["warnings"])
+    proxies = f", {_count(s['proxy_routes'], 'proxy route')}" if s["proxy_routes"] else ""
     print(
         f"{s['source']}: valid: {_count(s['services'], 'service')}, "
-        f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}; "
+        f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}{proxies}; "
         f"{s['max_workers']} workers ({s['reserved']} reserved)"
         + (f"; {_count(warned, 'warning')}" if warned else "")
     )

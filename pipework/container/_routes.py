@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol, get_args, runtime_checkable
 
 from .._errors import RegistrationError
+from .._http._paths import RESERVED_PREFIXES as RESERVED_PREFIXES
+from .._http._paths import covering_prefix
 
 __all__ = [
     "RESERVED_PREFIXES",
@@ -30,9 +32,6 @@ OnDisconnect = Literal["cancel", "continue"]
 _MODES: Final = get_args(Mode)
 _ON_DISCONNECT: Final = get_args(OnDisconnect)
 _METHODS: Final = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
-
-#: Paths the container serves itself; a route may not shadow them.
-RESERVED_PREFIXES: Final = ("/jobs", "/callbacks", "/healthz", "/readyz", "/metrics", "/admin")
 
 _PARAM = re.compile(r"\{([^{}]*)\}")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -133,11 +132,11 @@ def _check_path(path: str, where: str) -> None:
             raise RegistrationError(
                 f"{where}: a path parameter must be a whole segment, not {segment!r}"
             )
-    for prefix in RESERVED_PREFIXES:
-        if path == prefix or path.startswith(prefix + "/"):
-            raise RegistrationError(
-                f"{where}: path {path!r} is under {prefix}, which the container serves itself"
-            )
+    prefix = covering_prefix(path, RESERVED_PREFIXES)
+    if prefix is not None:
+        raise RegistrationError(
+            f"{where}: path {path!r} is under {prefix}, which the container serves itself"
+        )
 
 
 class RouteTable:

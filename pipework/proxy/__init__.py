@@ -1,4 +1,15 @@
-"""Proxy routes: requests passed through to a service as they came, streamed both ways."""
+"""Proxy routes: requests passed through to a service as they are.
+
+- ``_route``: :class:`ProxyRoute` (a prefix, methods and a service, checked when made),
+  :class:`ProxyTable` (which route a request takes) and the target sent on;
+- ``_forwarding``: the header policy both ways (hop-by-hop fields, framing,
+  ``X-Forwarded-*``, ``Forwarded``, ``Via``), pure functions;
+- ``_relay``: the request body and the client's hang-up at the ASGI boundary;
+- ``_asgi``: :class:`ProxyLayer`, the ASGI app in front of the container's own.
+
+This package sits below the container, which mounts it in front of its app, and above
+``_http`` (docs/design.md, "Layers"); it never imports the container or the registry.
+"""
 
 from ._asgi import ProxyLayer, ProxySet
 from ._route import ProxyMiss, ProxyRoute, ProxyTable
