@@ -129,6 +129,16 @@ class Backends:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
                 await stack.aclose()
 
+    def lean(self, name: str) -> ServiceClient:
+        """The lean client of ``http://`` service ``name`` (proxy routes stream through
+        it); RuntimeError while the backends are closed or when the service has none (an
+        ``https://`` one, or every service with a ``transport``)."""
+        client = self._lean.get(name)
+        if client is None:
+            why = "they are not open" if self._stack is None else "it is not a plain http:// one"
+            raise RuntimeError(f"service {name!r} has no lean client: {why}")
+        return client
+
     def client(self, name: str) -> httpx.AsyncClient:
         if self._clients is None:
             raise RuntimeError(

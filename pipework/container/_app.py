@@ -24,7 +24,6 @@ import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from ipaddress import ip_network
 from typing import Final
 
 import trio
@@ -40,6 +39,7 @@ from ..board._jobs import JOB_BOARD, JobBoard
 from ..board._metrics import BoardCollector
 from ..dispatcher._engine import Engine
 from ..proxy import ProxyLayer, ProxySet, ProxyTable
+from ..proxy._forwarding import trusted_networks
 from ._admin import AdminApi, Reload, admin_token
 from ._callbacks import CallbackSigner
 from ._collector import SERVING_GC_THRESHOLD, tuned_collector
@@ -114,13 +114,7 @@ class ContainerConfig:
                 raise ValueError(f"ContainerConfig.{name} must not be negative")
         if self.gc_threshold is not None and self.gc_threshold < 1:
             raise ValueError("ContainerConfig.gc_threshold must be positive (or None)")
-        for entry in self.trusted_proxies:
-            try:
-                ip_network(entry, strict=False)
-            except ValueError:
-                raise ValueError(
-                    f"ContainerConfig.trusted_proxies: {entry!r} is not an address or network"
-                ) from None
+        trusted_networks(self.trusted_proxies)  # ValueError naming the bad entry
 
 
 class Container:
@@ -274,7 +268,7 @@ class Container:
             pool=self.engine.pool,
             chains=self.engine,
             metrics=self.engine.metrics,
-            trusted=tuple(ip_network(e, strict=False) for e in self.config.trusted_proxies),
+            trusted=trusted_networks(self.config.trusted_proxies),
             access_log=self.config.access_log,
         )
         app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam

@@ -24,11 +24,12 @@ tells a client that an answer was cut short.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 from typing import Any, Final, Protocol
@@ -53,7 +54,7 @@ from ._relay import (
     send_problem,
     watch_disconnect,
 )
-from ._route import ProxyMiss, ProxyRoute, ProxyTable
+from ._route import BadTarget, ProxyMiss, ProxyRoute, ProxyTable
 from ._websocket import relay_websocket
 
 __all__ = ["ProxyLayer", "ProxySet"]
@@ -122,11 +123,36 @@ class ProxyLayer:
         self.metrics = metrics
         self.trusted = trusted
         self.access_log = access_log
+        # Exchanges under way by the set they started with (its id): a replaced set's
+        # clients close once its count is back to zero.
+        self._users: dict[int, int] = {}
+        self._released: dict[int, trio.Event] = {}
 
     def set_proxies(self, proxies: ProxySet) -> None:
         """Swap the routes and their clients in one step (a reload); exchanges under way
         keep the set they started with."""
         self.proxies = proxies
+
+    async def wait_released(self, proxies: ProxySet) -> None:
+        """Return once no exchange uses ``proxies`` (a replaced set: its clients may then
+        close)."""
+        while self._users.get(id(proxies)):
+            event = self._released.setdefault(id(proxies), trio.Event())
+            await event.wait()
+
+    @contextlib.contextmanager
+    def _using(self, proxies: ProxySet) -> Iterator[None]:
+        key = id(proxies)
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._users[key] = self._users[key] - 1
+            if not left:
+                del self._users[key]
+                event = self._released.pop(key, None)
+                if event is not None:
+                    event.set()
 
     def __call__(
         self, scope: MutableMapping[str, Any], receive: ASGIReceive, send: ASGISend
@@ -154,36 +180,29 @@ class ProxyLayer:
         """Relay a websocket to the service's; the connection holds a slot of its key for
         as long as it stays open."""
         client = proxies.clients[route.service]
-        incoming: list[tuple[bytes, bytes]] = scope["headers"]
-        given = _header(incoming, b"x-request-id")
-        correlation_id = request_id(None if given is None else given.decode("latin-1"))
-        host = _header(incoming, b"host") if route.host == "keep" else None
-        forwarded = request_headers(
-            incoming,
-            peer=Peer(_client(scope), scope.get("scheme", "ws"), _header(incoming, b"host")),
-            trusted=self.trusted,
-            host=host or client.service.url.netloc,
-            request_id=correlation_id.encode(),
-            request_id_header=_lower(client.service.request_id_header),
-        )
-        target = route.target(
-            scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
-        )
-        timeouts = _timeouts(route, client)
+        correlation_id = _correlation_id(scope)
         started = time.perf_counter()
         code: int | None = None
         try:
-            async with self.pool.slot(route.key or route.service):
-                code = await relay_websocket(
-                    scope,
-                    receive,
-                    send,
-                    connect=functools.partial(_connect, client, timeouts.connect),
-                    target=target,
-                    host=host or client.service.url.netloc,
-                    headers=forwarded,
-                    idle_timeout=route.idle_timeout,
-                )
+            target, host, forwarded = self._head_out(route, client, scope, correlation_id)
+        except BadTarget:
+            await send({"type": "websocket.close", "code": 1008})  # policy: not proxied
+            code = 1008
+            return
+        timeouts = _timeouts(route, client)
+        try:
+            with self._using(proxies):
+                async with self.pool.slot(route.pool_key):
+                    code = await relay_websocket(
+                        scope,
+                        receive,
+                        send,
+                        connect=functools.partial(_connect, client, timeouts.connect),
+                        target=target,
+                        host=host,
+                        headers=forwarded,
+                        idle_timeout=route.idle_timeout,
+                    )
         except* PipeworkError:  # refused by the pool before the handshake
             await send({"type": "websocket.close", "code": 1013})
             code = 1013
@@ -201,9 +220,7 @@ class ProxyLayer:
         receive: ASGIReceive,
         send: ASGISend,
     ) -> None:
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        given = _header(headers, b"x-request-id")
-        correlation_id = request_id(None if given is None else given.decode("latin-1"))
+        correlation_id = _correlation_id(scope)
         path = scope["path"]
         if isinstance(hit, ProxyMiss):
             allow = ", ".join(sorted(hit.allow))
@@ -217,7 +234,8 @@ class ProxyLayer:
             return
         exchange = _Exchange(hit, correlation_id, scope["method"], path, time.perf_counter())
         try:
-            await self._exchange(exchange, proxies, scope, receive, send)
+            with self._using(proxies):
+                await self._exchange(exchange, proxies, scope, receive, send)
         finally:
             self._account(exchange)
 
@@ -237,18 +255,12 @@ class ProxyLayer:
         if route.max_body is not None and length is not None and length > route.max_body:
             await self._refuse(ex, send, _too_large(BodyTooLarge(route.max_body)))
             return
-        target = route.target(
-            scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
-        )
-        host = _header(incoming, b"host") if route.host == "keep" else None
-        forwarded = request_headers(
-            incoming,
-            peer=Peer(_client(scope), scope.get("scheme", "http"), _header(incoming, b"host")),
-            trusted=self.trusted,
-            host=host or client.service.url.netloc,
-            request_id=ex.correlation_id.encode(),
-            request_id_header=_lower(client.service.request_id_header),
-        )
+        try:
+            target, _, forwarded = self._head_out(route, client, scope, ex.correlation_id)
+        except BadTarget as exc:
+            problem = Problem(400, "Bad Request", str(exc), slug="malformed-request")
+            await self._refuse(ex, send, problem)
+            return
         if route.chain is not None:
             edited = await self._before(ex, route.chain, scope, target, forwarded, send)
             if edited is None:
@@ -289,6 +301,30 @@ class ProxyLayer:
             )
             await self._refuse(ex, send, problem)
 
+    def _head_out(
+        self,
+        route: ProxyRoute,
+        client: ServiceClient,
+        scope: MutableMapping[str, Any],
+        correlation_id: str,
+    ) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
+        """The target, ``Host`` and headers sent on; :class:`BadTarget` for a path that
+        must not be (a dot segment would leave the route's prefix on the service)."""
+        target = route.target(
+            scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
+        )
+        kept = _header(scope["headers"], b"host") if route.host == "keep" else None
+        host = kept or client.service.url.netloc
+        forwarded = request_headers(
+            scope["headers"],
+            peer=Peer.from_scope(scope),
+            trusted=self.trusted,
+            host=host,
+            request_id=correlation_id.encode(),
+            request_id_header=_lower(client.service.request_id_header),
+        )
+        return target, host, forwarded
+
     async def _relay(
         self,
         ex: _Exchange,
@@ -302,7 +338,7 @@ class ProxyLayer:
         send: ASGISend,
     ) -> None:
         route = ex.route
-        key = route.key or route.service
+        key = route.pool_key
         # The wait for a slot ends at the deadline or the key's own wait timeout.
         async with self.pool.slot(key, deadline=deadline):
             asked = trio.current_time()
@@ -443,9 +479,9 @@ def _lower(name: str | None) -> bytes | None:
     return None if name is None else name.lower().encode("latin-1")
 
 
-def _client(scope: MutableMapping[str, Any]) -> tuple[str, int] | None:
-    client = scope.get("client")
-    return None if client is None else (str(client[0]), int(client[1]))
+def _correlation_id(scope: MutableMapping[str, Any]) -> str:
+    given = _header(scope["headers"], b"x-request-id")
+    return request_id(None if given is None else given.decode("latin-1"))
 
 
 def _body_framing(headers: list[tuple[bytes, bytes]], method: str) -> tuple[int | None, bool]:

@@ -193,6 +193,7 @@ def config_from_dict(
         c, data.get("routes"), declared_pipes, declared_services, routes
     )
     used |= proxy_used
+    _check_proxied_schemes(c, proxies, services)
     boards, backplane = read_boards(c, data.get("boards"))
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
@@ -228,6 +229,21 @@ def _check_reserves(c: Collector, settings: PoolSettings) -> None:
             f"reserves add up to {total} ({parts}) but max_workers is {settings.max_workers}; "
             "lower a reserve or raise max_workers",
         )
+
+
+def _check_proxied_schemes(
+    c: Collector, proxies: Mapping[str, ProxyConfig], services: Mapping[str, Service]
+) -> None:
+    """A proxy route streams through the lean client, which speaks plain ``http://``."""
+    for name, proxy in proxies.items():
+        service = services.get(proxy.route.service)
+        if service is not None and service.url.scheme != "http":
+            c.error(
+                ("routes", name, "proxy"),
+                f"service {service.name!r} is {service.url.scheme}://: proxy routes reach "
+                "http:// services only (put a TLS-terminating sidecar in front, or call it "
+                "from an HTTP pipe)",
+            )
 
 
 def _names(section: Any) -> list[str]:
