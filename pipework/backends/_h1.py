@@ -188,7 +188,7 @@ class Connection:
 
     async def send_data(self, data: bytes) -> None:
         """Send a piece of the request's body, framed (a chunk, or bytes of its length)."""
-        pieces = self._h11.send_with_data_passthrough(h11.Data(data=data))
+        pieces = self._h11.send_with_data_passthrough(h11.Data(data=data)) or ()
         if len(data) <= _READ_SIZE:  # one write; a big piece is not copied to join its frame
             await self._stream.send_all(b"".join(pieces))
             return
@@ -224,10 +224,12 @@ class Connection:
                 continue
             if isinstance(event, h11.Response):
                 return event
-            if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+            if not isinstance(
+                event, h11.InformationalResponse
+            ):  # pragma: no cover - h11 raises first
+                raise h11.RemoteProtocolError(f"unexpected {event!r} before an answer")
+            if event.status_code == 101:
                 raise h11.RemoteProtocolError("an answer switched protocols (101) uninvited")
-            if isinstance(event, h11.ConnectionClosed):  # pragma: no cover - h11 raises first
-                raise h11.RemoteProtocolError("the peer closed the connection")
 
     async def next_event(self) -> h11.Data | h11.EndOfMessage:
         """The next piece of the answer's body, or its end (with any trailers), reading
