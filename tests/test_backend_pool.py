@@ -4,7 +4,6 @@ short or close. Timeouts are checked at exact virtual time (``autojump_clock``).
 
 from __future__ import annotations
 
-import functools
 import gc
 import gzip
 import json
@@ -27,6 +26,7 @@ from pipework.backends._h1 import BadEncoding
 from pipework.backends._pool import Pool, ResponseTooLarge
 
 from ._endless_backend import endless_backend, retained
+from ._loopback import serve_loopback
 
 HANG_GUARD = 10.0
 
@@ -111,14 +111,8 @@ class RawBackend:
 @asynccontextmanager
 async def serving(plan: Plan = echo) -> AsyncIterator[tuple[RawBackend, int]]:
     backend = RawBackend(plan)
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, backend.handle, 0, host="127.0.0.1")
-        )
-        try:
-            yield backend, listeners[0].socket.getsockname()[1]
-        finally:
-            nursery.cancel_scope.cancel()
+    async with serve_loopback(backend.handle) as port:
+        yield backend, port
 
 
 @pytest.fixture

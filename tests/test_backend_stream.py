@@ -29,6 +29,8 @@ from pipework.backends._failures import BadAnswer, CallTimeout, ConnectionBroken
 from pipework.backends._pool import Pool
 from pipework.backends._stream import StreamTimeouts, UpstreamAnswer
 
+from ._loopback import serve_loopback
+
 HANG_GUARD = 30.0
 PIECE = 64 * 1024
 MB = 1 << 20
@@ -151,14 +153,8 @@ class Backend:
 @asynccontextmanager
 async def serving(handler: Handler = ok) -> AsyncIterator[tuple[Backend, int]]:
     backend = Backend(handler)
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, backend.handle, 0, host="127.0.0.1")
-        )
-        try:
-            yield backend, listeners[0].socket.getsockname()[1]
-        finally:
-            nursery.cancel_scope.cancel()
+    async with serve_loopback(backend.handle) as port:
+        yield backend, port
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ __all__ = [
     "ResponseTooLarge",
     "StaleConnection",
     "content_decoder",
+    "first_header",
 ]
 
 _READ_SIZE: Final = 64 * 1024
@@ -71,10 +72,7 @@ class Answer:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return first_header(self.headers, name)
 
 
 class Connection:
@@ -140,8 +138,8 @@ class Connection:
         status = event.status_code
         response_headers = list(event.headers)
 
-        declared = _first(response_headers, b"content-length")
-        decoder = content_decoder(_first(response_headers, b"content-encoding"))
+        declared = first_header(response_headers, b"content-length")
+        decoder = content_decoder(first_header(response_headers, b"content-encoding"))
         # A declared length says it at once (a compressed body's says nothing of this).
         too_long = declared is not None and declared.isdigit() and int(declared) > max_bytes
         if decoder is None and too_long:
@@ -259,7 +257,8 @@ class Connection:
         return False
 
 
-def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+def first_header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower-case) in ``headers``, or None."""
     for key, value in headers:
         if key == name:
             return value

@@ -68,7 +68,7 @@ import h11
 import trio
 
 from ._failures import CallTimeout, TransportFailure
-from ._h1 import Connection, StaleConnection
+from ._h1 import Connection, StaleConnection, first_header
 from ._pool import EXCHANGE_ERRORS, IDEMPOTENT, RAN_OUT, Pool, Progress, failure
 
 __all__ = ["StreamTimeouts", "UpstreamAnswer", "open_stream"]
@@ -119,10 +119,7 @@ class UpstreamAnswer:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return first_header(self.headers, name)
 
     def __repr__(self) -> str:
         return f"UpstreamAnswer(status={self.status}, reason={self.reason!r})"
