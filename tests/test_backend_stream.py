@@ -243,6 +243,7 @@ async def echo(peer: Peer, request: h11.Request) -> bool:
     return True
 
 
+@pytest.mark.hang_guard(real_seconds=180)  # 200 MB each way through four h11s, traced
 async def test_a_large_body_streams_both_ways_at_once_in_bounded_memory(
     clients: Callable[..., ServiceClient],
 ) -> None:
@@ -250,7 +251,7 @@ async def test_a_large_body_streams_both_ways_at_once_in_bounded_memory(
     the client reads while it sends): nothing near a body's size is ever held, and the
     connection is reused after."""
     total = 200 * MB
-    with trio.fail_after(HANG_GUARD * 4):
+    with trio.fail_after(170):
         async with serving(echo) as (backend, port):
             client = clients(port)
             source = Source(total, piece=bytes(range(256)) * (PIECE // 256))
@@ -265,7 +266,7 @@ async def test_a_large_body_streams_both_ways_at_once_in_bounded_memory(
                         crc = zlib.crc32(piece, crc)
                 held = peak()
             assert (received, crc) == (total, source.crc)
-            assert held < 4 * MB, f"streaming 200 MB both ways held {held} bytes at once"
+            assert held < 2 * MB, f"streaming 200 MB both ways held {held} bytes at once"
             async with client.stream(b"GET", b"/", [], None, length=None, timeouts=PATIENT) as a:
                 assert await read_all(a) == b""
             assert backend.accepted == 1
@@ -565,6 +566,67 @@ async def test_a_cancelled_exchange_closes_its_connection_and_frees_its_place(
             async with client.stream(b"GET", b"/next", [], None, length=None, timeouts=PATIENT):
                 pass
             assert backend.accepted == 2
+
+
+async def test_streams_beyond_the_limit_wait_their_turn_in_order(
+    clients: Callable[..., ServiceClient],
+) -> None:
+    """The pool's limit holds for streamed exchanges: one connection, callers served one
+    after the other, first come first served, each on the connection the last one left."""
+    order: list[bytes] = []
+
+    async def call(target: bytes) -> None:
+        async with client.stream(b"GET", target, [], None, length=None, timeouts=PATIENT) as a:
+            order.append(target)
+            await read_all(a)
+
+    async def held(peer: Peer, request: h11.Request) -> bool:
+        if request.target == b"/first":
+            await peer.backend.release.wait()
+        return await ok(peer, request)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(held) as (backend, port):
+            client = clients(port, max_connections=1)
+            async with trio.open_nursery() as nursery:
+                for target in (b"/first", b"/a", b"/b", b"/c"):
+                    nursery.start_soon(call, target)
+                    await trio.testing.wait_all_tasks_blocked()
+                assert client.pool.statistics().waiting == 3
+                backend.release.set()
+            assert order == [b"/first", b"/a", b"/b", b"/c"]
+            assert backend.accepted == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "message"),
+    [
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345",
+            ConnectionBroken,
+            "before the answer's end",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            BadAnswer,
+            "invalid answer",
+        ),
+    ],
+    ids=["cut-short", "malformed"],
+)
+async def test_an_answer_cut_short_or_malformed_mid_body_fails_the_read(
+    clients: Callable[..., ServiceClient], raw: bytes, error: type[Exception], message: str
+) -> None:
+    async def broken(peer: Peer, request: h11.Request) -> bool:
+        await peer.stream.send_all(raw)
+        return False
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(broken) as (_backend, port):
+            client = clients(port)
+            with pytest.raises(error, match=message):
+                await read_into(client, [], PATIENT)
+            assert client.pool.statistics().open == 0
 
 
 # -- timeouts, at exact virtual time -------------------------------------------------------

@@ -1,12 +1,12 @@
 """The streamed exchange: a request's body sent while it arrives and the answer's body read
 while the caller relays it, on a connection of the lean keep-alive pool (:mod:`._pool`).
 
-    async with client.stream(b"PUT", b"/x", headers, body, length=None,
-                             timeouts=StreamTimeouts(connect=5, first_byte=30, idle=60)) as answer:
-        ...answer.status, answer.headers...
-        async for piece in answer.body():
+    timeouts = StreamTimeouts(connect=5, first_byte=30, idle=60)
+    async with client.stream(b"PUT", b"/x", headers, body, length=None, timeouts=timeouts) as a:
+        ...a.status, a.headers...
+        async for piece in a.body():
             ...
-        ...answer.trailers...
+        ...a.trailers...
 
 What it promises, on top of the pool's own (a bounded pool, waiters first come first served,
 idle connections closed):
@@ -16,8 +16,9 @@ idle connections closed):
   ``Content-Length`` when its length is known, chunked when a body comes without one, with
   neither when there is no body. ``Host`` is the service's unless ``headers`` hold one. So
   no request can leave a kept-alive connection out of step with the backend. A body that
-  gives more or fewer bytes than its declared length raises ``ValueError`` (and the
-  connection is closed: the backend never sees a request cut or overrun).
+  gives more or fewer bytes than its declared length raises ``ValueError`` and the
+  connection is closed short of the request's end: the backend never gets a whole request
+  from it (the piece that completes the length is held until the body is known to end).
 - **Both ways at once.** A task sends the body while the answer's head is awaited, and goes
   on while the answer's body is read (a backend may stream its answer as it reads). An
   answer that comes early and refuses (a status of 400 or more) or says it closes the
@@ -53,7 +54,8 @@ idle connections closed):
 
 Failures are the lean client's own (:mod:`._failures`), as the pool raises them; an
 exception (``Exception``) raised by the caller's ``body`` is raised by the exchange, as it
-was, wherever the caller waits on it next.
+was, where the caller waits on it (for the head, or the next piece of the body) — if the
+caller reads the answer to its end first, only the connection's reuse is lost.
 """
 
 from __future__ import annotations
