@@ -13,7 +13,9 @@ JSON parsed, other text decoded with its charset. What fails is raised as the sa
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -22,6 +24,7 @@ from ._h1 import ACCEPT_ENCODING, Answer
 from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
 from ._pool import Pool, ResponseTooLarge
+from ._stream import StreamTimeouts, UpstreamAnswer, open_stream
 
 __all__ = ["ServiceClient", "decode_answer", "too_big", "unaccepted"]
 
@@ -51,6 +54,7 @@ class ServiceClient:
             ),
         )
         self._base = url.raw_path.rstrip(b"/").decode("ascii")
+        self._raw_base = self._base.encode("ascii")
         self._host = url.netloc
         # Service headers over the client's own, as httpx merges them; lower name -> pair.
         base: dict[str, tuple[str, str]] = {"user-agent": ("User-Agent", user_agent)}
@@ -60,6 +64,36 @@ class ServiceClient:
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+
+    def stream(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: AsyncIterator[bytes] | None,
+        *,
+        length: int | None,
+        timeouts: StreamTimeouts,
+        deadline: float = math.inf,
+    ) -> AbstractAsyncContextManager[UpstreamAnswer]:
+        """A streamed exchange with the service (:mod:`._stream`): ``headers`` are sent as
+        they are (but for framing), with the service's ``Host`` unless they hold one; an
+        origin-form ``target`` (``/path?query``) goes under the service's base path. The
+        service's own headers (``headers``, ``User-Agent``) are not added: a streamed
+        request is passed through, not made."""
+        if target.startswith(b"/"):
+            target = self._raw_base + target
+        return open_stream(
+            self.pool,
+            method,
+            target,
+            headers,
+            body,
+            host=self._host,
+            length=length,
+            timeouts=timeouts,
+            deadline=deadline,
+        )
 
     def prepare(
         self,
