@@ -33,6 +33,7 @@ from wsproto.events import (
     TextMessage,
 )
 from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import RemoteProtocolError
 
 from pipework.container import BoundAddress, serve
 from pipework.proxy._websocket import WebsocketOutcome, relay_websocket
@@ -75,7 +76,8 @@ class Seen:
 class Backend:
     """A websocket server whose path says what it does:
 
-    ``/refuse`` answers the handshake 404 with a body; ``/silent`` never answers it; ``/ping``
+    ``/refuse`` answers the handshake 404 with a body (``/refuse-cut``: a tenth of it, then
+    it closes the connection); ``/silent`` never answers it; ``/ping``
     pings the relay once accepted, ``/pinging`` every 20 s; ``/fragments`` sends one message
     in three frames; ``/bad`` sends a frame a client must refuse (masked). Once accepted it
     echoes every message (frame by frame), except ``"close"`` (it closes with 4002 "backend
@@ -131,6 +133,13 @@ class Backend:
         if path.startswith("/silent"):
             while await stream.receive_some():
                 pass  # never answers; ends when the relay closes the connection
+            return
+        if path.startswith("/refuse-cut"):
+            head = [(b"content-type", b"text/plain"), (b"content-length", b"100")]
+            await say(
+                RejectConnection(status_code=404, headers=head, has_body=True),
+                RejectData(b"only ten b", body_finished=False),
+            )
             return
         if path.startswith("/refuse"):
             body = b"no such room"
@@ -199,6 +208,7 @@ class RelayApp:
     idle_timeout: float | None = None
     handshake_timeout: float | None = None
     max_message: int = 16 * MB
+    host: bytes = b"backend.test"
     extension: bool = True  # offer the relay ASGI's websocket.http.response extension
     outcomes: list[WebsocketOutcome] = field(default_factory=list)
     ended: trio.Event = field(default_factory=trio.Event)
@@ -221,13 +231,14 @@ class RelayApp:
                 send,
                 connect=self.connect,
                 target=scope["raw_path"] + (b"?" + query if query else b""),
-                host=b"backend.test",
+                host=self.host,
                 headers=[(n, v) for n, v in scope["headers"] if n in {b"x-test", b"host"}],
                 idle_timeout=self.idle_timeout,
                 handshake_timeout=self.handshake_timeout,
                 max_message=self.max_message,
                 service="chat",
                 correlation_id="corr-1",
+                answer_filter=lambda headers: [*headers, (b"via", b"1.1 pipework")],
             )
         finally:
             self.ended.set()
@@ -324,14 +335,20 @@ class Client:
     async def refusal(self) -> tuple[int, dict[bytes, bytes], bytes]:
         answer = await self.answer()
         assert isinstance(answer, RejectConnection), answer
-        body = b""
-        while answer.has_body:
+        body: list[bytes] = []
+        if answer.has_body:
+            await self.body(body)
+        return answer.status_code, dict(answer.headers), b"".join(body)
+
+    async def body(self, into: list[bytes]) -> None:
+        """Read a refusal's body into ``into`` until its end."""
+        while True:
             event = await self.event()
             assert isinstance(event, RejectData)
-            body += event.data
+            if event.data:
+                into.append(event.data)
             if event.body_finished:
-                break
-        return answer.status_code, dict(answer.headers), body
+                return
 
     async def say(self, *events: Event) -> None:
         await self.stream.send_all(b"".join(self.ws.send(event) for event in events))
@@ -418,6 +435,7 @@ async def test_the_backend_chooses_among_the_clients_subprotocols(
         await client.closed()
     assert accepted.subprotocol == chosen
     assert (b"set-cookie", b"r=1") in accepted.extra_headers  # the 101's own headers
+    assert (b"via", b"1.1 pipework") in accepted.extra_headers  # the caller's filter's
     request = run.backend.seen[0].request
     assert request is not None
     assert request.subprotocols == offered
@@ -598,7 +616,31 @@ async def test_a_backends_refusal_reaches_the_client_as_it_came() -> None:
         outcome = await run.app.outcome()
     assert (status, body) == (404, b"no such room")
     assert headers[b"content-type"] == b"text/plain"
+    assert headers[b"via"] == b"1.1 pipework"
     assert outcome.status == 404
+
+
+async def test_a_refusal_cut_short_is_not_completed_for_the_client() -> None:
+    async with running() as run, Client.opening(run.address, "/refuse-cut") as client:
+        answer = await client.answer()
+        assert isinstance(answer, RejectConnection)
+        assert answer.status_code == 404
+        body: list[bytes] = []
+        with pytest.raises(RemoteProtocolError):  # the client sees the answer end early
+            await client.body(body)
+        outcome = await run.app.outcome()
+    assert body == [b"only ten b"]
+    assert outcome.detail.endswith("its body was cut short")
+
+
+async def test_a_host_wsproto_cannot_write_is_refused() -> None:
+    async with running(host=b"a..b") as run, Client.opening(run.address) as client:
+        status, _, body = await client.refusal()
+        outcome = await run.app.outcome()
+    assert status == 400
+    assert json.loads(body)["type"] == "urn:pipework:problem:malformed-request"
+    assert run.backend.seen == []  # nothing was sent
+    assert outcome.status == 400
 
 
 async def test_without_the_extension_a_refusal_is_a_403() -> None:
