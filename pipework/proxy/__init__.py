@@ -4,6 +4,8 @@
   :class:`ProxyTable` (which route a request takes) and the target sent on;
 - ``_forwarding``: the header policy both ways (hop-by-hop fields, framing,
   ``X-Forwarded-*``, ``Forwarded``, ``Via``), pure functions;
+- ``_websocket`` (rules without I/O in ``_websocket_core``): a websocket relayed to the
+  service's, frames both ways, close codes kept;
 - ``_relay``: the request body and the client's hang-up at the ASGI boundary;
 - ``_asgi``: :class:`ProxyLayer`, the ASGI app in front of the container's own.
 

@@ -56,6 +56,7 @@ from ._relay import (
 )
 from ._route import BadTarget, ProxyMiss, ProxyRoute, ProxyTable
 from ._websocket import relay_websocket
+from ._websocket_core import WebsocketOutcome
 
 __all__ = ["ProxyLayer", "ProxySet"]
 
@@ -182,18 +183,18 @@ class ProxyLayer:
         client = proxies.clients[route.service]
         correlation_id = _correlation_id(scope)
         started = time.perf_counter()
-        code: int | None = None
+        outcome: WebsocketOutcome | None = None
         try:
-            target, host, forwarded = self._head_out(route, client, scope, correlation_id)
-        except BadTarget:
-            await send({"type": "websocket.close", "code": 1008})  # policy: not proxied
-            code = 1008
-            return
-        timeouts = _timeouts(route, client)
-        try:
+            try:
+                target, host, forwarded = self._head_out(route, client, scope, correlation_id)
+            except BadTarget:
+                await send({"type": "websocket.close", "code": 1008})  # not proxied
+                outcome = WebsocketOutcome(403, detail="the path may not be proxied")
+                return
+            timeouts = _timeouts(route, client)
             with self._using(proxies):
                 async with self.pool.slot(route.pool_key):
-                    code = await relay_websocket(
+                    outcome = await relay_websocket(
                         scope,
                         receive,
                         send,
@@ -202,12 +203,16 @@ class ProxyLayer:
                         host=host,
                         headers=forwarded,
                         idle_timeout=route.idle_timeout,
+                        handshake_timeout=timeouts.first_byte,
+                        service=route.service,
+                        correlation_id=correlation_id,
+                        answer_filter=response_headers,
                     )
-        except* PipeworkError:  # refused by the pool before the handshake
+        except* PipeworkError:  # the pool refused the slot before the handshake
             await send({"type": "websocket.close", "code": 1013})
-            code = 1013
+            outcome = WebsocketOutcome(503, detail="no slot for the service's key")
         finally:
-            status = "none" if code is None else f"ws{code}"
+            status = "none" if outcome is None or outcome.status is None else str(outcome.status)
             self.metrics.proxy_responses.labels(route.name, route.service, status).inc()
             duration = time.perf_counter() - started
             self.metrics.proxy_duration.labels(route.name, route.service).observe(duration)
