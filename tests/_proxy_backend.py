@@ -21,7 +21,7 @@ import json
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -39,6 +39,7 @@ class Backend:
     received: int = 0  # /upload bytes read so far
     gone: trio.Event = field(default_factory=trio.Event)  # a /download client left
     hanging: int = 0  # /hang requests waiting now
+    hung: trio.Event = field(default_factory=trio.Event)  # a /hang request arrived
     sse_gate: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(0))
     requests: list[dict[str, Any]] = field(default_factory=list)
 
@@ -46,9 +47,7 @@ class Backend:
         """Let ``/sse`` send its next event."""
         self.sse_gate.release()
 
-    async def app(
-        self, scope: MutableMapping[str, Any], receive: Any, send: Any
-    ) -> None:
+    async def app(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -70,6 +69,7 @@ class Backend:
             await self._sse(receive, send)
         elif path == "/hang":
             self.hanging += 1
+            self.hung.set()
             try:
                 await trio.sleep_forever()
             finally:
@@ -173,7 +173,9 @@ async def _echo_websocket(receive: Any, send: Any) -> None:
             if message.get("text") == "close 4002":
                 await send({"type": "websocket.close", "code": 4002, "reason": "backend says"})
                 return
-            await send({"type": "websocket.send", **{k: v for k, v in message.items() if k != "type"}})
+            await send(
+                {"type": "websocket.send", **{k: v for k, v in message.items() if k != "type"}}
+            )
         else:
             return
 
@@ -183,7 +185,7 @@ async def running_backend() -> AsyncIterator[Backend]:
     backend = Backend()
     async with trio.open_nursery() as nursery:
         address = await nursery.start(
-            functools.partial(serve, backend.app, host="127.0.0.1", port=0)
+            functools.partial(serve, cast(Any, backend.app), host="127.0.0.1", port=0)
         )
         backend.url, backend.port = address.url, address.port
         try:

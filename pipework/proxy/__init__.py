@@ -6,6 +6,7 @@
   ``X-Forwarded-*``, ``Forwarded``, ``Via``), pure functions;
 - ``_websocket`` (rules without I/O in ``_websocket_core``): a websocket relayed to the
   service's, frames both ways, close codes kept;
+- ``_upstream``: a service as the proxy sees it (address, time limits, a streaming client);
 - ``_relay``: the request body and the client's hang-up at the ASGI boundary;
 - ``_asgi``: :class:`ProxyLayer`, the ASGI app in front of the container's own.
 
@@ -15,5 +16,14 @@ This package sits below the container, which mounts it in front of its app, and 
 
 from ._asgi import ProxyLayer, ProxySet
 from ._route import ProxyMiss, ProxyRoute, ProxyTable
+from ._upstream import Streams, Upstream
 
-__all__ = ["ProxyLayer", "ProxyMiss", "ProxyRoute", "ProxySet", "ProxyTable"]
+__all__ = [
+    "ProxyLayer",
+    "ProxyMiss",
+    "ProxyRoute",
+    "ProxySet",
+    "ProxyTable",
+    "Streams",
+    "Upstream",
+]

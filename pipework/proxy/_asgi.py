@@ -12,7 +12,7 @@ proxied request passes through, in order:
    the target, or refuse (its error's status and problem);
 4. a slot of the service's pool key, held until the answer's last byte: a refusal is a 503
    with ``Retry-After``, as for any route;
-5. the exchange (:meth:`ServiceClient.stream`): the body sent while it arrives, the answer's
+5. the exchange (:meth:`Upstream.client.stream`): the body sent while it arrives, the answer's
    head awaited, its latency recorded for the key's adaptive limit;
 6. the ``after`` chain (if any) on the answer's head (status and headers);
 7. the answer relayed while it arrives; a client that goes away cancels the exchange.
@@ -40,7 +40,6 @@ from .._errors import DeadlineExceeded, PipeworkError
 from .._http._problems import Problem, problem_for_exception
 from .._http._request_ids import request_id
 from .._metrics import Metrics
-from ..backends._client import ServiceClient
 from ..backends._failures import CallTimeout, ConnectFailed, TransportFailure
 from ..backends._stream import StreamTimeouts, UpstreamAnswer
 from ..dispatcher._admission import Admission
@@ -55,6 +54,7 @@ from ._relay import (
     watch_disconnect,
 )
 from ._route import BadTarget, ProxyMiss, ProxyRoute, ProxyTable
+from ._upstream import Upstream
 from ._websocket import relay_websocket
 from ._websocket_core import WebsocketOutcome
 
@@ -63,7 +63,8 @@ __all__ = ["ProxyLayer", "ProxySet"]
 _log = logging.getLogger("pipework.proxy")
 _access_log = logging.getLogger("pipework.access")
 
-ASGIApp = Callable[[MutableMapping[str, Any], ASGIReceive, ASGISend], Awaitable[None]]
+#: The app behind (Quart's): typed loosely, as each framework types its own messages.
+ASGIApp = Callable[..., Awaitable[None]]
 
 #: Idle time between two chunks when neither the route nor the service says (seconds).
 DEFAULT_IDLE_TIMEOUT: Final = 60.0
@@ -80,11 +81,11 @@ class ChainRunner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ProxySet:
-    """The proxy routes in force and the clients of their services: swapped whole on reload.
-    ``clients`` maps a service's name to its streaming client."""
+    """The proxy routes in force and their services: swapped whole on reload. ``clients``
+    maps a service's name to its :class:`Upstream`."""
 
     table: ProxyTable
-    clients: dict[str, ServiceClient] = field(default_factory=dict)
+    clients: dict[str, Upstream] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -309,7 +310,7 @@ class ProxyLayer:
     def _head_out(
         self,
         route: ProxyRoute,
-        client: ServiceClient,
+        client: Upstream,
         scope: MutableMapping[str, Any],
         correlation_id: str,
     ) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -319,21 +320,21 @@ class ProxyLayer:
             scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
         )
         kept = _header(scope["headers"], b"host") if route.host == "keep" else None
-        host = kept or client.service.url.netloc
+        host = kept or client.netloc
         forwarded = request_headers(
             scope["headers"],
             peer=Peer.from_scope(scope),
             trusted=self.trusted,
             host=host,
             request_id=correlation_id.encode(),
-            request_id_header=_lower(client.service.request_id_header),
+            request_id_header=_lower(client.request_id_header),
         )
         return target, host, forwarded
 
     async def _relay(
         self,
         ex: _Exchange,
-        client: ServiceClient,
+        client: Upstream,
         target: bytes,
         forwarded: list[tuple[bytes, bytes]],
         upload: Upload | None,
@@ -347,7 +348,7 @@ class ProxyLayer:
         # The wait for a slot ends at the deadline or the key's own wait timeout.
         async with self.pool.slot(key, deadline=deadline):
             asked = trio.current_time()
-            stream = client.stream(
+            stream = client.client.stream(
                 ex.method.encode(), target, forwarded, upload, length=length, timeouts=timeouts
             )
             try:
@@ -501,8 +502,7 @@ def _body_framing(headers: list[tuple[bytes, bytes]], method: str) -> tuple[int 
     return (0, True) if method in _EMPTY_BODY_METHODS else (None, False)
 
 
-def _timeouts(route: ProxyRoute, client: ServiceClient) -> StreamTimeouts:
-    service = client.service
+def _timeouts(route: ProxyRoute, service: Upstream) -> StreamTimeouts:
     connect = route.connect_timeout or service.connect_timeout or service.timeout
     first_byte = route.first_byte_timeout or service.timeout
     idle = route.idle_timeout or DEFAULT_IDLE_TIMEOUT
@@ -569,13 +569,12 @@ def _log_cut(ex: _Exchange, exc: BaseException) -> None:
     )
 
 
-async def _connect(client: ServiceClient, seconds: float) -> trio.SocketStream:
+async def _connect(service: Upstream, seconds: float) -> trio.SocketStream:
     """A new connection to the service, for a websocket (never from the keep-alive pool:
     the connection becomes the websocket's)."""
-    url = client.service.url
-    port = url.port if url.port is not None else 80
     with trio.fail_after(seconds):
         try:
-            return await trio.open_tcp_stream(url.host, port)
+            return await trio.open_tcp_stream(service.host, service.port)
         except OSError as exc:
-            raise ConnectFailed(f"could not connect to {url.host}:{port}: {exc}") from exc
+            where = f"{service.host}:{service.port}"
+            raise ConnectFailed(f"could not connect to {where}: {exc}") from exc

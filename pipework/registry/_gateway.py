@@ -29,7 +29,7 @@ from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
-from ..proxy import ProxySet, ProxyTable
+from ..proxy import ProxySet, ProxyTable, Upstream
 from ._config import GatewayConfig, build_registry, load_config
 
 __all__ = ["Gateway"]
@@ -53,9 +53,25 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
 
 
 def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
-    """The file's proxy routes and the lean clients of their services (backends open)."""
+    """The file's proxy routes and their services, streaming through the lean clients of
+    ``backends`` (open)."""
     routes = [p.route for p in config.proxies.values()]
-    return ProxySet(ProxyTable(routes), {r.service: backends.lean(r.service) for r in routes})
+    return ProxySet(ProxyTable(routes), {r.service: _upstream(backends, r.service) for r in routes})
+
+
+def _upstream(backends: Backends, name: str) -> Upstream:
+    service = backends.services[name]
+    url = service.url
+    return Upstream(
+        name,
+        backends.lean(name),
+        url.host,
+        url.port if url.port is not None else 80,
+        url.netloc,
+        service.timeout,
+        service.connect_timeout,
+        service.request_id_header,
+    )
 
 
 class Gateway:
