@@ -24,6 +24,7 @@ from pipework import Context, Gateway, WeightedPool
 from pipework.container import BoundAddress
 
 from ._proxy_backend import PATTERN, Backend, running_backend
+from ._raw_http import split_answers
 from .test_proxy_websocket import Client
 
 MB = 1024 * 1024
@@ -216,23 +217,33 @@ async def test_a_large_download_streams_with_flat_memory(tmp_path: Path) -> None
 
 async def test_a_large_upload_streams_with_flat_memory(tmp_path: Path) -> None:
     total = 1024 * MB
-    before, peak = rss(), 0
     digest = hashlib.sha256()
-
-    async def body() -> AsyncIterator[bytes]:
-        nonlocal peak
-        sent = 0
-        while sent < total:
-            digest.update(PATTERN)
-            yield PATTERN
-            sent += len(PATTERN)
-            if sent % (16 * MB) == 0:
-                peak = max(peak, rss() - before)
-
-    async with proxied(tmp_path) as (backend, _, client):
-        answer = await client.post("/api/upload", content=body())  # chunked
-    assert answer.status_code == 200, answer.text
-    assert answer.json() == {"length": total, "sha256": digest.hexdigest()}
+    piece = b"%x\r\n%b\r\n" % (len(PATTERN), PATTERN)  # one chunk of the chunked body
+    async with (
+        running_backend() as backend,
+        gateway(tmp_path, gateway_file(backend, API)) as (_, address),
+    ):
+        before, peak, sent = rss(), 0, 0
+        # A raw client: the upload is sent chunk by chunk as the gateway takes it.
+        async with await trio.open_tcp_stream(address.host, address.port) as stream:
+            head = b"POST /api/upload HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n"
+            await stream.send_all(head)
+            while sent < total:
+                await stream.send_all(piece)
+                digest.update(PATTERN)
+                sent += len(PATTERN)
+                if sent % (16 * MB) == 0:
+                    peak = max(peak, rss() - before)
+            await stream.send_all(b"0\r\n\r\n")
+            seen = bytearray()
+            answers: list[Any] = []
+            while not answers:
+                chunk = await stream.receive_some(65536)
+                assert chunk, "the gateway closed the connection before answering"
+                seen += chunk
+                answers, _ = split_answers(bytes(seen))
+    assert answers[0].status == 200, answers[0].body
+    assert answers[0].json() == {"length": total, "sha256": digest.hexdigest()}
     assert backend.received == total
     assert peak < 48 * MB, f"memory grew by {peak / MB:.1f} MB while relaying 1 GB"
 
