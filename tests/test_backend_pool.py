@@ -612,6 +612,8 @@ class _Ctx:
         self.path = "test"
         self.correlation_id = "c0ffee"  # forwarded as X-Request-ID by both clients
         self.traceparent: str | None = None
+        self.tracestate: str | None = None
+        self.baggage: str | None = None
         # What a failed call's log line names.
         self.pipe = Pipe(_nothing, "call")
         self.job_id = "job-1"

@@ -280,6 +280,10 @@ def _trace_headers(service: Service, ctx: Context) -> dict[str, str]:
         headers[service.request_id_header] = ctx.correlation_id
     if ctx.traceparent is not None:
         headers["traceparent"] = ctx.traceparent
+        if ctx.tracestate is not None:
+            headers["tracestate"] = ctx.tracestate
+    if ctx.baggage is not None:
+        headers["baggage"] = ctx.baggage
     return headers
 
 

@@ -464,6 +464,8 @@ class Submissions:
             correlation_id=namespace.correlation_id,
             token=token,
             traceparent=None if ctx is None else ctx.traceparent,
+            tracestate=None if ctx is None else ctx.tracestate,
+            baggage=None if ctx is None else ctx.baggage,
             stream=route.mode == "stream",
             admit=admit,
         )

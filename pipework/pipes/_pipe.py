@@ -126,6 +126,7 @@ class Context:
         "_ops",
         "_position",
         "_where",
+        "baggage",
         "chain",
         "correlation_id",
         "deadline",
@@ -134,6 +135,7 @@ class Context:
         "pipe",
         "state",
         "traceparent",
+        "tracestate",
     )
 
     def __init__(
@@ -149,10 +151,15 @@ class Context:
         deadline: float,
         ops: JobOps,
         traceparent: str | None = None,
+        tracestate: str | None = None,
+        baggage: str | None = None,
     ) -> None:
         self.state = state
-        #: The W3C trace context of the request that started the job, if it sent one.
+        #: The W3C trace context of the request that started the job, if it sent one
+        #: (``tracestate`` only with a ``traceparent``; ``baggage`` on its own).
         self.traceparent = traceparent
+        self.tracestate = tracestate
+        self.baggage = baggage
         self.job_id = job_id
         self.correlation_id = correlation_id
         self.chain = chain
