@@ -67,6 +67,7 @@ PUBLIC = [
     "RegistrationError",
     "Registry",
     "Rejected",
+    "RequestUse",
     "ResourcePool",
     "ResourcePoolClosed",
     "ResourcePoolError",

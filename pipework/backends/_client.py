@@ -21,7 +21,13 @@ from urllib.parse import urlencode
 
 from .._errors import BackendError
 from ._h1 import ACCEPT_ENCODING, Answer
-from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
+from ._http_spec import (
+    HttpCall,
+    Service,
+    check_header_value,
+    forwarded_headers,
+    passed_headers,
+)
 from ._http_template import TemplateError, render_body
 from ._pool import Pool, ResponseTooLarge
 from ._stream import StreamTimeouts, UpstreamAnswer, open_stream
@@ -111,6 +117,9 @@ class ServiceClient:
         if pairs:
             target += "?" + urlencode(pairs)
         headers = dict(self._headers)
+        if call.pass_headers:
+            for name, value in passed_headers(state, call.pass_headers).items():
+                headers[name] = (name, value)  # lower-case already
         if call.forward_headers is not None:
             for name, value in forwarded_headers(state, call.forward_headers).items():
                 headers[name.lower()] = (name, value)

@@ -50,7 +50,13 @@ from ._failures import (
     TransportFailure,
 )
 from ._h1 import ACCEPT_ENCODING, BadEncoding, content_decoder
-from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
+from ._http_spec import (
+    HttpCall,
+    Service,
+    check_header_value,
+    forwarded_headers,
+    passed_headers,
+)
 from ._http_template import TemplateError, render_body
 
 __all__ = ["Backends", "http_pipe"]
@@ -266,7 +272,9 @@ def http_pipe(
             ctx.state[call.into] = answer
 
     run.__name__ = run.__qualname__ = name
-    return Pipe(run, name, key if key is not None else call.service, timeout)
+    return Pipe(
+        run, name, key if key is not None else call.service, timeout, request_use=call.request_use
+    )
 
 
 def _connect(service: Service) -> float:
@@ -303,9 +311,10 @@ def _build_request(
     for name, template in call.query:
         params.extend((name, value) for value in template.render_query(state, name))
     headers = httpx.Headers(service.headers)
+    if call.pass_headers:
+        headers.update(passed_headers(state, call.pass_headers))
     if call.forward_headers is not None:
         headers.update(forwarded_headers(state, call.forward_headers))
-    headers.update(_trace_headers(service, ctx))
     for name, template in call.headers:
         rendered = template.render_header(state, name)
         if rendered is not None:
@@ -322,6 +331,8 @@ def _build_request(
         except (TypeError, ValueError) as exc:
             raise TemplateError(f"the body cannot be sent as JSON: {exc}") from None
         headers.setdefault("Content-Type", "application/json")
+    # Last, over the call's own headers, as the lean client puts them.
+    headers.update(_trace_headers(service, ctx))
     request = client.build_request(
         call.method, url, params=params, headers=headers, content=content, timeout=timeout
     )

@@ -42,6 +42,7 @@ from ._modes_core import (
     KeyStep,
     Preferences,
     RanOut,
+    add_request,
     admits_now,
     build_state,
     deadline_passed,
@@ -54,6 +55,7 @@ from ._modes_core import (
     parse_prefer,
     preference_applied,
     ran_out,
+    request_record,
     shutting_down,
     stream_taken,
     wait_terms,
@@ -389,7 +391,11 @@ class Submissions:
         data = await read_body(req, limit=limit, time_limit=self.body_time_limit, headers=headers)
         body = decode_object(data, headers.get("content-type"))
         query = req.args if req.scope.get("query_string") else _NO_QUERY
-        state = check_state(build_state(body, query, params))
+        state = build_state(body, query, params)
+        use = self.engine.registry.get_chain(route.chain).request_use
+        if use is not None:
+            add_request(state, request_record(use, req.scope["headers"]))
+        state = check_state(state)
         # An async answer promises the job will run: its admission is decided now (503 +
         # Retry-After if the pool would refuse it), and it then waits for its slot.
         return await self._submit(route, state, key, admit=admits_now(route.mode)), prefs

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 from typing import Any, Final, TypeAlias
 
+from .._headers import HOP_BY_HOP as _HOP_BY_HOP
+
 __all__ = [
     "HOP_BY_HOP",
     "Network",
@@ -49,22 +51,10 @@ __all__ = [
 
 Network: TypeAlias = IPv4Network | IPv6Network
 
-#: Fields that describe one connection, never passed on (RFC 9110 §7.6.1; ``Trailer`` and
-#: RFC 2616's ``Trailers`` too: the relay is re-framed, so announced trailers may not come).
-HOP_BY_HOP: Final[frozenset[bytes]] = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-    }
-)
+#: Fields that describe one connection, never passed on: the one list pipework keeps
+#: (:data:`pipework._headers.HOP_BY_HOP`), as bytes.
+HOP_BY_HOP: Final[frozenset[bytes]] = frozenset(name.encode("ascii") for name in _HOP_BY_HOP)
+
 # The upstream client frames each request itself and sets Host; 100-continue is this
 # server's business with its client.
 _REQUEST_DROPPED: Final = HOP_BY_HOP | {b"content-length", b"expect", b"host"}

@@ -28,6 +28,7 @@ import httpx
 from ..backends._http import Backends
 from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
+from ..pipes._pipe import REQUEST_KEY
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
 from ._config_lines import scan_lines
 from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
@@ -194,6 +195,7 @@ def config_from_dict(
     )
     used |= proxy_used
     _check_proxied_schemes(c, proxies, services)
+    _check_request_use(c, pipes, routes)
     boards, backplane = read_boards(c, data.get("boards"))
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
@@ -243,6 +245,32 @@ def _check_proxied_schemes(
                 f"service {service.name!r} is {service.url.scheme}://: proxy routes reach "
                 "http:// services only (put a TLS-terminating sidecar in front, or call it "
                 "from an HTTP pipe)",
+            )
+
+
+def _check_request_use(
+    c: Collector,
+    pipes: Mapping[str, PipeConfig],
+    routes: Mapping[str, RouteConfig],
+) -> None:
+    """What the pipes read of the request (the headers they pass on) against the routes
+    that run them."""
+    for name, rc in routes.items():
+        uses = [(p, u) for p in rc.pipes if p in pipes and (u := pipes[p].request_use)]
+        route, where = rc.route, ("routes", name)
+        if not uses:
+            continue
+        if REQUEST_KEY in route.params:
+            c.error(
+                (*where, "path"),
+                f"path parameter {{{REQUEST_KEY}}} would take the state key where this route "
+                "keeps what its pipes read of the request; rename it",
+            )
+        if rc.result is None:
+            c.warn(
+                where,
+                f"this route answers the whole state, which holds {REQUEST_KEY!r} (the headers "
+                "its pipes pass on); set result to the key to answer",
             )
 
 
