@@ -346,7 +346,7 @@ def proxy(body: str) -> str:
         ),
         pytest.param(
             SERVICE + PIPE + '[routes.c]\npath = "/c"\nchain = ["auth"]\nflavour = 1',
-            "error: routes.c.flavour: unknown key; expected one of: chain, key, max_body, "
+            "error: routes.c.flavour: unknown key; expected one of: body, chain, key, max_body, "
             "method, mode, on_disconnect, path, result, sync_wait, timeout",
             id="chain-route-hint-unchanged",
         ),

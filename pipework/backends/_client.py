@@ -5,7 +5,8 @@ It builds the same request the httpx path builds (same target, query encoding, h
 JSON body; ``Accept-Encoding: gzip, deflate``) without httpx's request and URL models,
 which cost more than the exchange itself, and reads the answer with the same rules: the
 status checked against ``accept``, ``max_response_bytes`` counted on the decoded body,
-JSON parsed, other text decoded with its charset. What fails is raised as the same
+JSON parsed, other text decoded with its charset (or, for a raw call, its bytes kept with
+their content type). What fails is raised as the same
 :class:`~pipework.BackendError` texts, or as the lean client's own exceptions
 (:mod:`._failures`) for the caller to translate.
 """
@@ -20,6 +21,7 @@ from typing import Any, Final
 from urllib.parse import urlencode
 
 from .._errors import BackendError
+from ..pipes._state import raw_value
 from ._h1 import ACCEPT_ENCODING, Answer
 from ._http_spec import (
     HttpCall,
@@ -27,6 +29,7 @@ from ._http_spec import (
     check_header_value,
     forwarded_headers,
     passed_headers,
+    raw_body,
 )
 from ._http_template import TemplateError, render_body
 from ._pool import Pool, ResponseTooLarge
@@ -139,6 +142,10 @@ class ServiceClient:
             except (TypeError, ValueError) as exc:
                 raise TemplateError(f"the body cannot be sent as JSON: {exc}") from None
             headers.setdefault("content-type", ("Content-Type", "application/json"))
+        elif call.body_from is not None:
+            body, content_type = raw_body(state, call.body_from)
+            if content_type is not None:
+                headers.setdefault("content-type", ("Content-Type", content_type))
         if extra:
             for name, value in extra.items():
                 headers[name.lower()] = (name, value)
@@ -176,7 +183,7 @@ class ServiceClient:
         else:
             if answer.status not in call.accept:
                 raise unaccepted(service, call, answer.status)
-            return _decode(service, answer)
+            return _decode(service, call, answer)
         # Raised out here, not in the handler: the error holds no ResponseTooLarge as its
         # context, nor the frames that one came through.
         if status not in call.accept:
@@ -184,8 +191,12 @@ class ServiceClient:
         raise too_big(service, status)
 
 
-def _decode(service: Service, answer: Answer) -> Any:
+def _decode(service: Service, call: HttpCall, answer: Answer) -> Any:
     content_type = answer.header(b"content-type")
+    if call.raw:
+        return raw_value(
+            None if content_type is None else content_type.decode("latin-1"), answer.body
+        )
     text = "" if content_type is None else content_type.decode("latin-1")
     return decode_answer(service, answer.status, text, answer.body)
 

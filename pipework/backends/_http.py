@@ -40,6 +40,7 @@ from .._errors import BackendError, BackendUnreachable, DeadlineExceeded, Regist
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
+from ..pipes._state import raw_value
 from ._client import ServiceClient, decode_answer, too_big, unaccepted
 from ._failures import (
     BadAnswer,
@@ -56,6 +57,7 @@ from ._http_spec import (
     check_header_value,
     forwarded_headers,
     passed_headers,
+    raw_body,
 )
 from ._http_template import TemplateError, render_body
 
@@ -331,6 +333,10 @@ def _build_request(
         except (TypeError, ValueError) as exc:
             raise TemplateError(f"the body cannot be sent as JSON: {exc}") from None
         headers.setdefault("Content-Type", "application/json")
+    elif call.body_from is not None:
+        content, content_type = raw_body(state, call.body_from)
+        if content_type is not None:
+            headers.setdefault("Content-Type", content_type)
     # Last, over the call's own headers, as the lean client puts them.
     headers.update(_trace_headers(service, ctx))
     request = client.build_request(
@@ -354,7 +360,7 @@ async def _send(
         # Read (and decoded) already, by a transport that had it whole (a test's).
         if len(response.content) > service.max_response_bytes:
             raise _too_big(service, response)
-        return _decode(service, response, response.content)
+        return _decode(service, call, response, response.content)
     chunks = response.aiter_raw()
     try:
         body = await _read_body(service, response, chunks)
@@ -366,7 +372,7 @@ async def _send(
         raise
     finally:
         await response.aclose()
-    return _decode(service, response, body)
+    return _decode(service, call, response, body)
 
 
 async def _read_body(
@@ -415,7 +421,9 @@ def _too_big(service: Service, response: httpx.Response) -> BackendError:
     return too_big(service, response.status_code)
 
 
-def _decode(service: Service, response: httpx.Response, body: bytes) -> Any:
+def _decode(service: Service, call: HttpCall, response: httpx.Response, body: bytes) -> Any:
+    if call.raw:
+        return raw_value(response.headers.get("Content-Type"), body)
     content_type = response.headers.get("Content-Type", "")
     return decode_answer(service, response.status_code, content_type, body)
 

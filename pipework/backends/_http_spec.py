@@ -17,6 +17,7 @@ import httpx
 from .._errors import RegistrationError
 from .._headers import HOP_BY_HOP, WILDCARD, pass_problem, passed
 from ..pipes._pipe import REQUEST_KEY, RequestUse
+from ..pipes._state import as_raw
 from ._http_template import BodyTemplate, Template, TemplateError, parse_body
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "forwarded_headers",
     "is_token",
     "passed_headers",
+    "raw_body",
 ]
 
 #: Headers a pipe may not set: hop-by-hop ones, and those that would redirect or reframe the
@@ -176,9 +178,11 @@ class HttpCall:
     meet in this order, each over the ones before: the service's, passed, forwarded, the
     call's own ``headers``, then the request id and the trace context.
 
-    The answer's body (JSON parsed, else text, None when empty) is written to
-    ``state[into]`` (None: not kept); a status outside ``accept`` is a
-    :class:`~pipework.BackendError`.
+    ``body_from`` sends a raw body (bytes with their content type) instead of JSON:
+    ``"request"`` the request's own, as it came, any other name the raw value at that state
+    key. The answer's body (JSON parsed, else text, None when empty; with ``raw`` its bytes
+    with their content type, whatever they are) is written to ``state[into]`` (None: not
+    kept); a status outside ``accept`` is a :class:`~pipework.BackendError`.
     """
 
     service: str
@@ -191,6 +195,8 @@ class HttpCall:
     into: str | None = None
     accept: frozenset[int] = DEFAULT_ACCEPT
     pass_headers: frozenset[str] = frozenset()
+    body_from: str | None = None
+    raw: bool = False
 
     def __post_init__(self) -> None:
         method = self.method.upper()
@@ -214,11 +220,23 @@ class HttpCall:
         object.__setattr__(
             self, "pass_headers", frozenset(name.lower() for name in self.pass_headers)
         )
+        if self.body_from is not None:
+            if self.body is not None:
+                raise RegistrationError(
+                    "a call sends a JSON body or a raw one (body_from), not both"
+                )
+            if not self.body_from:
+                raise RegistrationError(
+                    "body_from names 'request' (the request's body) or a state key"
+                )
 
     @property
     def request_use(self) -> RequestUse | None:
         """What the call reads of its job's request (None: only the state)."""
-        return RequestUse(self.pass_headers) if self.pass_headers else None
+        body = self.body_from == REQUEST_KEY
+        if not self.pass_headers and not body:
+            return None
+        return RequestUse(self.pass_headers, body)
 
     @classmethod
     def of(
@@ -234,6 +252,8 @@ class HttpCall:
         into: str | None = None,
         accept: frozenset[int] = DEFAULT_ACCEPT,
         pass_headers: Iterable[str] = (),
+        body_from: str | None = None,
+        raw: bool = False,
     ) -> HttpCall:
         """Build a call from template strings, parsed here: one that cannot be parsed raises
         :class:`~pipework.TemplateSyntaxError` (a ``ValueError``) saying where."""
@@ -248,6 +268,8 @@ class HttpCall:
             into,
             accept,
             _names(pass_headers),
+            body_from,
+            raw,
         )
 
     def describe_accept(self) -> str:
@@ -342,3 +364,34 @@ def passed_headers(state: Mapping[str, Any], names: frozenset[str]) -> dict[str,
             value = kept[name] + ("; " if name == "cookie" else ", ") + value
         kept[name] = value
     return kept
+
+
+def raw_body(state: Mapping[str, Any], body_from: str) -> tuple[bytes, str | None]:
+    """The bytes and content type a call with ``body_from`` sends: the request's body
+    (``"request"``) or the raw value at that state key."""
+    if body_from == REQUEST_KEY:
+        record = state.get(REQUEST_KEY)
+        value = record.get("body") if isinstance(record, Mapping) else None
+        if value is None:
+            raise TemplateError(
+                "the call sends the request's body (body_from = 'request'), but the job has "
+                "none: its route must keep raw bodies (body = 'raw')"
+            )
+        where = "the request's body"
+    else:
+        if body_from not in state:
+            raise TemplateError(f"state has no {body_from!r} (the call's body_from)")
+        value = state[body_from]
+        where = f"state value {body_from!r}"
+    raw = as_raw(value)
+    if raw is None:
+        raise TemplateError(
+            f"{where} is not a raw body (a table of content_type and data, the bytes); "
+            "an HTTP pipe with raw = true keeps its answer as one"
+        )
+    content_type, data = raw
+    if content_type is not None:
+        problem = check_header_value("Content-Type", content_type)
+        if problem is not None:
+            raise TemplateError(f"{where}: {problem}")
+    return data, content_type

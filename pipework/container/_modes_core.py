@@ -10,11 +10,12 @@ as h11 decides from events and hypercorn's protocol from values.
   (:func:`parse_prefer`).
 - **What the job gets**: its state, from the body's members, the query and the path
   (:func:`build_state`), with what its chain's pipes read of the request beyond them (the
-  headers they pass on: :func:`request_record`) under ``request`` (:func:`add_request`);
-  its time limit, the first set of the route's, the chain's, the engine's and the
-  container's (:func:`job_timeout`); an owner token only when the answer hands one out
-  (:func:`needs_token`: never for sync and stream); and its admission decided before the
-  answer when the answer promises that it will run (:func:`admits_now`: async).
+  headers they pass on, a raw route's body: :func:`request_record`, :func:`check_unencoded`)
+  under ``request`` (:func:`add_request`); its time limit, the first set of the route's,
+  the chain's, the engine's and the container's (:func:`job_timeout`); an owner token only
+  when the answer hands one out (:func:`needs_token`: never for sync and stream); and its
+  admission decided before the answer when the answer promises that it will run
+  (:func:`admits_now`: async).
 - **How long a sync or auto request waits** (:func:`wait_terms`): sync until the job's
   deadline plus a slack (the engine ends the job at its deadline and records why); auto for
   the route's ``sync_wait``, shortened by ``wait=N`` (then applied) or to nothing by
@@ -53,6 +54,7 @@ __all__ = [
     "admits_now",
     "build_state",
     "check_key",
+    "check_unencoded",
     "deadline_passed",
     "frees_key",
     "idempotency_key",
@@ -147,12 +149,21 @@ def build_state(body: Any, query: Query, params: Mapping[str, str]) -> dict[str,
     return state
 
 
-def request_record(use: RequestUse, headers: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
+def request_record(
+    use: RequestUse | None,
+    headers: Iterable[tuple[bytes, bytes]],
+    body: dict[str, Any] | None,
+) -> dict[str, Any]:
     """What the job keeps of its request beyond the state (``state["request"]``): the
     headers its chain's pipes may pass on (``use``), as ``[name, value]`` pairs in the
-    order they came, names lower-case."""
-    decoded = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in headers)
-    return {"headers": [[name, value] for name, value in passed(decoded, use.headers)]}
+    order they came, names lower-case; and a raw route's ``body`` (a raw value)."""
+    record: dict[str, Any] = {}
+    if use is not None and use.headers:
+        decoded = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in headers)
+        record["headers"] = [[name, value] for name, value in passed(decoded, use.headers)]
+    if body is not None:
+        record["body"] = body
+    return record
 
 
 def add_request(state: dict[str, Any], record: dict[str, Any]) -> None:
@@ -163,11 +174,25 @@ def add_request(state: dict[str, Any], record: dict[str, Any]) -> None:
             400,
             "Conflicting input",
             f"{REQUEST_KEY!r} holds what this route keeps of the request (the headers its "
-            "pipes pass on); the body, query and path may not set it",
+            "pipes pass on, a raw body); the body, query and path may not set it",
             slug="conflicting-input",
             key=REQUEST_KEY,
         )
     state[REQUEST_KEY] = record
+
+
+def check_unencoded(content_encoding: str | None) -> None:
+    """A raw route's body must come unencoded: a content coding other than ``identity`` is
+    a 415 (RFC 9110 §15.5.16), since the body is kept and passed on with its type alone,
+    which must say what it is."""
+    if content_encoding is not None and content_encoding.strip(" \t").lower() != "identity":
+        raise Problem(
+            415,
+            "Unsupported Media Type",
+            f"the request body is {content_encoding.strip()}-encoded; this route keeps bodies "
+            "as they come and passes them on with their Content-Type only: send it unencoded",
+            slug="unsupported-media-type",
+        )
 
 
 def job_timeout(

@@ -58,7 +58,7 @@ class JobOps(Protocol):
 
 
 #: The state key under which a route records what its chain's pipes read of its request
-#: (:class:`RequestUse`): ``{"headers": [[name, value], ...]}``.
+#: (:class:`RequestUse`): ``{"headers": [[name, value], ...], "body": raw value}``.
 REQUEST_KEY: Final = "request"
 
 
@@ -66,13 +66,15 @@ REQUEST_KEY: Final = "request"
 class RequestUse:
     """What a pipe reads of the request that started its job beyond the state its body,
     query and path make: the request ``headers`` it may pass on (lower-case names, ``"*"``
-    for every end-to-end one: see :mod:`pipework._headers`). A route records them in the
-    job's state, under ``"request"``, only when its chain's pipes use them."""
+    for every end-to-end one: see :mod:`pipework._headers`) and whether it sends the
+    request's ``body`` as it came. A route records them in the job's state, under
+    ``"request"``, only when its chain's pipes use them."""
 
     headers: frozenset[str] = frozenset()
+    body: bool = False
 
     def __or__(self, other: RequestUse) -> RequestUse:
-        return RequestUse(self.headers | other.headers)
+        return RequestUse(self.headers | other.headers, self.body or other.body)
 
 
 @dataclass(frozen=True, eq=False, slots=True)

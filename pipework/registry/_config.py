@@ -195,7 +195,7 @@ def config_from_dict(
     )
     used |= proxy_used
     _check_proxied_schemes(c, proxies, services)
-    _check_request_use(c, pipes, routes)
+    _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
@@ -252,13 +252,21 @@ def _check_request_use(
     c: Collector,
     pipes: Mapping[str, PipeConfig],
     routes: Mapping[str, RouteConfig],
+    proxies: Mapping[str, ProxyConfig],
 ) -> None:
-    """What the pipes read of the request (the headers they pass on) against the routes
-    that run them."""
+    """What the pipes read of the request (the headers they pass on, its body as it came)
+    against the routes that run them."""
     for name, rc in routes.items():
         uses = [(p, u) for p in rc.pipes if p in pipes and (u := pipes[p].request_use)]
         route, where = rc.route, ("routes", name)
-        if not uses:
+        senders = [p for p, use in uses if use.body]
+        if senders and route.body != "raw":
+            c.error(
+                (*where, "chain"),
+                f"pipe {senders[0]!r} sends the request's body as it came (body_from = "
+                '"request"); set body = "raw" on this route to keep it',
+            )
+        if not uses and route.body != "raw":
             continue
         if REQUEST_KEY in route.params:
             c.error(
@@ -270,7 +278,16 @@ def _check_request_use(
             c.warn(
                 where,
                 f"this route answers the whole state, which holds {REQUEST_KEY!r} (the headers "
-                "its pipes pass on); set result to the key to answer",
+                "its pipes pass on, its raw body); set result to the key to answer",
+            )
+    for name, pc in proxies.items():
+        senders = [p for p in pc.pipes if p in pipes and (u := pipes[p].request_use) and u.body]
+        if senders:
+            c.error(
+                ("routes", name),
+                f'pipe {senders[0]!r} sends the request\'s body (body_from = "request"), but '
+                "a proxy route's chains run on the request's head: its body streams to the "
+                "service",
             )
 
 

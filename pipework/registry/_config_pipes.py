@@ -33,7 +33,9 @@ HTTP_KEYS: Final = (
     "body",
     "forward_headers",
     "pass_headers",
+    "body_from",
     "into",
+    "raw",
     "accept",
     "key",
     "timeout",
@@ -151,6 +153,16 @@ def _http_pipe(name: str, t: Table, services: Collection[str]) -> HttpPipeConfig
     timeout = t.number("timeout", None)
     forward = t.string("forward_headers", None)
     passing = _pass_headers(t)
+    body_from = t.string("body_from", None)
+    if body_from is not None and "body" in t:
+        c.error(
+            t.at("body_from"),
+            "set body (a JSON body) or body_from (a raw one: the request's, or a state key's), "
+            "not both",
+        )
+    raw = t.boolean("raw", False)
+    if raw and into is None and "into" in t:
+        c.error(t.at("raw"), "raw = true keeps the answer's bytes, but into = false keeps nothing")
     if c.failed(t.path) or service is None or path is None:
         return None
     call = HttpCall(
@@ -164,6 +176,8 @@ def _http_pipe(name: str, t: Table, services: Collection[str]) -> HttpPipeConfig
         into,
         accept,
         passing,
+        body_from,
+        raw,
     )
     return HttpPipeConfig(name, call, key, timeout)
 

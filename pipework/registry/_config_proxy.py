@@ -49,6 +49,7 @@ CHAIN_ROUTE_ONLY: Final = {
     "sync_wait": "a proxy route relays the answer as it comes",
     "on_disconnect": "a proxy route always stops when its client goes",
     "result": "a proxy route relays the service's answer",
+    "body": "a proxy route passes any body on as it comes",
 }
 
 _PROXY_HINT: Final = "a proxy route takes " + ", ".join(PROXY_KEYS)

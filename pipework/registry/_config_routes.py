@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast, get_args
 
 from .._errors import RegistrationError
-from ..container._routes import Mode, OnDisconnect, Route, RouteTable
+from ..container._routes import BodyKind, Mode, OnDisconnect, Route, RouteTable
 from ..pipes._merge import MergePolicy, MergeRule, ReducerName
 from ..pipes._stages import (
     GraphNode,
@@ -44,6 +44,7 @@ ROUTE_KEYS: Final = (
     "key",
     "result",
     "max_body",
+    "body",
 )
 #: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
 PROXY_KEYS: Final = (
@@ -160,6 +161,7 @@ def _route(name: str, t: Table, reader: ChainReader) -> RouteConfig | None:
     key = t.string("key", "default")
     result = t.string("result", None)
     max_body = t.integer("max_body", None, minimum=0)
+    body = t.string("body", "object", choices=get_args(BodyKind))
     chain: Serial | None = None
     if "chain" not in t:
         c.error(t.at("chain"), "required key is missing: list the pipes and stages to run")
@@ -179,6 +181,7 @@ def _route(name: str, t: Table, reader: ChainReader) -> RouteConfig | None:
             sync_wait,
             cast(OnDisconnect, on_disconnect),
             max_body,
+            cast(BodyKind, body),
         )
     except RegistrationError as exc:
         c.error(t.path, str(exc).removeprefix(f"route {name!r}: "))
