@@ -30,7 +30,7 @@ from ._pipe_gateway import (
     served_gateway,
 )
 from ._recording_backend import recording_backend
-from .test_container_harness import assert_problem
+from .test_container_harness import assert_problem, serving
 
 CLIENT_HEADERS = [
     ("X-Tenant", "acme"),
@@ -384,3 +384,18 @@ def test_a_header_named_twice_is_a_warning() -> None:
     [warning] = [w for w in config.warnings if w.path.startswith("pipes.")]
     assert warning.path == "pipes.call.pass_headers[1]"
     assert "named twice" in warning.message
+
+
+async def test_a_python_pipe_reads_the_headers_it_says_it_needs() -> None:
+    async def check(ctx: pw.Context) -> None:
+        ctx.state["seen"] = ctx.state["request"]["headers"]
+
+    registry = pw.Registry()
+    use = pw.RequestUse(frozenset({"authorization"}))
+    registry.add_pipe(pw.Pipe(check, "check", request_use=use))
+    registry.chain("checked", "check", result="seen")
+    registry.route("checked", method="GET", path="/checked", chain="checked")
+    with trio.fail_after(HANG_GUARD):
+        async with serving(pw.Engine(registry=registry)) as served:
+            answer = await served.client.get("/checked", headers=CLIENT_HEADERS)
+    assert answer.json() == [["authorization", "Bearer client-token"]]
