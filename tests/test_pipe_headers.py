@@ -399,3 +399,20 @@ async def test_a_python_pipe_reads_the_headers_it_says_it_needs() -> None:
         async with serving(pw.Engine(registry=registry)) as served:
             answer = await served.client.get("/checked", headers=CLIENT_HEADERS)
     assert answer.json() == [["authorization", "Bearer client-token"]]
+
+
+async def test_an_idempotent_repeat_must_pass_the_same_headers() -> None:
+    """What a route keeps of its request is part of the request: the same key with another
+    X-Tenant is another request (422), never the first tenant's job."""
+    async with recording_backend() as backend:
+        text = one_pipe(backend.url, 'pass_headers = ["X-Tenant"]')
+        with trio.fail_after(HANG_GUARD):
+            async with served_gateway("lean", text) as (served, _):
+                key = {"Idempotency-Key": "k-1"}
+                first = await served.client.get("/go", headers={**key, "X-Tenant": "a"})
+                again = await served.client.get("/go", headers={**key, "X-Tenant": "a"})
+                other = await served.client.get("/go", headers={**key, "X-Tenant": "b"})
+    assert first.status_code == again.status_code == 200
+    assert first.headers["X-Job-Id"] == again.headers["X-Job-Id"]
+    assert_problem(other, 422, "idempotency-key-reused")
+    assert len(backend.received) == 1
