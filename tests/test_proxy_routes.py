@@ -5,7 +5,6 @@ route's chains, websockets and server-sent events."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import shutil
@@ -24,6 +23,7 @@ from pipework import Context, Gateway, WeightedPool
 from pipework.container import BoundAddress
 
 from ._proxy_backend import PATTERN, Backend, running_backend
+from ._proxy_gateway import API, gateway, gateway_file
 from ._raw_http import split_answers
 from .test_proxy_websocket import Client
 
@@ -36,45 +36,6 @@ def rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc/self/status")
-
-
-def gateway_file(backend: Backend, routes: str, *, service: str = "", server: str = "") -> str:
-    return f"""
-[server]
-admin_token = "proxy-admin"
-{server}
-
-[services.echo]
-base_url = "{backend.url}"
-timeout = 5
-{service or "limit = 4"}
-
-{routes}
-"""
-
-
-API = """
-[routes.api]
-proxy = "echo"
-prefix = "/api"
-strip_prefix = true
-"""
-
-
-@asynccontextmanager
-async def gateway(
-    tmp_path: Path, text: str, **python: Any
-) -> AsyncIterator[tuple[Gateway, BoundAddress]]:
-    path = tmp_path / "gateway.toml"
-    path.write_text(text)
-    gw = Gateway(str(path), **python)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        address: BoundAddress = await nursery.start(functools.partial(gw.run, port=0, stop=stop))
-        try:
-            yield gw, address
-        finally:
-            stop.set()
 
 
 @asynccontextmanager
