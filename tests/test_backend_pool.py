@@ -428,6 +428,29 @@ async def test_a_connection_the_peer_closed_while_idle_is_replaced(
             assert len(backend.seen) == 2  # noticed on checkout: nothing was sent on it
 
 
+@pytest.mark.parametrize("method", [b"GET", b"HEAD"])
+async def test_bytes_past_an_answer_close_its_connection(
+    pools: Callable[..., Pool], method: bytes
+) -> None:
+    """Bytes after the answer's end (past its length; a body with an answer to HEAD, which
+    has none) would be read as the next request's answer: the connection is not reused."""
+    poison = ok(b'{"poison": true}')
+
+    async def overlong(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if seen.conn == 0 and index == 0:
+            # To a GET: two bytes of body, then more; to a HEAD: a body (the answer's
+            # length says how long the body of a GET would be).
+            return (ok(b"{}") + poison if method == b"GET" else ok(poison)), True
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(overlong) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            assert await get(pool, port, method=method) == ({} if method == b"GET" else None)
+            assert await get(pool, port) == {"conn": 1, "index": 0}
+            assert backend.accepted == 2
+
+
 def stale_after_first(backend: RawBackend, seen: Seen, index: int) -> bool:
     """The connection's second request meets a server that just closed it."""
     return seen.conn == 0 and index == 1

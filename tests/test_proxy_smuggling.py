@@ -14,8 +14,9 @@ gateway kept it) and must get its own answer, from the same kept-alive backend c
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,10 +73,14 @@ class BackendConnection:
 
 class RawBackend:
     """h11's server side on 127.0.0.1: keeps connections alive, answers each request with
-    JSON naming its connection and its place there, and records what it parsed."""
+    JSON naming its connection and its place there, and records what it parsed.
 
-    def __init__(self) -> None:
+    ``misbehave`` maps a target to the bytes written as its answer instead, as they are:
+    a backend that frames its answers wrongly (the connection is kept alive after them)."""
+
+    def __init__(self, misbehave: dict[bytes, bytes] | None = None) -> None:
         self.url = ""
+        self.misbehave = misbehave or {}
         self.connections: list[BackendConnection] = []
         self._changed = trio.lowlevel.ParkingLot()
 
@@ -123,6 +128,13 @@ class RawBackend:
         if not isinstance(event, h11.EndOfMessage):
             return False  # the connection ended mid-request
         seen.complete = True
+        wrong = self.misbehave.get(seen.target)
+        if wrong is not None:
+            h.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+            h.send(h11.EndOfMessage())  # as far as h11 knows, the answer was sent whole
+            await stream.send_all(wrong)
+            self._note()
+            return True
         body = json.dumps(
             {
                 "connection": connection.number,
@@ -155,8 +167,10 @@ async def _next(stream: trio.SocketStream, h: h11.Connection) -> Any:
 
 
 @asynccontextmanager
-async def running_raw_backend() -> AsyncIterator[RawBackend]:
-    backend = RawBackend()
+async def running_raw_backend(
+    misbehave: dict[bytes, bytes] | None = None,
+) -> AsyncIterator[RawBackend]:
+    backend = RawBackend(misbehave)
     async with serve_loopback(backend.handle) as port:
         backend.url = f"http://127.0.0.1:{port}"
         yield backend
@@ -197,6 +211,13 @@ class RawClient:
         while (answer := await self.answer()).status < 200:
             pass
         return answer
+
+    async def until(self, marker: bytes, start: int) -> bytes:
+        """What came from offset ``start`` on, once it holds ``marker``."""
+        while marker not in self.received[start:]:
+            assert not self.ended, f"the connection ended before {marker!r}"
+            await self._read()
+        return bytes(self.received[start:])
 
     async def end(self) -> bytes:
         """Read until the server closes the connection; what came after the answers taken."""
@@ -666,3 +687,56 @@ async def test_pipelined_requests_reach_the_backend_one_by_one(tmp_path: Path) -
     )
     assert all(seen.complete for seen in backend.all_requests())
     assert not any(c.error for c in backend.connections), backend.connections
+
+
+# -- a backend that frames its answers wrongly --------------------------------------------
+
+POISON = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\nX-Poison: yes\r\n\r\npoison!"
+
+
+@asynccontextmanager
+async def misbehaving(
+    tmp_path: Path, answers: dict[bytes, bytes]
+) -> AsyncIterator[tuple[RawBackend, Callable[[], Awaitable[None]], BoundAddress]]:
+    """A gateway in front of a backend answering ``answers`` wrongly; with a wait for every
+    proxied exchange to end."""
+    service = "limit = 4\nkeepalive_expiry = 3600"
+    async with (
+        running_raw_backend(answers) as backend,
+        gateway(tmp_path, gateway_file(backend, API, service=service)) as (gw, address),
+    ):
+        layer = proxy_layer(gw)
+        yield backend, functools.partial(layer.wait_released, layer.proxies), address
+
+
+async def test_a_body_sent_with_an_answer_to_head_never_answers_the_next_request(
+    tmp_path: Path,
+) -> None:
+    """A backend that sends a body with its answer to ``HEAD`` (many hand-written ones do):
+    the gateway reads no body there (RFC 9110 §9.3.2), so the body's bytes are left on the
+    connection. Were it reused, the next request's answer -- any client's -- would be read
+    from them: here a whole answer of the body's author."""
+    answers = {b"/page": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(POISON), POISON)}
+    async with misbehaving(tmp_path, answers) as (backend, settled, address):
+        with trio.fail_after(30):
+            async with RawClient.connected(address) as client:
+                await client.send(honest(1))
+                assert served_by(await client.final_answer(), b"/honest/1") == (1, 1)
+                await settled()
+                start = len(client.received)
+                await client.send(b"HEAD /api/page HTTP/1.1\r\nHost: t\r\n\r\n")
+                # (split_answers would read it as a GET's, cut short: its head is read here.)
+                head_ = await client.until(b"\r\n\r\n", start)
+                assert head_.startswith(b"HTTP/1.1 200 OK\r\n"), head_
+                assert b"\r\ncontent-length: %d\r\n" % len(POISON) in head_, head_
+                assert head_.endswith(b"\r\n\r\n"), head_  # and no body
+            await settled()
+            async with RawClient.connected(address) as other:
+                await other.send(honest(2))
+                answer = await other.final_answer()
+                assert answer.header(b"x-poison") is None, answer
+                assert served_by(answer, b"/honest/2") == (2, 1)
+        assert [[s.target for s in c.requests] for c in backend.connections] == [
+            [b"/honest/1", b"/page"],
+            [b"/honest/2"],
+        ]

@@ -8,7 +8,9 @@ about timeouts or limits — the pool (:mod:`._pool`) does, around it.
 A connection is used for one exchange at a time. If an exchange does not finish — the
 caller was cancelled, the peer broke the framing, the body was too big — the connection is
 closed, never reused: h11 would refuse a second request anyway, and a half-read answer on
-the wire would be taken for the next one. A closed connection keeps nothing it read.
+the wire would be taken for the next one. Nor is one whose peer sent more than its answer
+(bytes after the answer's end, received with it): they too would be read as the next
+answer. A closed connection keeps nothing it read.
 
 The content decoder (:func:`content_decoder`) is shared with the httpx path, so both
 clients stop decoding at the same byte.
@@ -92,7 +94,10 @@ class Connection:
     @property
     def reusable(self) -> bool:
         h = self._h11
-        return h.our_state is h11.DONE and h.their_state is h11.DONE
+        # Bytes received past the answer's end (a body sent with an answer to HEAD, or
+        # past a declared length) would be read as the next request's answer: a
+        # connection out of step with its backend, whoever sends the next request.
+        return h.our_state is h11.DONE and h.their_state is h11.DONE and not h.trailing_data[0]
 
     def readable(self) -> bool:
         """Whether the idle connection has something to read: the peer closed it (EOF) or
