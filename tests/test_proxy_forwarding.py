@@ -268,7 +268,6 @@ def test_an_answer_keeps_its_length_and_loses_its_hop_by_hop_fields() -> None:
         (b"X-Hop", b"1"),
         (b"Set-Cookie", b"a=1"),
         (b"Set-Cookie", b"b=2"),
-        (b"Transfer-Encoding", b"chunked"),
         (b"Trailer", b"X-Sum"),
         (b"Proxy-Authenticate", b"Basic"),
         (b"Upgrade", b"websocket"),
@@ -280,6 +279,18 @@ def test_an_answer_keeps_its_length_and_loses_its_hop_by_hop_fields() -> None:
         (b"set-cookie", b"b=2"),
         (b"via", b"1.1 pipework"),
     ]
+
+
+def test_a_chunked_answer_loses_its_framing_and_any_length() -> None:
+    """RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, and an intermediary
+    removes the length before passing such an answer on (the server re-frames it)."""
+    sent = [
+        (b"Content-Length", b"3"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Content-Type", b"text/plain"),
+    ]
+    assert response_headers(sent) == [(b"content-type", b"text/plain"), (b"via", b"1.1 pipework")]
+    assert response_headers(sent[1:]) == response_headers(sent)
 
 
 def test_an_answer_s_via_is_appended_to() -> None:
@@ -456,9 +467,8 @@ def test_no_hop_by_hop_or_connection_named_field_reaches_the_client(headers: Hea
         assert name not in HOP_BY_HOP
         assert name not in named
         assert name != b"via"
-    expected = [
-        (n.lower(), v)
-        for n, v in headers
-        if n.lower() not in HOP_BY_HOP | named | {b"via"} and not n.startswith(b":")
-    ]
-    assert out[:-1] == expected  # content-length among them, when it came
+    dropped = HOP_BY_HOP | named | {b"via"}
+    if any(n.lower() == b"transfer-encoding" for n, _ in headers):
+        dropped |= {b"content-length"}  # the chunks framed it
+    expected = [(n.lower(), v) for n, v in headers if n.lower() not in dropped and n[:1] != b":"]
+    assert out[:-1] == expected  # content-length among them, when it came alone

@@ -740,3 +740,20 @@ async def test_a_body_sent_with_an_answer_to_head_never_answers_the_next_request
             [b"/honest/1", b"/page"],
             [b"/honest/2"],
         ]
+
+
+async def test_an_answer_with_both_framings_is_relayed_framed_once(tmp_path: Path) -> None:
+    """RFC 9112 §6.3: an answer with both ``Transfer-Encoding`` and ``Content-Length`` is
+    read by its chunks, and an intermediary removes the ``Content-Length`` before it passes
+    the answer on."""
+    both = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n" + HELLO
+    async with misbehaving(tmp_path, {b"/both": both}) as (_, settled, address):
+        with trio.fail_after(30):
+            async with RawClient.connected(address) as client:
+                await client.send(b"GET /api/both HTTP/1.1\r\nHost: t\r\n\r\n")
+                answer = await client.final_answer()
+                assert (answer.status, answer.body) == (200, b"hello"), answer
+                assert answer.header(b"content-length") in (None, b"5"), answer
+                await settled()
+                await client.send(honest(1))
+                served_by(await client.final_answer(), b"/honest/1")

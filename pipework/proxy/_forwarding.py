@@ -24,7 +24,9 @@ tests/test_proxy_forwarding.py:
 
 Answer side (:func:`response_headers`): names lower-cased, hop-by-hop and
 ``Connection``-named fields removed (``Transfer-Encoding`` with them: the server re-frames
-the relay), ``Content-Length`` kept (the server frames the relay by it), ``Via`` appended.
+the relay), ``Content-Length`` kept (the server frames the relay by it) unless the answer
+came with ``Transfer-Encoding`` too (RFC 9112 §6.3: its chunks frame it, and an
+intermediary removes the length before passing it on), ``Via`` appended.
 """
 
 from __future__ import annotations
@@ -247,10 +249,15 @@ def response_headers(
     in their order, then ``Via``."""
     received = [(name.lower(), value) for name, value in headers]
     named = connection_named(received)
+    # Transfer-Encoding overrides Content-Length (the answer was read by its chunks): a
+    # length passed on would frame the relay otherwise.
+    dropped = HOP_BY_HOP | named
+    if any(name == b"transfer-encoding" for name, _ in received):
+        dropped |= {b"content-length"}
     out: list[tuple[bytes, bytes]] = []
     vias: list[bytes] = []
     for name, value in received:
-        if name in HOP_BY_HOP or name in named or name.startswith(b":"):
+        if name in dropped or name.startswith(b":"):
             continue
         if name == b"via":
             vias.append(value)
