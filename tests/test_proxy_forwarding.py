@@ -78,6 +78,27 @@ def test_framing_never_passes_and_host_is_set() -> None:
     assert values(out, b"content-type") == [b"text/plain"]
 
 
+def test_fields_named_as_this_hop_s_own_with_underscores_never_pass() -> None:
+    """CGI, WSGI and the frameworks on them read ``_`` and ``-`` alike in a field's name
+    (both are ``HTTP_CONTENT_LENGTH``): ``Content_Length`` or ``X_Forwarded_For`` would
+    reach the service's application as a field this hop removes or sets itself. They are
+    dropped (as nginx and gunicorn drop them); other names with underscores pass."""
+    sent = [
+        (b"Transfer_Encoding", b"chunked"),
+        (b"Content_Length", b"5"),
+        (b"X_Forwarded_For", b"1.1.1.1"),
+        (b"x_forwarded-host", b"evil.example"),
+        (b"X_REQUEST_ID", b"forged"),
+        (b"Proxy_Authorization", b"Basic abc"),
+        (b"HOST", b"shop.example"),
+        (b"X_Custom", b"kept"),
+    ]
+    for trusted in ((), TRUSTED):
+        out = forward(sent, PROXY, trusted, request_id=b"rid-1")
+        assert [(n, v) for n, v in out if b"_" in n] == [(b"x_custom", b"kept")]
+        assert values(out, b"x-request-id") == [b"rid-1"]
+
+
 def test_end_to_end_fields_pass_untouched_in_their_order() -> None:
     sent = [
         (b"Authorization", b"Bearer t0ken"),

@@ -418,6 +418,14 @@ SHAPES: dict[str, Shape] = {
         (head(b"X-Note: a", b" Transfer-Encoding: chunked") + HELLO,),
         passed(b"", "length", then=Refused(400, NOT_HTTP)),
     ),
+    # Names a CGI or WSGI backend reads as the framing (or forwarding) fields: dropped.
+    "underscore-lookalikes": Shape(
+        (
+            head(b"Transfer_Encoding: chunked", b"Content_Length: 5", b"X_Forwarded_For: 1.2.3.4")
+            + HELLO,
+        ),
+        passed(b"", "length", then=Refused(400, NOT_HTTP)),
+    ),
     "obs-fold-first-line": Shape(
         (b"POST /api/s HTTP/1.1\r\n Transfer-Encoding: chunked\r\nHost: t\r\n\r\n" + HELLO,),
         Refused(400, NOT_HTTP),
@@ -565,6 +573,7 @@ def check_passed(answer: Answer, backend: RawBackend, outcome: Passed) -> None:
         assert seen.header(name) == [value], seen.headers
     for dropped in (b"expect", b"te", b"trailer", b"connection"):
         assert not seen.header(dropped), seen.headers
+    assert not [name for name, _ in seen.headers if b"_" in name], seen.headers
 
 
 async def check_unfinished(backend: RawBackend, outcome: Unfinished) -> None:

@@ -19,8 +19,13 @@ tests/test_proxy_forwarding.py:
   token); no port, no ``by=``. An IPv4 peer seen as an IPv4-mapped IPv6 address (a
   dual-stack socket) is written, and checked for trust, as its IPv4 address.
 - ``Via`` is appended to; the request id is set under ``request_id_header`` (replacing the
-  client's) when one is given. Everything else -- ``Authorization``, ``Cookie``,
-  ``traceparent``, ``tracestate``, ``baggage`` -- passes untouched, in its order.
+  client's) when one is given.
+- **No look-alikes**: a field whose name, read with ``-`` for ``_``, is one of those this
+  hop removes or sets (``Content_Length``, ``Transfer_Encoding``, ``X_Forwarded_For``...)
+  is dropped: CGI and WSGI servers, and the frameworks on them, read both spellings as the
+  same ``HTTP_*`` variable, so it would reach the application as the real one.
+- Everything else -- ``Authorization``, ``Cookie``, ``traceparent``, ``tracestate``,
+  ``baggage`` -- passes untouched, in its order.
 
 Answer side (:func:`response_headers`): names lower-cased, hop-by-hop and
 ``Connection``-named fields removed (``Transfer-Encoding`` with them: the server re-frames
@@ -63,6 +68,9 @@ _REQUEST_DROPPED: Final = HOP_BY_HOP | {b"content-length", b"expect", b"host"}
 _FORWARDING: Final = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"forwarded"}
 )
+# The fields this hop removes or sets itself: a name that is one of them with "_" for "-"
+# is dropped too (CGI and WSGI servers read both as the same HTTP_* variable).
+_CONTROLLED: Final = _REQUEST_DROPPED | _FORWARDING | {b"via"}
 _TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 # What a quoted-string can carry (qdtext, and quoted-pairs for '"' and '\').
 _QUOTABLE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
@@ -207,12 +215,15 @@ def request_headers(
         else None
     )
     trust = is_trusted(peer.client, trusted)
+    controlled = _CONTROLLED if own_id is None else _CONTROLLED | {own_id}
     out: list[tuple[bytes, bytes]] = [(b"host", host)]
     forwarding: dict[bytes, list[bytes]] = {name: [] for name in _FORWARDING}
     vias: list[bytes] = []
     for name, value in received:
         if name in _REQUEST_DROPPED or name in named or name.startswith(b":") or name == own_id:
             continue
+        if b"_" in name and name.replace(b"_", b"-") in controlled:
+            continue  # read as one of this hop's own fields by CGI-style servers
         if name in _FORWARDING:
             if trust:
                 forwarding[name].append(value)
