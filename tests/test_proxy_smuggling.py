@@ -10,13 +10,16 @@ each connection and answers each with the connection's number and the request's 
 it. The client writes raw bytes. Each shape is sent on a connection that has just carried
 an honest request, after which another honest request goes on the same connection (if the
 gateway kept it) and must get its own answer, from the same kept-alive backend connection.
+
+The other way, a backend that frames its answers wrongly (a body with an answer to
+``HEAD``, both framings at once) must not leave its connection out of step either, nor
+the client's.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +29,6 @@ import h11
 import pytest
 import trio
 
-from pipework import Gateway
 from pipework.container import BoundAddress
 from pipework.proxy import ProxyLayer
 
@@ -557,11 +559,6 @@ def refused(answer: Answer, outcome: Refused) -> None:
     assert outcome.detail in answer.json()["detail"], answer.json()
 
 
-def proxy_layer(gw: Gateway) -> ProxyLayer:
-    assert gw.container is not None
-    return gw.container.proxy_layer
-
-
 def check_passed(answer: Answer, backend: RawBackend, outcome: Passed) -> None:
     """The backend got the request whole, on its kept-alive connection, framed once."""
     assert served_by(answer, outcome.target) == (1, 2)
@@ -614,25 +611,42 @@ async def check_in_step(backend: RawBackend, outcome: Outcome, where: tuple[int,
     assert not any(c.error for c in backend.connections), backend.connections
 
 
+@dataclass
+class Proxied:
+    """A gateway whose route ``/api`` proxies to ``backend``, at ``address``."""
+
+    backend: RawBackend
+    address: BoundAddress
+    layer: ProxyLayer
+
+    async def settled(self) -> None:
+        """Return once every proxied exchange has ended: its backend connection is back
+        in the pool, or closed."""
+        await self.layer.wait_released(self.layer.proxies)
+
+
+@asynccontextmanager
+async def proxied(
+    tmp_path: Path, misbehave: dict[bytes, bytes] | None = None
+) -> AsyncIterator[Proxied]:
+    """A gateway in front of a :class:`RawBackend` (``misbehave``: its wrong answers), the
+    service's connections kept alive for as long as the test runs."""
+    service = "limit = 4\nkeepalive_expiry = 3600"
+    async with (
+        running_raw_backend(misbehave) as backend,
+        gateway(tmp_path, gateway_file(backend, API, service=service)) as (gw, address),
+    ):
+        assert gw.container is not None
+        yield Proxied(backend, address, gw.container.proxy_layer)
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 async def test_a_smuggling_shape_never_desynchronises_the_backend(
     tmp_path: Path, name: str
 ) -> None:
     shape, outcome = SHAPES[name], SHAPES[name].outcome
-    service = "limit = 4\nkeepalive_expiry = 3600"  # one backend connection, kept
-    async with (
-        running_raw_backend() as backend,
-        gateway(tmp_path, gateway_file(backend, API, service=service)) as (gw, address),
-        RawClient.connected(address) as client,
-        RawClient.connected(address) as second,
-    ):
-        layer = proxy_layer(gw)
-
-        async def settled() -> None:
-            """Every proxied exchange has ended: its backend connection is back in the
-            pool, or closed."""
-            await layer.wait_released(layer.proxies)
-
+    async with proxied(tmp_path) as setup, RawClient.connected(setup.address) as client:
+        backend, settled = setup.backend, setup.settled
         with trio.fail_after(30):
             await client.send(honest(1))
             assert served_by(await client.final_answer(), b"/honest/1") == (1, 1)
@@ -662,10 +676,13 @@ async def test_a_smuggling_shape_never_desynchronises_the_backend(
             # The next request, on the same client connection if it is still open, is
             # served on the same backend connection (unless the shape's request had
             # started there and was cut short) and gets its own answer.
-            kept = isinstance(outcome, Passed) and outcome.then is None
-            then = client if kept else second
-            await then.send(honest(2))
-            where = served_by(await then.final_answer(), b"/honest/2")
+            if isinstance(outcome, Passed) and outcome.then is None:
+                await client.send(honest(2))
+                where = served_by(await client.final_answer(), b"/honest/2")
+            else:
+                async with RawClient.connected(setup.address) as again:
+                    await again.send(honest(2))
+                    where = served_by(await again.final_answer(), b"/honest/2")
             await check_in_step(backend, outcome, where)
 
 
@@ -677,12 +694,8 @@ async def test_pipelined_requests_reach_the_backend_one_by_one(tmp_path: Path) -
         len(SMUGGLED),
         SMUGGLED,
     )
-    service = "limit = 4\nkeepalive_expiry = 3600"
-    async with (
-        running_raw_backend() as backend,
-        gateway(tmp_path, gateway_file(backend, API, service=service)) as (_, address),
-        RawClient.connected(address) as client,
-    ):
+    async with proxied(tmp_path) as setup, RawClient.connected(setup.address) as client:
+        backend = setup.backend
         with trio.fail_after(30):
             await client.send(
                 honest(1) + body_with_request + honest(2) + chunked_with_request + honest(3)
@@ -703,21 +716,6 @@ async def test_pipelined_requests_reach_the_backend_one_by_one(tmp_path: Path) -
 POISON = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\nX-Poison: yes\r\n\r\npoison!"
 
 
-@asynccontextmanager
-async def misbehaving(
-    tmp_path: Path, answers: dict[bytes, bytes]
-) -> AsyncIterator[tuple[RawBackend, Callable[[], Awaitable[None]], BoundAddress]]:
-    """A gateway in front of a backend answering ``answers`` wrongly; with a wait for every
-    proxied exchange to end."""
-    service = "limit = 4\nkeepalive_expiry = 3600"
-    async with (
-        running_raw_backend(answers) as backend,
-        gateway(tmp_path, gateway_file(backend, API, service=service)) as (gw, address),
-    ):
-        layer = proxy_layer(gw)
-        yield backend, functools.partial(layer.wait_released, layer.proxies), address
-
-
 async def test_a_body_sent_with_an_answer_to_head_never_answers_the_next_request(
     tmp_path: Path,
 ) -> None:
@@ -726,7 +724,8 @@ async def test_a_body_sent_with_an_answer_to_head_never_answers_the_next_request
     connection. Were it reused, the next request's answer -- any client's -- would be read
     from them: here a whole answer of the body's author."""
     answers = {b"/page": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(POISON), POISON)}
-    async with misbehaving(tmp_path, answers) as (backend, settled, address):
+    async with proxied(tmp_path, answers) as setup:
+        backend, settled, address = setup.backend, setup.settled, setup.address
         with trio.fail_after(30):
             async with RawClient.connected(address) as client:
                 await client.send(honest(1))
@@ -756,7 +755,8 @@ async def test_an_answer_with_both_framings_is_relayed_framed_once(tmp_path: Pat
     read by its chunks, and an intermediary removes the ``Content-Length`` before it passes
     the answer on."""
     both = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n" + HELLO
-    async with misbehaving(tmp_path, {b"/both": both}) as (_, settled, address):
+    async with proxied(tmp_path, {b"/both": both}) as setup:
+        settled, address = setup.settled, setup.address
         with trio.fail_after(30):
             async with RawClient.connected(address) as client:
                 await client.send(b"GET /api/both HTTP/1.1\r\nHost: t\r\n\r\n")
