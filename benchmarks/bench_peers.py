@@ -221,15 +221,15 @@ def parse_wrk(stdout: str) -> ARun:
     )
 
 
-async def wrk_a(url: str, seconds: int) -> ARun:
-    """``wrk -t2 -c64 -dSs --timeout 10s --latency`` GETting ``url``."""
+async def wrk_a(url: str, seconds: float, connections: int = A_CONNECTIONS) -> ARun:
+    """``wrk -t2 -cC -dSs --timeout 10s --latency`` GETting ``url`` (C: 64 unless said)."""
     executable = _load.wrk_path()
     if executable is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
     with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
         script.write(_WRK_SCRIPT)
         script.flush()
-        command = [executable, "-t2", f"-c{A_CONNECTIONS}", f"-d{seconds}s"]
+        command = [executable, "-t2", f"-c{connections}", f"-d{seconds:g}s"]
         command += ["--timeout", "10s", "--latency", "-s", script.name, url]
         began = time.time()
         with trio.fail_after(seconds + 60):
@@ -323,16 +323,21 @@ async def settle(gateway: Server, backend: Server) -> None:
 
 
 async def steady(
-    gateway: Server, backend: Server, scenario: str, seconds: int, ramp: float
+    gateway: Server,
+    backend: Server,
+    scenario: str,
+    seconds: float,
+    ramp: float,
+    connections: int = A_CONNECTIONS,
 ) -> tuple[ARun, BTally]:
     tally = BTally()
     if scenario == "alone":
-        return await wrk_a(f"{gateway.url}/a", seconds), tally
+        return await wrk_a(f"{gateway.url}/a", seconds, connections), tally
     await set_mode(backend, "hang" if scenario == "hang" else f"slow {SLOW:g}")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hold_b, gateway, tally)
         await trio.sleep(ramp)
-        result = await wrk_a(f"{gateway.url}/a", seconds)
+        result = await wrk_a(f"{gateway.url}/a", seconds, connections)
         nursery.cancel_scope.cancel()
     await settle(gateway, backend)
     return result, tally
