@@ -18,6 +18,13 @@ hang (both the raw trio backends of bench_peers, `benchmarks/peers/backend.py`),
   streaming proxy on one shared `httpx.AsyncClient` (its keep-alive pool raised to its 100
   connections), no bulkheads: `benchmarks/peers/starlette_proxy.py`.
 
+**Prototypes of a leaner serving path** (the small GET only; not in quick mode): the same
+gateway's proxy layer (`Container.proxy_layer`, the ASGI app its proxy routes are served
+by) on a second port, **(1')** served by hypercorn with no Quart in front, and **(1'')**
+by `benchmarks/peers/lean_server.py`, one task per connection on h11, writing a small
+answer in one write (it leaves out much a real server needs: see its docstring).
+docs/design.md, "What a proxied request costs", says where a proxied request's time goes.
+
 **Garbage collector.** Every Python gateway runs with the same settings: the young
 generation's threshold pipework's container serves with (50,000; the interpreter's default
 is 700), set in the Starlette process too; one more row measures pipework with the
@@ -93,6 +100,18 @@ GATEWAYS = (
         "(1) pipework, the interpreter's GC thresholds",
         "pipework",
         ("--gc", "interpreter"),
+        variant=True,
+    ),
+    Gateway(
+        "pipework hypercorn",
+        "(1') pipework's proxy layer on hypercorn, no Quart (prototype)",
+        "pipework-hypercorn",
+        variant=True,
+    ),
+    Gateway(
+        "pipework h11",
+        "(1'') pipework's proxy layer on a lean h11 server (prototype)",
+        "pipework-h11",
         variant=True,
     ),
 )
@@ -422,7 +441,12 @@ def rows(results: Results) -> list[dict[str, Any]]:
     measured = {g.name for g in s.gateways}
     variants = [
         _versus(results, name, baseline, "report")
-        for name, baseline in (("pipework gc700", "pipework"),)
+        for name, baseline in (
+            ("pipework gc700", "pipework"),
+            ("pipework hypercorn", "pipework"),
+            ("pipework h11", "pipework"),
+            ("pipework h11", "starlette"),
+        )
         if name in measured
     ]
     return [

@@ -8,7 +8,12 @@ as they came. Logging is at WARNING (no access lines). KIND is:
 - ``pipework``: :class:`pipework.Gateway` serving ``proxy.toml`` beside this file (what
   ``pipework serve proxy.toml --log-level WARNING`` runs), its base URLs replaced;
 - ``starlette``: :mod:`.starlette_proxy` on uvicorn (one process, its pure-Python
-  defaults made explicit: the asyncio loop and h11).
+  defaults made explicit: the asyncio loop and h11);
+- ``pipework-hypercorn`` and ``pipework-h11``, prototypes of a leaner serving path: the
+  same gateway, and its proxy layer (``Container.proxy_layer``, the ASGI app proxy routes
+  are served by) served on a second port with no Quart in front, by hypercorn (as
+  ``pipework.container._server.serve`` runs it) or by :mod:`.lean_server` (one task per
+  connection on h11); the URL printed is the second port's.
 
 ``--gc serving`` (the default): the garbage collector's young threshold is the one a
 pipework container serves with (``ContainerConfig.gc_threshold``, 50,000), for every kind;
@@ -19,6 +24,7 @@ gateways differ only in their code.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import tempfile
@@ -29,7 +35,7 @@ from typing import Any
 import trio
 
 from .._serve import raise_open_files_limit
-from .serve import BACKLOG, _announce, _listen, gc_threshold, set_collector
+from .serve import BACKLOG, HOST, _announce, _listen, gc_threshold, set_collector
 
 GATEWAY_FILE = Path(__file__).with_name("proxy.toml")
 #: The base URLs written in proxy.toml, by the route's first path segment.
@@ -91,9 +97,60 @@ def serve_starlette(urls: Mapping[str, str], young: int | None) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
+def _lifespan_shim(app: Any) -> Any:
+    """``app`` with the ASGI lifespan answered (hypercorn's trio worker needs it)."""
+
+    async def shimmed(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    return shimmed
+
+
+def serve_pipework_layer(urls: Mapping[str, str], young: int | None, via: str) -> None:
+    import pipework as pw
+    from pipework.container._server import serve
+
+    from .lean_server import serve as serve_lean
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "proxy.toml")
+        path.write_text(gateway_text(urls))
+        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+
+        async def main() -> None:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
+                )
+                assert gateway.container is not None
+                layer = gateway.container.proxy_layer
+                if via == "hypercorn":
+                    address = await nursery.start(
+                        functools.partial(serve, _lifespan_shim(layer), host=HOST)
+                    )
+                    _announce(address.port)
+                else:
+                    _, port = await nursery.start(functools.partial(serve_lean, layer, host=HOST))
+                    _announce(port)
+
+        trio.run(main)
+
+
 SERVERS: dict[str, Any] = {
     "pipework": serve_pipework,
     "starlette": serve_starlette,
+    "pipework-hypercorn": functools.partial(serve_pipework_layer, via="hypercorn"),
+    "pipework-h11": functools.partial(serve_pipework_layer, via="h11"),
 }
 
 
