@@ -195,8 +195,8 @@ async def serve(
         async with stream:
             try:
                 await _Connection(stream, app).run()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
-                return
+            except* (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+                pass  # the client went away or broke the protocol
 
     listeners = await trio.open_tcp_listeners(port, host=host, backlog=4096)
     bound = listeners[0].socket.getsockname()[:2]
