@@ -32,16 +32,17 @@ interpreter's thresholds.
 
 Every gateway gives a backend 5 s (to connect, and to answer) and logs no access line.
 Measures: **small GET**: `wrk -t2 -c32 --timeout 10s` on GET /a, req/s counting 2xx answers
-only; **streams**: 10 `curl` processes at once each downloading (GET, `Content-Length`) or
-uploading (PUT of a file, `Content-Length`, no `Expect`) a body through `/bulk`, with the
-gateway process's resident memory (VmRSS) read every 20 ms: its growth is the highest
-reading minus the one just before the 10 started (MB are 2^20 bytes); **A while B hangs**:
-200 keep-alive connections on B (as in bench_peers: the next GET /b when the last is
-answered, at most one a second each), B answering nothing until the gateway gives up,
-and wrk on A from 2 s later; *kept* is A's req/s then ÷ A's req/s alone. The gateways take
-turns within each measure; each number is the best of the rounds. The load average of the
-machine (2 cores shared with other work) is given with the results: other load moves
-absolute numbers, compare within a run.
+only, and the gateway process's CPU time per 2xx answer (`/proc/PID/schedstat`; other load
+on the machine moves it less than req/s; the least of the rounds); **streams**: 10 `curl`
+processes at once each downloading (GET, `Content-Length`) or uploading (PUT of a file,
+`Content-Length`, no `Expect`) a body through `/bulk`, with the gateway process's resident
+memory (VmRSS) read every 20 ms: its growth is the highest reading minus the one just
+before the 10 started (MB are 2^20 bytes); **A while B hangs**: 200 keep-alive connections
+on B (as in bench_peers: the next GET /b when the last is answered, at most one a second
+each), B answering nothing until the gateway gives up, and wrk on A from 2 s later; *kept*
+is A's req/s then ÷ A's req/s alone. The gateways take turns within each measure; each
+req/s is the best of the rounds. The load average of the machine (2 cores shared with other
+work) is given with the results: other load moves absolute numbers, compare within a run.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ class Settings:
     @staticmethod
     def of(quick: bool) -> Settings:
         if quick:
-            return Settings(2, 1, 1.0, 10 * MB, MAIN, warm_up=False)
-        return Settings(8, 2, 2.0, 100 * MB, GATEWAYS, warm_up=True)
+            return Settings(2, 1, 1.0, 5 * MB, MAIN, warm_up=False)
+        return Settings(8, 3, 2.0, 100 * MB, GATEWAYS, warm_up=True)
 
 
 # -- streams ---------------------------------------------------------------------------------
@@ -162,6 +163,11 @@ class StreamRun:
     def describe(self) -> str:
         text = f"{self.seconds:.1f} s, {self.mb_per_s:,.0f} MB/s, RSS +{self.growth_mb:.1f} MB"
         return text + (f", {len(self.failed)} failed" if self.failed else "")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has run (its threads together), in seconds."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
 def curl_path() -> str:
@@ -230,6 +236,8 @@ async def streams(served: Server, direction: str, size: int, upload: Path) -> St
 class Results:
     settings: Settings
     small: dict[str, list[ARun]] = field(default_factory=lambda: collections.defaultdict(list))
+    #: The gateway's CPU µs per 2xx answer in each small-GET run.
+    cpu: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     hang: dict[str, list[tuple[ARun, BTally]]] = field(
         default_factory=lambda: collections.defaultdict(list)
     )
@@ -240,6 +248,9 @@ class Results:
 
     def alone(self, name: str) -> ARun:
         return max(self.small[name], key=lambda run: run.rps)
+
+    def cpu_us(self, name: str) -> float:
+        return min(self.cpu[name])
 
     def hanging(self, name: str) -> tuple[ARun, BTally]:
         return max(self.hang[name], key=lambda run: run[0].rps)
@@ -269,7 +280,11 @@ async def _measure(
     results.ceiling = await wrk_a(f"{a.url}/a", s.seconds / 2, CONNECTIONS)
     for _ in range(s.rounds):
         for name, served in servers.items():
-            results.small[name].append(await wrk_a(f"{served.url}/a", s.seconds, CONNECTIONS))
+            before = cpu_seconds(served.pid)
+            run = await wrk_a(f"{served.url}/a", s.seconds, CONNECTIONS)
+            used = cpu_seconds(served.pid) - before
+            results.small[name].append(run)
+            results.cpu[name].append(used / run.ok * 1e6 if run.ok else math.inf)
     for gateway in MAIN:
         served = servers[gateway.name]
         results.down[gateway.name] = await streams(served, "down", s.stream_bytes, upload)
@@ -340,13 +355,14 @@ def _label(name: str) -> str:
 
 def table(results: Results) -> list[str]:
     lines = [
-        "| gateway | small GET: 2xx req/s | p50 | p99 | A while B hangs: req/s | kept "
-        "(÷ A alone) | B's answers | 10 × down | 10 × up |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|",
+        "| gateway | small GET: 2xx req/s | p50 | p99 | CPU per answer | A while B hangs: "
+        "req/s | kept (÷ A alone) | B's answers | 10 × down | 10 × up |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for gateway in results.settings.gateways:
         alone = results.alone(gateway.name)
         cells = [gateway.label, f"{alone.rps:,.0f}", alone.p50(), alone.p99()]
+        cells.append(f"{results.cpu_us(gateway.name):,.0f} µs")
         if gateway.variant:
             cells += ["", "", "", "", ""]
         else:
@@ -361,15 +377,20 @@ def goals(results: Results) -> list[str]:
     """The issue's table: each measure against its goal."""
     ours = results.alone("pipework").rps
     starlette, haproxy = results.alone("starlette").rps, results.alone("haproxy").rps
+
+    def cpu(baseline: str) -> str:
+        ratio = results.cpu_us(baseline) / results.cpu_us("pipework")
+        return f"; by CPU per answer {ratio:.3g}×"
+
     down, up = results.down["pipework"], results.up["pipework"]
     size = results.settings.stream_bytes // MB
     return [
         "| measure, same run | measured | goal |",
         "|---|---|---|",
         f"| small proxied GET, req/s vs (c), one process each | {ours / starlette:.2f}× "
-        f"({ours:,.0f} vs {starlette:,.0f}) | ≥ 1.5× |",
+        f"({ours:,.0f} vs {starlette:,.0f}{cpu('starlette')}) | ≥ 1.5× |",
         f"| small proxied GET, req/s vs (b) HAProxy, one process each | {ours / haproxy:.3f}× "
-        f"({ours:,.0f} vs {haproxy:,.0f}) | report |",
+        f"({ours:,.0f} vs {haproxy:,.0f}{cpu('haproxy')}) | report |",
         f"| RSS growth while streaming {size} MB down, {STREAMS} at once | "
         f"{down.growth_mb:.1f} MB | ≤ {RSS_GOAL_MB} MB |",
         f"| RSS growth while streaming {size} MB up, {STREAMS} at once | "
@@ -388,7 +409,8 @@ def _versus(results: Results, subject: str, baseline: str, goal: str) -> dict[st
         "baseline_us": 1e6 / theirs.rps,
         "ratio": theirs.rps / ours.rps,
         "goal": goal,
-        "note": f"{subject}: {ours.describe()}; {baseline}: {theirs.describe()}",
+        "note": f"{subject}: {ours.describe()}, CPU {results.cpu_us(subject):,.0f} µs per "
+        f"answer; {baseline}: {theirs.describe()}, CPU {results.cpu_us(baseline):,.0f} µs",
     }
 
 
