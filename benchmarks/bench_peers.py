@@ -36,7 +36,8 @@ answers nothing until the caller gives up; wrk starts 2 s after the 200 connecti
 while B answers after 2 s. The gateways take turns within each scenario; between runs B is
 set back to fast and every hanging call released. The plot shows A's 2xx answers per second
 while B starts hanging a third of the way in. The machine's other load moves absolute
-numbers; compare within a run.
+numbers (its load average at the start and the end is given with the results); compare
+within a run.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -379,6 +381,8 @@ class Results:
     )
     timelines: dict[str, tuple[ARun, float, BTally]] = field(default_factory=dict)
     ceiling: ARun | None = None
+    #: The machine's load averages when the run started and when it ended.
+    load: list[tuple[float, float, float]] = field(default_factory=list)
 
     def best(self, peer: str, scenario: str) -> tuple[ARun, BTally]:
         return max(self.runs[peer, scenario], key=lambda run: run[0].rps)
@@ -406,6 +410,7 @@ async def _measure(
     servers: dict[str, Server], a: Server, b: Server, quick: bool, results: Results
 ) -> None:
     seconds, rounds, ramp = (4, 1, 2.0) if quick else (8, 2, 2.0)
+    results.load.append(os.getloadavg())
     for name, served in servers.items():
         for path in ("/a", "/b"):
             status, body = await _get(served, path)
@@ -422,6 +427,7 @@ async def _measure(
     length = 12 if quick else 24
     for name, served in servers.items():
         results.timelines[name] = await timeline(served, b, length, length / 3)
+    results.load.append(os.getloadavg())
 
 
 def enter_all(
@@ -576,7 +582,9 @@ def rows(results: Results, quick: bool) -> list[dict[str, Any]]:
             "markdown": [
                 f"Every gateway and scenario ({runs}; wrk -t2 -c{A_CONNECTIONS}; wrk's "
                 f"ceiling, against the fast backend directly: {ceiling.rps:,.0f} req/s, "
-                f"p99 {_ms(ceiling.p99_us)}):",
+                f"p99 {_ms(ceiling.p99_us)}; the machine's load average "
+                f"{results.load[0][0]:.2f} at the start, {results.load[-1][0]:.2f} at the "
+                "end):",
                 "",
                 *table(results),
                 "",
