@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -254,6 +255,62 @@ async def test_a_client_that_hangs_up_mid_stream_frees_the_backend_and_the_slot(
             pool = weighted_pool(gw)
             while pool.statistics().keys["echo"].in_use:
                 await trio.testing.wait_all_tasks_blocked()
+
+
+#: A route to a service nothing listens for (the discard port): each call is a 502.
+UNREACHABLE = """
+[services.nowhere]
+base_url = "http://127.0.0.1:9"
+timeout = 5
+
+[routes.nowhere]
+proxy = "nowhere"
+prefix = "/nowhere"
+"""
+
+
+def _access_records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, Any, Any]]:
+    return [
+        (r.getMessage().split(" ")[1], getattr(r, "status", None), getattr(r, "client_gone", None))
+        for r in caplog.records
+        if r.name == "pipework.access"
+    ]
+
+
+async def test_an_answer_sent_whole_is_not_logged_as_a_hang_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The server reports the stream's end to the app as a disconnect once the answer went
+    # out: that is no client going away, for the backend's answers nor the gateway's own.
+    caplog.set_level(logging.INFO, logger="pipework.access")
+    async with proxied(tmp_path, API + "max_body = 10\n" + UNREACHABLE) as (_, _, client):
+        assert (await client.get("/api/echo/x")).status_code == 200
+        assert (await client.get(f"/api/download?n={MB}")).content == (PATTERN * 16)
+        assert (await client.put("/api/upload", content=b"x" * 11)).status_code == 413
+        assert (await client.get("/nowhere/x")).status_code == 502
+    # The gateway has stopped: every exchange has ended and been logged.
+    assert _access_records(caplog) == [
+        ("/api/echo/x", 200, False),
+        ("/api/download", 200, False),
+        ("/api/upload", 413, False),
+        ("/nowhere/x", 502, False),
+    ]
+
+
+async def test_a_client_that_hangs_up_mid_answer_is_logged_as_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pipework.access")
+    async with (
+        running_backend() as backend,
+        gateway(tmp_path, gateway_file(backend, API)) as (_, address),
+    ):
+        stream = await raw_get(address, f"/api/download?n={4096 * MB}")
+        async with stream:
+            await read_until(stream, b"\r\n\r\n", bytearray())
+        with trio.fail_after(30):
+            await backend.gone.wait()
+    assert _access_records(caplog) == [("/api/download", 200, True)]
 
 
 async def test_curl_streams_an_upload(tmp_path: Path) -> None:

@@ -102,6 +102,8 @@ class _Exchange:
     sent: int = 0  # body bytes to the client
     upload: Upload | None = None
     client_gone: bool = False
+    # The answer's last message was handed to the server (the backend's, or a problem's).
+    answered: bool = False
 
 
 class ProxyLayer:
@@ -278,8 +280,11 @@ class ProxyLayer:
             async with trio.open_nursery() as nursery:
 
                 def gone() -> None:
-                    ex.client_gone = True
-                    nursery.cancel_scope.cancel()
+                    # Once the answer's last message is handed over, the server reports
+                    # the stream's end as a disconnect: that is no client going away.
+                    if not ex.answered:
+                        ex.client_gone = True
+                        nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch_disconnect, receive, upload, gone)
                 try:
@@ -374,6 +379,7 @@ class ProxyLayer:
         async for chunk in answer.body():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             ex.sent += len(chunk)
+        ex.answered = True  # before the last message: the server reports the end meanwhile
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # -- the route's chains --------------------------------------------------------------
@@ -433,6 +439,7 @@ class ProxyLayer:
     # -- answers and accounting ----------------------------------------------------------
 
     async def _refuse(self, ex: _Exchange, send: ASGISend, problem: Problem) -> None:
+        ex.answered = True
         ex.status = await send_problem(
             send, problem, correlation_id=ex.correlation_id, instance=ex.path
         )
