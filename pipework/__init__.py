@@ -41,6 +41,7 @@ from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
 from .container._routes import Route as Route
 from .dispatcher._admission import Admission as Admission
+from .dispatcher._degrade import Refusals as Refusals
 from .dispatcher._engine import Engine as Engine
 from .dispatcher._job import ErrorInfo as ErrorInfo
 from .dispatcher._job import JobView as JobView
@@ -132,6 +133,7 @@ __all__ = [
     "PoolStatistics",
     "Progress",
     "QueueStatistics",
+    "Refusals",
     "RegistrationError",
     "Registry",
     "Rejected",

@@ -273,6 +273,14 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        self.degraded = Counter(
+            "pipework_degraded_total",
+            "Pipes a job did without (optional ones skipped, others answered by their "
+            "fallback), by route (chain), pipe and reason (refused, deadline, no_slot, "
+            "error, timeout).",
+            ["route", "pipe", "reason"],
+            registry=r,
+        )
         self.resource_pool_wait = Histogram(
             "pipework_resource_pool_wait_seconds",
             "Time a borrower waited for a resource of a resource pool (lent or timed out).",

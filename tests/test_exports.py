@@ -64,6 +64,7 @@ PUBLIC = [
     "PoolStatistics",
     "Progress",
     "QueueStatistics",
+    "Refusals",
     "RegistrationError",
     "Registry",
     "Rejected",

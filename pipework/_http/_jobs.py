@@ -8,9 +8,11 @@ someone without its token. A job dropped after its retention answers 410 Gone.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import trio
 
@@ -22,7 +24,19 @@ from ..dispatcher._store import JobGone
 from ._credentials import bearer_token
 from ._problems import Problem, problem_for_error
 
-__all__ = ["authorize", "job_document", "job_links", "job_token"]
+__all__ = [
+    "DEGRADED_HEADER",
+    "authorize",
+    "degraded_header",
+    "job_document",
+    "job_links",
+    "job_token",
+]
+
+#: The header of an answer whose job degraded pipes on its way (see docs/degradation.md).
+DEGRADED_HEADER: Final = "Pipework-Degraded"
+#: What a Structured Field token may be (RFC 9651 section 3.3.4).
+_TOKEN: Final = re.compile(r"[A-Za-z*][!#$%&'*+\-.^_`|~:/A-Za-z0-9]*\Z")
 
 
 def _iso(unix: float | None) -> str | None:
@@ -50,6 +64,26 @@ def job_links(view: JobView) -> dict[str, str]:
     if view.status is Status.SUSPENDED and view.waiting_for is not None:
         links["signal"] = f"{base}/signals/{view.waiting_for}"
     return links
+
+
+def degraded_header(degraded: Mapping[str, str]) -> str:
+    """``Pipework-Degraded``'s value: a Structured Field list (RFC 9651), one item per
+    degraded pipe, its name (a token, else a string, else a display string) with its
+    ``reason``: ``recommend;reason=no_slot, "ads v2";reason=refused``."""
+    return ", ".join(f"{_sf_item(name)};reason={_sf_item(r)}" for name, r in degraded.items())
+
+
+def _sf_item(text: str) -> str:
+    if _TOKEN.match(text):
+        return text
+    if all(" " <= c <= "~" for c in text):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # A display string: UTF-8, with %, " and anything but printable ASCII percent-encoded.
+    encoded = "".join(
+        c if " " <= c <= "~" and c not in '%"' else "".join(f"%{b:02x}" for b in c.encode())
+        for c in text
+    )
+    return f'%"{encoded}"'
 
 
 def _progress_document(progress: Progress) -> dict[str, Any]:
@@ -91,6 +125,7 @@ def job_document(view: JobView, *, expose: bool = False) -> dict[str, Any]:
         "finished_at": _iso(view.finished_at),
         "expires_at": None if finished else _wall(view.deadline),
         "retain_until": _wall(view.retain_until) if finished else None,
+        "degraded": dict(view.degraded),
         "links": job_links(view),
     }
 

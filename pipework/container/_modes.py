@@ -38,7 +38,7 @@ from .._http._bodies import (
     raw_answer,
     read_body,
 )
-from .._http._jobs import job_document
+from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
@@ -305,10 +305,10 @@ class Submissions:
                 self.parking.unpark(waiting, ticket.job_id)
         if wake.is_set():  # the job has ended: its outcome is read at once
             try:
-                result = await self.engine.wait(ticket.job_id)
+                result, degraded = await self.engine.wait_answer(ticket.job_id)
             except Exception as exc:  # the job's own error, whatever a pipe raised
                 raise await self.failure(ticket.job_id, exc) from None
-            return self._answer(result, media_type, ticket.job_id, applied)
+            return self._answer(result, media_type, ticket.job_id, applied, degraded)
         return await self._ran_out(ticket, prefs, limit, deadline, applied)
 
     def _terms(
@@ -347,10 +347,10 @@ class Submissions:
         try:
             with scope:
                 try:
-                    result = await self.engine.wait(job_id)
+                    result, degraded = await self.engine.wait_answer(job_id)
                 except Exception as exc:  # the job's own error, whatever a pipe raised
                     raise await self.failure(job_id, exc) from None
-                return self._answer(result, media_type, job_id, applied)
+                return self._answer(result, media_type, job_id, applied, degraded)
         except trio.Cancelled:
             # Our own scope swallows its timeout, so this is from outside: the client hung
             # up (or the server is stopping hard).
@@ -361,7 +361,13 @@ class Submissions:
         return await self._ran_out(ticket, prefs, limit, ticket.deadline + SLACK, applied)
 
     @staticmethod
-    def _answer(result: Any, media_type: str, job_id: str, applied: tuple[str, ...]) -> Response:
+    def _answer(
+        result: Any,
+        media_type: str,
+        job_id: str,
+        applied: tuple[str, ...],
+        degraded: Mapping[str, str],
+    ) -> Response:
         raw = raw_answer(result)
         if raw is None:
             response = Response(encode(result, media_type), content_type=media_type)
@@ -370,6 +376,8 @@ class Submissions:
         response.headers["X-Job-Id"] = job_id
         if applied:
             response.headers["Preference-Applied"] = ", ".join(applied)
+        if degraded:  # an answer made without some of its pipes says which, and why
+            response.headers[DEGRADED_HEADER] = degraded_header(degraded)
         return response
 
     async def _ran_out(
@@ -627,8 +635,11 @@ class EventStream:
     async def _end(self, first: bool) -> bytes:
         self._done = self._settled = True
         view = await self._engine.status(self._job_id)
+        end: dict[str, Any] = {"status": view.status, "result": view.result}
+        if view.degraded:  # the headers are long gone: the end says what was degraded
+            end["degraded"] = dict(view.degraded)
         try:
-            return sse_event("end", dumps_json({"status": view.status, "result": view.result}))
+            return sse_event("end", dumps_json(end))
         except Problem as problem:
             return self._error(problem, first)
 

@@ -14,7 +14,8 @@ The engine works with any :class:`~._store.JobStore`, :class:`~._queue.EventQueu
   ends, hands a dead process's events to the living, keeps suspend timers, and writes a
   record and an event in one round trip;
 - a **fast pool** (:class:`FastAdmission`, the weighted pool) grants an uncontended slot
-  with no schedule point, and says which keys are limited.
+  with no schedule point, says which keys are limited, and so says at once whether a key
+  has a slot free (a pipe its job can do without is degraded rather than wait for one).
 
 :class:`Abilities` looks at the three once, when the engine is built, and gives the engine
 one object to call: each of its operations is the part's own when the part has the ability,
@@ -208,6 +209,9 @@ class Abilities:
     claims: bool
     #: An uncontended slot under a key held at once, or None (then enter ``pool.slot``).
     grant: Callable[[str], object | None]
+    #: ``grant``'s None means "no slot is free at once" (a fast pool); without it, ``grant``
+    #: never grants, and says nothing of the pool (nothing is degraded for ``no_slot``).
+    grants: bool
     #: Give back what ``grant`` held (``handle, granted_at, now``).
     release: Callable[[object, float, float], None]
     #: Give back what ``grant`` held, never used: no hold time counted.
@@ -255,6 +259,7 @@ class Abilities:
             shared_queue=shared_queue,
             claims=shared_queue is not None and shared_queue.can_claim(store),
             grant=_no_grant if fast is None else fast.grant_nowait,
+            grants=fast is not None,
             release=_never_granted if fast is None else fast.release_nowait,
             withdraw=_never_granted if fast is None else fast.withdraw_nowait,
             limited=_always if fast is None else fast.limited,

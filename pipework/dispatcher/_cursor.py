@@ -17,7 +17,15 @@ from ..pipes._pipe import Pipe
 from ..pipes._stages import Chain, Parallel, Serial
 from ._job import Frame, Job
 
-__all__ = ["advance", "next_key", "path_of", "stage_path", "start_frames", "top_node"]
+__all__ = [
+    "advance",
+    "next_key",
+    "path_of",
+    "peek",
+    "stage_path",
+    "start_frames",
+    "top_node",
+]
 
 _RUNNABLE = (Pipe, Parallel)  # what the cursor stops at: a tuple is the fastest isinstance
 
@@ -47,6 +55,21 @@ def next_key(job: Job, chain: Chain) -> str:
     frames = [Frame(f.index, f.deadline, f.bound) for f in job.frames]
     step = _walk(frames, job.root, chain, math.inf)
     return step.key or chain.key if isinstance(step, Pipe) else chain.key
+
+
+def peek(job: Job, chain: Chain) -> Pipe | Parallel | None:
+    """What the job's next step runs first (None: its sequence is complete), found as
+    :func:`advance` finds it but with the cursor left where it is: no stage is entered."""
+    frames = job.frames
+    if len(frames) == 1:  # a flat chain: no stage to look into
+        root: Any = chain.node_at(job.root)
+        index = frames[0].index
+        if index >= len(root.children):
+            return None
+        child: Pipe | Parallel | Serial = root.children[index]
+        if not isinstance(child, Serial):
+            return child
+    return _walk([Frame(f.index, f.deadline, f.bound) for f in frames], job.root, chain, math.inf)
 
 
 def advance(job: Job, chain: Chain, clock: Any) -> Pipe | Parallel | None:

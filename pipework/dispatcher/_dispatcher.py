@@ -17,6 +17,7 @@ part               owns
 ``_flight``        what this process holds of the jobs it runs now, and the engine's hooks
 ``_step``          the step boundary, the slot a step holds, hand-offs, claims
 ``_pipe_run``      running one pipe: its context, its deadline, what its end means
+``_degrade``       pipes a job can do without: skipped or answered by their fallback
 ``_suspend``       suspend, signals, resume, the timers' expiry (``_timers``)
 ``_ends``          ending jobs, cancels, waiters, retention of exception objects
 ``_stage``         the decisions of one run of a parallel stage (no I/O)
@@ -37,6 +38,7 @@ import trio
 from .._metrics import Metrics
 from ..pipes._stages import Chain
 from ._abilities import Abilities
+from ._degrade import NEVER_REFUSING, Degrader, Refusals
 from ._ends import INTERNAL_PLAN, Ends
 from ._events import BranchDone, Event, Expire, Resume, RunJob, job_of
 from ._flight import Flight, Hooks
@@ -70,6 +72,7 @@ class Dispatcher:
         abilities: Abilities,
         metrics: Metrics,
         key_label: Callable[[str], str],
+        refusals: Refusals = NEVER_REFUSING,
     ) -> None:
         #: Every plan (registry) jobs may still run on, by generation: a reload adds one,
         #: and a job keeps the plan it was accepted under (its cursor means nothing elsewhere).
@@ -87,6 +90,9 @@ class Dispatcher:
         self.suspensions = Suspensions(abilities, flight, hooks, ends, self.timers, self.plans)
         self.ops = PipeOps(abilities.store, flight, hooks, ends, self.suspensions)
         runner = PipeRunner(flight, ends, self.suspensions, abilities.pool, metrics, self.ops)
+        self.degrader = runner.degrader = Degrader(
+            flight, runner, metrics, refusals, grants=abilities.grants
+        )
         self.forked = Forked(abilities, flight, hooks, ends, metrics, self.plans)
         ends.branches = self.forked
         self.steps = Steps(
@@ -100,6 +106,7 @@ class Dispatcher:
             metrics,
             key_label,
             self.plans,
+            self.degrader,
         )
         # Handlers run in the dispatcher's loop, one at a time: only a RunJob spawns a task
         # (pipes run concurrently); the others are short bookkeeping on the job pool.

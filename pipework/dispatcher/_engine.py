@@ -7,7 +7,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
@@ -39,9 +39,10 @@ from ._abilities import (
 )
 from ._admission import Admission
 from ._cursor import start_frames
+from ._degrade import NEVER_REFUSING, Refusals
 from ._dispatcher import INTERNAL_PLAN, Dispatcher
 from ._events import RunJob
-from ._job import Job, JobView, hash_token, new_ids
+from ._job import Job, JobView, degraded_of, hash_token, new_ids
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import DONE, TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore
@@ -82,6 +83,8 @@ class _PipeDecorator(Protocol):
         key: str | None = None,
         timeout: float | None = None,
         blocking: bool = False,
+        optional: bool = False,
+        fallback: Mapping[str, Any] | Pipe | None = None,
     ) -> Callable[[PipeFunction], Pipe]: ...
 
 
@@ -97,7 +100,9 @@ class Engine:
     :class:`~pipework.Catalogue`; pass a :class:`~pipework.Registry` to keep HTTP routes
     with them); ``pool`` governs concurrency (default: a WeightedPool of 64 slots, no weights);
     ``store`` and ``queue`` default to in-memory ones; ``default_timeout`` bounds jobs whose
-    chain sets none. Leaving the ``async with`` cancels whatever is still running.
+    chain sets none; ``refusals`` says which admission keys refuse calls now (a service's
+    open circuit breaker), so that pipes a job can do without are degraded instead of tried
+    (default: none ever does). Leaving the ``async with`` cancels whatever is still running.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class Engine:
         default_timeout: float | None = None,
         stream_buffer: int = 16,
         metrics: Metrics | None = None,
+        refusals: Refusals | None = None,
     ) -> None:
         self.registry: Catalogue = registry if registry is not None else Catalogue()
         self.store: JobStore = store or MemoryJobStore()
@@ -126,7 +132,13 @@ class Engine:
         self._keyed = self.pool if isinstance(self.pool, KeyedAdmission) else None
         self._counting = self.store if isinstance(self.store, CountingStore) else None
         self._following = self.store if isinstance(self.store, FollowingStore) else None
-        self._dispatcher = Dispatcher(self.registry, abilities, self.metrics, self.key_label)
+        self._dispatcher = Dispatcher(
+            self.registry,
+            abilities,
+            self.metrics,
+            self.key_label,
+            NEVER_REFUSING if refusals is None else refusals,
+        )
         # The engine's own chains live in a plan of their own, which no swap replaces.
         self._dispatcher.plans[INTERNAL_PLAN] = _internal_registry()
         # The active top-level jobs of each user plan: a replaced plan with none left is
@@ -476,6 +488,25 @@ class Engine:
             if job.status is DONE:
                 return job.result
             return _outcome(job, self._dispatcher.ends.exceptions.get(job_id))
+        return _outcome(await self._ended(job_id), self._dispatcher.ends.exceptions.get(job_id))
+
+    async def wait_answer(self, job_id: str) -> tuple[Any, Mapping[str, str]]:
+        """:meth:`wait`, and what the job degraded on its way: ``{pipe: reason}`` (its
+        state's ``"degraded"``; empty when it degraded nothing), for an answer that says
+        so (docs/degradation.md). One read of the record, as :meth:`wait`."""
+        nowait = self._dispatcher.nowait
+        if nowait:
+            job = nowait[0](job_id)
+            if job.status not in TERMINAL:
+                await self.wait(job_id)
+                job = nowait[0](job_id)
+        else:
+            job = await self._ended(job_id)
+        result = _outcome(job, self._dispatcher.ends.exceptions.get(job_id))
+        return result, degraded_of(job.state)
+
+    async def _ended(self, job_id: str) -> Job:
+        """The record of the job once it has ended, from a store other processes share."""
         waiters = self._dispatcher.ends.waiters
         following = self._following
         # A shared store may know the record without reading it (a job it ended itself).
@@ -494,7 +525,7 @@ class Engine:
                 raise
             if job.status in TERMINAL:
                 self._finished_elsewhere(job_id)
-                return _outcome(job, self._dispatcher.ends.exceptions.get(job_id))
+                return job
             if wait_end is not None:  # the store knows when no end can be missed
                 await wait_end(job_id, waiter, recheck)
                 continue

@@ -42,7 +42,8 @@ from ..pipes._stages import Chain, Parallel
 from ._abilities import Abilities
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
-from ._cursor import path_of, start_frames
+from ._cursor import advance, path_of, start_frames
+from ._degrade import Degrader
 from ._ends import Ends
 from ._flight import Flight
 from ._forked import Forked, run_callback
@@ -79,6 +80,7 @@ class StageParts:
     segments: Segments
     runners: BranchRunners
     metrics: Metrics
+    degrader: Degrader
 
 
 @lru_cache(maxsize=1024)
@@ -416,6 +418,8 @@ class InStepStage:
                 await segments.run_held(branch, now)
                 continue
             held = abilities.grant(key)
+            if held is None and parts.degrader.grants and await self._without_slot(branch):
+                continue  # its next pipe, one it can do without, was degraded holding none
             if held is None and key == parent_key:
                 # The parent's key, limited since the stage started: the parent's own slot
                 # is the stage's to lend, one branch at a time (waiting for another while
@@ -441,6 +445,25 @@ class InStepStage:
                 segments.waited(key, trio.current_time() - now)
                 note(exc, branch, f"admission key {key!r}")
                 await parts.ends.finish(branch, Status.FAILED, exc=exc)
+
+    async def _without_slot(self, branch: Job) -> bool:
+        """No slot is free at once under the branch's key: when the pipe its cursor is at is
+        one it can do without, it is degraded, holding none, and the branch goes on (it
+        ends, or waits for its next key, queued). False, with nothing done, otherwise."""
+        degrader, chain = self.parts.degrader, self.run_of.chain
+        pipe = degrader.pending(branch, chain)
+        if pipe is None:
+            return False
+        ended = await degrader.unheld(branch, chain, pipe, trio.current_time())
+        if ended is None:
+            return True  # its fallback failed or suspended the branch
+        following = advance(branch, chain, self.parts.flight.clock)
+        if following is None:
+            await self.parts.ends.finish(branch, Status.DONE, now=ended)
+            return True
+        branch.key = (following.key or chain.key) if isinstance(following, Pipe) else chain.key
+        branch.transition(Status.QUEUED)
+        return True
 
     def _lent_slot(self) -> AbstractAsyncContextManager[None]:
         """The parent's slot, lent to one branch at a time (see _run_segments)."""

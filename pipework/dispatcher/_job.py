@@ -20,10 +20,12 @@ from binascii import b2a_base64
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Final, Self
 
 from ..pipes._join import Join
 from ..pipes._merge import Delta
+from ..pipes._pipe import DEGRADED_KEY
 from ._status import QUEUED, TRANSITIONS, Status, check_transition
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "JobView",
     "JoinRecord",
     "Progress",
+    "degraded_of",
     "new_ids",
     "new_job_id",
 ]
@@ -273,6 +276,7 @@ class JobRecord:
             updated_at=self.updated_at,
             finished_at=self.finished_at,
             retain_until=self.retain_until,
+            degraded=degraded_of(self.state),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -402,6 +406,19 @@ class Job(JobRecord):
         return job
 
 
+#: What a job that degraded nothing shows (read-only, shared).
+_NOTHING_DEGRADED: Final[Mapping[str, str]] = MappingProxyType({})
+
+
+def degraded_of(state: Mapping[str, Any]) -> Mapping[str, str]:
+    """What a job's ``state`` records it degraded: ``{pipe: reason}`` (see
+    docs/degradation.md), its string entries only; empty when nothing."""
+    found = state.get(DEGRADED_KEY)
+    if not found or not isinstance(found, dict):
+        return _NOTHING_DEGRADED
+    return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
+
+
 def _progress_tuple(p: Progress) -> tuple[float, float | None, str | None, str | None]:
     return (p.done, p.total, p.message, p.branch)
 
@@ -428,3 +445,5 @@ class JobView:
     updated_at: float
     finished_at: float | None
     retain_until: float | None
+    #: What the job degraded so far: ``{pipe: reason}`` (see docs/degradation.md).
+    degraded: Mapping[str, str] = field(default_factory=lambda: _NOTHING_DEGRADED)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
@@ -42,7 +43,16 @@ from ._outcomes import (
 from ._status import Status
 from ._suspend import Suspensions
 
-__all__ = ["PipeRunner"]
+__all__ = ["DegradingRunner", "PipeRunner"]
+
+
+class DegradingRunner(Protocol):
+    """What runs the pipes a job can do without (``_degrade.py``): :meth:`PipeRunner.run`
+    hands such a pipe to it."""
+
+    async def run(
+        self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame
+    ) -> float | None: ...
 
 
 class PipeRunner:
@@ -64,21 +74,30 @@ class PipeRunner:
         # The observers of the duration of pipes that ended ok, by pipe: no label tuples
         # built and hashed per pipe (label values are bounded by registration).
         self._ok: dict[str, Callable[[float], None]] = {}
+        #: What runs the pipes a job can do without (set once it is made: it runs their
+        #: fallbacks through this runner).
+        self.degrader: DegradingRunner | None = None
 
-    async def run(self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame) -> float | None:
+    async def run(
+        self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame, *, learn: bool = True
+    ) -> float | None:
         """Run ``pipe`` for ``job`` from ``now`` (the clock at its start); ``top`` is the
         cursor's frame it sits in (moved past it when it ends well). Returns the clock at
         its end to go on from, or None when the job's step ended here (the pipe failed,
-        timed out or suspended the job). The step's cancellation travels on.
+        timed out or suspended the job). The step's cancellation travels on. ``learn``:
+        its end feeds its key's adaptive limit (not a fallback's, run in a pipe's place).
 
         The step's own loop (:meth:`Steps.run_held`) runs the same three parts in its own
         frame: a coroutine per pipe is one object and one frame more on the hot path."""
+        if pipe.degradable:
+            assert self.degrader is not None, "the degrader is wired in with the runner"
+            return await self.degrader.run(job, chain, pipe, now, top)
         ctx = self.context(job, chain, pipe, now, top)
         try:
             await self.call(pipe, ctx, job)
         except BaseException as raised:  # sorted out there; a cancellation travels on
-            return await self.raised(job, chain, pipe, now, raised, ctx, top)
-        return self.ok(job, pipe, now, ctx, top)
+            return await self.raised(job, chain, pipe, now, raised, ctx, top, learn)
+        return self.ok(job, pipe, now, ctx, top, learn)
 
     def context(self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame) -> Context:
         """The pipe's context: its deadline the earlier of its own and its frame's."""
@@ -113,12 +132,14 @@ class PipeRunner:
             await self._within(pipe, ctx, job)
         check_state(ctx.state)
 
-    def ok(self, job: Job, pipe: Pipe, now: float, ctx: Context, top: Frame) -> float:
+    def ok(
+        self, job: Job, pipe: Pipe, now: float, ctx: Context, top: Frame, learn: bool = True
+    ) -> float:
         """A pipe ended well: its state adopted, the cursor moved on; the clock at its end."""
         if pipe.blocking:
             job.state = ctx.state
         top.index += 1
-        return self.ended(job, pipe, now, "ok")
+        return self.ended(job, pipe, now, "ok", None, learn)
 
     async def _within(self, pipe: Pipe, ctx: Context, job: Job) -> None:
         """Run the pipe within ``ctx.deadline``; raise PipeTimeout if that limit ran out."""
@@ -151,12 +172,13 @@ class PipeRunner:
         raised: BaseException,
         ctx: Context,
         top: Frame,
+        learn: bool = True,
     ) -> float | None:
         """What a pipe raised, sorted out: the clock to go on at (a suspension whose signal
         had come), None when the step ended (failure, timeout, suspension). Cancellation of
         the step travels on."""
         if isinstance(raised, Suspend):
-            ended = self.ended(job, pipe, started, "suspended")
+            ended = self.ended(job, pipe, started, "suspended", None, learn)
             top.index += 1
             # A signal that came while the pipe ran lets the step go on at once.
             resumed = await self._suspensions.suspend(job, chain, raised, ctx.path)
@@ -166,33 +188,40 @@ class PipeRunner:
             timeout = timeout_of(job, chain, pipe_deadline, top, ctx.path)
             # The step's scope stays cancelled once a deadline passed: record the end shielded.
             with trio.CancelScope(shield=True):
-                await self._failed(job, pipe, started, timeout, ctx.path)
+                await self._failed(job, pipe, started, timeout, ctx.path, learn)
             return None
         cancellation = cancellation_in(raised, lambda: ctx.path)
         if cancellation is not None:
             # The step's (or the engine's) cancellation: the step boundary ends the job.
             self.ended(job, pipe, started, "cancelled")
             raise cancellation from None
-        await self._failed(job, pipe, started, pipe_error(raised, ctx.path), ctx.path)
+        await self._failed(job, pipe, started, pipe_error(raised, ctx.path), ctx.path, learn)
         return None
 
     async def _failed(
-        self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str
+        self, job: Job, pipe: Pipe, started: float, exc: BaseException, path: str, learn: bool
     ) -> None:
         outcome = "timeout" if isinstance(exc, DeadlineExceeded) else "error"
         if isinstance(exc, StateError):
             exc.http_status = 500  # a pipe wrote bad state: the server's fault, not input
             job.state = storable_part(job.state)  # the record must still be storable
-        self.ended(job, pipe, started, outcome, exc)
+        self.ended(job, pipe, started, outcome, exc, learn)
         where = exc.where if isinstance(exc, DeadlineExceeded) and exc.where else path
         note(exc, job, path)
         status = Status.EXPIRED if is_job_timeout(exc) else Status.FAILED
         await self._ends.finish(job, status, exc=exc, where=where)
 
     def ended(
-        self, job: Job, pipe: Pipe, started: float, outcome: str, exc: BaseException | None = None
+        self,
+        job: Job,
+        pipe: Pipe,
+        started: float,
+        outcome: str,
+        exc: BaseException | None = None,
+        learn: bool = True,
     ) -> float:
-        """Measure, record and log a pipe's end; returns the clock read at its end."""
+        """Measure, record and log a pipe's end; returns the clock read at its end.
+        ``learn``: feed its key's adaptive limit (see :meth:`run`)."""
         now = self._flight.clock()
         if job.plan == INTERNAL_PLAN:
             return now  # the engine's own probe: no user pipe to measure, nothing to learn
@@ -208,7 +237,9 @@ class PipeRunner:
             metrics.observe(metrics.pipe_duration, (pipe.name, outcome), duration)
         # Only the backend's trouble (its errors, timeouts) may shrink an adaptive limit: a
         # bug in a pipe says nothing about the backend's capacity; a cancel says nothing.
-        if outcome in ("ok", "suspended"):
+        if not learn:
+            pass
+        elif outcome in ("ok", "suspended"):
             self._pool.record(job.key, ok=True, latency=duration)
         elif outcome == "timeout" or (exc is not None and backend_trouble(exc)):
             self._pool.record(job.key, ok=False, latency=duration)

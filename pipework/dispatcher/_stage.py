@@ -133,7 +133,7 @@ class StageRun:
             return snapshot
         pairs = [(self.stage.names[i], record.deltas[i]) for i in sources]
         where = f"graph node {self.stage.names[index]!r}"
-        return merge(snapshot, pairs, self.stage.merge, where=where)
+        return merge(snapshot, pairs, self.stage.merge_rules, where=where)
 
     def heard(
         self, index: int, outcome: Outcome, change: Delta | None, error: ErrorInfo | None
@@ -160,7 +160,7 @@ class StageRun:
                 strict = policy.default == "strict" and not policy.keys
                 state = merge_strict(parent.state, pairs) if strict else None
                 if state is None:
-                    state = merge(parent.state, pairs, policy, where=self.where)
+                    state = merge(parent.state, pairs, stage.merge_rules, where=self.where)
             except MergeConflict as conflict:
                 return Fail(conflict, Status.FAILED)
             if stage.settle:

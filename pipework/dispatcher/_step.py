@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -36,6 +36,8 @@ from ._abilities import Abilities
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
 from ._cursor import advance
+from ._degrade import Degrader
+from ._degrade_core import Reason
 from ._ends import Ends
 from ._events import Resume, RunJob
 from ._flight import Claim, Flight, Hooks
@@ -65,6 +67,7 @@ class Steps:
         metrics: Metrics,
         key_label: Callable[[str], str],
         plans: dict[int, ChainLookup],
+        degrader: Degrader,
     ) -> None:
         self._abilities = abilities
         self._store = abilities.store
@@ -81,13 +84,14 @@ class Steps:
         self._metrics = metrics
         self._key_label = key_label
         self._plans = plans
+        self._degrader = degrader
         #: The tasks steps run in, each kept for further steps (see _runners.py).
         self.runners = StepRunners(self.step)
         #: The tasks in-step branches run in (see _branch_runners.py).
         self.branch_runners = BranchRunners(flight.in_step)
         #: What every in-step stage works with.
         self._parts = StageParts(
-            abilities, flight, ends, runner, forked, self, self.branch_runners, metrics
+            abilities, flight, ends, runner, forked, self, self.branch_runners, metrics, degrader
         )
         # The observers of slot waits by key label: no label tuples built per step.
         self._waits: dict[str, Callable[[float], None]] = {}
@@ -209,6 +213,9 @@ class Steps:
                     finally:
                         end = flight.clock() if ended is None else ended
                         self._release(grant[0], grant[1], end)
+                elif self._degrader.grants and await self._without_slot(job):
+                    # Its next pipe is one it can do without: degraded, holding no slot.
+                    settled = True
                 else:
                     # A resumed job carries an outside fact (a payment, an approval): it
                     # waits out the load up to its deadline rather than be refused, as
@@ -343,9 +350,15 @@ class Steps:
                 flat = None
                 continue
             key = pipe.key or chain.key
-            if key != held and slot is not None and await self._go_on_under(job, key, slot, now):
+            # A pipe the job can do without: degraded or run through the degrader.
+            degrade: Reason | Literal[False] | None = None
+            if pipe.degradable:
+                degrade = self._degrader.before(pipe, key, frames[-1].deadline, now) or False
+            if key == held or degrade:
+                pass  # degraded under the slot held: no hand-off to a key it will not use
+            elif slot is not None and await self._go_on_under(job, key, slot, now):
                 held = key
-            elif key != held:
+            else:
                 job.key = key
                 job.transition(QUEUED)
                 if job.parent is not None and job.id in unstored:
@@ -359,20 +372,26 @@ class Steps:
                 then_writes = following >= len(flat) or (flat[following].key or chain.key) != held
             else:
                 then_writes = False
-            # The pipe runs in this frame (runner.run's parts, no coroutine of its own).
             top = frames[-1]
-            ctx = runner.context(job, chain, pipe, now, top)
-            try:
-                if ctx.deadline == math.inf:
-                    await invoke(pipe, ctx)
-                    await trio.lowlevel.checkpoint_if_cancelled()
-                    check_state(ctx.state)
+            if degrade is not None:
+                if degrade:
+                    ended = await self._degrader.instead(job, chain, pipe, degrade, now, top)
                 else:
-                    await runner.call(pipe, ctx, job)
-            except BaseException as raised:  # sorted out there; a cancellation travels on
-                ended = await runner.raised(job, chain, pipe, now, raised, ctx, top)
+                    ended = await self._degrader.attempt(job, chain, pipe, now, top)
             else:
-                ended = runner.ok(job, pipe, now, ctx, top)
+                # The pipe runs in this frame (runner.run's parts, no coroutine of its own).
+                ctx = runner.context(job, chain, pipe, now, top)
+                try:
+                    if ctx.deadline == math.inf:
+                        await invoke(pipe, ctx)
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                        check_state(ctx.state)
+                    else:
+                        await runner.call(pipe, ctx, job)
+                except BaseException as raised:  # sorted out there; a cancellation travels on
+                    ended = await runner.raised(job, chain, pipe, now, raised, ctx, top)
+                else:
+                    ended = runner.ok(job, pipe, now, ctx, top)
             if ended is None:
                 return now  # it failed, timed out or was suspended: the step is over
             now = ended
@@ -384,6 +403,30 @@ class Steps:
                     await self._store.update(job)
             if len(frames) != 1:
                 flat = None
+
+    async def _without_slot(self, job: Job) -> bool:
+        """No slot is free at once under the job's key. When the pipe its cursor is at is
+        one the job can do without, it is degraded here, holding none, and the job goes on:
+        it ends (nothing follows), or is handed off to its next step's key. False, with
+        nothing done, otherwise: the step waits for a slot."""
+        chain = self._plans[job.plan].get_chain(job.chain)
+        degrader = self._degrader
+        pipe = degrader.pending(job, chain)
+        if pipe is None:
+            return False
+        ended = await degrader.unheld(job, chain, pipe, self._flight.clock())
+        if ended is None:
+            return True  # its fallback failed or suspended the job: the step is over
+        following = advance(job, chain, self._flight.clock)
+        if following is None:
+            result = _result(job, chain)
+            if not self._ends.done_nowait(job, result, ended):
+                await self._ends.finish(job, Status.DONE, result=result, now=ended)
+            return True
+        job.key = (following.key or chain.key) if isinstance(following, Pipe) else chain.key
+        job.transition(QUEUED)
+        await self._hand_off(job)
+        return True
 
     async def _write_running(self, job: Job, as_read: bool, own: bool) -> bool:
         """The job's record written ``running`` (readers see it at once); False when there
@@ -465,6 +508,15 @@ class Steps:
             self._hooks.changed(job)
         _log_hand_off(job)
         return True
+
+
+def _result(job: Job, chain: Chain) -> Any:
+    """What a job that ran to the end of its sequence answers (as ``run_held`` says)."""
+    if job.parent is not None:
+        return None  # a branch's result is its delta, sent to the join
+    if chain.result is None:
+        return job.state
+    return job.state.get(chain.result)
 
 
 def _log_hand_off(job: Job) -> None:

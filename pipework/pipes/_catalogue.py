@@ -6,8 +6,8 @@ gateway file or HTTP; see the Layers section of docs/design.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import overload
+from collections.abc import Callable, Mapping
+from typing import Any, overload
 
 from .._errors import RegistrationError
 from ._pipe import Pipe, PipeFunction, is_seconds
@@ -41,6 +41,8 @@ class Catalogue:
         key: str | None = None,
         timeout: float | None = None,
         blocking: bool = False,
+        optional: bool = False,
+        fallback: Mapping[str, Any] | Pipe | None = None,
     ) -> Callable[[PipeFunction], Pipe]: ...
 
     def pipe(
@@ -52,11 +54,22 @@ class Catalogue:
         key: str | None = None,
         timeout: float | None = None,
         blocking: bool = False,
+        optional: bool = False,
+        fallback: Mapping[str, Any] | Pipe | None = None,
     ) -> Pipe | Callable[[PipeFunction], Pipe]:
-        """Register a pipe; usable as ``@catalogue.pipe`` or ``@catalogue.pipe(key=...)``."""
+        """Register a pipe; usable as ``@catalogue.pipe`` or ``@catalogue.pipe(key=...)``.
+        ``optional`` and ``fallback``: see :class:`Pipe`."""
 
         def register(function: PipeFunction) -> Pipe:
-            pipe = Pipe(function, name or function.__name__, key, timeout, blocking)
+            pipe = Pipe(
+                function,
+                name or function.__name__,
+                key,
+                timeout,
+                blocking,
+                optional=optional,
+                fallback=fallback,
+            )
             self.add_pipe(pipe)
             return pipe
 

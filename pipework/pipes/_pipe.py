@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn, Protocol
 
+import msgpack
 import trio
 
-from .._errors import RegistrationError
+from .._errors import RegistrationError, StateError
 from ._state import check_value
 
 __all__ = [
+    "DEGRADED_KEY",
     "REQUEST_KEY",
     "Context",
     "JobOps",
@@ -61,6 +63,10 @@ class JobOps(Protocol):
 #: (:class:`RequestUse`): ``{"headers": [[name, value], ...], "body": raw value}``.
 REQUEST_KEY: Final = "request"
 
+#: The state key where a job records the pipes it degraded (skipped, or answered by their
+#: fallback): ``{pipe name: reason}`` (see docs/degradation.md).
+DEGRADED_KEY: Final = "degraded"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestUse:
@@ -81,7 +87,15 @@ class RequestUse:
 class Pipe:
     """A named pipe. ``key`` is its admission key (None: the chain's), ``timeout`` bounds
     one run (always within the job's deadline), ``blocking`` runs it in a worker thread;
-    ``request_use`` says what it reads of the request that started its job."""
+    ``request_use`` says what it reads of the request that started its job.
+
+    A pipe marked ``optional``, or given a ``fallback``, is one its job can do without: it
+    is **degraded** (skipped, or answered by its fallback) rather than waited for or failing
+    the job, when its key has no slot free at once, its key refuses calls, the time left is
+    shorter than it usually takes, or it fails (see docs/degradation.md). ``fallback`` is
+    either state to set (a mapping of top-level keys to values, copied each time) or a pipe
+    to run in its place, at once, taking no slot.
+    """
 
     fn: PipeFunction
     name: str
@@ -89,6 +103,12 @@ class Pipe:
     timeout: float | None = None
     blocking: bool = False
     request_use: RequestUse | None = None
+    optional: bool = False
+    fallback: Mapping[str, Any] | Pipe | None = None
+    #: ``optional`` or with a fallback: set from them, read on every run.
+    degradable: bool = field(default=False, init=False, repr=False)
+    #: A fallback mapping packed once: each degraded run unpacks a copy of its own.
+    _fallback_state: bytes | None = field(default=None, init=False, repr=False)
 
     kind = "pipe"
 
@@ -122,6 +142,51 @@ class Pipe:
                 f"pipe {self.name!r} is not an async function; write it as `async def`, "
                 "or declare it with blocking=True to run it in a worker thread"
             )
+        if not isinstance(self.optional, bool):
+            raise RegistrationError(
+                f"pipe {self.name!r}: optional must be True or False, got {self.optional!r}"
+            )
+        if self.fallback is not None:
+            object.__setattr__(self, "_fallback_state", self._check_fallback(self.fallback))
+        object.__setattr__(self, "degradable", self.optional or self.fallback is not None)
+
+    def _check_fallback(self, fallback: object) -> bytes | None:
+        """The fallback mapping packed (None for a fallback pipe), or RegistrationError."""
+        where = f"pipe {self.name!r}: fallback"
+        if isinstance(fallback, Pipe):
+            if fallback.degradable:
+                raise RegistrationError(
+                    f"{where} {fallback.name!r} is optional or has a fallback itself; a "
+                    "fallback answers at once, so give it neither"
+                )
+            return None
+        if not isinstance(fallback, Mapping):
+            raise RegistrationError(
+                f"{where} must be a mapping of state keys to values (the state it sets) or "
+                f"a pipe (run in its place), got {fallback!r}"
+            )
+        for key in fallback:
+            if not isinstance(key, str):
+                raise RegistrationError(f"{where}: state keys must be strings, got {key!r}")
+            if key == DEGRADED_KEY:
+                raise RegistrationError(
+                    f"{where} sets {DEGRADED_KEY!r}, where the engine records what it "
+                    "degraded; use another key"
+                )
+        try:
+            check_value(dict(fallback), root="fallback")
+        except StateError as exc:
+            raise RegistrationError(f"{where}: {exc}") from None
+        packed: bytes = msgpack.packb(dict(fallback))
+        return packed
+
+    def fallback_state(self) -> dict[str, Any]:
+        """A fresh copy of the state a fallback mapping sets (empty for none)."""
+        packed = self._fallback_state
+        if packed is None:
+            return {}
+        state: dict[str, Any] = msgpack.unpackb(packed, strict_map_key=False)
+        return state
 
     async def run(self, ctx: Context) -> None:
         if self.blocking:

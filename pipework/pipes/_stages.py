@@ -15,7 +15,7 @@ from .._errors import RegistrationError
 from ._graph import validate_graph
 from ._join import Join, Outcome
 from ._merge import MergePolicy, MergeRule
-from ._pipe import Pipe, PipeFunction, RequestUse, as_pipe, is_seconds
+from ._pipe import DEGRADED_KEY, Pipe, PipeFunction, RequestUse, as_pipe, is_seconds
 
 __all__ = [
     "BranchEnd",
@@ -105,6 +105,16 @@ class Parallel:
         """Whether the engine runs this stage inside its parent's step: unless a branch
         nests another parallel stage or a graph node is detached (see dispatcher/_instep.py)."""
         return not any(self.detach) and not any(_nests_parallel(b) for b in self.branches)
+
+    @cached_property
+    def merge_rules(self) -> MergePolicy:
+        """``merge``, with what the engine records of degraded pipes (``"degraded"``, a dict
+        of pipe names) merged as a dict update, unless the policy names that key: each
+        branch adds its own names (docs/degradation.md)."""
+        policy = self.merge
+        if DEGRADED_KEY in policy.keys:
+            return policy
+        return MergePolicy(policy.default, {**policy.keys, DEGRADED_KEY: "update"})
 
     @cached_property
     def branch_keys(self) -> frozenset[str | None]:
@@ -437,6 +447,8 @@ class Chain:
             if isinstance(node, Pipe):
                 if node.request_use is not None:
                     found = node.request_use if found is None else found | node.request_use
+                if isinstance(node.fallback, Pipe):  # it runs in the pipe's place
+                    pending.append(node.fallback)
             else:
                 pending.extend(node.children)
         return found

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final
@@ -28,10 +28,16 @@ import httpx
 from ..backends._http import Backends
 from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
-from ..pipes._pipe import REQUEST_KEY
+from ..pipes._pipe import REQUEST_KEY, Pipe
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
 from ._config_lines import scan_lines
-from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
+from ._config_pipes import (
+    HttpPipeConfig,
+    PipeConfig,
+    PythonPipeConfig,
+    build_order,
+    read_pipes,
+)
 from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
 from ._config_proxy import ProxyConfig, read_proxies
 from ._config_read import report_unknown
@@ -194,6 +200,8 @@ def config_from_dict(
         c, data.get("routes"), declared_pipes, declared_services, routes
     )
     used |= proxy_used
+    # A pipe named as a used pipe's fallback is used too.
+    used |= {p.fallback for n, p in pipes.items() if n in used and isinstance(p.fallback, str)}
     _check_proxied_schemes(c, proxies, services)
     _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
@@ -257,7 +265,8 @@ def _check_request_use(
     """What the pipes read of the request (the headers they pass on, its body as it came)
     against the routes that run them."""
     for name, rc in routes.items():
-        uses = [(p, u) for p in rc.pipes if p in pipes and (u := pipes[p].request_use)]
+        run = [*rc.pipes, *_fallbacks(pipes, rc.pipes)]
+        uses = [(p, u) for p in run if p in pipes and (u := pipes[p].request_use)]
         route, where = rc.route, ("routes", name)
         senders = [p for p, use in uses if use.body]
         if senders and route.body != "raw":
@@ -281,7 +290,8 @@ def _check_request_use(
                 "its pipes pass on, its raw body); set result to the key to answer",
             )
     for name, pc in proxies.items():
-        senders = [p for p in pc.pipes if p in pipes and (u := pipes[p].request_use) and u.body]
+        run = [*pc.pipes, *_fallbacks(pipes, pc.pipes)]
+        senders = [p for p in run if p in pipes and (u := pipes[p].request_use) and u.body]
         if senders:
             c.error(
                 ("routes", name),
@@ -289,6 +299,11 @@ def _check_request_use(
                 "a proxy route's chains run on the request's head: its body streams to the "
                 "service",
             )
+
+
+def _fallbacks(pipes: Mapping[str, PipeConfig], names: Iterable[str]) -> list[str]:
+    """The pipes named as fallbacks of ``names``: they run in a route as those do."""
+    return [f for n in names if n in pipes and isinstance(f := pipes[n].fallback, str)]
 
 
 def _names(section: Any) -> list[str]:
@@ -331,8 +346,9 @@ def build_registry(
     HTTP pipes call through ``backends``, which must be open while they run. Pass a
     ``registry`` to add to an existing one."""
     registry = registry if registry is not None else Registry()
-    for pipe in config.pipes.values():
-        registry.add_pipe(pipe.build(backends))
+    built: dict[str, Pipe] = {}
+    for pipe in build_order(config.pipes):
+        built[pipe.name] = registry.add_pipe(pipe.build(backends, built))
     for rc in config.routes.values():
         registry.chain(
             rc.route.name, rc.chain, timeout=rc.route.timeout, key=rc.key, result=rc.result

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Final, TypeAlias
 
-from .._errors import RegistrationError
+from .._errors import RegistrationError, StateError
 from ..backends._http import Backends, http_pipe
 from ..backends._http_spec import (
     DEFAULT_ACCEPT,
@@ -18,11 +18,12 @@ from ..backends._http_spec import (
     check_pass_header,
 )
 from ..backends._http_template import Template, TemplateSyntaxError
-from ..pipes._pipe import Pipe, PipeFunction, RequestUse
+from ..pipes._pipe import DEGRADED_KEY, Pipe, PipeFunction, RequestUse
+from ..pipes._state import check_value
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table
 
-__all__ = ["HttpPipeConfig", "PipeConfig", "PythonPipeConfig", "read_pipes"]
+__all__ = ["HttpPipeConfig", "PipeConfig", "PythonPipeConfig", "build_order", "read_pipes"]
 
 HTTP_KEYS: Final = (
     "service",
@@ -39,11 +40,17 @@ HTTP_KEYS: Final = (
     "accept",
     "key",
     "timeout",
+    "optional",
+    "fallback",
 )
-PYTHON_KEYS: Final = ("python", "key", "timeout", "blocking")
+PYTHON_KEYS: Final = ("python", "key", "timeout", "blocking", "optional", "fallback")
 _IDENT: Final = r"[A-Za-z_][A-Za-z0-9_]*"
 _REF: Final = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)\Z")
 _STATUS_CLASS: Final = re.compile(r"[1-5]xx\Z")
+
+
+#: A pipe's ``fallback``: the state it sets, or the name of the pipe run in its place.
+Fallback: TypeAlias = Mapping[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +61,13 @@ class HttpPipeConfig:
     call: HttpCall
     key: str
     timeout: float | None = None
+    optional: bool = False
+    fallback: Fallback | None = None
 
-    def build(self, backends: Backends) -> Pipe:
-        return http_pipe(self.name, self.call, backends, key=self.key, timeout=self.timeout)
+    def build(self, backends: Backends, pipes: Mapping[str, Pipe]) -> Pipe:
+        """The pipe; ``pipes``: those built so far (a fallback named is one of them)."""
+        pipe = http_pipe(self.name, self.call, backends, key=self.key, timeout=self.timeout)
+        return _degradable(pipe, self.optional, self.fallback, pipes)
 
     @property
     def request_use(self) -> RequestUse | None:
@@ -76,9 +87,13 @@ class PythonPipeConfig:
     key: str | None = None
     timeout: float | None = None
     blocking: bool = False
+    optional: bool = False
+    fallback: Fallback | None = None
 
-    def build(self, backends: Backends) -> Pipe:
-        return Pipe(self.function, self.name, self.key, self.timeout, self.blocking)
+    def build(self, backends: Backends, pipes: Mapping[str, Pipe]) -> Pipe:
+        """The pipe; ``pipes``: those built so far (a fallback named is one of them)."""
+        pipe = Pipe(self.function, self.name, self.key, self.timeout, self.blocking)
+        return _degradable(pipe, self.optional, self.fallback, pipes)
 
     @property
     def request_use(self) -> RequestUse | None:
@@ -89,6 +104,20 @@ class PythonPipeConfig:
 
 
 PipeConfig: TypeAlias = HttpPipeConfig | PythonPipeConfig
+
+
+def _degradable(
+    pipe: Pipe, optional: bool, fallback: Fallback | None, pipes: Mapping[str, Pipe]
+) -> Pipe:
+    if not optional and fallback is None:
+        return pipe
+    answer = pipes[fallback] if isinstance(fallback, str) else fallback
+    return replace(pipe, optional=optional, fallback=answer)
+
+
+def build_order(pipes: Mapping[str, PipeConfig]) -> list[PipeConfig]:
+    """The pipes in the order to build them: a pipe named as another's fallback first."""
+    return sorted(pipes.values(), key=lambda p: isinstance(p.fallback, str))
 
 
 def read_pipes(c: Collector, value: Any, services: Collection[str]) -> dict[str, PipeConfig]:
@@ -121,7 +150,67 @@ def read_pipes(c: Collector, value: Any, services: Collection[str]) -> dict[str,
             c.error(where, "set service (a built-in HTTP call) or python (a function)")
         if pipe is not None and not c.failed(where):
             pipes[name] = pipe
+    _check_fallback_pipes(c, path, value, pipes)
     return pipes
+
+
+def _degradation(t: Table, name: str) -> tuple[bool, Fallback | None]:
+    """A pipe's ``optional`` and ``fallback`` (docs/degradation.md); each problem reported
+    at its key path. A fallback pipe's name is checked once every pipe is read."""
+    optional = t.boolean("optional", False)
+    if "fallback" not in t:
+        return optional, None
+    value = t.data["fallback"]
+    where = t.at("fallback")
+    if isinstance(value, str):
+        if value == name:
+            t.c.error(where, "a pipe cannot be its own fallback; name another pipe")
+            return optional, None
+        return optional, value
+    if not isinstance(value, dict):
+        t.c.error(
+            where,
+            "expected a table (the state to set in the pipe's place) or a pipe's name (run "
+            f"in its place), got {describe_value(value)}",
+        )
+        return optional, None
+    for key, item in value.items():
+        if key == DEGRADED_KEY:
+            t.c.error(
+                (*where, key),
+                f"{DEGRADED_KEY!r} is where the engine records what it degraded; use another key",
+            )
+            continue
+        try:
+            check_value(item, root=key)
+        except StateError as exc:
+            t.c.error((*where, key), str(exc))
+    return optional, value
+
+
+def _check_fallback_pipes(
+    c: Collector, path: KeyPath, section: dict[str, Any], pipes: Mapping[str, PipeConfig]
+) -> None:
+    """A fallback pipe named must exist and answer at once (be neither optional nor have a
+    fallback of its own)."""
+    for name, pipe in pipes.items():
+        fallback = pipe.fallback
+        if not isinstance(fallback, str):
+            continue
+        where = (*path, name, "fallback")
+        other = pipes.get(fallback)
+        if other is None:
+            if fallback in section:
+                continue  # declared, with problems of its own (reported there)
+            guess = close_match(fallback, [n for n in section if isinstance(n, str)])
+            also = f"did you mean {guess!r}?" if guess else "declare it under [pipes]"
+            c.error(where, f"unknown pipe {fallback!r}; {also}")
+        elif other.optional or other.fallback is not None:
+            c.error(
+                where,
+                f"pipe {fallback!r} is optional or has a fallback itself; a fallback answers "
+                "at once, so name a pipe with neither",
+            )
 
 
 def _list(keys: tuple[str, ...]) -> str:
@@ -161,6 +250,7 @@ def _http_pipe(name: str, t: Table, services: Collection[str]) -> HttpPipeConfig
             "not both",
         )
     raw = t.boolean("raw", False)
+    optional, fallback = _degradation(t, name)
     if raw and into is None and "into" in t:
         c.error(t.at("raw"), "raw = true keeps the answer's bytes, but into = false keeps nothing")
     if c.failed(t.path) or service is None or path is None:
@@ -179,7 +269,7 @@ def _http_pipe(name: str, t: Table, services: Collection[str]) -> HttpPipeConfig
         body_from,
         raw,
     )
-    return HttpPipeConfig(name, call, key, timeout)
+    return HttpPipeConfig(name, call, key, timeout, optional, fallback)
 
 
 def _pass_headers(t: Table) -> frozenset[str]:
@@ -279,6 +369,7 @@ def _python_pipe(name: str, t: Table) -> PythonPipeConfig | None:
     key = t.string("key", None)
     timeout = t.number("timeout", None)
     blocking = t.boolean("blocking", False)
+    optional, fallback = _degradation(t, name)
     if ref is None:
         return None
     function = _import(c, t.at("python"), ref)
@@ -289,7 +380,7 @@ def _python_pipe(name: str, t: Table) -> PythonPipeConfig | None:
     except RegistrationError as exc:
         c.error(t.at("python"), str(exc))
         return None
-    return PythonPipeConfig(name, ref, function, key, timeout, blocking)
+    return PythonPipeConfig(name, ref, function, key, timeout, blocking, optional, fallback)
 
 
 def _import(c: Collector, path: KeyPath, ref: str) -> PipeFunction | None:
