@@ -16,6 +16,16 @@ import httpx
 
 from .._errors import RegistrationError
 from ._http_template import BodyTemplate, Template, TemplateError, parse_body
+from ._resilience_spec import (
+    Balance,
+    BreakerSpec,
+    HealthSpec,
+    HedgeSpec,
+    HostSpec,
+    OutlierSpec,
+    Resilience,
+    RetrySpec,
+)
 
 __all__ = [
     "DEFAULT_ACCEPT",
@@ -27,6 +37,7 @@ __all__ = [
     "check_base_url",
     "check_header_name",
     "check_header_value",
+    "check_same_api",
     "forwarded_headers",
     "is_token",
 ]
@@ -106,7 +117,13 @@ def check_base_url(url: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Service:
-    """A backend service: every call to it goes to ``base_url`` (plus the pipe's path).
+    """A backend service: every call to it goes to one of its hosts (plus the pipe's path).
+
+    The hosts are ``base_url`` alone, or ``hosts`` (URLs or :class:`HostSpec` with weights;
+    one of the two, not both), all with the same scheme and path. ``balance`` chooses among
+    them (``p2c``, ``round_robin``, ``random``); ``health``, ``outlier``, ``breaker``,
+    ``retry`` and ``hedge`` set how the service stays available when hosts fail (see
+    docs/resilience.md; ``health`` and ``hedge`` are off when None).
 
     ``timeout`` bounds one whole call in seconds (and always the job's remaining time);
     ``connect_timeout`` the connection set-up. ``max_connections`` is the size of its
@@ -119,7 +136,7 @@ class Service:
     """
 
     name: str
-    base_url: str
+    base_url: str = ""
     timeout: float = 10.0
     connect_timeout: float | None = None
     max_connections: int = 10
@@ -128,15 +145,37 @@ class Service:
     headers: Mapping[str, str] = field(default_factory=dict)
     max_response_bytes: int = 10 * 1024 * 1024
     request_id_header: str | None = "X-Request-ID"
+    hosts: tuple[HostSpec, ...] = ()
+    balance: Balance = "p2c"
+    health: HealthSpec | None = None
+    outlier: OutlierSpec = field(default_factory=OutlierSpec)
+    breaker: BreakerSpec = field(default_factory=BreakerSpec)
+    retry: RetrySpec = field(default_factory=RetrySpec)
+    hedge: HedgeSpec | None = None
 
     def __post_init__(self) -> None:
         where = f"service {self.name!r}"
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
         if not self.name:
             raise RegistrationError("a service needs a non-empty name")
-        problem = check_base_url(self.base_url)
+        hosts = tuple(HostSpec(h) if isinstance(h, str) else h for h in self.hosts)
+        object.__setattr__(self, "hosts", hosts)
+        if self.base_url and hosts:
+            raise RegistrationError(f"{where}: set base_url or hosts, not both")
+        if not self.base_url and not hosts:
+            raise RegistrationError(f"{where}: set its base_url, or its hosts")
+        for host in self.endpoints:
+            problem = check_base_url(host.url)
+            if problem is not None:
+                name = "base_url" if self.base_url else "host"
+                raise RegistrationError(f"{where}: {name} {problem}")
+        problem = check_same_api(tuple(h.url for h in hosts))
         if problem is not None:
-            raise RegistrationError(f"{where}: base_url {problem}")
+            raise RegistrationError(f"{where}: {problem}")
+        try:
+            self.resilience  # noqa: B018 -- checks the hosts and settings together
+        except RegistrationError as exc:
+            raise RegistrationError(f"{where}: {exc}") from None
         for name, value in (("timeout", self.timeout), ("connect_timeout", self.connect_timeout)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise RegistrationError(f"{where}: {name} must be a positive number, got {value}")
@@ -155,8 +194,27 @@ class Service:
                 raise RegistrationError(f"{where}: {problem}")
 
     @property
+    def endpoints(self) -> tuple[HostSpec, ...]:
+        """Every host of the service: ``hosts``, or ``base_url`` as one host of weight 1."""
+        return self.hosts or (HostSpec(self.base_url),)
+
+    @property
+    def resilience(self) -> Resilience:
+        """The hosts and settings the service's sans-IO core (``ServiceCore``) runs on."""
+        return Resilience(
+            self.endpoints,
+            self.balance,
+            self.health,
+            self.outlier,
+            self.breaker,
+            self.retry,
+            self.hedge,
+        )
+
+    @property
     def url(self) -> httpx.URL:
-        return httpx.URL(self.base_url)
+        """The first host's URL (the only one's, for a service with a ``base_url``)."""
+        return httpx.URL(self.endpoints[0].url)
 
     def limits(self) -> httpx.Limits:
         keepalive = self.max_connections if self.max_keepalive is None else self.max_keepalive
@@ -165,6 +223,24 @@ class Service:
             max_keepalive_connections=min(keepalive, self.max_connections),
             keepalive_expiry=self.keepalive_expiry,
         )
+
+
+def check_same_api(urls: tuple[str, ...]) -> str | None:
+    """Why ``urls`` (each a valid base URL) cannot be the hosts of one service, or None: they
+    must share the scheme and the path, being copies of one API."""
+    if len(urls) < 2:
+        return None
+    first = httpx.URL(urls[0])
+    for url in urls[1:]:
+        other = httpx.URL(url)
+        if other.scheme != first.scheme:
+            return f"hosts {urls[0]!r} and {url!r} differ in scheme; a service's hosts share one"
+        if other.raw_path.rstrip(b"/") != first.raw_path.rstrip(b"/"):
+            return (
+                f"hosts {urls[0]!r} and {url!r} differ in path; a service's hosts serve one "
+                "API under one path (make them two services if they are not)"
+            )
+    return None
 
 
 @dataclass(frozen=True, slots=True)
