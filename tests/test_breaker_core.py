@@ -144,13 +144,13 @@ class BreakerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.spec = BreakerSpec(
-            failure_percent=40, minimum_calls=3, window=4, wait=2, half_open_calls=3
+            failure_percent=40, minimum_calls=2, window=4, wait=1, half_open_calls=3
         )
         self.b = Breaker(self.spec)
         self.now = 0.0
         self.out: list[Permit] = []
 
-    @rule(dt=st.floats(0, 3))
+    @rule(dt=st.floats(0, 1.5))
     def tick(self, dt: float) -> None:
         self.now += dt
 
@@ -171,6 +171,12 @@ class BreakerMachine(RuleBasedStateMachine):
             return
         permit = self.out.pop(data.draw(st.integers(0, len(self.out) - 1)))
         self.b.record(permit, self.now, error=outcome)
+
+    @rule(error=st.booleans())
+    def finish_current(self, error: bool) -> None:
+        # The newest permit: most often one of the state the breaker is in now.
+        if self.out:
+            self.b.record(self.out.pop(), self.now, error=error)
 
     @rule()
     def no_host(self) -> None:

@@ -111,7 +111,7 @@ class Breaker:
             return Permit(True, epoch=self.epoch)
         if self.state is BreakerState.OPEN:
             if now < self._until:
-                return Permit(False, retry_after=self._until - now)
+                return Permit(False, retry_after=self.retry_after(now))
             self._move(BreakerState.HALF_OPEN)
         if self.state is BreakerState.HALF_OPEN:
             if self._probes + self._passed >= self.spec.half_open_calls:
@@ -152,8 +152,8 @@ class Breaker:
     # -- reading ----------------------------------------------------------------------------
 
     def retry_after(self, now: float) -> float:
-        if self.state is BreakerState.OPEN:
-            return max(0.0, self._until - now)
+        if self.state is BreakerState.OPEN:  # never above the wait, rounding included
+            return min(self.spec.wait, max(0.0, self._until - now))
         return 0.0
 
     def statistics(self, now: float) -> BreakerStatistics:
