@@ -226,6 +226,16 @@ def test_a_host_that_fails_fast_does_not_look_fast() -> None:
     latency = failing.latency(2.001)
     assert latency is not None
     assert latency >= 0.09  # penalised, not 1 ms
+    fresh = make(2)
+    known, new = fresh.hosts
+    known.observe(0.0, 0.2)
+    call = begin(fresh)
+    while (attempt := first(call)).host is not new:  # aim at the host with no sample
+        call.finish(attempt, 0.0, OK)
+        call.end(0.0)
+        call = begin(fresh)
+    call.finish(attempt, 0.001, CONNECT)
+    assert new.latency(0.001) == pytest.approx(0.4, rel=0.01)  # twice the others' estimate
 
 
 # -- hedging ---------------------------------------------------------------------------------

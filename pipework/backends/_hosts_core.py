@@ -247,7 +247,7 @@ class ServiceCore:
             elapsed = max(0.0, now - attempt.started)
             if outcome.is_error:
                 host.failures += 1
-                basis = host.latency(now) or elapsed
+                basis = host.latency(now) or self._typical_latency(now) or elapsed
                 host.observe(now, max(elapsed, _FAILURE_PENALTY * basis))
             else:
                 host.observe(now, elapsed)
@@ -344,6 +344,11 @@ class ServiceCore:
     def _refresh(self, now: float) -> None:
         for host in self.outliers.refresh(self.hosts, now):
             self._events.append(HostReturned(host.url))
+
+    def _typical_latency(self, now: float) -> float | None:
+        """The mean latency estimate of the hosts that have one."""
+        known = [x for h in self.hosts if (x := h.latency(now)) is not None]
+        return sum(known) / len(known) if known else None
 
     def _check_hosts(self, now: float) -> None:
         """The last available host just went out: the breaker opens."""
