@@ -297,10 +297,13 @@ def test_hedges_need_a_resendable_call_another_host_and_budget() -> None:
     broke = begin(core)
     first(broke)
     assert broke.hedge(0.2) is None  # 3 calls, 0 % of them: no budget
+    assert broke.hedge_at() is None  # and it hedges no more: a driver never spins on it
     lone = make(1, hedge=HedgeSpec(delay=0.1))
     call = begin(lone)
     first(call)
+    assert call.hedge_at() == pytest.approx(0.1)
     assert call.hedge(0.2) is None  # no other host
+    assert call.hedge_at() is None
 
 
 # -- ejection, health, the breaker -----------------------------------------------------------

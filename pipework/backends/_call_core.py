@@ -19,7 +19,7 @@ a full-jitter pause, on a host it has not tried yet if there is one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from ._balance_core import Host
 from ._breaker_core import BreakerState, Permit
@@ -29,7 +29,7 @@ from ._outlier_core import Outcome
 if TYPE_CHECKING:
     from ._hosts_core import ServiceCore
 
-__all__ = ["Attempt", "Call", "Refusal", "Verdict"]
+__all__ = ["Attempt", "AttemptKind", "Call", "Refusal", "Verdict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +57,18 @@ class Verdict:
     delay: float = 0.0
 
 
+AttemptKind: TypeAlias = Literal["first", "retry", "hedge"]
+
+
 class Attempt:
     """One try of a call: to ``host``, begun at ``started``, to end by ``deadline`` (the
     call's deadline, or sooner with a per-try timeout). ``kind``: first, retry or hedge."""
 
     __slots__ = ("call", "deadline", "done", "host", "kind", "started")
 
-    def __init__(self, call: Call, host: Host, started: float, deadline: float, kind: str):
+    def __init__(
+        self, call: Call, host: Host, started: float, deadline: float, kind: AttemptKind
+    ) -> None:
         self.call = call
         self.host = host
         self.started = started
@@ -119,7 +124,7 @@ class Call:
             raise RuntimeError("this call has ended")
         if self.attempts and not self._retry_granted:
             raise RuntimeError("no retry was granted: call.finish() decides retries")
-        kind = "retry" if self._retry_granted else "first"
+        kind: AttemptKind = "retry" if self._retry_granted else "first"
         self._retry_granted = False
         core = self._core
         host = core.pick(now, self._tried())
@@ -148,13 +153,16 @@ class Call:
 
     def hedge(self, now: float) -> Attempt | None:
         """Another try beside the one out, to a host not tried yet, if :meth:`hedge_at` has
-        come and the retry budget has room; else None."""
+        come; else None. When it has come but no untried host is available or the retry
+        budget has no room, the call hedges no more (:meth:`hedge_at` is None from then on,
+        so a driver waiting for it never spins)."""
         at = self.hedge_at()
         if at is None or now < at:
             return None
         core = self._core
         host = core.pick(now, self._tried(), repeat=False)
         if host is None or not core.budget.acquire(hedge=True):
+            self.hedging = False
             return None
         return self._launch(host, now, "hedge")
 
@@ -195,7 +203,7 @@ class Call:
     def _tried(self) -> set[Host]:
         return {a.host for a in self.attempts}
 
-    def _launch(self, host: Host, now: float, kind: str) -> Attempt:
+    def _launch(self, host: Host, now: float, kind: AttemptKind) -> Attempt:
         per_try = self._core.resilience.retry.per_try_timeout
         deadline = self.deadline if per_try is None else min(self.deadline, now + per_try)
         attempt = Attempt(self, host, now, deadline, kind)
