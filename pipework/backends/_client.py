@@ -1,5 +1,6 @@
 """The lean client of one ``http://`` service: an :class:`HttpCall` rendered straight to
-h11's request parts and sent through a keep-alive :class:`~._pool.Pool`.
+h11's request parts and sent through a keep-alive :class:`~._pool.Pool` per host, each try
+chosen, retried or hedged by the service's resilience core (:mod:`._hosts_core`).
 
 It builds the same request the httpx path builds (same target, query encoding, headers and
 JSON body; ``Accept-Encoding: gzip, deflate``) without httpx's request and URL models,
@@ -8,22 +9,52 @@ status checked against ``accept``, ``max_response_bytes`` counted on the decoded
 JSON parsed, other text decoded with its charset. What fails is raised as the same
 :class:`~pipework.BackendError` texts, or as the lean client's own exceptions
 (:mod:`._failures`) for the caller to translate.
+
+**The driver of the resilience core.** A call begins with :meth:`ServiceCore.begin`: a
+refusal (the breaker open, every host drained) raises :class:`~pipework.Overloaded` (503
+with ``Retry-After``) before anything is sent. Each try goes to the host the core picks,
+through that host's own pool (``Host.tag`` holds it, as a :class:`HostLink`), by the try's
+deadline; its outcome -- an answer's status, or a :class:`Failure` for what the pool
+raised -- goes back to :meth:`Call.finish`, whose verdict answers, retries after a pause
+(inside the call's deadline) or drops it. With hedging, the tries of a call run in a
+nursery: a hedge starts when :meth:`Call.hedge_at` comes, the first try whose outcome is
+the call's answer cancels the others (their connections are closed, never reused: the
+pool's cancellation rule). The call's result is its answering try's: the answer decoded,
+or that try's failure raised as it came from the pool.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlencode
 
-from .._errors import BackendError
-from ._h1 import ACCEPT_ENCODING, Answer
+import httpx
+import trio
+
+from .._errors import BackendError, Overloaded
+from ._balance_core import Host
+from ._call_core import Attempt, Call, Refusal, Verdict
+from ._failures import CallTimeout, ConnectFailed, ConnectionBroken, TransportFailure
+from ._h1 import ACCEPT_ENCODING, Answer, StaleConnection
+from ._hosts_core import ServiceCore
 from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
+from ._outlier_core import Failure, Outcome
 from ._pool import Pool, ResponseTooLarge
 
-__all__ = ["ServiceClient", "decode_answer", "too_big", "unaccepted"]
+__all__ = [
+    "HostLink",
+    "ServiceClient",
+    "decode_answer",
+    "failure_of",
+    "refused",
+    "too_big",
+    "unaccepted",
+]
 
 _DEFAULTS: Final = (
     ("accept", "Accept", "*/*"),
@@ -31,25 +62,58 @@ _DEFAULTS: Final = (
 )
 
 
-class ServiceClient:
-    """Calls to one ``http://`` service over a pool sized by its :class:`Service`."""
+class HostLink:
+    """What the client keeps for one host (its ``Host.tag``): the pool of connections to
+    it and the ``Host`` header its requests carry."""
 
-    def __init__(self, service: Service, user_agent: str, pool: Pool | None = None) -> None:
+    __slots__ = ("netloc", "pool", "url")
+
+    def __init__(self, url: str, pool: Pool, netloc: bytes) -> None:
+        self.url = url
+        self.pool = pool
+        self.netloc = netloc
+
+
+@dataclass(slots=True)
+class _Try:
+    """How one try ended, as the call may use it: an answer, the status of one too big, or
+    the pool's failure."""
+
+    outcome: Outcome
+    answer: Answer | None = None
+    failure: TransportFailure | None = None
+
+
+class ServiceClient:
+    """Calls to one ``http://`` service: a pool per host, each sized by its
+    :class:`Service`, and the service's resilience core choosing the hosts. ``pool``
+    replaces the pool of a one-host service (tests); ``core`` is one a reload carries over
+    (:meth:`ServiceCore.reconfigure` is applied to it); ``rng`` seeds a new core."""
+
+    def __init__(
+        self,
+        service: Service,
+        user_agent: str,
+        pool: Pool | None = None,
+        *,
+        core: ServiceCore | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         url = service.url
         if url.scheme != "http":
             raise ValueError(f"the lean client speaks plain http, not {url.scheme}")
+        if pool is not None and len(service.endpoints) > 1:
+            raise ValueError("a pool may be given only for a service of one host")
         self.service = service
-        port = url.port if url.port is not None else 80
-        self.pool = pool or Pool(
-            url.host,
-            port,
-            max_connections=service.max_connections,
-            max_idle=service.max_keepalive,
-            idle_timeout=service.keepalive_expiry,
-            connect_timeout=(
-                service.timeout if service.connect_timeout is None else service.connect_timeout
-            ),
-        )
+        if core is None:
+            core = ServiceCore(service.name, service.resilience, rng=rng)
+        else:
+            core.reconfigure(service.resilience, trio.current_time())
+        self.core = core
+        self._links: dict[str, HostLink] = {}
+        self._closed = False
+        for host in core.hosts:
+            host.tag = self._link(host, pool)
         self._base = url.raw_path.rstrip(b"/").decode("ascii")
         self._host = url.netloc
         # Service headers over the client's own, as httpx merges them; lower name -> pair.
@@ -58,8 +122,43 @@ class ServiceClient:
             base[name.lower()] = (name, value)
         self._headers = base
 
+    @property
+    def pool(self) -> Pool:
+        """The first host's pool (the only one of a service with a ``base_url``)."""
+        return self._link(self.core.hosts[0]).pool
+
+    @property
+    def links(self) -> Mapping[str, HostLink]:
+        """Each host's pool, by the host's URL."""
+        return self._links
+
+    def _link(self, host: Host, pool: Pool | None = None) -> HostLink:
+        """The host's link, made on first use: a core carried over by a reload may pick a
+        host this client's plan did not have, for the tries of the calls still on it."""
+        link = self._links.get(host.url)
+        if link is None:
+            service = self.service
+            url = httpx.URL(host.url)
+            if pool is None:
+                pool = Pool(
+                    url.host,
+                    url.port if url.port is not None else 80,
+                    max_connections=service.max_connections,
+                    max_idle=service.max_keepalive,
+                    idle_timeout=service.keepalive_expiry,
+                    connect_timeout=(
+                        service.timeout
+                        if service.connect_timeout is None
+                        else service.connect_timeout
+                    ),
+                )
+            link = self._links[host.url] = HostLink(host.url, pool, url.netloc)
+        return link
+
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        self._closed = True
+        for link in list(self._links.values()):
+            await link.pool.aclose()
 
     def prepare(
         self,
@@ -116,29 +215,152 @@ class ServiceClient:
         deadline: float,
         extra: Mapping[str, str] | None = None,
     ) -> Any:
-        """Make ``call`` by ``deadline`` (trio time); return the answer's body, decoded."""
-        method, target, headers, body = self.prepare(call, state, extra)
-        service = self.service
+        """Make ``call`` by ``deadline`` (trio time); return the answer's body, decoded.
+        Raises :class:`~pipework.Overloaded` when the core refuses the call, the
+        answering try's failure (:mod:`._failures`) when it had no answer."""
+        request = self.prepare(call, state, extra)
+        core = self.core
+        begun = core.begin(trio.current_time(), method=call.method, deadline=deadline)
+        if isinstance(begun, Refusal):
+            raise refused(self.service, begun)
         try:
-            answer = await self.pool.request(
+            done = await self._drive(begun, request)
+        finally:
+            begun.end(trio.current_time())
+        return self._result(call, done)
+
+    async def _drive(
+        self, call: Call, request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None]
+    ) -> _Try:
+        """The core's loop for one call: tries until one is the call's answer."""
+        attempt = call.attempt(trio.current_time())
+        while True:
+            if attempt is None:  # every host drained meanwhile
+                return _Try(
+                    Outcome.failed(Failure.CONNECT),
+                    failure=ConnectFailed(f"service {self.service.name!r} has no host to call"),
+                )
+            if call.hedge_at() is None:
+                done = await self._try(attempt, request)
+                verdict = call.finish(attempt, trio.current_time(), done.outcome)
+            else:
+                verdict, done = await self._hedged(call, attempt, request)
+            if verdict.action == "answer":
+                return done
+            # "retry" (a "drop" leaves no try out here: only a try still out drops one)
+            assert verdict.action == "retry", verdict
+            with trio.move_on_at(call.deadline):
+                await trio.sleep(verdict.delay)
+            attempt = call.attempt(trio.current_time())
+
+    async def _hedged(
+        self,
+        call: Call,
+        first: Attempt,
+        request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None],
+    ) -> tuple[Verdict, _Try]:
+        """``first`` and the hedges beside it, until one try's verdict is not a drop."""
+        decided: list[tuple[Verdict, _Try]] = []
+
+        async def run(attempt: Attempt, scope: trio.CancelScope) -> None:
+            try:
+                done = await self._try(attempt, request)
+            except BaseException:
+                if not attempt.done:  # cancelled: another try answered, or the call ended
+                    call.finish(attempt, trio.current_time(), Outcome.cancel())
+                raise
+            verdict = call.finish(attempt, trio.current_time(), done.outcome)
+            if verdict.action != "drop":
+                decided.append((verdict, done))
+                scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, first, nursery.cancel_scope)
+                while (at := call.hedge_at()) is not None:
+                    await trio.sleep_until(at)
+                    hedge = call.hedge(trio.current_time())
+                    if hedge is not None:
+                        nursery.start_soon(run, hedge, nursery.cancel_scope)
+                # No more hedges: the tries out decide.
+        except BaseExceptionGroup as group:
+            # The boundary: a cancellation goes on as trio raised it (the scope that
+            # cancelled finds it in the group); one error alone goes on as itself, so the
+            # caller sees the same errors with a hedge as without.
+            _, others = group.split(trio.Cancelled)
+            if others is not None:
+                leaves = list(_leaves(others))
+                if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                    raise leaves[0] from None
+            raise
+        assert decided, "a call's last try out always decides"
+        return decided[0]
+
+    async def _try(
+        self,
+        attempt: Attempt,
+        request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None],
+    ) -> _Try:
+        """One try, on its host's pool, by its deadline."""
+        method, target, headers, body = request
+        if self._closed:
+            closed = ConnectFailed(f"the client of service {self.service.name!r} is closed")
+            return _Try(Outcome.failed(Failure.CONNECT), failure=closed)
+        link = self._link(attempt.host)
+        wire = [(b"Host", link.netloc), *headers[1:]]  # the first is the Host header
+        try:
+            answer = await link.pool.request(
                 method,
                 target,
-                headers,
+                wire,
                 body,
-                deadline=deadline,
-                max_bytes=service.max_response_bytes,
+                deadline=attempt.deadline,
+                max_bytes=self.service.max_response_bytes,
             )
         except ResponseTooLarge as exc:
-            status = exc.status
-        else:
-            if answer.status not in call.accept:
-                raise unaccepted(service, call, answer.status)
-            return _decode(service, answer)
-        # Raised out here, not in the handler: the error holds no ResponseTooLarge as its
-        # context, nor the frames that one came through.
+            return _Try(Outcome.answer(exc.status))
+        except TransportFailure as exc:
+            return _Try(Outcome.failed(failure_of(exc)), failure=exc)
+        return _Try(Outcome.answer(answer.status), answer=answer)
+
+    def _result(self, call: HttpCall, done: _Try) -> Any:
+        if done.failure is not None:
+            raise done.failure
+        status = done.outcome.status
+        assert status is not None
         if status not in call.accept:
-            raise unaccepted(service, call, status)
-        raise too_big(service, status)
+            raise unaccepted(self.service, call, status)
+        if done.answer is None:
+            raise too_big(self.service, status)
+        return _decode(self.service, done.answer)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def failure_of(exc: TransportFailure) -> Failure:
+    """What a pool's failure says about the host (see :class:`Failure`)."""
+    if isinstance(exc, ConnectFailed):
+        return Failure.CONNECT
+    if isinstance(exc, CallTimeout):
+        return Failure.CONNECT if exc.phase == "connect" else Failure.TIMEOUT
+    if isinstance(exc, ConnectionBroken) and isinstance(exc.__cause__, StaleConnection):
+        return Failure.RESET  # closed before any byte of the answer
+    return Failure.BROKEN
+
+
+def refused(service: Service, refusal: Refusal) -> Overloaded:
+    """The error of a call the service's core refused: 503 with ``Retry-After``."""
+    return Overloaded(
+        f"{refusal.message} (retry after {refusal.retry_after:g} s)",
+        reason=refusal.reason,
+        retry_after=refusal.retry_after,
+    )
 
 
 def _decode(service: Service, answer: Answer) -> Any:

@@ -21,6 +21,10 @@ an unaccepted status, an answer that cannot be read or a broken connection is a
 :class:`~pipework.BackendUnreachable`, running out of time a
 :class:`~pipework.DeadlineExceeded` (504) — each saying what failed, where and what to do,
 with the client's own exception as ``__cause__``. Neither client's exceptions go further.
+A call to an ``http://`` service goes through its resilience core (several hosts,
+balancing, ejection, the breaker, retries, hedging: docs/resilience.md); a call the core
+refuses (the breaker open, every host drained) is :class:`~pipework.Overloaded` (503 with
+``Retry-After``), nothing sent.
 """
 
 from __future__ import annotations

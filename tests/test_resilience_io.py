@@ -1,0 +1,217 @@
+"""Upstream resilience on the lean client, against several real trio HTTP/1.1 servers on
+127.0.0.1 (one per host): balancing, outlier ejection, the breaker, retries and their
+budget, hedging, and the health checks. Time is trio's virtual clock (``autojump_clock``)
+wherever a wait matters; every server is driven by its plan, request by request."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from typing import Any, cast
+
+import pytest
+import trio
+import trio.testing
+
+import pipework as pw
+from pipework import Backends, Context, HttpCall, Service
+from pipework.backends._client import ServiceClient
+from pipework.backends._resilience_spec import (
+    BreakerSpec,
+    HedgeSpec,
+    OutlierSpec,
+    RetrySpec,
+)
+
+from .test_backend_pool import Plan, RawBackend, Seen, _Ctx, echo, serving
+
+HANG_GUARD = 30.0
+
+
+def status(code: int) -> Plan:
+    async def plan(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return f"HTTP/1.1 {code} X\r\nContent-Length: 0\r\n\r\n".encode(), True
+
+    return plan
+
+
+async def hold(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+    await backend.release.wait()
+    return await echo(backend, seen, index)
+
+
+@asynccontextmanager
+async def hosts(*plans: Plan) -> AsyncIterator[list[tuple[RawBackend, str]]]:
+    """One server per plan: its backend and its base URL."""
+    async with AsyncExitStack() as stack:
+        found = []
+        for plan in plans:
+            backend, port = await stack.enter_async_context(serving(plan))
+            found.append((backend, f"http://127.0.0.1:{port}"))
+        yield found
+
+
+def service(urls: Sequence[str], **settings: Any) -> Service:
+    settings.setdefault("balance", "round_robin")
+    return Service("api", hosts=tuple(urls), timeout=10.0, **settings)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def client(svc: Service) -> AsyncIterator[ServiceClient]:
+    made = ServiceClient(svc, "pipework", rng=random.Random(7))
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+async def get(c: ServiceClient, method: str = "GET", path: str = "/") -> Any:
+    return await c.call(HttpCall.of("api", path, method=method), {}, trio.current_time() + 10)
+
+
+def counts(found: list[tuple[RawBackend, str]]) -> list[int]:
+    return [len(b.seen) for b, _ in found]
+
+
+# -- balancing ---------------------------------------------------------------------------
+
+
+async def test_calls_are_spread_over_the_hosts_each_on_its_own_pool() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo, echo, echo) as found, client(service([u for _, u in found])) as c:
+            for _ in range(9):
+                await get(c)
+            assert counts(found) == [3, 3, 3]
+            # One kept-alive connection per host, each carrying that host's Host header.
+            assert [b.accepted for b, _ in found] == [1, 1, 1]
+            for backend, url in found:
+                assert {s.headers["host"] for s in backend.seen} == {url.removeprefix("http://")}
+            assert sorted(c.links) == sorted(u for _, u in found)
+            assert all(link.pool.statistics().idle == 1 for link in c.links.values())
+
+
+# -- outlier ejection ----------------------------------------------------------------------
+
+
+async def test_a_failing_host_is_ejected_and_traffic_moves_to_the_others(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(echo, status(500), echo) as found:
+        svc = service(
+            [u for _, u in found],
+            outlier=OutlierSpec(consecutive_5xx=2, max_ejection_percent=50),
+        )
+        async with client(svc) as c:
+            statuses = []
+            for _ in range(12):
+                try:
+                    await get(c)
+                except pw.BackendError as exc:
+                    statuses.append(exc.status)
+            assert statuses == [500, 500]  # then the host was out
+            assert counts(found)[1] == 2
+            assert counts(found)[0] + counts(found)[2] == 10
+            stats = c.core.statistics(trio.current_time())
+            assert [h.state for h in stats.hosts] == ["available", "ejected", "available"]
+            # Its ejection ends at base_ejection_time: it takes calls again.
+            autojump_clock.jump(svc.outlier.base_ejection_time)
+            for _ in range(3):
+                with suppress(pw.BackendError):
+                    await get(c)
+            assert counts(found)[1] == 3
+
+
+# -- the breaker ---------------------------------------------------------------------------
+
+
+async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), status(503)) as found:
+            svc = service(
+                [u for _, u in found],
+                outlier=OutlierSpec(consecutive_5xx=1, max_ejection_percent=100),
+                breaker=BreakerSpec(wait=7.0),
+            )
+            ctx = _Ctx({})
+            async with Backends([svc]) as backends:
+                with pytest.raises(pw.BackendError) as failed:
+                    await backends.call(HttpCall.of("api", "/"), cast(Context, ctx))
+                assert failed.value.status == 503
+                assert counts(found) == [1, 1]  # a try on each, the retry on the other
+                seen = counts(found)
+                with pytest.raises(pw.Overloaded) as refused:
+                    await backends.call(HttpCall.of("api", "/"), cast(Context, ctx))
+            assert counts(found) == seen  # nothing was sent
+            assert refused.value.http_status == 503
+            assert refused.value.reason == "circuit_open"
+            assert 0 < refused.value.retry_after <= 7.0
+            assert "circuit breaker is open" in str(refused.value)
+
+
+# -- retries -------------------------------------------------------------------------------
+
+
+async def test_an_idempotent_call_is_retried_on_another_host() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found, client(service([u for _, u in found])) as c:
+            answer = await get(c)
+            assert answer == {"conn": 0, "index": 0}
+            assert counts(found) == [1, 1]
+            assert c.core.statistics(trio.current_time()).budget.retries == 1
+
+
+async def test_a_post_is_not_retried() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found, client(service([u for _, u in found])) as c:
+            with pytest.raises(pw.BackendError) as info:
+                await get(c, "POST")
+            assert info.value.status == 503
+            assert counts(found) == [1, 0]
+
+
+async def test_a_retry_waits_for_room_in_the_budget() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found:
+            svc = service([u for _, u in found], retry=RetrySpec(min_concurrency=0))
+            async with client(svc) as c:
+                with pytest.raises(pw.BackendError) as info:
+                    await get(c)
+                assert info.value.status == 503
+                assert counts(found) == [1, 0]
+                stats = c.core.statistics(trio.current_time()).budget
+                assert stats.retries == 0
+                assert stats.exhausted == 1
+
+
+# -- hedging -------------------------------------------------------------------------------
+
+
+async def test_a_hedge_wins_against_a_slow_host_and_the_slow_try_is_closed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(hold, echo) as found:
+        svc = service([u for _, u in found], hedge=HedgeSpec(delay=0.5))
+        async with client(svc) as c:
+            start = trio.current_time()
+            answer = await get(c)
+            assert answer == {"conn": 0, "index": 0}
+            assert trio.current_time() == start + 0.5  # the hedge went out at its delay
+            assert counts(found) == [1, 1]
+            # The slow try's connection was closed, never to be reused.
+            assert c.links[found[0][1]].pool.statistics().open == 0
+            stats = c.core.statistics(trio.current_time())
+            assert stats.budget.hedges == 1
+            assert [h.outstanding for h in stats.hosts] == [0, 0]
+
+
+async def test_without_a_hedge_the_slow_host_is_waited_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(hold, echo) as found, client(service([u for _, u in found])) as c:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, c)
+            await trio.testing.wait_all_tasks_blocked()
+            assert counts(found) == [1, 0]
+            found[0][0].release.set()
+        assert counts(found) == [1, 0]
