@@ -6,7 +6,7 @@ wherever a wait matters; every server is driven by its plan, request by request.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import Any, cast
 
@@ -16,6 +16,7 @@ import trio.testing
 
 import pipework as pw
 from pipework import Backends, Context, HttpCall, Service
+from pipework.backends._balance_core import Host
 from pipework.backends._client import ServiceClient
 from pipework.backends._resilience_spec import (
     BreakerSpec,
@@ -215,3 +216,96 @@ async def test_without_a_hedge_the_slow_host_is_waited_for(
             assert counts(found) == [1, 0]
             found[0][0].release.set()
         assert counts(found) == [1, 0]
+
+
+# -- active health checks ------------------------------------------------------------------
+
+
+class Health:
+    """A host whose ``/health`` answers ``code`` (changeable), and echoes anything else."""
+
+    def __init__(self) -> None:
+        self.code = 200
+        self.checks = 0
+
+    async def __call__(
+        self, backend: RawBackend, seen: Seen, index: int
+    ) -> tuple[bytes, bool] | None:
+        if seen.target == "/health":
+            self.checks += 1
+            return f"HTTP/1.1 {self.code} X\r\nContent-Length: 0\r\n\r\n".encode(), True
+        return await echo(backend, seen, index)
+
+
+def states(backends: Backends) -> list[str]:
+    stats = backends._lean["api"].core.statistics(trio.current_time())
+    return [h.state for h in stats.hosts]
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (in virtual time) for ``condition``; the test's guard bounds it."""
+    while not condition():  # noqa: ASYNC110 - the core has no event to wait on
+        await trio.sleep(0.01)
+
+
+def host(backends: Backends, index: int) -> Host:
+    return backends._lean["api"].core.hosts[index]
+
+
+async def test_a_health_check_takes_a_host_out_and_brings_it_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    one, two = Health(), Health()
+    spec = pw.HealthSpec(
+        "/health", interval=1.0, timeout=0.5, healthy_threshold=2, unhealthy_threshold=3
+    )
+    async with hosts(one, two) as found:
+        svc = service([u for _, u in found], health=spec)
+        ctx = cast(Context, _Ctx({}))
+        call = HttpCall.of("api", "/")
+        # The nursery outlives the backends: closing them ends their checks.
+        async with trio.open_nursery() as nursery, Backends([svc]) as backends:
+            await nursery.start(backends.check_health)
+            await until(lambda: not host(backends, 1).on_probation)  # a first check passed
+            assert states(backends) == ["available", "available"]
+            two.code = 503
+            await until(lambda: not host(backends, 1).healthy)
+            # Three failures take a healthy host out (unhealthy_threshold).
+            assert two.checks - 1 == spec.unhealthy_threshold
+            assert states(backends) == ["available", "unhealthy"]
+            before = counts(found)
+            for _ in range(4):
+                await backends.call(call, ctx)
+            assert counts(found)[1] == before[1]  # no call went to it
+            two.code = 200
+            await until(lambda: host(backends, 1).healthy)
+            assert two.checks - 1 - spec.unhealthy_threshold == spec.healthy_threshold
+            assert states(backends) == ["available", "available"]
+            # Checks are not tries: nothing counted on the hosts but the calls.
+            stats = backends._lean["api"].core.statistics(trio.current_time())
+            assert sum(h.requests for h in stats.hosts) == 4
+
+
+async def test_a_reload_keeps_the_health_of_the_hosts_that_stay(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    one, two, three = Health(), Health(), Health()
+    spec = pw.HealthSpec("/health", interval=1.0, timeout=0.5)
+    async with hosts(one, two, three) as found:
+        urls = [u for _, u in found]
+        first = Backends([service(urls[:2], health=spec)])
+        async with trio.open_nursery() as nursery, first as old:
+            await nursery.start(old.check_health)
+            two.code = 503
+            await until(lambda: not host(old, 1).healthy)
+            assert states(old) == ["available", "unhealthy"]
+            async with Backends([service(urls, health=spec)]) as new:
+                new.adopt(old)
+                assert states(new) == ["available", "unhealthy", "available"]
+                await trio.testing.wait_all_tasks_blocked()
+                assert not old._health  # its checks stopped: the new ones take over
+                await nursery.start(new.check_health)
+                two.code = 200
+                await until(lambda: host(new, 1).healthy)
+                assert states(new) == ["available", "available", "available"]
+                await until(lambda: not host(new, 2).on_probation)  # the new host is checked

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlencode
@@ -55,6 +56,9 @@ __all__ = [
     "too_big",
     "unaccepted",
 ]
+
+#: A health check's answer is read only to its status; a body past this is not read.
+_CHECK_MAX_BYTES: Final = 64 * 1024
 
 _DEFAULTS: Final = (
     ("accept", "Accept", "*/*"),
@@ -111,6 +115,7 @@ class ServiceClient:
             core.reconfigure(service.resilience, trio.current_time())
         self.core = core
         self._links: dict[str, HostLink] = {}
+        self._checks: dict[str, Pool] = {}  # each host's health-check connection
         self._closed = False
         for host in core.hosts:
             host.tag = self._link(host, pool)
@@ -155,10 +160,71 @@ class ServiceClient:
             link = self._links[host.url] = HostLink(host.url, pool, url.netloc)
         return link
 
+    def adopt(self, core: ServiceCore) -> None:
+        """Take over ``core`` (the previous plan's, on a reload) with this client's settings:
+        hosts that stay keep what they learnt (:meth:`ServiceCore.reconfigure`)."""
+        core.reconfigure(self.service.resilience, trio.current_time())
+        self.core = core
+        for host in core.hosts:
+            host.tag = self._link(host)
+
     async def aclose(self) -> None:
         self._closed = True
         for link in list(self._links.values()):
             await link.pool.aclose()
+        for pool in list(self._checks.values()):
+            await pool.aclose()
+
+    # -- active health checks --------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Check every host of the service every ``health.interval``, forever (cancel to
+        stop): ``GET health.path`` on a connection of its own -- never queued behind the
+        traffic, never counted as a try -- passes with an expected status within
+        ``health.timeout``. Each result goes to :meth:`ServiceCore.health_check`."""
+        while not self._closed:
+            spec = self.core.resilience.health
+            if spec is None:
+                return
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for host in self.core.hosts:
+                    nursery.start_soon(self._check, host.url)
+            await trio.sleep_until(started + spec.interval)
+
+    async def _check(self, url: str) -> None:
+        spec = self.core.resilience.health
+        if spec is None:
+            return
+        pool = self._checks.get(url)
+        if pool is None:
+            parsed = httpx.URL(url)
+            port = parsed.port if parsed.port is not None else 80
+            pool = self._checks[url] = Pool(
+                parsed.host, port, max_connections=1, connect_timeout=spec.timeout
+            )
+        # The path as configured, from the host's root (not under the service's path).
+        headers = [
+            (b"Host", httpx.URL(url).netloc),
+            (b"User-Agent", self._headers["user-agent"][1].encode()),
+        ]
+        target = spec.path.encode()
+        try:
+            answer = await pool.request(
+                b"GET",
+                target,
+                headers,
+                deadline=trio.current_time() + spec.timeout,
+                max_bytes=_CHECK_MAX_BYTES,
+            )
+        except ResponseTooLarge as exc:
+            passed = exc.status in spec.expected_statuses
+        except TransportFailure:
+            passed = False
+        else:
+            passed = answer.status in spec.expected_statuses
+        with suppress(KeyError):  # removed by a reload while it was checked
+            self.core.health_check(url, trio.current_time(), passed=passed)
 
     def prepare(
         self,

@@ -93,6 +93,7 @@ class Backends:
         self._clients: dict[str, httpx.AsyncClient] | None = None
         self._lean: dict[str, ServiceClient] = {}
         self._stack: AsyncExitStack | None = None
+        self._health: set[trio.CancelScope] = set()  # of the running check_health tasks
         #: Where calls are counted (the engine's metrics); set before serving.
         self.metrics: Metrics | None = None
 
@@ -122,12 +123,51 @@ class Backends:
         self._clients, self._lean = clients, lean
         return self
 
+    async def check_health(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the active health checks of every ``http://`` service with a ``health``
+        table (one task each), until these backends close or :meth:`adopt` hands their
+        services on. Start it in a nursery that outlives them (the gateway's, the test's):
+        the backends own no task, since a reload closes them from another task than the
+        one that opened them."""
+        if self._stack is None:  # closed already (a reload's plan retired at once)
+            task_status.started()
+            return
+        with trio.CancelScope() as scope:
+            self._health.add(scope)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for client in self._lean.values():
+                        if client.service.health is not None:
+                            nursery.start_soon(client.check_health)
+                    task_status.started()
+            finally:
+                self._health.discard(scope)
+
+    def adopt(self, previous: Backends | None) -> None:
+        """Carry the resilience state of ``previous`` (the plan these backends replace)
+        over: each service of both keeps its core -- the health, ejections, latencies,
+        drains and breaker of hosts that did not change (docs/resilience.md) -- and the
+        previous backends' health checks stop (these ones' take over). Call it at the swap,
+        once these backends are open."""
+        if previous is None:
+            return
+        for scope in list(previous._health):
+            scope.cancel()
+        for name, client in self._lean.items():
+            old = previous._lean.get(name)
+            if old is not None:
+                client.adopt(old.core)
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        for scope in list(self._health):
+            scope.cancel()  # the health checks end with the clients they use
         stack, self._stack, self._clients, self._lean = self._stack, None, None, {}
         if stack is not None:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish

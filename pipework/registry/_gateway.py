@@ -96,6 +96,7 @@ class Gateway:
             backends.metrics = engine.metrics
             async with engine, trio.open_nursery() as retiring:
                 self._retiring = retiring
+                await retiring.start(backends.check_health)
                 container = self.container = Container(
                     engine,
                     config=replace(_container_config(config), **self.overrides),
@@ -135,6 +136,9 @@ class Gateway:
             boards = [b.spec(os.environ) for b in config.boards.values()]
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
+            # Hosts that stay keep their health, ejections and breaker; the checks go on.
+            backends.adopt(self._backends)
+            retiring.start_soon(backends.check_health)
             container.set_routes(registry.routes.values())
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
