@@ -16,6 +16,7 @@ import trio.testing
 
 import pipework as pw
 from pipework import Backends, Context, HttpCall, Service
+from pipework._metrics import Metrics
 from pipework.backends._balance_core import Host
 from pipework.backends._client import ServiceClient
 from pipework.backends._resilience_spec import (
@@ -55,7 +56,7 @@ async def hosts(*plans: Plan) -> AsyncIterator[list[tuple[RawBackend, str]]]:
 
 def service(urls: Sequence[str], **settings: Any) -> Service:
     settings.setdefault("balance", "round_robin")
-    return Service("api", hosts=tuple(urls), timeout=10.0, **settings)  # type: ignore[arg-type]
+    return Service("api", hosts=tuple(pw.HostSpec(u) for u in urls), timeout=10.0, **settings)
 
 
 @asynccontextmanager
@@ -135,7 +136,9 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
                 breaker=BreakerSpec(wait=7.0),
             )
             ctx = _Ctx({})
-            async with Backends([svc]) as backends:
+            backends = Backends([svc])
+            backends.metrics = metrics = Metrics()
+            async with backends:
                 with pytest.raises(pw.BackendError) as failed:
                     await backends.call(HttpCall.of("api", "/"), cast(Context, ctx))
                 assert failed.value.status == 503
@@ -143,6 +146,23 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
                 seen = counts(found)
                 with pytest.raises(pw.Overloaded) as refused:
                     await backends.call(HttpCall.of("api", "/"), cast(Context, ctx))
+                text = metrics.exposition().decode()
+            assert 'pipework_backend_breaker_state{service="api",state="open"} 1.0' in text
+            assert 'pipework_backend_refused_total{reason="circuit_open",service="api"} 1.0' in text
+            assert 'pipework_backend_retries_total{kind="retry",service="api"} 1.0' in text
+            for _, url in found:
+                assert (
+                    f'pipework_backend_host_ejections_total{{host="{url}",service="api"}} 1.0'
+                    in text
+                )
+                assert (
+                    f'pipework_backend_host_state{{host="{url}",service="api",state="ejected"}} 1.0'
+                    in text
+                )
+            # Closed, the backends are no longer read.
+            assert (
+                'pipework_backend_breaker_state{service="api"' not in metrics.exposition().decode()
+            )
             assert counts(found) == seen  # nothing was sent
             assert refused.value.http_status == 503
             assert refused.value.reason == "circuit_open"

@@ -26,6 +26,7 @@ or that try's failure raised as it came from the pool.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator, Mapping
 from contextlib import suppress
@@ -41,7 +42,13 @@ from ._balance_core import Host
 from ._call_core import Attempt, Call, Refusal, Verdict
 from ._failures import CallTimeout, ConnectFailed, ConnectionBroken, TransportFailure
 from ._h1 import ACCEPT_ENCODING, Answer, StaleConnection
-from ._hosts_core import ServiceCore
+from ._hosts_core import (
+    BreakerChanged,
+    HealthChanged,
+    HostEjected,
+    HostReturned,
+    ServiceCore,
+)
 from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
 from ._outlier_core import Failure, Outcome
@@ -56,6 +63,8 @@ __all__ = [
     "too_big",
     "unaccepted",
 ]
+
+_log = logging.getLogger("pipework.backends")
 
 #: A health check's answer is read only to its status; a body past this is not read.
 _CHECK_MAX_BYTES: Final = 64 * 1024
@@ -225,6 +234,7 @@ class ServiceClient:
             passed = answer.status in spec.expected_statuses
         with suppress(KeyError):  # removed by a reload while it was checked
             self.core.health_check(url, trio.current_time(), passed=passed)
+        self.report()
 
     def prepare(
         self,
@@ -288,12 +298,44 @@ class ServiceClient:
         core = self.core
         begun = core.begin(trio.current_time(), method=call.method, deadline=deadline)
         if isinstance(begun, Refusal):
+            self.report()
             raise refused(self.service, begun)
         try:
             done = await self._drive(begun, request)
         finally:
             begun.end(trio.current_time())
+            self.report()
         return self._result(call, done)
+
+    def report(self) -> None:
+        """Log what changed in the service's core: a host ejected or back, a health
+        change, the breaker moving (one line each, on the ``pipework.backends`` logger)."""
+        name = self.service.name
+        for event in self.core.pop_events():
+            if isinstance(event, HostEjected):
+                _log.warning(
+                    "service %r: host %s ejected (%s), ejection %d, for %.3g s",
+                    name,
+                    event.url,
+                    event.rule,
+                    event.ejections,
+                    max(0.0, event.until - trio.current_time()),
+                )
+            elif isinstance(event, HostReturned):
+                _log.info("service %r: host %s is back from its ejection", name, event.url)
+            elif isinstance(event, HealthChanged):
+                level = logging.INFO if event.healthy else logging.WARNING
+                health = "healthy" if event.healthy else "unhealthy"
+                _log.log(level, "service %r: host %s is %s", name, event.url, health)
+            elif isinstance(event, BreakerChanged):
+                level = logging.INFO if event.state == "closed" else logging.WARNING
+                _log.log(
+                    level,
+                    "service %r: circuit breaker %s%s",
+                    name,
+                    event.state,
+                    "" if event.reason is None else f" ({event.reason})",
+                )
 
     async def _drive(
         self, call: Call, request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Final
@@ -54,6 +54,7 @@ from ._failures import (
     TransportFailure,
 )
 from ._h1 import ACCEPT_ENCODING, BadEncoding, content_decoder
+from ._hosts_core import ServiceStatistics
 from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
 from ._http_template import TemplateError, render_body
 
@@ -94,8 +95,35 @@ class Backends:
         self._lean: dict[str, ServiceClient] = {}
         self._stack: AsyncExitStack | None = None
         self._health: set[trio.CancelScope] = set()  # of the running check_health tasks
-        #: Where calls are counted (the engine's metrics); set before serving.
-        self.metrics: Metrics | None = None
+        self._metrics: Metrics | None = None
+        self._watched: dict[str, Callable[[], ServiceStatistics]] = {}
+
+    @property
+    def metrics(self) -> Metrics | None:
+        """Where calls are counted (the engine's metrics); set before serving. The
+        resilience state of each ``http://`` service is read from it at every scrape
+        while these backends are open."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics | None) -> None:
+        self._unwatch()
+        self._metrics = metrics
+        self._watch()
+
+    def _watch(self) -> None:
+        metrics = self._metrics
+        if metrics is None:
+            return
+        for name, client in self._lean.items():
+            read = self._watched[name] = _reader(client)
+            metrics.watch_service(name, read)
+
+    def _unwatch(self) -> None:
+        metrics, watched, self._watched = self._metrics, self._watched, {}
+        if metrics is not None:
+            for name, read in watched.items():
+                metrics.unwatch_service(name, read)
 
     async def __aenter__(self) -> Backends:
         if self._stack is not None:
@@ -121,6 +149,7 @@ class Backends:
                 clients[name] = await stack.enter_async_context(client)
             self._stack = stack.pop_all()
         self._clients, self._lean = clients, lean
+        self._watch()
         return self
 
     async def check_health(
@@ -168,6 +197,7 @@ class Backends:
     ) -> None:
         for scope in list(self._health):
             scope.cancel()  # the health checks end with the clients they use
+        self._unwatch()
         stack, self._stack, self._clients, self._lean = self._stack, None, None, {}
         if stack is not None:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
@@ -253,6 +283,16 @@ class Backends:
                 raise _failure(service, ctx, budget, deadline, exc) from exc
         assert scope.cancelled_caught
         raise _timed_out(service, ctx, "answer", budget, deadline)
+
+
+def _reader(client: ServiceClient) -> Callable[[], ServiceStatistics]:
+    """What the metrics read of a service at a scrape: its core's statistics (the core a
+    reload handed over included)."""
+
+    def read() -> ServiceStatistics:
+        return client.core.statistics(trio.current_time())
+
+    return read
 
 
 def _log_failure(
