@@ -5,7 +5,9 @@ wherever a wait matters; every server is driven by its plan, request by request.
 
 from __future__ import annotations
 
+import math
 import random
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import Any, cast
@@ -16,6 +18,7 @@ import trio.testing
 
 import pipework as pw
 from pipework import Backends, Context, HttpCall, Service
+from pipework._http._problems import problem_for_exception
 from pipework._metrics import Metrics
 from pipework.backends._balance_core import Host
 from pipework.backends._client import ServiceClient
@@ -168,6 +171,11 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
             assert refused.value.reason == "circuit_open"
             assert 0 < refused.value.retry_after <= 7.0
             assert "circuit breaker is open" in str(refused.value)
+            # As a request's answer: 503 problem+json with Retry-After, in whole seconds.
+            problem = problem_for_exception(refused.value)
+            assert problem.status == 503
+            assert problem.headers == {"Retry-After": str(math.ceil(refused.value.retry_after))}
+            assert problem.extensions["reason"] == "circuit_open"
 
 
 # -- retries -------------------------------------------------------------------------------
@@ -329,3 +337,55 @@ async def test_a_reload_keeps_the_health_of_the_hosts_that_stay(
                 await until(lambda: host(new, 1).healthy)
                 assert states(new) == ["available", "available", "available"]
                 await until(lambda: not host(new, 2).on_probation)  # the new host is checked
+
+
+def closed_port() -> str:
+    """A URL nothing listens on: a connection to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_a_refused_connection_is_retried_on_another_host_whatever_the_method() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo) as found, client(service([closed_port(), found[0][1]])) as c:
+            answer = await get(c, "POST")  # nothing was sent: a POST may go again
+            assert answer == {"conn": 0, "index": 0}
+            assert counts(found) == [1]
+            first = c.core.statistics(trio.current_time()).hosts[0]
+            assert (first.requests, first.failures) == (1, 1)
+
+
+async def test_a_try_past_its_per_try_timeout_is_retried_on_another_host(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(hold, echo) as found:
+        svc = service([u for _, u in found], retry=RetrySpec(per_try_timeout=1.0))
+        async with client(svc) as c:
+            start = trio.current_time()
+            answer = await get(c)
+            assert answer == {"conn": 0, "index": 0}
+            assert counts(found) == [1, 1]
+            # The retry went out after the try's timeout and its backoff, well before the
+            # call's own deadline (10 s).
+            assert start + 1.0 <= trio.current_time() <= start + 1.0 + svc.retry.backoff_base
+            assert c.links[found[0][1]].pool.statistics().open == 0  # the slow one closed
+
+
+async def test_a_hedged_call_cancelled_from_outside_ends_every_try(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(hold, hold) as found:
+        svc = service([u for _, u in found], hedge=HedgeSpec(delay=0.5))
+        async with client(svc) as c:
+            with trio.move_on_after(2.0) as scope:
+                await get(c)
+            assert scope.cancelled_caught
+            assert counts(found) == [1, 1]  # the first try and its hedge
+            stats = c.core.statistics(trio.current_time())
+            assert [h.outstanding for h in stats.hosts] == [0, 0]
+            assert [h.failures for h in stats.hosts] == [0, 0]  # cancelled: nobody's fault
+            assert stats.budget.retries_in_flight == 0
+            assert stats.budget.active_calls == 0
+            assert all(link.pool.statistics().open == 0 for link in c.links.values())
