@@ -205,19 +205,19 @@ class ServiceClient:
         spec = self.core.resilience.health
         if spec is None:
             return
+        parsed = httpx.URL(url)
         pool = self._checks.get(url)
         if pool is None:
-            parsed = httpx.URL(url)
             port = parsed.port if parsed.port is not None else 80
             pool = self._checks[url] = Pool(
                 parsed.host, port, max_connections=1, connect_timeout=spec.timeout
             )
-        # The path as configured, from the host's root (not under the service's path).
         headers = [
-            (b"Host", httpx.URL(url).netloc),
+            (b"Host", parsed.netloc),
             (b"User-Agent", self._headers["user-agent"][1].encode()),
         ]
-        target = spec.path.encode()
+        # After the host's path prefix, as the calls' paths (docs/configuration.md).
+        target = parsed.raw_path.rstrip(b"/") + spec.path.encode()
         try:
             answer = await pool.request(
                 b"GET",
