@@ -5,31 +5,37 @@ wherever a wait matters; every server is driven by its plan, request by request.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import pytest
 import trio
 import trio.testing
 
 import pipework as pw
-from pipework import Backends, Context, HttpCall, Service
+from pipework import Backends, Context, Gateway, HttpCall, Service
 from pipework._http._problems import problem_for_exception
 from pipework._metrics import Metrics
 from pipework.backends._balance_core import Host
 from pipework.backends._client import ServiceClient
+from pipework.backends._hosts_core import ServiceCore
 from pipework.backends._resilience_spec import (
     BreakerSpec,
     HedgeSpec,
     OutlierSpec,
     RetrySpec,
 )
+from pipework.container import BoundAddress
 
 from .test_backend_pool import Plan, RawBackend, Seen, _Ctx, echo, serving
+from .test_gateway import TOKEN, gateway_file
 
 HANG_GUARD = 30.0
 
@@ -389,3 +395,46 @@ async def test_a_hedged_call_cancelled_from_outside_ends_every_try(
             assert stats.budget.retries_in_flight == 0
             assert stats.budget.active_calls == 0
             assert all(link.pool.statistics().open == 0 for link in c.links.values())
+
+
+# -- through the gateway -------------------------------------------------------------------
+
+
+async def test_a_gateway_reload_keeps_the_health_of_its_hosts(tmp_path: Path) -> None:
+    """Real time (the gateway reads its file in a thread): every wait is on a condition."""
+    good, bad = Health(), Health()
+    bad.code = 503
+    async with hosts(good, bad) as found:
+        (one, url1), (two, url2) = found
+        text = gateway_file(url1).replace(f'base_url = "{url1}"', f'hosts = ["{url1}", "{url2}"]')
+        text += '\n[services.users.health]\npath = "/health"\ninterval = 0.2\ntimeout = 0.2\n'
+        path = tmp_path / "gateway.toml"
+        path.write_text(text)
+        gateway = Gateway(str(path))
+        stop = trio.Event()
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                address: BoundAddress = await nursery.start(
+                    functools.partial(gateway.run, port=0, stop=stop)
+                )
+
+                def core() -> ServiceCore:
+                    assert gateway._backends is not None
+                    return gateway._backends._lean["users"].core
+
+                first = core()
+                await until(lambda: not first.hosts[1].healthy)
+                auth = {"Authorization": f"Bearer {TOKEN}"}
+                async with httpx.AsyncClient(base_url=address.url) as http:
+                    reloaded = await http.post("/admin/reload", headers=auth)
+                    assert reloaded.status_code == 200, reloaded.text
+                    assert core() is first  # carried over, with what it learnt
+                    assert not first.hosts[1].healthy
+                    checks = bad.checks
+                    await until(lambda: bad.checks > checks)  # the new plan checks it
+                    for n in range(4):
+                        answer = await http.get(f"/users/{n}")
+                        assert answer.status_code == 200, answer.text
+                assert [s.target for s in two.seen if s.target != "/health"] == []
+                assert len([s for s in one.seen if s.target != "/health"]) == 4
+                stop.set()
