@@ -12,15 +12,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import pytest
 import trio
 import trio.testing
 from hypercorn.config import Config
+from hypercorn.protocol.events import Response, StreamClosed
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
 import pipework as pw
 from pipework.container import BoundAddress, _hypercorn_fix
+from pipework.container._hypercorn_h11 import _send_stream_problem
 
 from ._raw_http import Answer, split_answers
 from .test_container_harness import HANG_GUARD, serving
@@ -298,3 +301,26 @@ async def test_a_refused_websocket_handshake_is_a_problem() -> None:
     async with gateway() as address:
         answers, _ = await converse(address, handshake)
     problem(answers[0], 400, "malformed-request")
+
+
+async def test_a_problem_answer_after_the_apps_own_head_only_ends_the_stream() -> None:
+    """hypercorn notes an answer's head as sent only after writing it: an app cancelled
+    during that write leaves the stream looking unanswered, and the 500 hypercorn then sends
+    meets h11 in the middle of the app's body. The problem answer gives way to the answer
+    under way (before, h11's error escaped and closed the connection with an ERROR log)."""
+    sent: list[object] = []
+
+    class Stream:
+        def __init__(self) -> None:
+            self.scope = {"http_version": "1.1"}
+            self.stream_id = 1
+
+        async def send(self, event: object) -> None:
+            if isinstance(event, Response):
+                raise h11.LocalProtocolError(
+                    "can't handle event type Response when role=SERVER and state=SEND_BODY"
+                )
+            sent.append(event)
+
+    await _send_stream_problem(Stream(), 500)  # type: ignore[arg-type]  # the stream's part
+    assert [type(event) for event in sent] == [StreamClosed]

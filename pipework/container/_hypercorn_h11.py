@@ -142,9 +142,16 @@ async def _send_stream_problem(stream: HTTPStream | WSStream, status_code: int) 
     close = stream.scope.get("http_version") in ("1.0", "1.1")
     headers, body = _framing.encode(_framing.problem_for(status_code), close=close)
     stream_id = stream.stream_id
-    await stream.send(Response(stream_id=stream_id, headers=headers, status_code=status_code))
-    await stream.send(Body(stream_id=stream_id, data=body))
-    await stream.send(EndBody(stream_id=stream_id))
+    try:
+        await stream.send(Response(stream_id=stream_id, headers=headers, status_code=status_code))
+    except h11.LocalProtocolError:
+        # The app's own answer went out, but its task was cancelled while the head was
+        # being written, before the stream noted it (hypercorn sets its state after the
+        # write): that answer is the one under way. Only the stream's end is left to send.
+        pass
+    else:
+        await stream.send(Body(stream_id=stream_id, data=body))
+        await stream.send(EndBody(stream_id=stream_id))
     # The connection's end follows the answer's (hypercorn sends none after the answers it
     # writes while handling a request, and the connection stayed open); a second one, as
     # after an application that ended without answering, finds nothing left to do.

@@ -69,35 +69,50 @@ class PipeRunner:
         """Run ``pipe`` for ``job`` from ``now`` (the clock at its start); ``top`` is the
         cursor's frame it sits in (moved past it when it ends well). Returns the clock at
         its end to go on from, or None when the job's step ended here (the pipe failed,
-        timed out or suspended the job). The step's cancellation travels on."""
+        timed out or suspended the job). The step's cancellation travels on.
+
+        The step's own loop (:meth:`Steps.run_held`) runs the same three parts in its own
+        frame: a coroutine per pipe is one object and one frame more on the hot path."""
+        ctx = self.context(job, chain, pipe, now, top)
+        try:
+            await self.call(pipe, ctx, job)
+        except BaseException as raised:  # sorted out there; a cancellation travels on
+            return await self.raised(job, chain, pipe, now, raised, ctx, top)
+        return self.ok(job, pipe, now, ctx, top)
+
+    def context(self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame) -> Context:
+        """The pipe's context: its deadline the earlier of its own and its frame's."""
         pipe_deadline = math.inf if pipe.timeout is None else now + pipe.timeout
         deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
         # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
-        # adopted only if it ends in time and uncancelled.
-        ctx = Context(
-            state=snapshot(job.state) if pipe.blocking else job.state,
-            job_id=job.id,
-            correlation_id=job.correlation_id,
-            chain=chain.name,
-            pipe=pipe,
-            where=chain,
-            position=path_of(job),
-            key=job.key,
-            deadline=deadline,
-            ops=self._ops,
-            traceparent=job.traceparent,
+        # adopted only if it ends in time and uncancelled. Positional arguments: no keyword
+        # matching per pipe.
+        return Context(
+            snapshot(job.state) if pipe.blocking else job.state,
+            job.id,
+            job.correlation_id,
+            chain.name,
+            pipe,
+            chain,
+            job.root if len(job.frames) == 1 else path_of(job),  # path_of's flat case
+            job.key,
+            deadline,
+            self._ops,
+            job.traceparent,
         )
-        try:
-            if deadline == math.inf:
-                await invoke(pipe, ctx)  # no limit anywhere: nothing to arm
-                # A pipe that swallowed the step's cancellation (or a thread that could not
-                # see it) must not carry on as if it had not come.
-                await trio.lowlevel.checkpoint_if_cancelled()
-            else:
-                await self._within(pipe, ctx, job)
-            check_state(ctx.state)
-        except BaseException as raised:  # sorted out there; a cancellation travels on
-            return await self._raised(job, chain, pipe, now, raised, ctx, top)
+
+    async def call(self, pipe: Pipe, ctx: Context, job: Job) -> None:
+        if ctx.deadline == math.inf:
+            await invoke(pipe, ctx)  # no limit anywhere: nothing to arm
+            # A pipe that swallowed the step's cancellation (or a thread that could not
+            # see it) must not carry on as if it had not come.
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            await self._within(pipe, ctx, job)
+        check_state(ctx.state)
+
+    def ok(self, job: Job, pipe: Pipe, now: float, ctx: Context, top: Frame) -> float:
+        """A pipe ended well: its state adopted, the cursor moved on; the clock at its end."""
         if pipe.blocking:
             job.state = ctx.state
         top.index += 1
@@ -125,7 +140,7 @@ class PipeRunner:
             if not scope.cancel_called:
                 scope.deadline = math.inf  # the bookkeeping that follows is not the pipe's
 
-    async def _raised(
+    async def raised(
         self,
         job: Job,
         chain: Chain,

@@ -31,6 +31,7 @@ from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Pipe
 from ..pipes._stages import Chain, Parallel
+from ..pipes._state import check_state
 from ._abilities import Abilities
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
@@ -42,7 +43,7 @@ from ._forked import Forked
 from ._instep import InStepStage, StageParts
 from ._job import Job
 from ._lookup import ChainLookup
-from ._outcomes import note
+from ._outcomes import invoke, note
 from ._pipe_run import PipeRunner
 from ._runners import StepRunners
 from ._status import QUEUED, RUNNING, TERMINAL, Status
@@ -358,7 +359,20 @@ class Steps:
                 then_writes = following >= len(flat) or (flat[following].key or chain.key) != held
             else:
                 then_writes = False
-            ended = await runner.run(job, chain, pipe, now, frames[-1])
+            # The pipe runs in this frame (runner.run's parts, no coroutine of its own).
+            top = frames[-1]
+            ctx = runner.context(job, chain, pipe, now, top)
+            try:
+                if ctx.deadline == math.inf:
+                    await invoke(pipe, ctx)
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    check_state(ctx.state)
+                else:
+                    await runner.call(pipe, ctx, job)
+            except BaseException as raised:  # sorted out there; a cancellation travels on
+                ended = await runner.raised(job, chain, pipe, now, raised, ctx, top)
+            else:
+                ended = runner.ok(job, pipe, now, ctx, top)
             if ended is None:
                 return now  # it failed, timed out or was suspended: the step is over
             now = ended
