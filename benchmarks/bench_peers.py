@@ -21,6 +21,9 @@ trio servers (`benchmarks/peers/backend.py`), one process each.
   about a tenth of what it serves on one core, so it also runs pinned to one CPU
   (`--one-core`), and the goal row compares against the better of the two.
 
+Every Python gateway runs with the same garbage-collector settings: the young generation's
+threshold pipework's container serves with (50,000; the interpreter's default is 700), set in
+the Starlette and Flask processes too (`--gc serving` of `benchmarks/peers/serve.py`).
 Every gateway gives a backend call 5 s, answers a timeout 504 and logs at WARNING (no access
 lines). Load on A: `wrk -t2 -c64 --timeout 10s` (GET /a); a Lua hook counts the 2xx answers
 per second, and **req/s counts 2xx answers only** (an error answered fast is not
@@ -33,7 +36,8 @@ answers nothing until the caller gives up; wrk starts 2 s after the 200 connecti
 while B answers after 2 s. The gateways take turns within each scenario; between runs B is
 set back to fast and every hanging call released. The plot shows A's 2xx answers per second
 while B starts hanging a third of the way in. The machine's other load moves absolute
-numbers; compare within a run.
+numbers (its load average at the start and the end is given with the results); compare
+within a run.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -218,15 +223,15 @@ def parse_wrk(stdout: str) -> ARun:
     )
 
 
-async def wrk_a(url: str, seconds: int) -> ARun:
-    """``wrk -t2 -c64 -dSs --timeout 10s --latency`` GETting ``url``."""
+async def wrk_a(url: str, seconds: float, connections: int = A_CONNECTIONS) -> ARun:
+    """``wrk -t2 -cC -dSs --timeout 10s --latency`` GETting ``url`` (C: 64 unless said)."""
     executable = _load.wrk_path()
     if executable is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
     with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
         script.write(_WRK_SCRIPT)
         script.flush()
-        command = [executable, "-t2", f"-c{A_CONNECTIONS}", f"-d{seconds}s"]
+        command = [executable, "-t2", f"-c{connections}", f"-d{seconds:g}s"]
         command += ["--timeout", "10s", "--latency", "-s", script.name, url]
         began = time.time()
         with trio.fail_after(seconds + 60):
@@ -320,16 +325,21 @@ async def settle(gateway: Server, backend: Server) -> None:
 
 
 async def steady(
-    gateway: Server, backend: Server, scenario: str, seconds: int, ramp: float
+    gateway: Server,
+    backend: Server,
+    scenario: str,
+    seconds: float,
+    ramp: float,
+    connections: int = A_CONNECTIONS,
 ) -> tuple[ARun, BTally]:
     tally = BTally()
     if scenario == "alone":
-        return await wrk_a(f"{gateway.url}/a", seconds), tally
+        return await wrk_a(f"{gateway.url}/a", seconds, connections), tally
     await set_mode(backend, "hang" if scenario == "hang" else f"slow {SLOW:g}")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hold_b, gateway, tally)
         await trio.sleep(ramp)
-        result = await wrk_a(f"{gateway.url}/a", seconds)
+        result = await wrk_a(f"{gateway.url}/a", seconds, connections)
         nursery.cancel_scope.cancel()
     await settle(gateway, backend)
     return result, tally
@@ -371,6 +381,8 @@ class Results:
     )
     timelines: dict[str, tuple[ARun, float, BTally]] = field(default_factory=dict)
     ceiling: ARun | None = None
+    #: The machine's load averages when the run started and when it ended.
+    load: list[tuple[float, float, float]] = field(default_factory=list)
 
     def best(self, peer: str, scenario: str) -> tuple[ARun, BTally]:
         return max(self.runs[peer, scenario], key=lambda run: run[0].rps)
@@ -398,6 +410,7 @@ async def _measure(
     servers: dict[str, Server], a: Server, b: Server, quick: bool, results: Results
 ) -> None:
     seconds, rounds, ramp = (4, 1, 2.0) if quick else (8, 2, 2.0)
+    results.load.append(os.getloadavg())
     for name, served in servers.items():
         for path in ("/a", "/b"):
             status, body = await _get(served, path)
@@ -414,6 +427,7 @@ async def _measure(
     length = 12 if quick else 24
     for name, served in servers.items():
         results.timelines[name] = await timeline(served, b, length, length / 3)
+    results.load.append(os.getloadavg())
 
 
 def enter_all(
@@ -568,7 +582,9 @@ def rows(results: Results, quick: bool) -> list[dict[str, Any]]:
             "markdown": [
                 f"Every gateway and scenario ({runs}; wrk -t2 -c{A_CONNECTIONS}; wrk's "
                 f"ceiling, against the fast backend directly: {ceiling.rps:,.0f} req/s, "
-                f"p99 {_ms(ceiling.p99_us)}):",
+                f"p99 {_ms(ceiling.p99_us)}; the machine's load average "
+                f"{results.load[0][0]:.2f} at the start, {results.load[-1][0]:.2f} at the "
+                "end):",
                 "",
                 *table(results),
                 "",

@@ -66,6 +66,7 @@ from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy
 from .pipes._pipe import Context as Context
 from .pipes._pipe import Pipe as Pipe
+from .pipes._pipe import RequestUse as RequestUse
 from .pipes._resources import ResourcePool as ResourcePool
 from .pipes._resources import ResourcePoolStatistics as ResourcePoolStatistics
 from .pipes._stages import BranchEnd as BranchEnd
@@ -145,6 +146,7 @@ __all__ = [
     "RegistrationError",
     "Registry",
     "Rejected",
+    "RequestUse",
     "ResourcePool",
     "ResourcePoolClosed",
     "ResourcePoolError",

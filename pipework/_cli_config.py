@@ -14,7 +14,7 @@ from typing import Any
 
 from ._errors import ConfigProblem
 from .pipes._pipe import Pipe
-from .registry._config import GatewayConfig, build_registry, load_config
+from .registry._config import GatewayConfig, ProxyConfig, build_registry, load_config
 from .registry._config_draw import chain_text, mermaid
 from .registry._config_problems import ConfigError
 from .registry._registry import Registry
@@ -49,9 +49,10 @@ def check(path: str | os.PathLike[str], *, format: str = "text") -> int:
         return 1
     s = loaded[0].summary()
     warned = len(s["warnings"])
+    proxies = f", {_count(s['proxy_routes'], 'proxy route')}" if s["proxy_routes"] else ""
     print(
         f"{s['source']}: valid: {_count(s['services'], 'service')}, "
-        f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}; "
+        f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}{proxies}; "
         f"{s['max_workers']} workers ({s['reserved']} reserved)"
         + (f"; {_count(warned, 'warning')}" if warned else "")
     )
@@ -97,11 +98,33 @@ def routes(path: str | os.PathLike[str]) -> int:
             timeout = f"{config.server.default_timeout:g}s (default)"
         chain = chain_text(registry.get_chain(name).root)
         rows.append((name, route.method, route.path, route.mode, timeout, chain))
+    for name, pc in config.proxies.items():
+        rows.append(_proxy_row(name, pc, registry))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join([*cells, row[-1]]))
     return 0
+
+
+def _proxy_row(
+    name: str, pc: ProxyConfig, registry: Registry
+) -> tuple[str, str, str, str, str, str]:
+    """A proxy route's line: its methods, prefix, and what it passes to (and runs)."""
+    route = pc.route
+    methods = ",".join(sorted(route.methods)) if route.methods is not None else "*"
+    path = route.prefix.rstrip("/") + "/..."
+    timeout = "none" if route.timeout is None else f"{route.timeout:g}s"
+    what = f"proxy to {route.service}"
+    if route.rewrite is not None:
+        what += f" ({route.prefix} -> {route.rewrite})"
+    elif route.strip_prefix:
+        what += " (prefix stripped)"
+    if route.chain is not None:  # the names its chains are registered under
+        what = f"{chain_text(registry.get_chain(route.chain).root)} > {what}"
+    if route.after is not None:
+        what += f" > after: {chain_text(registry.get_chain(route.after).root)}"
+    return name, methods, path, "proxy", timeout, what
 
 
 def graph(path: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None) -> int:

@@ -49,6 +49,11 @@ into one of the errors above, or into an HTTP answer, at its edge:
   Redis away or refusing for now is ``StoreUnavailable`` from the store and the queue, and
   ``BoardUnavailable`` from the backplane (an error reply that means a bug travels on as
   it is, as any bug does);
+- ``pipework.proxy``: ``BadTarget`` (``_route.py``), a request path no target may be built
+  from for its proxy route (a dot segment, an encoded slash right after a mapped prefix),
+  which the proxy's handler answers as a 400 problem; and the ends of a relayed request
+  body (``_relay.py``): ``ClientGone`` (the client left mid-exchange: nothing is answered)
+  and ``BodyTooLarge`` (past the route's ``max_body``: a 413 problem);
 - ``pipework.dispatcher``: ``PipeTimeout`` (``_outcomes.py``), a pipe's time running out
   inside its step, which becomes ``DeadlineExceeded`` naming the limit that fired;
 - ``pipework._http``: ``Problem`` (``_problems.py``), an HTTP error *answer* raised inside

@@ -252,6 +252,27 @@ class Metrics:
             ["endpoint", "status_class"],
             registry=r,
         )
+        self.proxy_responses = Counter(
+            "pipework_proxy_responses",
+            "Answers of the proxy routes, by route, service and status code sent to the "
+            "client (none: the client left before any answer).",
+            ["route", "service", "status"],
+            registry=r,
+        )
+        self.proxy_duration = Histogram(
+            "pipework_proxy_duration_seconds",
+            "Time a proxied request took, to the answer's last byte, by route and service.",
+            ["route", "service"],
+            buckets=buckets,
+            registry=r,
+        )
+        self.proxy_bytes = Counter(
+            "pipework_proxy_bytes",
+            "Body bytes relayed by the proxy routes, by route and direction (up: to the "
+            "service, down: to the client).",
+            ["route", "direction"],
+            registry=r,
+        )
         self.detached_failures = Counter(
             "pipework_detached_failures_total",
             "Detached (fire-and-forget) graph nodes that failed, by route (chain).",

@@ -6,7 +6,6 @@ declares a long body and closes the connection part of the way through. Also
 
 from __future__ import annotations
 
-import functools
 import gc
 import tracemalloc
 import zlib
@@ -15,6 +14,8 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import trio
+
+from ._loopback import serve_loopback
 
 # The bytes of one chunk (of zeros, once decoded, with gzip).
 _PIECE = 64 * 1024
@@ -80,14 +81,8 @@ async def endless_backend(
 ) -> AsyncIterator[tuple[EndlessBackend, int]]:
     """An :class:`EndlessBackend` on 127.0.0.1, and its port."""
     backend = EndlessBackend(gzip, cut_after)
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, backend.handle, 0, host="127.0.0.1")
-        )
-        try:
-            yield backend, listeners[0].socket.getsockname()[1]
-        finally:
-            nursery.cancel_scope.cancel()
+    async with serve_loopback(backend.handle) as port:
+        yield backend, port
 
 
 @contextmanager

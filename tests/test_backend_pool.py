@@ -4,7 +4,6 @@ short or close. Timeouts are checked at exact virtual time (``autojump_clock``).
 
 from __future__ import annotations
 
-import functools
 import gc
 import gzip
 import json
@@ -22,11 +21,12 @@ import trio.testing
 import pipework as pw
 from pipework import Backends, Context, HttpCall, Pipe, Service
 from pipework.backends._client import ServiceClient
-from pipework.backends._failures import CallTimeout, ConnectFailed, ConnectionBroken
+from pipework.backends._failures import BadAnswer, CallTimeout, ConnectFailed, ConnectionBroken
 from pipework.backends._h1 import BadEncoding
 from pipework.backends._pool import Pool, ResponseTooLarge
 
 from ._endless_backend import endless_backend, retained
+from ._loopback import serve_loopback
 
 HANG_GUARD = 10.0
 
@@ -111,14 +111,8 @@ class RawBackend:
 @asynccontextmanager
 async def serving(plan: Plan = echo) -> AsyncIterator[tuple[RawBackend, int]]:
     backend = RawBackend(plan)
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, backend.handle, 0, host="127.0.0.1")
-        )
-        try:
-            yield backend, listeners[0].socket.getsockname()[1]
-        finally:
-            nursery.cancel_scope.cancel()
+    async with serve_loopback(backend.handle) as port:
+        yield backend, port
 
 
 @pytest.fixture
@@ -434,6 +428,29 @@ async def test_a_connection_the_peer_closed_while_idle_is_replaced(
             assert len(backend.seen) == 2  # noticed on checkout: nothing was sent on it
 
 
+@pytest.mark.parametrize("method", [b"GET", b"HEAD"])
+async def test_bytes_past_an_answer_close_its_connection(
+    pools: Callable[..., Pool], method: bytes
+) -> None:
+    """Bytes after the answer's end (past its length; a body with an answer to HEAD, which
+    has none) would be read as the next request's answer: the connection is not reused."""
+    poison = ok(b'{"poison": true}')
+
+    async def overlong(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        if seen.conn == 0 and index == 0:
+            # To a GET: two bytes of body, then more; to a HEAD: a body (the answer's
+            # length says how long the body of a GET would be).
+            return (ok(b"{}") + poison if method == b"GET" else ok(poison)), True
+        return await echo(backend, seen, index)
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(overlong) as (backend, port):
+            pool = pools("127.0.0.1", port)
+            assert await get(pool, port, method=method) == ({} if method == b"GET" else None)
+            assert await get(pool, port) == {"conn": 1, "index": 0}
+            assert backend.accepted == 2
+
+
 def stale_after_first(backend: RawBackend, seen: Seen, index: int) -> bool:
     """The connection's second request meets a server that just closed it."""
     return seen.conn == 0 and index == 1
@@ -508,6 +525,25 @@ async def test_a_fresh_connection_that_fails_is_not_retried(pools: Callable[...,
             with pytest.raises(ConnectionBroken, match="failed before an answer"):
                 await get(pool, port)
             assert len(backend.seen) == 1
+
+
+async def test_a_switch_of_protocols_is_a_bad_answer(pools: Callable[..., Pool]) -> None:
+    """A 101 to a request that offered an upgrade (its headers came from a call template):
+    the pool never switches protocols, and says so instead of waiting for an answer that
+    h11 will never give it."""
+
+    async def switch(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
+        return b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n", True
+
+    with trio.fail_after(HANG_GUARD):
+        async with serving(switch) as (_backend, port):
+            pool = pools("127.0.0.1", port)
+            offer = [*head(port), (b"Upgrade", b"websocket"), (b"Connection", b"upgrade")]
+            with pytest.raises(BadAnswer, match="switched protocols"):
+                await pool.request(
+                    b"GET", b"/", offer, deadline=trio.current_time() + 5, max_bytes=100
+                )
+            assert pool.statistics().open == 0
 
 
 # -- bodies --------------------------------------------------------------------------------
@@ -599,6 +635,8 @@ class _Ctx:
         self.path = "test"
         self.correlation_id = "c0ffee"  # forwarded as X-Request-ID by both clients
         self.traceparent: str | None = None
+        self.tracestate: str | None = None
+        self.baggage: str | None = None
         # What a failed call's log line names.
         self.pipe = Pipe(_nothing, "call")
         self.job_id = "job-1"

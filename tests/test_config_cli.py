@@ -255,3 +255,25 @@ def test_graph_draws_composite_graph_nodes_as_subgraphs(
     assert '_1 ["B"]' in out
     assert '{{"all_of[settle]"}}' in out
     assert '(("all settle"))' in out
+
+
+def test_routes_lists_proxy_routes_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        SMALL
+        + """
+[routes.shop]
+proxy = "users"
+prefix = "/shop"
+strip_prefix = true
+methods = ["GET", "POST"]
+chain = ["get_user"]
+""",
+        encoding="utf-8",
+    )
+    assert routes(path) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[-1].split() == [
+        "shop", "GET,HEAD,POST", "/shop/...", "proxy", "none",
+        "get_user", ">", "proxy", "to", "users", "(prefix", "stripped)",
+    ]  # fmt: skip

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pipework import ConfigError, GatewayConfig, build_registry, config_from_dict, loads_config
 from pipework.registry._config_pipes import HTTP_KEYS, PYTHON_KEYS
-from pipework.registry._config_routes import NODE_KEYS, ROUTE_KEYS, STAGE_OPTIONS
+from pipework.registry._config_routes import NODE_KEYS, PROXY_KEYS, ROUTE_KEYS, STAGE_OPTIONS
 from pipework.registry._config_sections import (
     ADAPTIVE_KEYS,
     POOL_KEYS,
@@ -37,6 +37,9 @@ WORDS = [
     "post",
     "/users/{user_id}",
     "/a/../b",
+    "/api/",
+    "*",
+    "keep",
     "{x}",
     "{",
     "http://127.0.0.1:9",
@@ -98,7 +101,7 @@ shaped = st.fixed_dictionaries(
         "pool": table([*POOL_KEYS, *ADAPTIVE_KEYS]) | values,
         "services": section(SERVICE_KEYS),
         "pipes": section((*HTTP_KEYS, *PYTHON_KEYS)),
-        "routes": section(ROUTE_KEYS, route_values),
+        "routes": section((*ROUTE_KEYS, *PROXY_KEYS), route_values),
         "extra": values,
     },
 )
@@ -130,6 +133,7 @@ def check(data: dict[str, Any]) -> None:
     else:
         assert isinstance(from_text, GatewayConfig)
         assert from_text.routes.keys() == from_data.routes.keys()
+        assert from_text.proxies.keys() == from_data.proxies.keys()
 
 
 @settings(max_examples=150)

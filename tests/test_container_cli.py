@@ -93,7 +93,9 @@ async def test_serve_answers_and_exits_cleanly_on_sigterm() -> None:
     assert process.stderr is not None
     seen = bytearray()
     try:
-        with trio.fail_after(30):
+        # A bound for a hang: a fresh interpreter importing the server takes seconds alone,
+        # and several times that on two cores shared with a second test run.
+        with trio.fail_after(100):
             url = await _read_line(process.stderr, b"pipework serving on ", seen)
             async with httpx.AsyncClient(base_url=url) as client:
                 response = await client.post("/hello/ada")

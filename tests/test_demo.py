@@ -132,6 +132,14 @@ def search_ok(r: httpx.Response) -> None:
     }
 
 
+def shop_ok(r: httpx.Response) -> None:
+    # quotes' own answer to GET /quotes/tea?qty=2, relayed by the proxy route /shop.
+    assert json_of(r, 200) == {"sku": "tea", "qty": 2, "unit_price": 4.5, "total": 9.0}
+    assert r.headers["Content-Type"] == "application/json"
+    assert r.headers["Via"].endswith("1.1 pipework")
+    assert r.headers["X-Request-ID"]
+
+
 def checkout_ok(r: httpx.Response) -> None:
     receipt = json_of(r, 200)
     assert receipt.pop("hold_id").startswith("h_")
@@ -226,6 +234,12 @@ def inventory_scraped(lines: list[str]) -> None:
     assert all('key="inventory"' in s for s in lines), lines
 
 
+def shop_scraped(lines: list[str]) -> None:
+    assert lines == [
+        'pipework_proxy_responses_total{route="shop",service="quotes",status="200"} 1.0'
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class Output:
     """What a command got: its answers, and the lines grep let through (if piped)."""
@@ -264,6 +278,7 @@ def grepped(check: Callable[[list[str]], None]) -> Check:
 EXPECTED: list[tuple[str, str, Check]] = [
     ("POST", "/orders/7", one(order_ok)),
     ("GET", "/search", one(search_ok)),
+    ("GET", "/shop/quotes/tea", one(shop_ok)),
     ("POST", "/checkout/7", one(checkout_ok)),
     ("POST", "/reports/7", one(report_accepted)),
     ("GET", f"/jobs/{JOB_ID}", one(report_status)),
@@ -278,6 +293,7 @@ EXPECTED: list[tuple[str, str, Check]] = [
     ("POST", "/control/recover", one(recovered)),
     ("POST", "/orders/7", one(order_ok)),
     ("GET", "/metrics", grepped(inventory_scraped)),
+    ("GET", "/metrics", grepped(shop_scraped)),
 ]
 
 

@@ -72,6 +72,7 @@ PUBLIC = [
     "RegistrationError",
     "Registry",
     "Rejected",
+    "RequestUse",
     "ResourcePool",
     "ResourcePoolClosed",
     "ResourcePoolError",

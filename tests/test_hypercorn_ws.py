@@ -1,6 +1,8 @@
 """The websocket fixes (``pipework.container._hypercorn_ws``): that hypercorn as installed
 still needs them, and that they apply once and refuse internals they were not written for.
-That they work is tested through the board's websocket (tests/test_board_http.py)."""
+That the first two work is tested through the board's websocket (tests/test_board_http.py);
+the third (the client's close code reaches the app) here, and through the proxy's relay
+(tests/test_proxy_websocket.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import websocket
 from quart_trio import QuartTrio
 from wsproto.connection import Connection
+from wsproto.frame_protocol import CloseReason
 
-from pipework.container import _hypercorn_ws
+from pipework.container import _hypercorn_ws, serve
 
 from .test_container_harness import HANG_GUARD
 from .test_server import unpatch as unpatch_server
@@ -49,8 +52,33 @@ def echo_app() -> QuartTrio:
     return app
 
 
+class DisconnectRecorder:
+    """An ASGI app that accepts every websocket and keeps the ``websocket.disconnect``
+    messages it is given."""
+
+    def __init__(self) -> None:
+        self.accepted = trio.Event()
+        self.disconnects: list[dict[str, Any]] = []
+        self.disconnected = trio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            assert (await receive())["type"] == "lifespan.startup"
+            await send({"type": "lifespan.startup.complete"})
+            assert (await receive())["type"] == "lifespan.shutdown"
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        self.accepted.set()
+        while (message := await receive())["type"] != "websocket.disconnect":
+            pass
+        self.disconnects.append(message)
+        self.disconnected.set()
+
+
 @asynccontextmanager
-async def hypercorn_alone() -> AsyncIterator[tuple[str, int]]:
+async def hypercorn_alone(app: Any = None) -> AsyncIterator[tuple[str, int]]:
     """hypercorn's own serve() (pipework's would apply the fixes) on a free port."""
     config = Config()
     config.bind = ["127.0.0.1:0"]
@@ -58,7 +86,9 @@ async def hypercorn_alone() -> AsyncIterator[tuple[str, int]]:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
-            functools.partial(hypercorn_serve, echo_app(), config, shutdown_trigger=stop.wait)
+            functools.partial(
+                hypercorn_serve, app or echo_app(), config, shutdown_trigger=stop.wait
+            )
         )
         host, port = binds[0].removeprefix("http://").rsplit(":", 1)
         try:
@@ -123,6 +153,76 @@ async def test_unpatched_hypercorn_still_dies_of_a_frame_before_the_101(
             _, request = handshake()
             await stream.send_all(request + b"\x89\x80\x00\x00\x00\x00")  # a ping
             await trio.sleep_forever()  # until the server's death cancels this
+
+
+async def close_with(
+    stream: trio.SocketStream, close: wsproto.events.CloseConnection | None
+) -> None:
+    """Open a websocket on ``stream``, then end it with ``close`` (None: hang up)."""
+    ws, request = handshake()
+    await stream.send_all(request)
+    received: list[wsproto.events.Event] = []
+    while not any(isinstance(e, wsproto.events.AcceptConnection) for e in received):
+        ws.receive_data(await stream.receive_some())
+        received.extend(ws.events())
+    if close is None:
+        await stream.aclose()
+    else:
+        await stream.send_all(ws.send(close))
+
+
+async def test_unpatched_hypercorn_still_hides_the_clients_close_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Canary: hypercorn as installed still tells the app 1006 when the client closed with
+    a code of its own.
+
+    If this starts failing, hypercorn passes the client's close code on; check whether the
+    third fix in ``pipework.container._hypercorn_ws`` is still needed before updating this
+    test.
+    """
+    unpatch(monkeypatch)
+    app = DisconnectRecorder()
+    with trio.fail_after(HANG_GUARD):
+        async with (
+            hypercorn_alone(app) as (host, port),
+            await trio.open_tcp_stream(host, port) as stream,
+        ):
+            await close_with(stream, wsproto.events.CloseConnection(4001, "bye"))
+            await app.disconnected.wait()
+    assert [m["code"] for m in app.disconnects] == [1006]
+
+
+@pytest.mark.parametrize(
+    ("close", "code", "reason"),
+    [
+        pytest.param(wsproto.events.CloseConnection(4001, "bye"), 4001, "bye", id="4001"),
+        pytest.param(wsproto.events.CloseConnection(1000), 1000, "", id="1000"),
+        # A close frame without a code (wsproto sends none for 1005).
+        pytest.param(
+            wsproto.events.CloseConnection(CloseReason.NO_STATUS_RCVD),
+            1005,
+            "",
+            id="no-code",
+        ),
+        pytest.param(None, 1006, None, id="hung-up"),
+    ],
+)
+async def test_the_app_learns_how_the_client_closed(
+    close: wsproto.events.CloseConnection | None, code: int, reason: str | None
+) -> None:
+    app = DisconnectRecorder()
+    stop = trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(functools.partial(serve, app, shutdown_trigger=stop))
+            async with await trio.open_tcp_stream(address.host, address.port) as stream:
+                await close_with(stream, close)
+                await app.disconnected.wait()
+            stop.set()
+    [message] = app.disconnects
+    assert message["code"] == code
+    assert message.get("reason") == reason
 
 
 def test_the_fixes_are_idempotent() -> None:

@@ -645,7 +645,9 @@ async def test_the_signals_a_job_took_are_stored_and_an_older_record_took_none(
             [blob] = await connection.call([["HGET", key, "d"]])
             values = msgpack.unpackb(blob, raw=False)
             assert values.pop() == 2  # the layout: none before
-            del values[-2]  # delivered, the last field, before the writer's clock
+            # delivered and the fields after it (tracestate, baggage), which it lacked,
+            # before the writer's clock
+            del values[_FIELDS.index("delivered") : -1]
             values.insert(_FIELDS.index("created_at"), True)  # the cancel flag, stored then
             older_blob = msgpack.packb(values, use_bin_type=True)
             await connection.call([["HSET", key, "d", older_blob]])
@@ -653,6 +655,37 @@ async def test_the_signals_a_job_took_are_stored_and_an_older_record_took_none(
             await connection.aclose()
         read = await store.get(older.id)
         assert read.delivered == ()
+        assert read.to_wire() == older.to_wire()
+
+
+async def test_the_trace_context_is_stored_and_an_older_record_carries_none(
+    redis_server: RedisServer,
+) -> None:
+    """``tracestate`` and ``baggage`` round-trip; a record written before jobs carried them
+    (its last field ``delivered``) reads as carrying neither, the rest unchanged."""
+    async with _store(redis_server) as store:
+        job = _job()
+        job.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        job.tracestate, job.baggage = "vendor=opaque", "user=ada;p=1"
+        await store.create(job)
+        read = await store.get(job.id)
+        assert (read.tracestate, read.baggage) == ("vendor=opaque", "user=ada;p=1")
+        older = _job()
+        older.took("go")
+        await store.create(older)
+        key = f"{store.prefix}:job:{older.id}"
+        connection = await Connection.open(redis_server.url)
+        try:
+            [blob] = await connection.call([["HGET", key, "d"]])
+            values = msgpack.unpackb(blob, raw=False)
+            # tracestate and baggage, before the writer's clock and the layout
+            del values[_FIELDS.index("tracestate") : -2]
+            older_blob = msgpack.packb(values, use_bin_type=True)
+            await connection.call([["HSET", key, "d", older_blob]])
+        finally:
+            await connection.aclose()
+        read = await store.get(older.id)
+        assert (read.tracestate, read.baggage, read.delivered) == (None, None, ("go",))
         assert read.to_wire() == older.to_wire()
 
 

@@ -1,14 +1,17 @@
 """Whatever bytes a client sends, ``pipework serve`` survives them and answers in HTTP.
 
 A live ``pipework serve`` process on a real port (``tests/_socket_fuzz_gateway.py``: every
-route kind, the job API, a callback, a board, the admin API) is sent byte streams built
-from valid requests and then broken: trailing bytes, pipelining, truncation, both framings
-at once, bad chunk sizes, bad versions and methods, byte flips, insertions and cuts, sent in
-pieces and ended by reading, a half-close, a close or a reset, on kept-alive connections
-and ``Connection: close`` ones. After each example the process is alive, every answer is
-well-formed HTTP/1.1 with a reason phrase, every error a problem document, no 5xx came of
-the client's bytes (only 501 and 505, which say the client asked for what is not
-served), nothing was logged as an error, and a normal request is still served.
+route kind, the job API, a callback, a board, the admin API, and proxy routes to backends
+in a process of their own) is sent byte streams built from valid requests and then broken:
+trailing bytes, pipelining, truncation, both framings at once, bad chunk sizes, bad
+versions and methods, byte flips, insertions and cuts, sent in pieces and ended by
+reading, a half-close, a close or a reset, on kept-alive connections and ``Connection:
+close`` ones. After each example the process is alive, every answer is well-formed
+HTTP/1.1 with a reason phrase, every error of the gateway's own a problem document (a proxy
+route relays its backend's answers as they are), no 5xx came of the client's bytes (only
+501 and 505, which say the client asked for what is not served, and on a proxy route the
+502 and 504 of its backend's failures, or a 503 for no slot), nothing was logged as an
+error, and a normal request is still served, directly and through a proxy route.
 
 ``PIPEWORK_FUZZ_EXAMPLES`` sets the number of examples (default 40); nightly runs use
 more, e.g. ``PIPEWORK_FUZZ_EXAMPLES=5000 .venv/bin/pytest tests/test_server_fuzz.py``.
@@ -49,6 +52,9 @@ IDLE: Final = 0.3
 AFTER_EOF: Final = 3.0
 # 5xx answers that are about what the client asked for, not a failure of the server.
 CLIENT_CAUSED_5XX: Final = frozenset({501, 505})
+# 5xx answers a proxy route gives for its backend's failures (the broken backend's 502, the
+# hanging one's 504) or when the pool refuses it a slot (503).
+BACKEND_FAILED_5XX: Final = frozenset({502, 503, 504})
 
 
 # -- the live server -------------------------------------------------------------------
@@ -91,10 +97,47 @@ class Live:
         return lines
 
 
+class Backends:
+    """The proxy routes' backends, in a process of their own, on sockets bound here."""
+
+    def __init__(self) -> None:
+        self.sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+        self.urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in self.sockets]
+        fds = [s.fileno() for s in self.sockets]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests._socket_fuzz_gateway", *map(str, fds)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            pass_fds=fds,
+        )
+        for listening in self.sockets:
+            listening.close()  # the process has its own
+
+    def wait_ready(self) -> None:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().decode()
+        assert line.startswith(gateway.BACKENDS_READY), f"the backends did not start: {line!r}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     path = tmp_path_factory.mktemp("fuzz") / "gateway.toml"
-    path.write_text(gateway.GATEWAY)
+    backends = Backends()  # the two processes start at once
+    try:
+        path.write_text(gateway.gateway_file(*backends.urls))
+        yield from _serving(path, backends)
+    finally:
+        backends.stop()
+
+
+def _serving(path: Path, backends: Backends) -> Iterator[Live]:
     command = [sys.executable, "-m", "pipework", "serve", str(path)]
     env = {**os.environ, **gateway.ENVIRONMENT}
     process = subprocess.Popen(
@@ -106,6 +149,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     try:
         serving = server.wait_for_line("pipework serving on ")
         server.port = urlsplit(serving[-1].split()[-1]).port or 0
+        backends.wait_ready()
         trio.run(_prepare, server)
         yield server
     finally:
@@ -263,6 +307,21 @@ def vocabulary(live: Live) -> list[Request]:
         _request("OPTIONS", "/sync"),
         _request("POST", "/nope", body=b"{}"),
         _request("PATCH", "/sync", body=b"{}"),
+        # Proxy routes: passed to the echo backend as they come, answers relayed.
+        _request("GET", "/proxy/echo/a%2Fb?x=1&y=%20", headers=[(b"Cookie", b"a=1")]),
+        _request("POST", "/proxy/echo", body=b"\x00\xffbytes", content_type=b"image/png"),
+        _request("PUT", "/proxy/upload", body=b"u" * 3000, content_type=b"text/plain"),
+        _request("POST", "/proxy/upload", body=b"v" * 70_000, content_type=b"text/plain"),
+        _request("GET", "/proxy/download?n=100000"),
+        _request("GET", "/proxy/download?n=70000&chunked=1"),
+        _request("DELETE", "/proxy/status/404"),
+        _request("GET", "/proxy/status/204"),
+        _request("PROPFIND", "/proxy/echo", headers=[(b"Connection", b"X-Hop"), (b"X-Hop", b"1")]),
+        _request("OPTIONS", "/proxy"),
+        _request("GET", "/proxy/../admin/pool", auth=admin),
+        _request("GET", "/hang"),
+        _request("POST", "/broken/x", body=b"{}"),
+        _websocket("/proxy/chat"),
     ]
 
 
@@ -444,10 +503,18 @@ def check_answers(outcome: Outcome) -> None:
     for answer in answers:
         shown = f"{answer.status} {answer.headers!r} {answer.body[:300]!r}"
         assert answer.reason, f"no reason phrase: {shown}"
-        assert answer.status < 500 or answer.status in CLIENT_CAUSED_5XX, shown
+        if answer.header(b"via") is not None:
+            # Relayed from a proxy route's backend, as it answered (it never fails).
+            assert answer.status < 500, shown
+            continue
         if answer.status >= 400:
             assert answer.header(b"content-type") == b"application/problem+json", shown
             assert answer.json()["status"] == answer.status, shown
+        if answer.status in BACKEND_FAILED_5XX:
+            # The gateway's problem for its backend's failure, on a proxy route only.
+            assert answer.json()["instance"].startswith(gateway.PROXY_PREFIXES), shown
+        else:
+            assert answer.status < 500 or answer.status in CLIENT_CAUSED_5XX, shown
 
 
 async def serves_normally(live: Live) -> str:
@@ -460,6 +527,9 @@ async def serves_normally(live: Live) -> str:
     answer = await _one(live.port, request)
     assert answer.status == 200, answer
     assert answer.json() == {"a": 1, "echoed": True}
+    proxied = await _one(live.port, _request("GET", "/proxy/echo/normal"))
+    assert proxied.status == 200, proxied
+    assert proxied.json()["raw_path"] == "/echo/normal"
     return marker
 
 

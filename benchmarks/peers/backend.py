@@ -68,7 +68,10 @@ def handler(name: str, mode: _Mode) -> Callable[[trio.SocketStream], Awaitable[N
                     async def until_closed() -> None:
                         # Reading tells when the caller closes; a pipelined request is kept.
                         nonlocal gone
-                        chunk = await stream.receive_some(65536)
+                        try:
+                            chunk = await stream.receive_some(65536)
+                        except trio.BrokenResourceError:  # reset: gone too (HAProxy's way)
+                            chunk = b""
                         if chunk:
                             buffer.extend(chunk)
                             return
@@ -121,8 +124,8 @@ def handler(name: str, mode: _Mode) -> Callable[[trio.SocketStream], Awaitable[N
                 if mode.kind != "fast" and not await wait_out(stream, buffer):
                     return
                 await stream.send_all(answer)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the caller went away
 
     return handle
 

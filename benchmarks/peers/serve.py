@@ -18,6 +18,12 @@ every kind, so no gateway writes an access line per request. KIND is:
   one CPU (``os.sched_setaffinity``): on two idle cores its threads otherwise contend for
   the GIL across cores and serve a tenth as much (docs/benchmarks.md, bench_peers).
 
+``--gc serving`` (the default): every kind runs with the garbage collector's young threshold
+a pipework container serves with (``ContainerConfig.gc_threshold``, 50,000), set in the
+Starlette and Flask processes too, so the gateways differ only in their code; ``--gc
+interpreter``: every kind with the interpreter's own thresholds (700; not with pipework's
+``--workers``, whose command line has no such option).
+
 ``--reuse-port`` binds with ``SO_REUSEPORT``, so that several processes serve one port
 (the kernel spreads new connections across them): start the first with port 0 and the
 others on the port it printed. For pipework this sets hypercorn's ``Config.workers``
@@ -29,6 +35,7 @@ has no option for it.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import shutil
@@ -76,7 +83,20 @@ def _announce(port: int) -> None:
     print(f"http://{HOST}:{port}", flush=True)
 
 
-def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
+def gc_threshold(which: str) -> int | None:
+    """The young threshold for ``--gc WHICH`` (None: the interpreter's own)."""
+    from pipework.container._collector import SERVING_GC_THRESHOLD
+
+    return SERVING_GC_THRESHOLD if which == "serving" else None
+
+
+def set_collector(young: int | None) -> None:
+    """Set this process's young threshold (None: leave the interpreter's)."""
+    if young is not None:
+        gc.set_threshold(young, *gc.get_threshold()[1:])
+
+
+def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool, young: int | None) -> None:
     import hypercorn.config
 
     import pipework as pw
@@ -87,7 +107,9 @@ def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "gateway.toml")
         path.write_text(gateway_text(a_url, b_url))
-        gateway = pw.Gateway(str(path))
+        # The container sets the threshold while it serves (None: it leaves the
+        # interpreter's); the command line has no option for it.
+        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
 
         async def main() -> None:
             stop = trio.Event()
@@ -126,11 +148,12 @@ def serve_pipework_workers(a_url: str, b_url: str, port: int, workers: int) -> N
         child.wait()
 
 
-def serve_starlette(a_url: str, b_url: str, port: int, reuse_port: bool) -> None:
+def serve_starlette(a_url: str, b_url: str, port: int, reuse_port: bool, young: int | None) -> None:
     import uvicorn
 
     from .starlette_gateway import create_app
 
+    set_collector(young)
     sock = _listen(port, reuse_port)
     config = uvicorn.Config(
         create_app(a_url, b_url),
@@ -145,11 +168,14 @@ def serve_starlette(a_url: str, b_url: str, port: int, reuse_port: bool) -> None
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def serve_flask(a_url: str, b_url: str, port: int, reuse_port: bool, threads: int) -> None:
+def serve_flask(
+    a_url: str, b_url: str, port: int, reuse_port: bool, threads: int, young: int | None
+) -> None:
     import waitress
 
     from .flask_gateway import create_app
 
+    set_collector(young)
     sock = _listen(port, reuse_port)
     server = waitress.create_server(
         create_app(a_url, b_url),
@@ -172,7 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4, help="flask: waitress's threads")
     parser.add_argument("--workers", type=int, default=1, help="pipework: serve --workers N")
     parser.add_argument("--one-core", action="store_true", help="flask: pin to one CPU")
+    parser.add_argument(
+        "--gc",
+        choices=["serving", "interpreter"],
+        default="serving",
+        help="the garbage collector's thresholds, for every kind: pipework's serving ones "
+        "(young 50,000) or the interpreter's (700)",
+    )
     args = parser.parse_args(argv)
+    young = gc_threshold(args.gc)
     raise_open_files_limit()
     if args.one_core:
         if args.kind != "flask":
@@ -180,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     logging.basicConfig(level=logging.WARNING)
     if args.kind == "pipework" and args.workers > 1:
+        if young is None:
+            parser.error("--gc interpreter is not for pipework's --workers")
         serve_pipework_workers(args.a, args.b, args.port, args.workers)
     elif args.kind == "pipework":
-        serve_pipework(args.a, args.b, args.port, args.reuse_port)
+        serve_pipework(args.a, args.b, args.port, args.reuse_port, young)
     elif args.kind == "starlette":
-        serve_starlette(args.a, args.b, args.port, args.reuse_port)
+        serve_starlette(args.a, args.b, args.port, args.reuse_port, young)
     else:
-        serve_flask(args.a, args.b, args.port, args.reuse_port, args.threads)
+        serve_flask(args.a, args.b, args.port, args.reuse_port, args.threads, young)
     return 0
 
 

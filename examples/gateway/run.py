@@ -85,6 +85,12 @@ def steps(gateway: str, inventory: str, admin_token: str) -> list[Step]:
             search,
         ),
         Step(
+            "a proxy route: /shop/... goes to quotes as it came (without /shop), its answer"
+            " comes back as it came",
+            '200 {"qty": 2, "sku": "tea", "total": 9.0, "unit_price": 4.5}, Via: 1.1 pipework',
+            f"curl -si '{gateway}/shop/quotes/tea?qty=2'",
+        ),
+        Step(
             "checkout: a graph; the price is held once user and quote are in, audit detached",
             '200 {"user": "Ada", "tier": "gold", "sku": "coffee", "total": 13.05, "hold_id": ...}',
             f'curl -s -X POST {gateway}/checkout/7 {_JSON} -d \'{{"sku": "coffee", "qty": 2}}\'',
@@ -152,6 +158,11 @@ def steps(gateway: str, inventory: str, admin_token: str) -> list[Step]:
             'pipework_pool_limit{key="inventory"} 2.0, pipework_pool_rejected_total{...} 4.0, ...',
             f"curl -s {gateway}/metrics"
             " | grep -E '^pipework_pool_(in_use|limit|rejected_total)\\{key=\"inventory\"'",
+        ),
+        Step(
+            "the proxy route's answers, by route, service and status",
+            'pipework_proxy_responses_total{route="shop",service="quotes",status="200"} 1.0',
+            f"curl -s {gateway}/metrics | grep '^pipework_proxy_responses_total'",
         ),
     ]
 

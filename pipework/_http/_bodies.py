@@ -1,4 +1,5 @@
-"""Request and response bodies: JSON by default, msgpack when the client sends or accepts it.
+"""Request and response bodies: JSON by default, msgpack when the client sends or accepts it;
+a raw value (bytes with their content type) as its bytes.
 
 Reading a body is bounded twice: by size (413 as soon as it is over the limit, without
 reading the rest) and by time. Decoding refuses what job state could not hold, with the
@@ -19,17 +20,20 @@ import trio
 from quart import Request
 from werkzeug.http import parse_options_header, parse_set_header
 
+from ..pipes._state import as_raw
 from ._problems import Problem
 
 __all__ = [
     "JSON",
     "MSGPACK",
+    "OCTET_STREAM",
     "choose_media_type",
     "content_length",
     "decode",
     "decode_object",
     "dumps_json",
     "encode",
+    "raw_answer",
     "read_body",
 ]
 
@@ -283,6 +287,24 @@ def _decode_msgpack(data: bytes, what: str) -> Any:
         raise Problem(400, "Malformed body", detail, slug="malformed") from None
     except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         raise _malformed(what, "msgpack", exc) from None
+
+
+#: What a raw answer whose type is unknown (or not a valid header value) is sent as.
+OCTET_STREAM: Final = "application/octet-stream"
+# A Content-Type an answer can carry: visible ASCII, single spaces or tabs inside.
+_HEADER_VALUE: Final = re.compile(r"[\x21-\x7e](?:[ \t]*[\x21-\x7e])*\Z")
+
+
+def raw_answer(value: Any) -> tuple[bytes, str] | None:
+    """The bytes and content type a raw value (``pipes._state.raw_value``) is answered
+    with, as it is, whatever the client accepts; None for any other value."""
+    raw = as_raw(value)
+    if raw is None:
+        return None
+    content_type, data = raw
+    if content_type is None or _HEADER_VALUE.match(content_type) is None:
+        content_type = OCTET_STREAM
+    return data, content_type
 
 
 def encode(value: Any, media_type: str) -> bytes:

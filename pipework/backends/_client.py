@@ -6,7 +6,8 @@ It builds the same request the httpx path builds (same target, query encoding, h
 JSON body; ``Accept-Encoding: gzip, deflate``) without httpx's request and URL models,
 which cost more than the exchange itself, and reads the answer with the same rules: the
 status checked against ``accept``, ``max_response_bytes`` counted on the decoded body,
-JSON parsed, other text decoded with its charset. What fails is raised as the same
+JSON parsed, other text decoded with its charset (or, for a raw call, its bytes kept with
+their content type). What fails is raised as the same
 :class:`~pipework.BackendError` texts, or as the lean client's own exceptions
 (:mod:`._failures`) for the caller to translate.
 
@@ -27,9 +28,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
-from collections.abc import Iterator, Mapping
-from contextlib import suppress
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, suppress
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlencode
@@ -38,6 +40,7 @@ import httpx
 import trio
 
 from .._errors import BackendError, Overloaded
+from ..pipes._state import raw_value
 from ._balance_core import Host
 from ._call_core import Attempt, Call, Refusal, Verdict
 from ._failures import CallTimeout, ConnectFailed, ConnectionBroken, TransportFailure
@@ -49,10 +52,18 @@ from ._hosts_core import (
     HostReturned,
     ServiceCore,
 )
-from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
+from ._http_spec import (
+    HttpCall,
+    Service,
+    check_header_value,
+    forwarded_headers,
+    passed_headers,
+    raw_body,
+)
 from ._http_template import TemplateError, render_body
 from ._outlier_core import Failure, Outcome
 from ._pool import Pool, ResponseTooLarge
+from ._stream import StreamTimeouts, UpstreamAnswer, open_stream
 
 __all__ = [
     "HostLink",
@@ -129,6 +140,7 @@ class ServiceClient:
         for host in core.hosts:
             host.tag = self._link(host, pool)
         self._base = url.raw_path.rstrip(b"/").decode("ascii")
+        self._raw_base = self._base.encode("ascii")
         self._host = url.netloc
         # Service headers over the client's own, as httpx merges them; lower name -> pair.
         base: dict[str, tuple[str, str]] = {"user-agent": ("User-Agent", user_agent)}
@@ -236,6 +248,36 @@ class ServiceClient:
             self.core.health_check(url, trio.current_time(), passed=passed)
         self.report()
 
+    def stream(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: AsyncIterator[bytes] | None,
+        *,
+        length: int | None,
+        timeouts: StreamTimeouts,
+        deadline: float = math.inf,
+    ) -> AbstractAsyncContextManager[UpstreamAnswer]:
+        """A streamed exchange with the service (:mod:`._stream`): ``headers`` are sent as
+        they are (but for framing), with the service's ``Host`` unless they hold one; an
+        origin-form ``target`` (``/path?query``) goes under the service's base path. The
+        service's own headers (``headers``, ``User-Agent``) are not added: a streamed
+        request is passed through, not made."""
+        if target.startswith(b"/"):
+            target = self._raw_base + target
+        return open_stream(
+            self.pool,
+            method,
+            target,
+            headers,
+            body,
+            host=self._host,
+            length=length,
+            timeouts=timeouts,
+            deadline=deadline,
+        )
+
     def prepare(
         self,
         call: HttpCall,
@@ -252,6 +294,9 @@ class ServiceClient:
         if pairs:
             target += "?" + urlencode(pairs)
         headers = dict(self._headers)
+        if call.pass_headers:
+            for name, value in passed_headers(state, call.pass_headers).items():
+                headers[name] = (name, value)  # lower-case already
         if call.forward_headers is not None:
             for name, value in forwarded_headers(state, call.forward_headers).items():
                 headers[name.lower()] = (name, value)
@@ -271,6 +316,10 @@ class ServiceClient:
             except (TypeError, ValueError) as exc:
                 raise TemplateError(f"the body cannot be sent as JSON: {exc}") from None
             headers.setdefault("content-type", ("Content-Type", "application/json"))
+        elif call.body_from is not None:
+            body, content_type = raw_body(state, call.body_from)
+            if content_type is not None:
+                headers.setdefault("content-type", ("Content-Type", content_type))
         if extra:
             for name, value in extra.items():
                 headers[name.lower()] = (name, value)
@@ -440,7 +489,7 @@ class ServiceClient:
             raise unaccepted(self.service, call, status)
         if done.answer is None:
             raise too_big(self.service, status)
-        return _decode(self.service, done.answer)
+        return _decode(self.service, call, done.answer)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
@@ -471,8 +520,12 @@ def refused(service: Service, refusal: Refusal) -> Overloaded:
     )
 
 
-def _decode(service: Service, answer: Answer) -> Any:
+def _decode(service: Service, call: HttpCall, answer: Answer) -> Any:
     content_type = answer.header(b"content-type")
+    if call.raw:
+        return raw_value(
+            None if content_type is None else content_type.decode("latin-1"), answer.body
+        )
     text = "" if content_type is None else content_type.decode("latin-1")
     return decode_answer(service, answer.status, text, answer.body)
 

@@ -25,8 +25,9 @@ __all__ = [
     "TransportFailure",
 ]
 
-#: Where a call's time ran out: waiting for a free connection, connecting, or the exchange.
-Phase: TypeAlias = Literal["pool", "connect", "answer"]
+#: Where a call's time ran out: waiting for a free connection, connecting, the exchange, or
+#: (a streamed exchange) a wait between two pieces of a body.
+Phase: TypeAlias = Literal["pool", "connect", "answer", "idle"]
 
 
 class TransportFailure(Exception):
@@ -51,7 +52,9 @@ class BadAnswer(TransportFailure):
 
 class CallTimeout(TransportFailure):
     """The call's deadline passed while it ``phase``: ``pool`` (waiting for a free
-    connection), ``connect`` or ``answer`` (sending the request and reading the answer)."""
+    connection), ``connect`` or ``answer`` (sending the request and reading the answer) —
+    or, in a streamed exchange (:mod:`._stream`), ``idle``: the backend sent nothing of its
+    answer's body, or took nothing of the request's, for the exchange's idle timeout."""
 
     def __init__(self, message: str, *, phase: Phase) -> None:
         super().__init__(message)

@@ -8,7 +8,9 @@ about timeouts or limits — the pool (:mod:`._pool`) does, around it.
 A connection is used for one exchange at a time. If an exchange does not finish — the
 caller was cancelled, the peer broke the framing, the body was too big — the connection is
 closed, never reused: h11 would refuse a second request anyway, and a half-read answer on
-the wire would be taken for the next one. A closed connection keeps nothing it read.
+the wire would be taken for the next one. Nor is one whose peer sent more than its answer
+(bytes after the answer's end, received with it): they too would be read as the next
+answer. A closed connection keeps nothing it read.
 
 The content decoder (:func:`content_decoder`) is shared with the httpx path, so both
 clients stop decoding at the same byte.
@@ -34,6 +36,7 @@ __all__ = [
     "ResponseTooLarge",
     "StaleConnection",
     "content_decoder",
+    "first_header",
 ]
 
 _READ_SIZE: Final = 64 * 1024
@@ -71,10 +74,7 @@ class Answer:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return first_header(self.headers, name)
 
 
 class Connection:
@@ -94,7 +94,10 @@ class Connection:
     @property
     def reusable(self) -> bool:
         h = self._h11
-        return h.our_state is h11.DONE and h.their_state is h11.DONE
+        # Bytes received past the answer's end (a body sent with an answer to HEAD, or
+        # past a declared length) would be read as the next request's answer: a
+        # connection out of step with its backend, whoever sends the next request.
+        return h.our_state is h11.DONE and h.their_state is h11.DONE and not h.trailing_data[0]
 
     def readable(self) -> bool:
         """Whether the idle connection has something to read: the peer closed it (EOF) or
@@ -135,19 +138,78 @@ class Connection:
         (:attr:`peer_closed` says which), ``trio.BrokenResourceError`` / ``OSError`` for a
         connection broken mid-answer. After anything but a normal return the connection is
         not reusable: close it."""
+        await self.send_request(h11.Request(method=method, target=target, headers=headers), body)
+        event = await self.read_head()
+        status = event.status_code
+        response_headers = list(event.headers)
+
+        declared = first_header(response_headers, b"content-length")
+        decoder = content_decoder(first_header(response_headers, b"content-encoding"))
+        # A declared length says it at once (a compressed body's says nothing of this).
+        too_long = declared is not None and declared.isdigit() and int(declared) > max_bytes
+        if decoder is None and too_long:
+            raise ResponseTooLarge(status)
+        parts: list[bytes] = []
+        size = 0
+        while isinstance(piece_event := await self.next_event(), h11.Data):
+            piece = bytes(piece_event.data)
+            if decoder is not None:
+                piece = decoder.feed(piece, max_bytes - size)
+            size += len(piece)
+            if size > max_bytes:
+                raise ResponseTooLarge(status)
+            parts.append(piece)
+        if decoder is not None:
+            tail = decoder.flush(max_bytes - size)
+            size += len(tail)
+            if size > max_bytes:
+                raise ResponseTooLarge(status)
+            parts.append(tail)
+        self.exchanges += 1
+        return Answer(status, response_headers, b"".join(parts))
+
+    # -- the parts of an exchange, shared with the streamed one (:mod:`._stream`) ----------
+
+    async def send_request(
+        self, request: h11.Request, body: bytes | None = None, *, end: bool = True
+    ) -> None:
+        """Send a request's head, with ``body`` and the request's end (unless ``end`` is
+        false: the body follows with :meth:`send_data` and :meth:`send_end`). Raises
+        :class:`StaleConnection` if the socket fails: nothing of the answer can have come."""
         h = self._h11
-        if self.exchanges:
-            h.start_next_cycle()
-        data = h.send(h11.Request(method=method, target=target, headers=headers))
+        if h.our_state is h11.DONE and h.their_state is h11.DONE:
+            h.start_next_cycle()  # a kept-alive connection's next exchange
+        data = h.send(request)
         if body:
             data += h.send(h11.Data(data=body))
-        data += h.send(h11.EndOfMessage())
+        if end:
+            data += h.send(h11.EndOfMessage())
         try:
             await self._stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise StaleConnection(f"sending failed: {exc!r}") from exc
 
-        # The head, skipping informational (1xx) answers.
+    async def send_data(self, data: bytes) -> None:
+        """Send a piece of the request's body, framed (a chunk, or bytes of its length)."""
+        pieces = self._h11.send_with_data_passthrough(h11.Data(data=data)) or ()
+        if len(data) <= _READ_SIZE:  # one write; a big piece is not copied to join its frame
+            await self._stream.send_all(b"".join(pieces))
+            return
+        for piece in pieces:
+            await self._stream.send_all(piece)
+
+    async def send_end(self) -> None:
+        """Send the request's end (the last chunk, for a chunked body)."""
+        data = self._h11.send(h11.EndOfMessage())
+        if data:
+            await self._stream.send_all(data)
+
+    async def read_head(self) -> h11.Response:
+        """Read the answer's head, skipping informational (1xx) answers. Raises
+        :class:`StaleConnection` if the connection failed before any byte of it arrived,
+        ``h11.RemoteProtocolError`` for a ``101 Switching Protocols`` (an upgrade is never
+        asked for here) or a malformed head."""
+        h = self._h11
         got_bytes = False
         while True:
             event = h.next_event()
@@ -164,49 +226,44 @@ class Connection:
                 h.receive_data(chunk)
                 continue
             if isinstance(event, h11.Response):
-                break
-            if isinstance(event, h11.ConnectionClosed):  # pragma: no cover - h11 raises first
-                raise h11.RemoteProtocolError("the peer closed the connection")
-        status = event.status_code
-        head = event.headers
-        response_headers = list(head)
+                return event
+            if not isinstance(
+                event, h11.InformationalResponse
+            ):  # pragma: no cover - h11 raises first
+                raise h11.RemoteProtocolError(f"unexpected {event!r} before an answer")
+            if event.status_code == 101:
+                raise h11.RemoteProtocolError("an answer switched protocols (101) uninvited")
 
-        declared = _first(response_headers, b"content-length")
-        decoder = content_decoder(_first(response_headers, b"content-encoding"))
-        # A declared length says it at once (a compressed body's says nothing of this).
-        too_long = declared is not None and declared.isdigit() and int(declared) > max_bytes
-        if decoder is None and too_long:
-            raise ResponseTooLarge(status)
-        parts: list[bytes] = []
-        size = 0
+    async def next_event(self) -> h11.Data | h11.EndOfMessage:
+        """The next piece of the answer's body, or its end (with any trailers), reading
+        from the socket only when h11 has nothing whole buffered."""
+        h = self._h11
         while True:
             event = h.next_event()
             if event is h11.NEED_DATA:
                 h.receive_data(await self._stream.receive_some(_READ_SIZE))
                 continue
-            if isinstance(event, h11.Data):
-                piece = bytes(event.data)
-                if decoder is not None:
-                    piece = decoder.feed(piece, max_bytes - size)
-                size += len(piece)
-                if size > max_bytes:
-                    raise ResponseTooLarge(status)
-                parts.append(piece)
-                continue
-            if isinstance(event, h11.EndOfMessage):
-                break
+            if isinstance(event, h11.Data | h11.EndOfMessage):
+                return event
             raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in an answer")
-        if decoder is not None:
-            tail = decoder.flush(max_bytes - size)
-            size += len(tail)
-            if size > max_bytes:
-                raise ResponseTooLarge(status)
-            parts.append(tail)
-        self.exchanges += 1
-        return Answer(status, response_headers, b"".join(parts))
+
+    def drain_buffered(self) -> bool:
+        """Read on through what was already received of the answer, without waiting: True
+        if its end was there (the rest of a body nobody asked for is dropped)."""
+        h = self._h11
+        try:
+            while (event := h.next_event()) is not h11.NEED_DATA:
+                if isinstance(event, h11.EndOfMessage):
+                    return True
+                if not isinstance(event, h11.Data):
+                    return False
+        except h11.RemoteProtocolError:
+            return False
+        return False
 
 
-def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+def first_header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower-case) in ``headers``, or None."""
     for key, value in headers:
         if key == name:
             return value

@@ -44,6 +44,7 @@ from .._errors import BackendError, BackendUnreachable, DeadlineExceeded, Regist
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
+from ..pipes._state import raw_value
 from ._client import ServiceClient, decode_answer, too_big, unaccepted
 from ._failures import (
     BadAnswer,
@@ -55,7 +56,14 @@ from ._failures import (
 )
 from ._h1 import ACCEPT_ENCODING, BadEncoding, content_decoder
 from ._hosts_core import ServiceStatistics
-from ._http_spec import HttpCall, Service, check_header_value, forwarded_headers
+from ._http_spec import (
+    HttpCall,
+    Service,
+    check_header_value,
+    forwarded_headers,
+    passed_headers,
+    raw_body,
+)
 from ._http_template import TemplateError, render_body
 
 __all__ = ["Backends", "http_pipe"]
@@ -203,6 +211,16 @@ class Backends:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
                 await stack.aclose()
 
+    def lean(self, name: str) -> ServiceClient:
+        """The lean client of ``http://`` service ``name`` (proxy routes stream through
+        it); RuntimeError while the backends are closed or when the service has none (an
+        ``https://`` one, or every service with a ``transport``)."""
+        client = self._lean.get(name)
+        if client is None:
+            why = "they are not open" if self._stack is None else "it is not a plain http:// one"
+            raise RuntimeError(f"service {name!r} has no lean client: {why}")
+        return client
+
     def client(self, name: str) -> httpx.AsyncClient:
         if self._clients is None:
             raise RuntimeError(
@@ -340,7 +358,9 @@ def http_pipe(
             ctx.state[call.into] = answer
 
     run.__name__ = run.__qualname__ = name
-    return Pipe(run, name, key if key is not None else call.service, timeout)
+    return Pipe(
+        run, name, key if key is not None else call.service, timeout, request_use=call.request_use
+    )
 
 
 def _connect(service: Service) -> float:
@@ -354,6 +374,10 @@ def _trace_headers(service: Service, ctx: Context) -> dict[str, str]:
         headers[service.request_id_header] = ctx.correlation_id
     if ctx.traceparent is not None:
         headers["traceparent"] = ctx.traceparent
+        if ctx.tracestate is not None:
+            headers["tracestate"] = ctx.tracestate
+    if ctx.baggage is not None:
+        headers["baggage"] = ctx.baggage
     return headers
 
 
@@ -373,9 +397,10 @@ def _build_request(
     for name, template in call.query:
         params.extend((name, value) for value in template.render_query(state, name))
     headers = httpx.Headers(service.headers)
+    if call.pass_headers:
+        headers.update(passed_headers(state, call.pass_headers))
     if call.forward_headers is not None:
         headers.update(forwarded_headers(state, call.forward_headers))
-    headers.update(_trace_headers(service, ctx))
     for name, template in call.headers:
         rendered = template.render_header(state, name)
         if rendered is not None:
@@ -392,6 +417,12 @@ def _build_request(
         except (TypeError, ValueError) as exc:
             raise TemplateError(f"the body cannot be sent as JSON: {exc}") from None
         headers.setdefault("Content-Type", "application/json")
+    elif call.body_from is not None:
+        content, content_type = raw_body(state, call.body_from)
+        if content_type is not None:
+            headers.setdefault("Content-Type", content_type)
+    # Last, over the call's own headers, as the lean client puts them.
+    headers.update(_trace_headers(service, ctx))
     request = client.build_request(
         call.method, url, params=params, headers=headers, content=content, timeout=timeout
     )
@@ -413,7 +444,7 @@ async def _send(
         # Read (and decoded) already, by a transport that had it whole (a test's).
         if len(response.content) > service.max_response_bytes:
             raise _too_big(service, response)
-        return _decode(service, response, response.content)
+        return _decode(service, call, response, response.content)
     chunks = response.aiter_raw()
     try:
         body = await _read_body(service, response, chunks)
@@ -425,7 +456,7 @@ async def _send(
         raise
     finally:
         await response.aclose()
-    return _decode(service, response, body)
+    return _decode(service, call, response, body)
 
 
 async def _read_body(
@@ -474,7 +505,9 @@ def _too_big(service: Service, response: httpx.Response) -> BackendError:
     return too_big(service, response.status_code)
 
 
-def _decode(service: Service, response: httpx.Response, body: bytes) -> Any:
+def _decode(service: Service, call: HttpCall, response: httpx.Response, body: bytes) -> Any:
+    if call.raw:
+        return raw_value(response.headers.get("Content-Type"), body)
     content_type = response.headers.get("Content-Type", "")
     return decode_answer(service, response.status_code, content_type, body)
 

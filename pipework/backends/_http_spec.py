@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
@@ -15,6 +15,9 @@ from typing import Any, Final
 import httpx
 
 from .._errors import RegistrationError
+from .._headers import HOP_BY_HOP, WILDCARD, pass_problem, passed
+from ..pipes._pipe import REQUEST_KEY, RequestUse
+from ..pipes._state import as_raw
 from ._http_template import BodyTemplate, Template, TemplateError, parse_body
 from ._resilience_spec import (
     Balance,
@@ -37,25 +40,14 @@ __all__ = [
     "check_base_url",
     "check_header_name",
     "check_header_value",
+    "check_pass_header",
     "check_same_api",
     "forwarded_headers",
     "is_token",
+    "passed_headers",
+    "raw_body",
 ]
 
-#: Headers that describe one connection, not the message (RFC 9110 §7.6.1): never forwarded.
-HOP_BY_HOP: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
 #: Headers a pipe may not set: hop-by-hop ones, and those that would redirect or reframe the
 #: request (the host comes only from the service's base_url; httpx frames the body).
 FORBIDDEN_HEADERS: Final = HOP_BY_HOP | {"host", "content-length"}
@@ -80,6 +72,13 @@ def check_header_name(name: str) -> str | None:
     if lowered == "content-length":
         return "'Content-Length' cannot be set: it is computed from the body"
     return None
+
+
+def check_pass_header(name: str) -> str | None:
+    """Why ``name`` cannot be one of a call's ``pass_headers``, or None if it can."""
+    if name != WILDCARD and not _TOKEN.match(name):
+        return f"{name!r} is not a valid header name (or '*' for every end-to-end one)"
+    return pass_problem(name)
 
 
 def is_token(name: str) -> bool:
@@ -248,10 +247,18 @@ class HttpCall:
     """One call to ``service``: ``method`` on ``path`` (a path template, appended to the
     base URL's path), with ``query``, ``headers`` and a JSON ``body`` filled from state.
 
-    ``forward_headers`` names a state key holding a dict of headers to pass on (hop-by-hop
-    ones, Host and Content-Length are dropped). The answer's body (JSON parsed, else text,
-    None when empty) is written to ``state[into]`` (None: not kept); a status outside
-    ``accept`` is a :class:`~pipework.BackendError`.
+    ``pass_headers`` names the request headers passed on from the job's request (recorded
+    in ``state["request"]["headers"]``; ``"*"``: every end-to-end one but credentials, see
+    :mod:`pipework._headers`). ``forward_headers`` names a state key holding a dict of
+    headers to pass on (hop-by-hop ones, Host and Content-Length are dropped). Headers
+    meet in this order, each over the ones before: the service's, passed, forwarded, the
+    call's own ``headers``, then the request id and the trace context.
+
+    ``body_from`` sends a raw body (bytes with their content type) instead of JSON:
+    ``"request"`` the request's own, as it came, any other name the raw value at that state
+    key. The answer's body (JSON parsed, else text, None when empty; with ``raw`` its bytes
+    with their content type, whatever they are) is written to ``state[into]`` (None: not
+    kept); a status outside ``accept`` is a :class:`~pipework.BackendError`.
     """
 
     service: str
@@ -263,6 +270,9 @@ class HttpCall:
     forward_headers: str | None = None
     into: str | None = None
     accept: frozenset[int] = DEFAULT_ACCEPT
+    pass_headers: frozenset[str] = frozenset()
+    body_from: str | None = None
+    raw: bool = False
 
     def __post_init__(self) -> None:
         method = self.method.upper()
@@ -277,6 +287,32 @@ class HttpCall:
                 raise RegistrationError(problem)
         if not self.accept:
             raise RegistrationError("accept needs at least one status")
+        if isinstance(self.pass_headers, str):
+            raise RegistrationError("pass_headers is a collection of header names, not one")
+        for name in self.pass_headers:
+            problem = check_pass_header(name)
+            if problem is not None:
+                raise RegistrationError(f"pass_headers: {problem}")
+        object.__setattr__(
+            self, "pass_headers", frozenset(name.lower() for name in self.pass_headers)
+        )
+        if self.body_from is not None:
+            if self.body is not None:
+                raise RegistrationError(
+                    "a call sends a JSON body or a raw one (body_from), not both"
+                )
+            if not self.body_from:
+                raise RegistrationError(
+                    "body_from names 'request' (the request's body) or a state key"
+                )
+
+    @property
+    def request_use(self) -> RequestUse | None:
+        """What the call reads of its job's request (None: only the state)."""
+        body = self.body_from == REQUEST_KEY
+        if not self.pass_headers and not body:
+            return None
+        return RequestUse(self.pass_headers, body)
 
     @classmethod
     def of(
@@ -291,6 +327,9 @@ class HttpCall:
         forward_headers: str | None = None,
         into: str | None = None,
         accept: frozenset[int] = DEFAULT_ACCEPT,
+        pass_headers: Iterable[str] = (),
+        body_from: str | None = None,
+        raw: bool = False,
     ) -> HttpCall:
         """Build a call from template strings, parsed here: one that cannot be parsed raises
         :class:`~pipework.TemplateSyntaxError` (a ``ValueError``) saying where."""
@@ -304,10 +343,19 @@ class HttpCall:
             forward_headers,
             into,
             accept,
+            _names(pass_headers),
+            body_from,
+            raw,
         )
 
     def describe_accept(self) -> str:
         return describe_statuses(self.accept)
+
+
+def _names(names: Iterable[str]) -> frozenset[str]:
+    if isinstance(names, str):  # a string is iterable too, as its letters
+        raise RegistrationError(f"pass_headers is a list of header names, not one: [{names!r}]")
+    return frozenset(names)
 
 
 def describe_statuses(statuses: frozenset[int]) -> str:
@@ -354,3 +402,72 @@ def forwarded_headers(state: Mapping[str, Any], key: str) -> dict[str, str]:
             raise TemplateError(f"forwarded {problem}")
         kept[name] = value
     return kept
+
+
+def passed_headers(state: Mapping[str, Any], names: frozenset[str]) -> dict[str, str]:
+    """The request headers a call passes on under its ``pass_headers`` (``names``), from
+    the job's request record (``state["request"]["headers"]``, ``[name, value]`` pairs),
+    by lower-case name; a header that came in several lines is one, its values joined as
+    RFC 9110 §5.3 says (``Cookie``'s with ``; ``, RFC 6265 §5.4). Nothing without a record:
+    the job was not started by a route's request."""
+    record = state.get(REQUEST_KEY)
+    given = record.get("headers") if isinstance(record, Mapping) else None
+    if given is None:
+        return {}
+    where = f"state value '{REQUEST_KEY}.headers'"
+    if not isinstance(given, list | tuple):
+        raise TemplateError(f"{where} must be an array of [name, value] pairs")
+    pairs: list[tuple[str, str]] = []
+    for pair in given:
+        if (
+            not isinstance(pair, list | tuple)
+            or len(pair) != 2
+            or not all(isinstance(part, str) for part in pair)
+        ):
+            raise TemplateError(f"{where} must be an array of [name, value] pairs of strings")
+        name, value = pair
+        # Checked here, before anything is sent: a header httpx or h11 would refuse is the
+        # request's mistake (400), never a failure of the backend (which it would count).
+        if not is_token(name):
+            raise TemplateError(f"passed header name {name!r} is not a valid header name")
+        pairs.append((name, value))
+    kept: dict[str, str] = {}
+    for name, value in passed(pairs, names):
+        problem = check_header_value(name, value)
+        if problem is not None:
+            raise TemplateError(f"passed {problem}")
+        if name in kept:
+            value = kept[name] + ("; " if name == "cookie" else ", ") + value
+        kept[name] = value
+    return kept
+
+
+def raw_body(state: Mapping[str, Any], body_from: str) -> tuple[bytes, str | None]:
+    """The bytes and content type a call with ``body_from`` sends: the request's body
+    (``"request"``) or the raw value at that state key."""
+    if body_from == REQUEST_KEY:
+        record = state.get(REQUEST_KEY)
+        value = record.get("body") if isinstance(record, Mapping) else None
+        if value is None:
+            raise TemplateError(
+                "the call sends the request's body (body_from = 'request'), but the job has "
+                "none: its route must keep raw bodies (body = 'raw')"
+            )
+        where = "the request's body"
+    else:
+        if body_from not in state:
+            raise TemplateError(f"state has no {body_from!r} (the call's body_from)")
+        value = state[body_from]
+        where = f"state value {body_from!r}"
+    raw = as_raw(value)
+    if raw is None:
+        raise TemplateError(
+            f"{where} is not a raw body (a table of content_type and data, the bytes); "
+            "an HTTP pipe with raw = true keeps its answer as one"
+        )
+    content_type, data = raw
+    if content_type is not None:
+        problem = check_header_value("Content-Type", content_type)
+        if problem is not None:
+            raise TemplateError(f"{where}: {problem}")
+    return data, content_type

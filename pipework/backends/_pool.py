@@ -60,7 +60,17 @@ from ._failures import (
 )
 from ._h1 import Answer, Connection, ResponseTooLarge, StaleConnection
 
-__all__ = ["IDEMPOTENT", "Answer", "Pool", "PoolStatistics", "ResponseTooLarge"]
+__all__ = [
+    "EXCHANGE_ERRORS",
+    "IDEMPOTENT",
+    "RAN_OUT",
+    "Answer",
+    "Pool",
+    "PoolStatistics",
+    "Progress",
+    "ResponseTooLarge",
+    "failure",
+]
 
 #: Methods that may be sent again when a kept-alive connection turns out stale (RFC 9110
 #: §9.2.2 idempotent methods).
@@ -68,11 +78,31 @@ IDEMPOTENT: Final = frozenset({b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"})
 
 Connect = Callable[[str, int], Awaitable[trio.SocketStream]]
 
-_RAN_OUT: Final[dict[Phase, str]] = {
+#: What had not happened when a call's deadline passed, by the phase it was in.
+RAN_OUT: Final[dict[Phase, str]] = {
     "pool": "no connection came free",
     "connect": "no connection was made",
     "answer": "no whole answer came",
+    "idle": "the body stalled",
 }
+
+#: What an exchange on a connection raises when it fails (see :func:`failure`).
+EXCHANGE_ERRORS: Final = (
+    StaleConnection,
+    h11.ProtocolError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    OSError,
+)
+
+
+class Progress:
+    """Where a call is: the phase its deadline names if it passes now."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self) -> None:
+        self.phase: Phase = "pool"
 
 
 class PoolStatistics:
@@ -142,15 +172,11 @@ class Pool:
         """Send a request and return its whole answer (see the module's docstring for the
         rules), by ``deadline`` (trio time). ``headers`` must include ``Host``."""
         retry = method in IDEMPOTENT
+        progress = Progress()
         with trio.CancelScope(deadline=deadline) as scope:
-            phase: Phase = "pool"
             while True:
-                phase = "pool"
-                connection = await self._checkout()
-                if connection is None:  # a place to open one
-                    phase = "connect"
-                    connection = await self._new_connection()
-                phase = "answer"
+                connection = await self.acquire(progress)
+                progress.phase = "answer"
                 reused = connection.exchanges > 0
                 done = False
                 try:
@@ -165,35 +191,42 @@ class Pool:
                         traceback.clear_frames(exc.__traceback__)
                         raise
                     done = True
-                except StaleConnection as exc:
-                    if reused and retry:
+                except EXCHANGE_ERRORS as exc:
+                    if isinstance(exc, StaleConnection) and reused and retry:
                         retry = False
                         continue  # the finally below closed it; one more try, fresh
-                    raise ConnectionBroken(
-                        f"the connection to {self.where} failed before an answer ({exc})"
-                    ) from exc
-                except h11.RemoteProtocolError as exc:
-                    if connection.peer_closed:  # cut short, not malformed
-                        raise ConnectionBroken(
-                            f"{self.where} closed the connection before the answer's end ({exc})"
-                        ) from exc
-                    raise BadAnswer(f"{self.where} sent an invalid answer: {exc}") from exc
-                except h11.LocalProtocolError as exc:  # unreachable: requests are checked first
-                    raise TransportFailure(f"the request could not be sent: {exc}") from exc
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise ConnectionBroken(
-                        f"the connection to {self.where} broke mid-answer: {exc!r}"
-                    ) from exc
+                    raise failure(exc, self.where, connection) from exc
                 finally:
-                    self._checkin(connection, reusable=done and connection.reusable)
+                    self.release(connection, reusable=done and connection.reusable)
                 return answer
         assert scope.cancelled_caught
-        raise CallTimeout(f"{self.where}: {_RAN_OUT[phase]} by the call's deadline", phase=phase)
+        raise CallTimeout(
+            f"{self.where}: {RAN_OUT[progress.phase]} by the call's deadline",
+            phase=progress.phase,
+        )
 
     @property
     def where(self) -> str:
         """``host:port``, as the pool's errors name it."""
         return f"{self.host}:{self.port}"
+
+    async def acquire(
+        self, progress: Progress, *, connect_timeout: float | None = None
+    ) -> Connection:
+        """A connection for one exchange: an idle one, or a new one once a place is free
+        (first come first served), connected within ``connect_timeout`` (None: the pool's).
+        ``progress.phase`` says which it is waiting for. Give it back with :meth:`release`."""
+        progress.phase = "pool"
+        connection = await self._checkout()
+        if connection is None:  # a place to open one
+            progress.phase = "connect"
+            connection = await self._new_connection(connect_timeout)
+        return connection
+
+    def release(self, connection: Connection, *, reusable: bool) -> None:
+        """Give back a connection from :meth:`acquire`: ``reusable`` only if its exchange
+        ended cleanly (:attr:`Connection.reusable`) — else it is closed."""
+        self._checkin(connection, reusable=reusable)
 
     async def aclose(self) -> None:
         """Close every idle connection and refuse new calls; connections in use close
@@ -239,9 +272,10 @@ class Pool:
             raise
         return waiter.connection
 
-    async def _new_connection(self) -> Connection:
+    async def _new_connection(self, within: float | None) -> Connection:
+        within = self.connect_timeout if within is None else within
         try:
-            with trio.move_on_after(self.connect_timeout) as scope:
+            with trio.move_on_after(within) as scope:
                 stream = await self._connect_to(self.host, self.port)
         except BaseException as exc:
             self._open -= 1
@@ -253,7 +287,7 @@ class Pool:
             self._open -= 1
             self._hand_on()
             raise CallTimeout(
-                f"could not connect to {self.where} within {self.connect_timeout:g}s",
+                f"could not connect to {self.where} within {within:g}s",
                 phase="connect",
             )
         return Connection(stream)
@@ -297,6 +331,22 @@ class Pool:
         horizon = trio.current_time() - self.idle_timeout
         while idle and idle[0].idle_since <= horizon:
             self._drop(idle.popleft())
+
+
+def failure(exc: BaseException, where: str, connection: Connection) -> TransportFailure:
+    """The lean client's exception for one of :data:`EXCHANGE_ERRORS` raised by an exchange
+    with ``where`` on ``connection`` (raise it ``from`` the original)."""
+    if isinstance(exc, StaleConnection):
+        return ConnectionBroken(f"the connection to {where} failed before an answer ({exc})")
+    if isinstance(exc, h11.RemoteProtocolError):
+        if connection.peer_closed:  # cut short, not malformed
+            return ConnectionBroken(
+                f"{where} closed the connection before the answer's end ({exc})"
+            )
+        return BadAnswer(f"{where} sent an invalid answer: {exc}")
+    if isinstance(exc, h11.LocalProtocolError):  # unreachable: requests are checked first
+        return TransportFailure(f"the request could not be sent: {exc}")
+    return ConnectionBroken(f"the connection to {where} broke mid-answer: {exc!r}")
 
 
 async def _open_tcp(host: str, port: int) -> trio.SocketStream:

@@ -38,6 +38,8 @@ from ..board._api import BoardApi, add_board_rules
 from ..board._jobs import JOB_BOARD, JobBoard
 from ..board._metrics import BoardCollector
 from ..dispatcher._engine import Engine
+from ..proxy import ProxyLayer, ProxySet, ProxyTable
+from ..proxy._forwarding import trusted_networks
 from ._admin import AdminApi, Reload, admin_token
 from ._callbacks import CallbackSigner
 from ._collector import SERVING_GC_THRESHOLD, tuned_collector
@@ -82,6 +84,9 @@ class ContainerConfig:
     - ``gc_threshold``: the garbage collector's young threshold while serving (None: the
       interpreter's); see :mod:`._collector` for why a server holding many connections
       wants it far above the default.
+    - ``trusted_proxies``: addresses and networks (``"10.0.0.0/8"``) whose
+      ``X-Forwarded-*`` and ``Forwarded`` headers proxy routes pass on, appending to them;
+      from any other client those headers are replaced.
     """
 
     max_body: int = 1024 * 1024
@@ -98,6 +103,7 @@ class ContainerConfig:
     admin_token: str | None = None
     access_log: bool = True
     gc_threshold: int | None = SERVING_GC_THRESHOLD
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -108,6 +114,7 @@ class ContainerConfig:
                 raise ValueError(f"ContainerConfig.{name} must not be negative")
         if self.gc_threshold is not None and self.gc_threshold < 1:
             raise ValueError("ContainerConfig.gc_threshold must be positive (or None)")
+        trusted_networks(self.trusted_proxies)  # ValueError naming the bad entry
 
 
 class Container:
@@ -126,8 +133,10 @@ class Container:
         reload: Reload | None = None,
         boards: Iterable[BoardSpec] = (),
         backplane: Backplane | None = None,
+        proxies: ProxySet | None = None,
     ) -> None:
         self.engine = engine
+        self._proxies = proxies or ProxySet(ProxyTable(()))
         self.config = config = config or ContainerConfig()
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
         self.signer = signer or CallbackSigner.from_config(
@@ -251,6 +260,18 @@ class Container:
         app = QuartTrio(__name__, static_folder=None)
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
+        # Proxy routes are served in front of Quart, behind the guard the middleware puts
+        # in front of everything.
+        self.proxy_layer = ProxyLayer(
+            app.asgi_app,
+            self._proxies,
+            pool=self.engine.pool,
+            chains=self.engine,
+            metrics=self.engine.metrics,
+            trusted=trusted_networks(self.config.trusted_proxies),
+            access_log=self.config.access_log,
+        )
+        app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam
         self.middleware.install(app)
         # Routes are matched by our own map, behind one catch-all rule, so that a reload can
         # swap them in one step; the container's own paths are Quart rules and win.
@@ -344,6 +365,10 @@ class Container:
         app = getattr(self, "app", None)
         if app is not None:  # Quart's own cap stays above every route's limit
             app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
+
+    def set_proxies(self, proxies: ProxySet) -> None:
+        """Swap the proxy routes and their clients in (a reload)."""
+        self.proxy_layer.set_proxies(proxies)
 
     def set_boards(self, specs: Iterable[BoardSpec]) -> dict[str, list[str]]:
         """Serve the boards ``specs`` declare from now on (a reload's swap), in one step;

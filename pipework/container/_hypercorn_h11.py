@@ -125,17 +125,43 @@ async def _send_problem(protocol: H11Protocol, problem: Problem) -> None:
 
 
 def with_reason(send_h11_event: _AsyncMethod) -> _AsyncMethod:
+    """An answer's head with its reason phrase, and with hypercorn's own ``Date`` and
+    ``Server`` only when the app set none: a relayed answer (a proxy route) keeps the
+    service's, instead of carrying two of each."""
+
     async def with_reason(self: H11Protocol, event: Any) -> None:
-        if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
-            event = type(event)(
-                status_code=event.status_code,
-                headers=event.headers,
-                http_version=event.http_version,
-                reason=_framing.reason(event.status_code),
-            )
+        if isinstance(event, h11.Response | h11.InformationalResponse):
+            headers = _own_headers_once(event.headers)
+            if not event.reason or headers is not None:
+                event = type(event)(
+                    status_code=event.status_code,
+                    headers=event.headers if headers is None else headers,
+                    http_version=event.http_version,
+                    reason=event.reason or _framing.reason(event.status_code),
+                )
         await send_h11_event(self, event)
 
     return with_reason
+
+
+#: Headers hypercorn adds to every answer after the app's (``Config.response_headers``).
+_SERVER_ADDED: Final = frozenset({b"date", b"server"})
+
+
+def _own_headers_once(headers: Any) -> list[tuple[bytes, bytes]] | None:
+    """``headers`` without the later copies of ``Date`` and ``Server`` (hypercorn's), or
+    None when there are none."""
+    seen: set[bytes] = set()
+    kept: list[tuple[bytes, bytes]] = []
+    dropped = False
+    for name, value in headers:
+        if name in _SERVER_ADDED:
+            if name in seen:
+                dropped = True
+                continue
+            seen.add(name)
+        kept.append((name, value))
+    return kept if dropped else None
 
 
 async def _send_stream_problem(stream: HTTPStream | WSStream, status_code: int) -> None:

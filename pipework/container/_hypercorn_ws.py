@@ -1,7 +1,7 @@
-"""Two fixes to hypercorn's websocket stream: the close frame for a protocol error, and frames
-that arrive before the handshake is answered.
+"""Three fixes to hypercorn's websocket stream: the close frame for a protocol error, frames
+that arrive before the handshake is answered, and the close code a client sent.
 
-The bugs (hypercorn 0.18.0 with wsproto 1.3), both in ``hypercorn.protocol.ws_stream``:
+The bugs (hypercorn 0.18.0 with wsproto 1.3), all in ``hypercorn.protocol.ws_stream``:
 
 1. **A protocol error ends with a bare TCP close.** A peer that breaks the websocket
    protocol (a text frame that is not UTF-8, an unmasked client frame, a reserved opcode, a
@@ -35,6 +35,19 @@ The bugs (hypercorn 0.18.0 with wsproto 1.3), both in ``hypercorn.protocol.ws_st
    quietly, and trio's ``serve_listeners`` ends the whole server with it (hypercorn issue
    #225, only partly fixed upstream). Which answer wins depends on the scheduler.
 
+3. **The app never learns the client's close code.** ASGI's ``websocket.disconnect``
+   carries "the WebSocket close code, as per the WebSocket spec" (1005 when the close frame
+   had none), and a ``reason``. hypercorn answers the client's close frame, then reports
+   the end from ``handle(StreamClosed)`` with a code of its own choosing::
+
+       if self.state in {ASGIWebsocketState.HTTPCLOSED, ASGIWebsocketState.CLOSED}:
+           code = CloseReason.NORMAL_CLOSURE.value
+       else:
+           code = CloseReason.ABNORMAL_CLOSURE.value      <- a client's 4001 "bye" too
+
+   so an app that passes the close on (a proxy relaying it to its backend) cannot tell a
+   client that said goodbye with a code from one whose connection dropped.
+
 The fixes:
 
 1. ``WSStream._handle_events`` is replaced by hypercorn's own code plus the missing branch:
@@ -46,6 +59,11 @@ The fixes:
    reading task waits rather than buffering, so a client that keeps sending only fills its
    own socket buffers; an app that never answers the handshake holds that connection's
    reading (with HTTP/2, that connection's other streams too) as it would hold its own.
+3. The replaced ``_handle_events`` keeps the code and reason of the close that ended the
+   connection (the client's close frame, its answer to the app's, or the code wsproto
+   refused a frame with), and ``handle(StreamClosed)`` reports them in
+   ``websocket.disconnect`` (``code``, ``reason``) instead of hypercorn's guess. A
+   connection that ends without a close frame is still reported as 1006.
 
 ``apply()`` checks the internals these rely on and raises ``RuntimeError`` if they changed,
 patching nothing: ``_handle_events`` must be, to the character, the method the copy was
@@ -90,6 +108,8 @@ _HANDLE_EVENTS_SHA256: Final = "3a32ba6592e09f194fe018d61281dd6961e2558e590ad262
 _MARKER: Final = "_pipework_ws"
 # Where a stream keeps the event that says its handshake is decided.
 _DECIDED: Final = "_pipework_handshake_decided"
+# Where a stream keeps the (code, reason) of the close that ended its connection.
+_CLOSED_WITH: Final = "_pipework_closed_with"
 
 # An unmasked text frame "hi", as a client may not send it (RFC 6455 §5.1).
 _UNMASKED_CLIENT_FRAME: Final = b"\x81\x02hi"
@@ -101,7 +121,7 @@ def _answering_refused_frames(original: _AsyncMethod) -> _AsyncMethod:
     @functools.wraps(original)  # for its name and ``__wrapped__``: it is not called
     async def _handle_events(self: Any) -> None:
         # hypercorn 0.18.0's WSStream._handle_events (``self`` is a WSStream, typed Any:
-        # hypercorn's attributes are loosely typed), with one branch added.
+        # hypercorn's attributes are loosely typed), with one branch and one line added.
         for event in self.connection.events():
             if isinstance(event, Message):
                 try:
@@ -118,6 +138,9 @@ def _answering_refused_frames(original: _AsyncMethod) -> _AsyncMethod:
             elif isinstance(event, Ping):
                 await self._send_wsproto_event(event.response())
             elif isinstance(event, CloseConnection):
+                # For handle(StreamClosed), which tells the app (a 1005 is kept: the
+                # client's close frame had no code).
+                setattr(self, _CLOSED_WITH, (int(event.code), event.reason or ""))
                 if self.connection.state == ConnectionState.REMOTE_CLOSING:
                     await self._send_wsproto_event(event.response())
                 elif self.connection.state == ConnectionState.OPEN:
@@ -131,13 +154,22 @@ def _answering_refused_frames(original: _AsyncMethod) -> _AsyncMethod:
     return _handle_events
 
 
-def _holding_early_frames(original: _AsyncMethod) -> _AsyncMethod:
+def _holding_early_frames_telling_ends(original: _AsyncMethod) -> _AsyncMethod:
     @functools.wraps(original)
     async def handle(self: Any, event: Any) -> None:
         if isinstance(event, Body | Data) and not self.closed and not self.handshake.accepted:
             await _decided(self).wait()
             if self.closed or not self.handshake.accepted:
                 return  # refused, or the app failed: the connection ends with its answer
+        elif isinstance(event, StreamClosed) and not self.closed and self.app_put is not None:
+            closed_with = vars(self).get(_CLOSED_WITH)
+            if closed_with is not None:
+                # hypercorn's own branch for StreamClosed, with the close's code and reason
+                # in place of its 1000-or-1006 guess.
+                self.closed = True
+                code, reason = closed_with
+                await self.app_put({"type": "websocket.disconnect", "code": code, "reason": reason})
+                return
         await original(self, event)
 
     return handle
@@ -173,9 +205,9 @@ _TARGETS: Final[
     ("_handle_events", _answering_refused_frames, ("self",), frozenset()),
     (
         "handle",
-        _holding_early_frames,
+        _holding_early_frames_telling_ends,
         ("self", "event"),
-        frozenset({"accepted", "closed", "_send_error_response"}),
+        frozenset({"accepted", "closed", "app_put", "_send_error_response"}),
     ),
     (
         "app_send",
@@ -192,8 +224,9 @@ def is_applied() -> bool:
 
 
 def apply() -> None:
-    """Make hypercorn send the close frame for a websocket frame wsproto refused, and read
-    a frame that comes before the handshake's answer after it. Idempotent.
+    """Make hypercorn send the close frame for a websocket frame wsproto refused, read a
+    frame that comes before the handshake's answer after it, and tell the app the code and
+    reason of the close that ended a connection. Idempotent.
 
     Raises ``RuntimeError`` if hypercorn's ``WSStream`` or wsproto no longer look like the
     ones these fixes were written for; nothing is patched then.

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 from quart import Response, request
 
-from .._http._bodies import choose_media_type, decode, encode, read_body
+from .._http._bodies import choose_media_type, decode, encode, raw_answer, read_body
 from .._http._jobs import authorize, job_document, job_token
 from .._http._problems import Problem, problem_for_error
 from ..dispatcher._engine import Engine
@@ -59,6 +59,9 @@ class JobsApi:
     async def result(self, job_id: str) -> Response:
         view = await self.authorize(job_id)
         if view.status is Status.DONE:
+            raw = raw_answer(view.result)
+            if raw is not None:  # bytes with their content type, as the route answers them
+                return Response(raw[0], content_type=raw[1])
             return self._answer(view.result)
         if view.status not in TERMINAL:
             raise Problem(

@@ -4,7 +4,8 @@ the hooks before and after each handler, and the error handlers.
 - :class:`RequestGuard` (ASGI, before Quart parses anything): a request whose header names,
   header values or raw target could not have come through HTTP/1.1 is a 400 problem.
 - before each handler (:meth:`Middleware.before_request`): the request's id
-  (``X-Request-ID`` when well-formed, else a new one), its W3C ``traceparent``, the
+  (``X-Request-ID`` when well-formed, else a new one), its W3C trace context
+  (``traceparent``, ``tracestate``, ``baggage``: :mod:`pipework._http._trace`), the
   header-size limit (431) and the target's encoding (400 unless UTF-8 once
   percent-decoded);
 - after each (:meth:`Middleware.after_request`): the response counters, by route or
@@ -21,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
@@ -32,6 +33,8 @@ from werkzeug.exceptions import HTTPException
 from .._errors import Overloaded, PipeworkError
 from .._http._bodies import dumps_json
 from .._http._problems import PROBLEM_JSON, Problem, encode_problem, problem_for_exception
+from .._http._request_ids import request_id
+from .._http._trace import baggage, traceparent, tracestate
 from .._metrics import Metrics
 from ..dispatcher._job import new_correlation_id
 from ._request import Incoming, current_g, current_request, incoming, read_headers
@@ -65,11 +68,7 @@ _ENDPOINTS: Final = {
 #: The endpoints of the rules that hand every other path to the routes' own map.
 CATCH_ALL: Final = ("routes_root", "routes")
 
-# Accepted X-Request-ID values; anything else is replaced, so logs stay parseable.
-_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._~:/+=@-]{1,128}\Z")
 # W3C Trace Context: version-trace_id-parent_id-flags; all-zero ids are invalid.
-_TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
-_ZERO_IDS: Final = re.compile(r"^..-0{32}-|-0{16}-")
 #: Answers that carry no content (RFC 9110 §15.3.5, §15.4.5): nothing to label.
 _NO_CONTENT: Final = frozenset({204, 304})
 
@@ -331,18 +330,30 @@ def correlation_id() -> str:
     return str(value)
 
 
+def _take_trace_lists(record: Incoming, raw: Iterable[tuple[bytes, bytes]]) -> None:
+    """``tracestate`` (with a ``traceparent``) and ``baggage``, every line of each."""
+    states: list[str] = []
+    baggages: list[str] = []
+    for name, value in raw:
+        lowered = name.lower()
+        if lowered == b"tracestate":
+            states.append(value.decode("latin-1"))
+        elif lowered == b"baggage":
+            baggages.append(value.decode("latin-1"))
+    if record.traceparent is not None:
+        record.tracestate = tracestate(states)
+    record.baggage = baggage(baggages)
+
+
 def _take_correlation_id() -> None:
     ctx = current_g()
     started = time.perf_counter()
     headers, size = read_headers(current_request().scope["headers"])
     ctx.pipework = record = Incoming(started, headers, size)
     # W3C trace context: passed on to the backends as sent, when well-formed.
-    trace = headers.get("traceparent")
-    if trace is not None:
-        trace = trace.strip().lower()
-        if _TRACEPARENT.match(trace) and not _ZERO_IDS.search(trace):
-            record.traceparent = trace
+    if "traceparent" in headers:
+        record.traceparent = traceparent(headers["traceparent"])
+    if "baggage" in headers or ("tracestate" in headers and record.traceparent is not None):
+        _take_trace_lists(record, current_request().scope["headers"])
     given = headers.get("x-request-id")
-    ctx.correlation_id = (
-        given if given is not None and _REQUEST_ID.match(given) else new_correlation_id()
-    )
+    ctx.correlation_id = request_id(given)

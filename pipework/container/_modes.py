@@ -29,12 +29,20 @@ from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
-from .._http._bodies import JSON, choose_media_type, decode_object, dumps_json, encode, read_body
+from .._http._bodies import (
+    JSON,
+    choose_media_type,
+    decode_object,
+    dumps_json,
+    encode,
+    raw_answer,
+    read_body,
+)
 from .._http._jobs import job_document
 from .._http._problems import Problem, problem_for_exception
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
-from ..pipes._state import check_state
+from ..pipes._state import check_state, raw_value
 from ._idempotency import IdempotencyTable, fingerprint
 from ._modes_core import (
     NO_PREFERENCES,
@@ -42,8 +50,10 @@ from ._modes_core import (
     KeyStep,
     Preferences,
     RanOut,
+    add_request,
     admits_now,
     build_state,
+    check_unencoded,
     deadline_passed,
     frees_key,
     idempotency_key,
@@ -54,6 +64,7 @@ from ._modes_core import (
     parse_prefer,
     preference_applied,
     ran_out,
+    request_record,
     shutting_down,
     stream_taken,
     wait_terms,
@@ -351,7 +362,11 @@ class Submissions:
 
     @staticmethod
     def _answer(result: Any, media_type: str, job_id: str, applied: tuple[str, ...]) -> Response:
-        response = Response(encode(result, media_type), content_type=media_type)
+        raw = raw_answer(result)
+        if raw is None:
+            response = Response(encode(result, media_type), content_type=media_type)
+        else:  # bytes with their content type: answered as they are
+            response = Response(raw[0], content_type=raw[1])
         response.headers["X-Job-Id"] = job_id
         if applied:
             response.headers["Preference-Applied"] = ", ".join(applied)
@@ -386,10 +401,21 @@ class Submissions:
             prefs = parse_prefer(req.headers.getlist("Prefer"))
         key = idempotency_key(route.name, headers.get("idempotency-key"))
         limit = self.max_body if route.max_body is None else route.max_body
+        raw = route.body == "raw"
+        if raw:
+            check_unencoded(headers.get("content-encoding"))  # before the body is read
         data = await read_body(req, limit=limit, time_limit=self.body_time_limit, headers=headers)
-        body = decode_object(data, headers.get("content-type"))
+        if raw:  # kept as it came, its members no part of the state
+            kept: dict[str, Any] | None = raw_value(headers.get("content-type"), data)
+            body = None
+        else:
+            kept, body = None, decode_object(data, headers.get("content-type"))
         query = req.args if req.scope.get("query_string") else _NO_QUERY
-        state = check_state(build_state(body, query, params))
+        state = build_state(body, query, params)
+        use = self.engine.registry.get_chain(route.chain).request_use
+        if use is not None or kept is not None:
+            add_request(state, request_record(use, req.scope["headers"], kept))
+        state = check_state(state)
         # An async answer promises the job will run: its admission is decided now (503 +
         # Retry-After if the pool would refuse it), and it then waits for its slot.
         return await self._submit(route, state, key, admit=admits_now(route.mode)), prefs
@@ -464,6 +490,8 @@ class Submissions:
             correlation_id=namespace.correlation_id,
             token=token,
             traceparent=None if ctx is None else ctx.traceparent,
+            tracestate=None if ctx is None else ctx.tracestate,
+            baggage=None if ctx is None else ctx.baggage,
             stream=route.mode == "stream",
             admit=admit,
         )

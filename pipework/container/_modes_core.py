@@ -9,10 +9,13 @@ as h11 decides from events and hypercorn's protocol from values.
   the first of a repeated preference counting; anything else is ignored
   (:func:`parse_prefer`).
 - **What the job gets**: its state, from the body's members, the query and the path
-  (:func:`build_state`); its time limit, the first set of the route's, the chain's, the
-  engine's and the container's (:func:`job_timeout`); an owner token only when the answer
-  hands one out (:func:`needs_token`: never for sync and stream); and its admission decided
-  before the answer when the answer promises that it will run (:func:`admits_now`: async).
+  (:func:`build_state`), with what its chain's pipes read of the request beyond them (the
+  headers they pass on, a raw route's body: :func:`request_record`, :func:`check_unencoded`)
+  under ``request`` (:func:`add_request`); its time limit, the first set of the route's,
+  the chain's, the engine's and the container's (:func:`job_timeout`); an owner token only
+  when the answer hands one out (:func:`needs_token`: never for sync and stream); and its
+  admission decided before the answer when the answer promises that it will run
+  (:func:`admits_now`: async).
 - **How long a sync or auto request waits** (:func:`wait_terms`): sync until the job's
   deadline plus a slack (the engine ends the job at its deadline and records why); auto for
   the route's ``sync_wait``, shortened by ``wait=N`` (then applied) or to nothing by
@@ -35,8 +38,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
 
+from .._headers import passed
 from .._http._problems import Problem
 from ..dispatcher._status import Status
+from ..pipes._pipe import REQUEST_KEY, RequestUse
 from ._routes import Mode
 
 __all__ = [
@@ -45,9 +50,11 @@ __all__ = [
     "KeyStep",
     "Preferences",
     "RanOut",
+    "add_request",
     "admits_now",
     "build_state",
     "check_key",
+    "check_unencoded",
     "deadline_passed",
     "frees_key",
     "idempotency_key",
@@ -58,6 +65,7 @@ __all__ = [
     "parse_prefer",
     "preference_applied",
     "ran_out",
+    "request_record",
     "shutting_down",
     "stream_taken",
     "wait_terms",
@@ -139,6 +147,52 @@ def build_state(body: Any, query: Query, params: Mapping[str, str]) -> dict[str,
                 )
             state[key] = value
     return state
+
+
+def request_record(
+    use: RequestUse | None,
+    headers: Iterable[tuple[bytes, bytes]],
+    body: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What the job keeps of its request beyond the state (``state["request"]``): the
+    headers its chain's pipes may pass on (``use``), as ``[name, value]`` pairs in the
+    order they came, names lower-case; and a raw route's ``body`` (a raw value)."""
+    record: dict[str, Any] = {}
+    if use is not None and use.headers:
+        decoded = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in headers)
+        record["headers"] = [[name, value] for name, value in passed(decoded, use.headers)]
+    if body is not None:
+        record["body"] = body
+    return record
+
+
+def add_request(state: dict[str, Any], record: dict[str, Any]) -> None:
+    """Put the request's ``record`` in ``state``, under a key the request itself may not
+    set (its body, query or path would otherwise pass for the client's headers)."""
+    if REQUEST_KEY in state:
+        raise Problem(
+            400,
+            "Conflicting input",
+            f"{REQUEST_KEY!r} holds what this route keeps of the request (the headers its "
+            "pipes pass on, a raw body); the body, query and path may not set it",
+            slug="conflicting-input",
+            key=REQUEST_KEY,
+        )
+    state[REQUEST_KEY] = record
+
+
+def check_unencoded(content_encoding: str | None) -> None:
+    """A raw route's body must come unencoded: a content coding other than ``identity`` is
+    a 415 (RFC 9110 §15.5.16), since the body is kept and passed on with its type alone,
+    which must say what it is."""
+    if content_encoding is not None and content_encoding.strip(" \t").lower() != "identity":
+        raise Problem(
+            415,
+            "Unsupported Media Type",
+            f"the request body is {content_encoding.strip()}-encoded; this route keeps bodies "
+            "as they come and passes them on with their Content-Type only: send it unencoded",
+            slug="unsupported-media-type",
+        )
 
 
 def job_timeout(

@@ -23,7 +23,15 @@ class Incoming:
     record, where attributes of ``g`` would each take a slot of its dict for as long as
     the request is parked."""
 
-    __slots__ = ("header_bytes", "headers", "route", "started", "traceparent")
+    __slots__ = (
+        "baggage",
+        "header_bytes",
+        "headers",
+        "route",
+        "started",
+        "traceparent",
+        "tracestate",
+    )
 
     def __init__(self, started: float, headers: Mapping[str, str], header_bytes: int) -> None:
         self.started = started
@@ -31,6 +39,8 @@ class Incoming:
         self.headers: Mapping[str, str] = headers
         self.header_bytes = header_bytes
         self.traceparent: str | None = None
+        self.tracestate: str | None = None
+        self.baggage: str | None = None
         self.route = ""  # the route's name, once matched
 
 

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol, get_args, runtime_checkable
 
 from .._errors import RegistrationError
+from .._http._paths import RESERVED_PREFIXES as RESERVED_PREFIXES
+from .._http._paths import covering_prefix
 
 __all__ = [
     "RESERVED_PREFIXES",
+    "BodyKind",
     "Mode",
     "OnDisconnect",
     "Route",
@@ -26,13 +29,12 @@ __all__ = [
 
 Mode = Literal["sync", "async", "stream", "auto"]
 OnDisconnect = Literal["cancel", "continue"]
+BodyKind = Literal["object", "raw"]
 
 _MODES: Final = get_args(Mode)
 _ON_DISCONNECT: Final = get_args(OnDisconnect)
+_BODIES: Final = get_args(BodyKind)
 _METHODS: Final = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
-
-#: Paths the container serves itself; a route may not shadow them.
-RESERVED_PREFIXES: Final = ("/jobs", "/callbacks", "/healthz", "/readyz", "/metrics", "/admin")
 
 _PARAM = re.compile(r"\{([^{}]*)\}")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -53,6 +55,9 @@ class Route:
       container's default). ``on_disconnect`` says what a client hanging up while
       parked does to its job. ``max_body`` caps the request body in bytes (None: the
       container's limit).
+    - ``body``: ``object`` (a JSON object or msgpack map whose members join the state) or
+      ``raw`` (any type, kept as it came: its bytes and content type in
+      ``state["request"]["body"]``).
     """
 
     name: str
@@ -64,6 +69,7 @@ class Route:
     sync_wait: float = 10.0
     on_disconnect: OnDisconnect = "cancel"
     max_body: int | None = None
+    body: BodyKind = "object"
 
     def __post_init__(self) -> None:
         where = f"route {self.name!r}"
@@ -95,6 +101,8 @@ class Route:
             raise RegistrationError(f"{where}: sync_wait must be >= 0, got {self.sync_wait}")
         if self.max_body is not None and self.max_body < 0:
             raise RegistrationError(f"{where}: max_body must be >= 0, got {self.max_body}")
+        if self.body not in _BODIES:
+            raise RegistrationError(f"{where}: body {self.body!r} is not one of {_BODIES}")
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -133,11 +141,11 @@ def _check_path(path: str, where: str) -> None:
             raise RegistrationError(
                 f"{where}: a path parameter must be a whole segment, not {segment!r}"
             )
-    for prefix in RESERVED_PREFIXES:
-        if path == prefix or path.startswith(prefix + "/"):
-            raise RegistrationError(
-                f"{where}: path {path!r} is under {prefix}, which the container serves itself"
-            )
+    prefix = covering_prefix(path, RESERVED_PREFIXES)
+    if prefix is not None:
+        raise RegistrationError(
+            f"{where}: path {path!r} is under {prefix}, which the container serves itself"
+        )
 
 
 class RouteTable:

@@ -288,6 +288,8 @@ class Engine:
         stream: bool = False,
         admit: bool = False,
         traceparent: str | None = None,
+        tracestate: str | None = None,
+        baggage: str | None = None,
     ) -> str:
         """Accept a job and return its id, or raise Overloaded at once if the queue is full.
 
@@ -297,9 +299,20 @@ class Engine:
         pool would refuse its first step (a pool without ``check_admission`` never does);
         once accepted, its steps wait for their slots up to its deadline and are never
         refused for load. For work promised before it runs, as an async route's 202.
+        ``traceparent``, ``tracestate`` and ``baggage`` (the W3C trace context of the
+        request behind the job) go with every backend call its pipes make.
         """
         job = self._new_job(
-            self._generation, chain, state, timeout, correlation_id, token, admit, traceparent
+            self._generation,
+            chain,
+            state,
+            timeout,
+            correlation_id,
+            token,
+            admit,
+            traceparent,
+            tracestate,
+            baggage,
         )
         nowait = self._dispatcher.nowait
         if stream or not nowait or self._abilities.shared_queue is not None:
@@ -327,7 +340,7 @@ class Engine:
         *,
         timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
     ) -> str:
-        job = self._new_job(generation, chain, state, timeout, None, None, False, None)
+        job = self._new_job(generation, chain, state, timeout, None, None, False, None, None, None)
         return await self._enqueue(job, False)
 
     def _new_job(
@@ -340,6 +353,8 @@ class Engine:
         token: str | None,
         admit: bool,
         traceparent: str | None,
+        tracestate: str | None,
+        baggage: str | None,
     ) -> Job:
         """The record of a job about to be accepted, counted on its plan."""
         if self._nursery is None:
@@ -363,6 +378,8 @@ class Engine:
             now,
             admit,
             wall,
+            tracestate,
+            baggage,
         )
         start_frames(job, plan, now)
         if admit and self._checked is not None:

@@ -97,6 +97,8 @@ class Forked:
             state=run.start_state(index, snapshot(parent.state)),
             correlation_id=parent.correlation_id,
             traceparent=parent.traceparent,
+            tracestate=parent.tracestate,
+            baggage=parent.baggage,
             deadline=record.deadline,
             root=(*record.path, index),
             parent=parent.id,

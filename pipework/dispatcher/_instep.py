@@ -243,6 +243,8 @@ class InStepStage:
             state=self.run_of.start_state(index, self._snapshot()),
             correlation_id=parent.correlation_id,
             traceparent=parent.traceparent,
+            tracestate=parent.tracestate,
+            baggage=parent.baggage,
             deadline=record.deadline,
             root=_roots(record.path, len(self.stage.branches))[index],
             parent=parent.id,

@@ -238,6 +238,11 @@ class JobRecord:
     #: is refused unless the job suspends for it again (Engine.signal). Last of the stored
     #: fields, so a record written before it existed reads as having taken none.
     delivered: tuple[str, ...] = ()
+    #: The W3C ``tracestate`` and ``baggage`` the request that started the job came with
+    #: (backend calls pass them on, as ``traceparent``). Stored after ``delivered``, so a
+    #: record written before them reads as having neither.
+    tracestate: str | None = None
+    baggage: str | None = None
     #: The store's count of writes (a shared store compares it to refuse a stale write).
     version: int = 0
 
@@ -304,6 +309,8 @@ class JobRecord:
             "join_id": self.join_id,
             "join": None if self.join is None else self.join.to_wire(),
             "delivered": list(self.delivered),
+            "tracestate": self.tracestate,
+            "baggage": self.baggage,
             "version": self.version,
         }
 
@@ -349,6 +356,8 @@ class Job(JobRecord):
         accepted_at: float,
         admitted: bool,
         wall: float,
+        tracestate: str | None = None,
+        baggage: str | None = None,
     ) -> Job:
         """A new top-level job, as ``Job(...)`` with these fields and every other at its
         default (``created_at`` and ``updated_at`` both ``wall``), built for the submission
@@ -386,6 +395,8 @@ class Job(JobRecord):
         job.join_id = None
         job.join = None
         job.delivered = ()
+        job.tracestate = tracestate
+        job.baggage = baggage
         job.version = 0
         job.exception = None
         return job

@@ -99,6 +99,8 @@ class PipeRunner:
             deadline,
             self._ops,
             job.traceparent,
+            job.tracestate,
+            job.baggage,
         )
 
     async def call(self, pipe: Pipe, ctx: Context, job: Job) -> None:

@@ -7,14 +7,24 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, Final, NoReturn, Protocol
 
 import trio
 
 from .._errors import RegistrationError
 from ._state import check_value
 
-__all__ = ["Context", "JobOps", "Pipe", "PipeFunction", "Suspend", "as_pipe", "is_seconds"]
+__all__ = [
+    "REQUEST_KEY",
+    "Context",
+    "JobOps",
+    "Pipe",
+    "PipeFunction",
+    "RequestUse",
+    "Suspend",
+    "as_pipe",
+    "is_seconds",
+]
 
 PipeFunction = Callable[["Context"], Awaitable[None]] | Callable[["Context"], None]
 
@@ -47,16 +57,38 @@ class JobOps(Protocol):
     def callback_url(self, ctx: Context, signal: str, ttl: float) -> str: ...
 
 
+#: The state key under which a route records what its chain's pipes read of its request
+#: (:class:`RequestUse`): ``{"headers": [[name, value], ...], "body": raw value}``.
+REQUEST_KEY: Final = "request"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUse:
+    """What a pipe reads of the request that started its job beyond the state its body,
+    query and path make: the request ``headers`` it may pass on (lower-case names, ``"*"``
+    for every end-to-end one: see :mod:`pipework._headers`) and whether it sends the
+    request's ``body`` as it came. A route records them in the job's state, under
+    ``"request"``, only when its chain's pipes use them."""
+
+    headers: frozenset[str] = frozenset()
+    body: bool = False
+
+    def __or__(self, other: RequestUse) -> RequestUse:
+        return RequestUse(self.headers | other.headers, self.body or other.body)
+
+
 @dataclass(frozen=True, eq=False, slots=True)
 class Pipe:
     """A named pipe. ``key`` is its admission key (None: the chain's), ``timeout`` bounds
-    one run (always within the job's deadline), ``blocking`` runs it in a worker thread."""
+    one run (always within the job's deadline), ``blocking`` runs it in a worker thread;
+    ``request_use`` says what it reads of the request that started its job."""
 
     fn: PipeFunction
     name: str
     key: str | None = None
     timeout: float | None = None
     blocking: bool = False
+    request_use: RequestUse | None = None
 
     kind = "pipe"
 
@@ -126,6 +158,7 @@ class Context:
         "_ops",
         "_position",
         "_where",
+        "baggage",
         "chain",
         "correlation_id",
         "deadline",
@@ -134,6 +167,7 @@ class Context:
         "pipe",
         "state",
         "traceparent",
+        "tracestate",
     )
 
     def __init__(
@@ -149,10 +183,15 @@ class Context:
         deadline: float,
         ops: JobOps,
         traceparent: str | None = None,
+        tracestate: str | None = None,
+        baggage: str | None = None,
     ) -> None:
         self.state = state
-        #: The W3C trace context of the request that started the job, if it sent one.
+        #: The W3C trace context of the request that started the job, if it sent one
+        #: (``tracestate`` only with a ``traceparent``; ``baggage`` on its own).
         self.traceparent = traceparent
+        self.tracestate = tracestate
+        self.baggage = baggage
         self.job_id = job_id
         self.correlation_id = correlation_id
         self.chain = chain

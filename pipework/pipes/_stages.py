@@ -15,7 +15,7 @@ from .._errors import RegistrationError
 from ._graph import validate_graph
 from ._join import Join, Outcome
 from ._merge import MergePolicy, MergeRule
-from ._pipe import Pipe, PipeFunction, as_pipe, is_seconds
+from ._pipe import Pipe, PipeFunction, RequestUse, as_pipe, is_seconds
 
 __all__ = [
     "BranchEnd",
@@ -425,6 +425,21 @@ class Chain:
         for index in path:
             node = node.children[index]  # type: ignore[union-attr]  # pipes have no path below
         return node
+
+    @cached_property
+    def request_use(self) -> RequestUse | None:
+        """What the chain's pipes read of the request that starts a job (None: nothing but
+        the state): every pipe's, together."""
+        found: RequestUse | None = None
+        pending: list[Node] = [self.root]
+        while pending:
+            node = pending.pop()
+            if isinstance(node, Pipe):
+                if node.request_use is not None:
+                    found = node.request_use if found is None else found | node.request_use
+            else:
+                pending.extend(node.children)
+        return found
 
     def describe(self, path: tuple[int, ...] | list[int], pipe: Pipe | None = None) -> str:
         """The stage path as people read it: ``chain 'order' > all_of[1] > pipe 'quote'``."""

@@ -8,9 +8,27 @@ import msgpack
 
 from .._errors import StateError
 
-__all__ = ["check_state", "check_value", "storable_part"]
+__all__ = ["as_raw", "check_state", "check_value", "raw_value", "storable_part"]
 
 _SCALARS = (str, bytes, int, float, bool, type(None))
+
+
+def raw_value(content_type: str | None, data: bytes) -> dict[str, Any]:
+    """A body kept as it is: its bytes and their media type (None: none was given). Plain
+    state, stored as msgpack stores bytes; answered as those bytes when it is a result."""
+    return {"content_type": content_type, "data": data}
+
+
+def as_raw(value: object) -> tuple[str | None, bytes] | None:
+    """The content type and bytes of a raw value (:func:`raw_value`: a table of exactly
+    ``content_type``, a string or None, and ``data``, bytes); None for anything else."""
+    if type(value) is not dict or len(value) != 2:
+        return None
+    content_type = value.get("content_type", False)
+    data = value.get("data")
+    if type(data) is not bytes or not (content_type is None or type(content_type) is str):
+        return None
+    return content_type, data
 
 
 def check_state(state: object, *, root: str = "state") -> dict[str, Any]:

@@ -134,10 +134,14 @@ _AT_STATUS, _AT_UPDATED, _AT_FRAMES, _AT_ROOT, _AT_PROGRESS, _AT_ERROR, _AT_OUTP
     _FIELDS.index(name)
     for name in ("status", "updated_at", "frames", "root", "progress", "error", "output", "join")
 )
-#: The signals a job took: the last field, which a record written before it lacks.
+#: The signals a job took, then its tracestate and baggage: the last fields, which a
+#: record written before each lacks.
 _AT_DELIVERED: Final = _FIELDS.index("delivered")
-if _AT_DELIVERED != len(_FIELDS) - 1:
-    raise RuntimeError("Job's field delivered must be the last one stored (see _decode)")
+_AT_TRACESTATE: Final = _FIELDS.index("tracestate")
+if _FIELDS[_AT_DELIVERED:] != ("delivered", "tracestate", "baggage"):
+    raise RuntimeError(
+        "Job's fields delivered, tracestate and baggage must be the last ones stored (see _decode)"
+    )
 #: The fields that are absolute trio times (moved between processes' clocks).
 _TIMES: Final = tuple(
     _FIELDS.index(name) for name in ("deadline", "suspend_deadline", "retain_until", "accepted_at")
@@ -288,7 +292,9 @@ class RedisJobStore(Batches):
         write came after the blob (:meth:`update_status`): ``status`` and it are newer."""
         values = msgpack.unpackb(blob, raw=False)
         if type(values) is dict:  # written as a map (Job.to_wire) by an older pipework
-            values = [values.get(name, False) for name in _FIELDS] + [values["clock"]]
+            values = [values.get(name, False) for name in _FIELDS[:_AT_TRACESTATE]] + [
+                values["clock"]
+            ]
         elif type(values[-1]) is int:  # the layout (_LAYOUT)
             values.pop()
         else:  # written before the layout was marked: the cancel flag was stored then
@@ -296,12 +302,15 @@ class RedisJobStore(Batches):
         # Times written by another process move from its trio clock to this one's; this
         # process's own come back exactly as they were written.
         shift = values.pop() - self._shift()
-        if len(values) == _AT_DELIVERED:  # written before jobs remembered their signals
+        stored = len(values)
+        if stored == _AT_DELIVERED:  # written before jobs remembered their signals
             values.append(())
         elif values[_AT_DELIVERED]:
             values[_AT_DELIVERED] = tuple(values[_AT_DELIVERED])
         else:
             values[_AT_DELIVERED] = ()
+        if stored <= _AT_TRACESTATE:  # written before jobs carried tracestate and baggage
+            values += (None, None)
         if updated:
             assert status is not None
             values[_AT_STATUS] = status.decode()

@@ -28,12 +28,14 @@ import httpx
 from ..backends._http import Backends
 from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
+from ..pipes._pipe import REQUEST_KEY
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
 from ._config_lines import scan_lines
 from ._config_pipes import HttpPipeConfig, PipeConfig, PythonPipeConfig, read_pipes
 from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
+from ._config_proxy import ProxyConfig, read_proxies
 from ._config_read import report_unknown
-from ._config_routes import RouteConfig, read_routes
+from ._config_routes import RouteConfig, is_proxy, read_routes
 from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server, read_services
 from ._config_store import StoreSettings, read_store
 from ._registry import Registry
@@ -46,6 +48,7 @@ __all__ = [
     "PipeConfig",
     "PoolSettings",
     "Problem",
+    "ProxyConfig",
     "PythonPipeConfig",
     "RouteConfig",
     "ServerConfig",
@@ -76,6 +79,8 @@ class GatewayConfig:
     store: StoreSettings = field(default_factory=StoreSettings)
     #: ``[boards]``' own keys: what carries the boards' writes between processes.
     backplane: BackplaneSettings = field(default_factory=BackplaneSettings)
+    #: The proxy routes (``[routes.NAME]`` with ``proxy``), in the file's order.
+    proxies: Mapping[str, ProxyConfig] = field(default_factory=lambda: MappingProxyType({}))
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -88,6 +93,7 @@ class GatewayConfig:
         found.update(service.timeout for service in self.services.values())
         found.update(p.timeout for p in self.pipes.values() if p.timeout is not None)
         found.update(r.route.timeout for r in self.routes.values() if r.route.timeout is not None)
+        found.update(p.route.timeout for p in self.proxies.values() if p.route.timeout is not None)
         return tuple(sorted(found))
 
     def backends(self, *, transport: httpx.AsyncBaseTransport | None = None) -> Backends:
@@ -102,6 +108,7 @@ class GatewayConfig:
             "services": len(self.services),
             "pipes": len(self.pipes),
             "routes": len(self.routes),
+            "proxy_routes": len(self.proxies),
             "boards": len(self.boards),
             "max_workers": self.pool.max_workers,
             "reserved": sum(w.reserve for w in self.pool.keys.values()),
@@ -183,6 +190,12 @@ def config_from_dict(
     pipes = read_pipes(c, data.get("pipes"), declared_services)
     declared_pipes = _names(data.get("pipes"))
     routes, used = read_routes(c, data.get("routes"), declared_pipes)
+    proxies, proxy_used = read_proxies(
+        c, data.get("routes"), declared_pipes, declared_services, routes
+    )
+    used |= proxy_used
+    _check_proxied_schemes(c, proxies, services)
+    _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
@@ -195,6 +208,7 @@ def config_from_dict(
         boards=MappingProxyType(boards),
         store=store,
         backplane=backplane,
+        proxies=MappingProxyType(proxies),
     )
     if not c.has_errors:
         try:
@@ -219,6 +233,64 @@ def _check_reserves(c: Collector, settings: PoolSettings) -> None:
         )
 
 
+def _check_proxied_schemes(
+    c: Collector, proxies: Mapping[str, ProxyConfig], services: Mapping[str, Service]
+) -> None:
+    """A proxy route streams through the lean client, which speaks plain ``http://``."""
+    for name, proxy in proxies.items():
+        service = services.get(proxy.route.service)
+        if service is not None and service.url.scheme != "http":
+            c.error(
+                ("routes", name, "proxy"),
+                f"service {service.name!r} is {service.url.scheme}://: proxy routes reach "
+                "http:// services only (put a TLS-terminating sidecar in front, or call it "
+                "from an HTTP pipe)",
+            )
+
+
+def _check_request_use(
+    c: Collector,
+    pipes: Mapping[str, PipeConfig],
+    routes: Mapping[str, RouteConfig],
+    proxies: Mapping[str, ProxyConfig],
+) -> None:
+    """What the pipes read of the request (the headers they pass on, its body as it came)
+    against the routes that run them."""
+    for name, rc in routes.items():
+        uses = [(p, u) for p in rc.pipes if p in pipes and (u := pipes[p].request_use)]
+        route, where = rc.route, ("routes", name)
+        senders = [p for p, use in uses if use.body]
+        if senders and route.body != "raw":
+            c.error(
+                (*where, "chain"),
+                f"pipe {senders[0]!r} sends the request's body as it came (body_from = "
+                '"request"); set body = "raw" on this route to keep it',
+            )
+        if not uses and route.body != "raw":
+            continue
+        if REQUEST_KEY in route.params:
+            c.error(
+                (*where, "path"),
+                f"path parameter {{{REQUEST_KEY}}} would take the state key where this route "
+                "keeps what its pipes read of the request; rename it",
+            )
+        if rc.result is None:
+            c.warn(
+                where,
+                f"this route answers the whole state, which holds {REQUEST_KEY!r} (the headers "
+                "its pipes pass on, its raw body); set result to the key to answer",
+            )
+    for name, pc in proxies.items():
+        senders = [p for p in pc.pipes if p in pipes and (u := pipes[p].request_use) and u.body]
+        if senders:
+            c.error(
+                ("routes", name),
+                f'pipe {senders[0]!r} sends the request\'s body (body_from = "request"), but '
+                "a proxy route's chains run on the request's head: its body streams to the "
+                "service",
+            )
+
+
 def _names(section: Any) -> list[str]:
     return [k for k in section if isinstance(k, str)] if isinstance(section, dict) else []
 
@@ -239,6 +311,10 @@ def _warn_unused(
     for spec in section.values() if isinstance(section, dict) else ():
         if isinstance(spec, dict):
             referenced.update(v for k in ("service", "key") if isinstance(v := spec.get(k), str))
+    routes = data.get("routes")
+    for spec in routes.values() if isinstance(routes, dict) else ():
+        if is_proxy(spec):
+            referenced.update(v for k in ("proxy", "key") if isinstance(v := spec.get(k), str))
     for name in services:
         if name not in referenced and not c.failed(("services", name)):
             c.warn(("services", name), "no pipe calls this service or uses it as its key")
@@ -249,7 +325,8 @@ def _warn_unused(
 def build_registry(
     config: GatewayConfig, backends: Backends, registry: Registry | None = None
 ) -> Registry:
-    """Register every pipe, one chain per route (named after it), and the routes.
+    """Register every pipe, one chain per route (named after it), and the routes; and the
+    chains of the proxy routes (``NAME`` before the proxy step, ``NAME.after`` after it).
 
     HTTP pipes call through ``backends``, which must be open while they run. Pass a
     ``registry`` to add to an existing one."""
@@ -261,4 +338,9 @@ def build_registry(
             rc.route.name, rc.chain, timeout=rc.route.timeout, key=rc.key, result=rc.result
         )
         registry.add_route(rc.route)
+    for pc in config.proxies.values():
+        route = pc.route
+        for name, chain in ((route.chain, pc.chain), (route.after, pc.after)):
+            if name is not None and chain is not None:
+                registry.chain(name, chain)
     return registry

@@ -10,9 +10,15 @@ from typing import Any, Final, TypeAlias
 
 from .._errors import RegistrationError
 from ..backends._http import Backends, http_pipe
-from ..backends._http_spec import DEFAULT_ACCEPT, METHODS, HttpCall, check_header_name
+from ..backends._http_spec import (
+    DEFAULT_ACCEPT,
+    METHODS,
+    HttpCall,
+    check_header_name,
+    check_pass_header,
+)
 from ..backends._http_template import Template, TemplateSyntaxError
-from ..pipes._pipe import Pipe, PipeFunction
+from ..pipes._pipe import Pipe, PipeFunction, RequestUse
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table
 
@@ -26,7 +32,10 @@ HTTP_KEYS: Final = (
     "headers",
     "body",
     "forward_headers",
+    "pass_headers",
+    "body_from",
     "into",
+    "raw",
     "accept",
     "key",
     "timeout",
@@ -49,6 +58,10 @@ class HttpPipeConfig:
     def build(self, backends: Backends) -> Pipe:
         return http_pipe(self.name, self.call, backends, key=self.key, timeout=self.timeout)
 
+    @property
+    def request_use(self) -> RequestUse | None:
+        return self.call.request_use
+
     def describe(self) -> str:
         return f"{self.call.method} {self.call.service} {self.call.path.text}"
 
@@ -66,6 +79,10 @@ class PythonPipeConfig:
 
     def build(self, backends: Backends) -> Pipe:
         return Pipe(self.function, self.name, self.key, self.timeout, self.blocking)
+
+    @property
+    def request_use(self) -> RequestUse | None:
+        return None
 
     def describe(self) -> str:
         return f"python {self.ref}"
@@ -135,6 +152,17 @@ def _http_pipe(name: str, t: Table, services: Collection[str]) -> HttpPipeConfig
     key = t.string("key", service or name)
     timeout = t.number("timeout", None)
     forward = t.string("forward_headers", None)
+    passing = _pass_headers(t)
+    body_from = t.string("body_from", None)
+    if body_from is not None and "body" in t:
+        c.error(
+            t.at("body_from"),
+            "set body (a JSON body) or body_from (a raw one: the request's, or a state key's), "
+            "not both",
+        )
+    raw = t.boolean("raw", False)
+    if raw and into is None and "into" in t:
+        c.error(t.at("raw"), "raw = true keeps the answer's bytes, but into = false keeps nothing")
     if c.failed(t.path) or service is None or path is None:
         return None
     call = HttpCall(
@@ -147,8 +175,38 @@ def _http_pipe(name: str, t: Table, services: Collection[str]) -> HttpPipeConfig
         forward,
         into,
         accept,
+        passing,
+        body_from,
+        raw,
     )
     return HttpPipeConfig(name, call, key, timeout)
+
+
+def _pass_headers(t: Table) -> frozenset[str]:
+    """The header names of ``pass_headers``, lower-case; each problem at its index."""
+    if "pass_headers" not in t:
+        return frozenset()
+    value = t.data["pass_headers"]
+    if not isinstance(value, list):
+        t.c.error(
+            t.at("pass_headers"),
+            'expected an array of header names (["X-Tenant", "Authorization"], or "*" for '
+            f"every end-to-end one), got {describe_value(value)}",
+        )
+        return frozenset()
+    names: set[str] = set()
+    for i, item in enumerate(value):
+        where = (*t.at("pass_headers"), i)
+        if not isinstance(item, str):
+            t.c.error(where, f"expected a header name, got {describe_value(item)}")
+            continue
+        problem = check_pass_header(item)
+        if problem is not None:
+            t.c.error(where, problem)
+        elif item.lower() in names:
+            t.c.warn(where, f"{item!r} is named twice (header names are case-insensitive)")
+        names.add(item.lower())
+    return frozenset(names)
 
 
 def _template(

@@ -1,4 +1,5 @@
-"""The ``[routes.NAME]`` section: each route and the chain it runs.
+"""The ``[routes.NAME]`` section: each chain route and the chain it runs (a table holding
+``proxy`` is a proxy route, read by ``_config_proxy``).
 
 A chain is an array whose items are pipe names, nested arrays (run in order) and stage
 tables: ``{serial = [...]}``, ``{any_of = [...]}``, ``{all_of = [...], settle = true,
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast, get_args
 
 from .._errors import RegistrationError
-from ..container._routes import Mode, OnDisconnect, Route, RouteTable
+from ..container._routes import BodyKind, Mode, OnDisconnect, Route, RouteTable
 from ..pipes._merge import MergePolicy, MergeRule, ReducerName
 from ..pipes._stages import (
     GraphNode,
@@ -30,7 +31,7 @@ from ..pipes._stages import (
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table, report_unknown
 
-__all__ = ["RouteConfig", "read_routes"]
+__all__ = ["PROXY_KEYS", "ROUTE_KEYS", "ChainReader", "RouteConfig", "is_proxy", "read_routes"]
 
 ROUTE_KEYS: Final = (
     "method",
@@ -43,7 +44,28 @@ ROUTE_KEYS: Final = (
     "key",
     "result",
     "max_body",
+    "body",
 )
+#: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
+PROXY_KEYS: Final = (
+    "proxy",
+    "prefix",
+    "methods",
+    "strip_prefix",
+    "rewrite",
+    "host",
+    "key",
+    "timeout",
+    "connect_timeout",
+    "first_byte_timeout",
+    "idle_timeout",
+    "max_body",
+    "chain",
+    "after",
+    "websocket",
+)
+_PROXY_ONLY: Final = tuple(k for k in PROXY_KEYS if k not in ROUTE_KEYS and k != "proxy")
+_ROUTE_HINT: Final = "expected one of: " + ", ".join(sorted(ROUTE_KEYS))
 ROUTE_METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
 STAGE_OPTIONS: Final[dict[str, tuple[str, ...]]] = {
     "serial": ("timeout",),
@@ -84,11 +106,21 @@ def read_routes(
     table = RouteTable()
     routes: dict[str, RouteConfig] = {}
     for name, spec in value.items():
+        if is_proxy(spec):
+            continue
         where = (*path, name)
-        t = open_table(c, where, spec, ROUTE_KEYS)
+        # A proxy route's keys are known, to say so below; the list shown is this kind's.
+        t = open_table(c, where, spec, (*ROUTE_KEYS, *_PROXY_ONLY), hint=_ROUTE_HINT)
         if t is None or not check_name(c, where, name, "route"):
             continue
-        reader = _ChainReader(c, pipes, name)
+        for key in _PROXY_ONLY:
+            if key in t:
+                c.error(
+                    t.at(key),
+                    "a proxy route's key, not a chain route's: add proxy = \"SERVICE\" to "
+                    "pass this route's requests through to a service",
+                )
+        reader = ChainReader(c, pipes, name)
         config = _route(name, t, reader)
         used.update(reader.used)
         if config is None or c.failed(where):
@@ -102,7 +134,12 @@ def read_routes(
     return routes, used
 
 
-def _route(name: str, t: Table, reader: _ChainReader) -> RouteConfig | None:
+def is_proxy(spec: Any) -> bool:
+    """Whether a ``[routes.NAME]`` table declares a proxy route."""
+    return isinstance(spec, dict) and "proxy" in spec
+
+
+def _route(name: str, t: Table, reader: ChainReader) -> RouteConfig | None:
     c = t.c
     method = t.string("method", "POST").upper()
     if method not in ROUTE_METHODS:
@@ -124,6 +161,7 @@ def _route(name: str, t: Table, reader: _ChainReader) -> RouteConfig | None:
     key = t.string("key", "default")
     result = t.string("result", None)
     max_body = t.integer("max_body", None, minimum=0)
+    body = t.string("body", "object", choices=get_args(BodyKind))
     chain: Serial | None = None
     if "chain" not in t:
         c.error(t.at("chain"), "required key is missing: list the pipes and stages to run")
@@ -143,6 +181,7 @@ def _route(name: str, t: Table, reader: _ChainReader) -> RouteConfig | None:
             sync_wait,
             cast(OnDisconnect, on_disconnect),
             max_body,
+            cast(BodyKind, body),
         )
     except RegistrationError as exc:
         c.error(t.path, str(exc).removeprefix(f"route {name!r}: "))
@@ -150,7 +189,7 @@ def _route(name: str, t: Table, reader: _ChainReader) -> RouteConfig | None:
     return RouteConfig(route, chain, key, result, tuple(dict.fromkeys(reader.used)))
 
 
-class _ChainReader:
+class ChainReader:
     """Reads one route's chain into stage objects, reporting every problem on the way."""
 
     def __init__(self, c: Collector, pipes: Collection[str], route: str) -> None:

@@ -11,7 +11,8 @@ from typing import Any, Final
 from .._errors import RegistrationError
 from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
-from ._config_problems import Collector, KeyPath
+from ..proxy._forwarding import Network, trusted_networks
+from ._config_problems import Collector, KeyPath, describe_value
 from ._config_read import Table, check_name, open_table
 from ._config_resilience import RESILIENCE_KEYS, read_resilience
 
@@ -39,6 +40,7 @@ SERVER_KEYS: Final = (
     "admin_token_env",
     "public_url",
     "callback_secret_env",
+    "trusted_proxies",
 )
 POOL_KEYS: Final = (
     "max_workers",
@@ -81,6 +83,9 @@ class ServerConfig:
     admin_token_env: str | None = None
     public_url: str | None = None
     callback_secret_env: str | None = None
+    #: Peers whose ``X-Forwarded-*`` and ``Forwarded`` fields proxy routes keep (and
+    #: append to); every other peer's are replaced.
+    trusted_proxies: tuple[Network, ...] = ()
 
     def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin bearer token (from the file or the environment); None: no admin API."""
@@ -155,7 +160,40 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         admin_token_env=token_env,
         public_url=public_url,
         callback_secret_env=t.string("callback_secret_env", None),
+        trusted_proxies=_trusted_proxies(t),
     )
+
+
+def _trusted_proxies(t: Table) -> tuple[Network, ...]:
+    """``trusted_proxies``: addresses and CIDR blocks, each checked where it is."""
+    if "trusted_proxies" not in t:
+        return ()
+    value = t.data["trusted_proxies"]
+    if not isinstance(value, list):
+        t.c.error(
+            t.at("trusted_proxies"),
+            f"expected an array of addresses and CIDR blocks, got {describe_value(value)}",
+        )
+        return ()
+    found: list[Network] = []
+    for i, item in enumerate(value):
+        where = (*t.at("trusted_proxies"), i)
+        if not isinstance(item, str):
+            t.c.error(where, f"expected an address or CIDR block, got {describe_value(item)}")
+            continue
+        try:
+            (network,) = trusted_networks([item])
+        except ValueError as exc:
+            t.c.error(where, str(exc))
+            continue
+        if network.prefixlen == 0:
+            t.c.warn(
+                where,
+                f"{item} trusts every address: any client can then set the client address "
+                "a backend sees (X-Forwarded-For, Forwarded)",
+            )
+        found.append(network)
+    return tuple(found)
 
 
 def read_pool(c: Collector, value: Any) -> tuple[PoolSettings, dict[str, Weights]]:

@@ -29,6 +29,7 @@ from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
+from ..proxy import ProxySet, ProxyTable, Upstream
 from ._config import GatewayConfig, build_registry, load_config
 
 __all__ = ["Gateway"]
@@ -47,6 +48,29 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         public_url=s.public_url,
         admin_token=s.admin_token_value(os.environ),
         callback_secret=s.callback_secret_value(os.environ),
+        trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
+    )
+
+
+def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
+    """The file's proxy routes and their services, streaming through the lean clients of
+    ``backends`` (open)."""
+    routes = [p.route for p in config.proxies.values()]
+    return ProxySet(ProxyTable(routes), {r.service: _upstream(backends, r.service) for r in routes})
+
+
+def _upstream(backends: Backends, name: str) -> Upstream:
+    service = backends.services[name]
+    url = service.url
+    return Upstream(
+        name,
+        backends.lean(name),
+        url.host,
+        url.port if url.port is not None else 80,
+        url.netloc,
+        service.timeout,
+        service.connect_timeout,
+        service.request_id_header,
     )
 
 
@@ -103,6 +127,7 @@ class Gateway:
                     reload=self.reload,
                     boards=[b.spec(os.environ) for b in config.boards.values()],
                     backplane=config.backplane.build(os.environ),
+                    proxies=_proxies(config, backends),
                 )
                 await container.serve(
                     host=host or config.server.host,
@@ -114,9 +139,17 @@ class Gateway:
                 retiring.cancel_scope.cancel()  # the stack closes what is still open
 
     @staticmethod
-    async def _retire(engine: Engine, generation: int, backends: Backends | None) -> None:
-        """Close plan ``generation``'s backends once its last job has ended."""
+    async def _retire(
+        engine: Engine,
+        generation: int,
+        backends: Backends | None,
+        container: Container,
+        proxies: ProxySet,
+    ) -> None:
+        """Close plan ``generation``'s backends once its last job and its last proxied
+        exchange have ended."""
         await engine.wait_plan_retired(generation)
+        await container.proxy_layer.wait_released(proxies)
         if backends is not None:
             await backends.__aexit__(None, None, None)  # the stack's own exit is then a no-op
             _log.info("closed the backends of plan %d", generation)
@@ -134,12 +167,15 @@ class Gateway:
             backends.metrics = engine.metrics
             registry = build_registry(config, backends)
             boards = [b.spec(os.environ) for b in config.boards.values()]
+            proxies = _proxies(config, backends)
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
             # Hosts that stay keep their health, ejections and breaker; the checks go on.
             backends.adopt(self._backends)
             retiring.start_soon(backends.check_health)
+            replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
+            container.set_proxies(proxies)
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
@@ -149,7 +185,9 @@ class Gateway:
                 # Followers hold this backplane's positions: it changes with a restart only.
                 _log.warning("reload: [boards] backplane settings change only at a restart")
             self.config = config
-            retiring.start_soon(self._retire, engine, generation - 1, self._backends)
+            retiring.start_soon(
+                self._retire, engine, generation - 1, self._backends, container, replaced
+            )
             self._backends = backends
         for warning in config.warnings:
             _log.warning("%s", warning.format(config.source))

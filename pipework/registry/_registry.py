@@ -5,7 +5,7 @@ them. The gateway file builds one; an :class:`~pipework.Engine` runs on it and a
 from __future__ import annotations
 
 from .._errors import RegistrationError
-from ..container._routes import Mode, OnDisconnect, Route, RouteTable
+from ..container._routes import BodyKind, Mode, OnDisconnect, Route, RouteTable
 from ..pipes._catalogue import Catalogue
 
 __all__ = ["Registry"]
@@ -30,17 +30,27 @@ class Registry(Catalogue):
         sync_wait: float = 10.0,
         on_disconnect: OnDisconnect = "cancel",
         max_body: int | None = None,
+        body: BodyKind = "object",
     ) -> Route:
         """Register an HTTP route that submits a job on ``chain`` (registered first)."""
         return self.add_route(
-            Route(name, method, path, chain, mode, timeout, sync_wait, on_disconnect, max_body)
+            Route(
+                name, method, path, chain, mode, timeout, sync_wait, on_disconnect, max_body, body
+            )
         )
 
     def add_route(self, route: Route) -> Route:
-        if route.chain not in self._chains:
+        chain = self._chains.get(route.chain)
+        if chain is None:
             raise RegistrationError(
                 f"route {route.name!r} runs chain {route.chain!r}, which is not registered; "
                 "register the chain first"
+            )
+        use = chain.request_use
+        if use is not None and use.body and route.body != "raw":
+            raise RegistrationError(
+                f"route {route.name!r} runs chain {route.chain!r}, whose pipes send the "
+                "request's body as it came: declare the route with body='raw'"
             )
         return self._routes.add(route)
 

@@ -1,0 +1,175 @@
+"""Serve one of the proxy comparison's Python gateways in its own process.
+
+``python -m benchmarks.peers.proxy_serve KIND --a URL --b URL --bulk URL [--gc WHICH]``
+serves on 127.0.0.1 (a free port), prints its base URL on stdout once it listens, and
+serves until terminated; paths under ``/a``, ``/b`` and ``/bulk`` go to the three services
+as they came. Logging is at WARNING (no access lines). KIND is:
+
+- ``pipework``: :class:`pipework.Gateway` serving ``proxy.toml`` beside this file (what
+  ``pipework serve proxy.toml --log-level WARNING`` runs), its base URLs replaced;
+- ``starlette``: :mod:`.starlette_proxy` on uvicorn (one process, its pure-Python
+  defaults made explicit: the asyncio loop and h11);
+- ``pipework-hypercorn`` and ``pipework-h11``, prototypes of a leaner serving path: the
+  same gateway, and its proxy layer (``Container.proxy_layer``, the ASGI app proxy routes
+  are served by) served on a second port with no Quart in front, by hypercorn (as
+  ``pipework.container._server.serve`` runs it) or by :mod:`.lean_server` (one task per
+  connection on h11); the URL printed is the second port's.
+
+``--gc serving`` (the default): the garbage collector's young threshold is the one a
+pipework container serves with (``ContainerConfig.gc_threshold``, 50,000), for every kind;
+``--gc interpreter``: the interpreter's own thresholds (700), for every kind. So the
+gateways differ only in their code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .._serve import raise_open_files_limit
+from .serve import BACKLOG, HOST, _announce, _listen, gc_threshold, set_collector
+
+GATEWAY_FILE = Path(__file__).with_name("proxy.toml")
+#: The base URLs written in proxy.toml, by the route's first path segment.
+FILE_URLS = {
+    "a": "http://127.0.0.1:9101",
+    "b": "http://127.0.0.1:9102",
+    "bulk": "http://127.0.0.1:9103",
+}
+
+
+def gateway_text(urls: Mapping[str, str]) -> str:
+    """proxy.toml with its base URLs replaced (``urls``: by first path segment)."""
+    text = GATEWAY_FILE.read_text()
+    for segment, old in FILE_URLS.items():
+        if text.count(f'"{old}"') != 1:
+            raise RuntimeError(f"{GATEWAY_FILE} should name {old} exactly once")
+        text = text.replace(f'"{old}"', f'"{urls[segment]}"')
+    return text
+
+
+def serve_pipework(urls: Mapping[str, str], young: int | None) -> None:
+    import pipework as pw
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "proxy.toml")
+        path.write_text(gateway_text(urls))
+        # The container sets the threshold while it serves (None: it leaves the
+        # interpreter's); the command line has no option for it.
+        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+
+        async def main() -> None:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(
+                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
+                )
+                _announce(address.port)
+
+        trio.run(main)
+
+
+def serve_starlette(urls: Mapping[str, str], young: int | None) -> None:
+    import uvicorn
+
+    from .starlette_proxy import create_app
+
+    set_collector(young)
+    sock = _listen(0, reuse_port=False)
+    config = uvicorn.Config(
+        create_app(urls),
+        loop="asyncio",
+        http="h11",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        backlog=BACKLOG,
+    )
+    _announce(sock.getsockname()[1])
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _lifespan_shim(app: Any) -> Any:
+    """``app`` with the ASGI lifespan answered (hypercorn's trio worker needs it)."""
+
+    async def shimmed(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    return shimmed
+
+
+def serve_pipework_layer(urls: Mapping[str, str], young: int | None, via: str) -> None:
+    import pipework as pw
+    from pipework.container._server import serve
+
+    from .lean_server import serve as serve_lean
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "proxy.toml")
+        path.write_text(gateway_text(urls))
+        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+
+        async def main() -> None:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
+                )
+                assert gateway.container is not None
+                layer = gateway.container.proxy_layer
+                if via == "hypercorn":
+                    address = await nursery.start(
+                        functools.partial(serve, _lifespan_shim(layer), host=HOST)
+                    )
+                    _announce(address.port)
+                else:
+                    _, port = await nursery.start(functools.partial(serve_lean, layer, host=HOST))
+                    _announce(port)
+
+        trio.run(main)
+
+
+SERVERS: dict[str, Any] = {
+    "pipework": serve_pipework,
+    "starlette": serve_starlette,
+    "pipework-hypercorn": functools.partial(serve_pipework_layer, via="hypercorn"),
+    "pipework-h11": functools.partial(serve_pipework_layer, via="h11"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers.proxy_serve", description=__doc__
+    )
+    parser.add_argument("kind", choices=sorted(SERVERS))
+    parser.add_argument("--a", required=True, help="base URL of the fast service")
+    parser.add_argument("--b", required=True, help="base URL of the service that may hang")
+    parser.add_argument("--bulk", required=True, help="base URL of the bulk service")
+    parser.add_argument("--gc", choices=["serving", "interpreter"], default="serving")
+    args = parser.parse_args(argv)
+    raise_open_files_limit()
+    logging.basicConfig(level=logging.WARNING)
+    urls = {"a": args.a, "b": args.b, "bulk": args.bulk}
+    SERVERS[args.kind](urls, gc_threshold(args.gc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
