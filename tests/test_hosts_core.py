@@ -44,10 +44,22 @@ RESET = Outcome.failed(Failure.RESET)
 
 
 def make(n: int = 3, *, seed: int = 1, weights: list[int] | None = None, **kw: Any) -> ServiceCore:
+    """A core over ``n`` hosts with every mechanism on (as with each table present and
+    empty), unless ``kw`` says otherwise."""
     ws = weights or [1] * n
     hosts = tuple(HostSpec(f"http://h{i}.internal:800{i}", w) for i, w in enumerate(ws))
+    kw.setdefault("outlier", OutlierSpec())
+    kw.setdefault("breaker", BreakerSpec())
+    kw.setdefault("retry", RetrySpec())
     service = Service("svc", hosts=hosts, **kw)
     return ServiceCore("svc", service.resilience, rng=random.Random(seed))
+
+
+def plain(n: int) -> ServiceCore:
+    """The core of a service of ``n`` hosts written without any resilience table."""
+    hosts = tuple(HostSpec(f"http://h{i}.internal:800{i}") for i in range(n))
+    service = Service("svc", hosts=hosts) if n > 1 else Service("svc", hosts[0].url)
+    return ServiceCore("svc", service.resilience, rng=random.Random(1))
 
 
 def begin(core: ServiceCore, now: float = 0.0, **kw: Any) -> Call:
@@ -107,6 +119,38 @@ def test_a_base_url_is_one_host_of_weight_one() -> None:
 def test_settings_that_cannot_work_are_refused(build: Any, match: str) -> None:
     with pytest.raises(RegistrationError, match=match):
         build()
+
+
+# -- what a service without tables does ------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_without_tables_only_a_failed_connection_is_retried_and_only_once(n: int) -> None:
+    core = plain(n)
+    for outcome in (E503, Outcome.answer(502), RESET, Outcome.failed(Failure.TIMEOUT)):
+        assert one_call(core, 0.0, outcome) == "final", outcome
+    assert one_call(core, 0.0, CONNECT) == "attempts"  # one retry, then its failure
+    stats = core.statistics(0.0)
+    assert stats.budget.retries == 1
+    assert sum(h.requests for h in stats.hosts) == 4 + 2
+
+
+def test_without_a_breaker_table_the_breaker_never_opens() -> None:
+    core = plain(1)
+    for i in range(200):
+        assert one_call(core, i * 0.01, E503) == "final"
+    stats = core.statistics(2.0)
+    assert (stats.breaker.state, stats.breaker.opened) == ("closed", 0)
+    assert isinstance(core.begin(2.0), Call)
+
+
+def test_without_an_outlier_table_a_lone_host_is_never_ejected_but_one_of_two_is() -> None:
+    lone, pair = plain(1), plain(2)
+    for i in range(50):
+        one_call(lone, i * 0.01, E503)
+        one_call(pair, i * 0.01, E503)
+    assert [h.state for h in lone.statistics(0.5).hosts] == ["available"]
+    assert "ejected" in [h.state for h in pair.statistics(0.5).hosts]  # Envoy's 5 in a row
 
 
 # -- balancing and retries -------------------------------------------------------------------

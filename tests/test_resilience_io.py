@@ -25,6 +25,7 @@ from pipework._http._problems import problem_for_exception
 from pipework._metrics import Metrics
 from pipework.backends._balance_core import Host
 from pipework.backends._client import ServiceClient
+from pipework.backends._failures import ConnectFailed
 from pipework.backends._hosts_core import ServiceCore
 from pipework.backends._resilience_spec import (
     BreakerSpec,
@@ -85,6 +86,15 @@ def counts(found: list[tuple[RawBackend, str]]) -> list[int]:
     return [len(b.seen) for b, _ in found]
 
 
+def urls(found: list[tuple[RawBackend, str]]) -> list[str]:
+    return [u for _, u in found]
+
+
+#: A service with a ``[retry]`` table: statuses retried (without one, only a failed
+#: connection is).
+RETRY: dict[str, Any] = {"retry": RetrySpec()}
+
+
 # -- balancing ---------------------------------------------------------------------------
 
 
@@ -109,10 +119,8 @@ async def test_a_failing_host_is_ejected_and_traffic_moves_to_the_others(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with hosts(echo, status(500), echo) as found:
-        svc = service(
-            [u for _, u in found],
-            outlier=OutlierSpec(consecutive_5xx=2, max_ejection_percent=50),
-        )
+        outlier = OutlierSpec(consecutive_5xx=2, max_ejection_percent=50)
+        svc = service([u for _, u in found], outlier=outlier)
         async with client(svc) as c:
             statuses = []
             for _ in range(12):
@@ -126,7 +134,7 @@ async def test_a_failing_host_is_ejected_and_traffic_moves_to_the_others(
             stats = c.core.statistics(trio.current_time())
             assert [h.state for h in stats.hosts] == ["available", "ejected", "available"]
             # Its ejection ends at base_ejection_time: it takes calls again.
-            autojump_clock.jump(svc.outlier.base_ejection_time)
+            autojump_clock.jump(outlier.base_ejection_time)
             for _ in range(3):
                 with suppress(pw.BackendError):
                     await get(c)
@@ -143,6 +151,7 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
                 [u for _, u in found],
                 outlier=OutlierSpec(consecutive_5xx=1, max_ejection_percent=100),
                 breaker=BreakerSpec(wait=7.0),
+                retry=RetrySpec(),
             )
             ctx = _Ctx({})
             backends = Backends([svc])
@@ -189,7 +198,7 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
 
 async def test_an_idempotent_call_is_retried_on_another_host() -> None:
     with trio.fail_after(HANG_GUARD):
-        async with hosts(status(503), echo) as found, client(service([u for _, u in found])) as c:
+        async with hosts(status(503), echo) as found, client(service(urls(found), **RETRY)) as c:
             answer = await get(c)
             assert answer == {"conn": 0, "index": 0}
             assert counts(found) == [1, 1]
@@ -198,7 +207,7 @@ async def test_an_idempotent_call_is_retried_on_another_host() -> None:
 
 async def test_a_post_is_not_retried() -> None:
     with trio.fail_after(HANG_GUARD):
-        async with hosts(status(503), echo) as found, client(service([u for _, u in found])) as c:
+        async with hosts(status(503), echo) as found, client(service(urls(found), **RETRY)) as c:
             with pytest.raises(pw.BackendError) as info:
                 await get(c, "POST")
             assert info.value.status == 503
@@ -367,7 +376,8 @@ async def test_a_try_past_its_per_try_timeout_is_retried_on_another_host(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with hosts(hold, echo) as found:
-        svc = service([u for _, u in found], retry=RetrySpec(per_try_timeout=1.0))
+        retry = RetrySpec(per_try_timeout=1.0)
+        svc = service([u for _, u in found], retry=retry)
         async with client(svc) as c:
             start = trio.current_time()
             answer = await get(c)
@@ -375,7 +385,7 @@ async def test_a_try_past_its_per_try_timeout_is_retried_on_another_host(
             assert counts(found) == [1, 1]
             # The retry went out after the try's timeout and its backoff, well before the
             # call's own deadline (10 s).
-            assert start + 1.0 <= trio.current_time() <= start + 1.0 + svc.retry.backoff_base
+            assert start + 1.0 <= trio.current_time() <= start + 1.0 + retry.backoff_base
             assert c.links[found[0][1]].pool.statistics().open == 0  # the slow one closed
 
 
@@ -440,3 +450,58 @@ async def test_a_gateway_reload_keeps_the_health_of_its_hosts(tmp_path: Path) ->
                 assert [s.target for s in two.seen if s.target != "/health"] == []
                 assert len([s for s in one.seen if s.target != "/health"]) == 4
                 stop.set()
+
+
+# -- the defaults: a file written before resilience existed -----------------------------------
+
+
+def from_file(url: str, tables: str = "") -> Service:
+    """Service ``api`` as a gateway file declares it: one host at ``url``, then ``tables``."""
+    text = f'[services.api]\nbase_url = "{url}"\ntimeout = 10\n{tables}'
+    return pw.loads_config(text).services["api"]
+
+
+async def test_an_old_style_file_retries_no_status_and_never_opens_its_breaker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(status(503)) as found, client(from_file(found[0][1])) as c:
+        for n in range(1, 41):  # twice the breaker's minimum_calls, every one failed
+            with pytest.raises(pw.BackendError) as info:
+                await get(c)
+            assert info.value.status == 503
+            assert counts(found) == [n]  # one try each: a 503 is not retried
+        stats = c.core.statistics(trio.current_time())
+        assert (stats.breaker.state, stats.breaker.opened, stats.refused["circuit_open"]) == (
+            "closed",
+            0,
+            0,
+        )
+        assert stats.hosts[0].state == "available"  # a lone host is never ejected
+        assert stats.budget.retries == 0
+
+
+async def test_an_old_style_file_retries_a_failed_connection_once() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with client(from_file(closed_port())) as c:
+            with pytest.raises(ConnectFailed):
+                await get(c, "POST")  # nothing was sent: any method
+            (host,) = c.core.statistics(trio.current_time()).hosts
+            assert (host.requests, host.failures) == (2, 2)
+
+
+async def test_with_empty_retry_and_breaker_tables_a_503_is_retried_and_the_breaker_opens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(status(503)) as found:
+        svc = from_file(found[0][1], "[services.api.retry]\n[services.api.breaker]\n")
+        async with client(svc) as c:
+            # Envoy's defaults: two tries a call; 20 tries in the window, all failed, open it.
+            for n in range(1, 11):
+                with pytest.raises(pw.BackendError) as info:
+                    await get(c)
+                assert info.value.status == 503
+                assert counts(found) == [2 * n]
+            with pytest.raises(pw.Overloaded) as refused:
+                await get(c)
+            assert refused.value.reason == "circuit_open"
+            assert counts(found) == [20]  # refused: nothing sent
