@@ -153,6 +153,47 @@ def test_without_an_outlier_table_a_lone_host_is_never_ejected_but_one_of_two_is
     assert "ejected" in [h.state for h in pair.statistics(0.5).hosts]  # Envoy's 5 in a row
 
 
+# -- a streamed answer and a streamed body ----------------------------------------------------
+
+
+def test_a_held_answer_keeps_its_host_busy_until_the_call_ends() -> None:
+    core = make(2)
+    call = begin(core)
+    attempt = first(call)
+    verdict = call.finish(attempt, 0.1, OK, hold=True)
+    assert verdict.action == "answer"
+    assert attempt.host.outstanding == 1  # its body is still being read
+    assert attempt.host.requests == 1
+    assert attempt.host.latency(0.1) == pytest.approx(0.1)  # the try ended at its head
+    call.end(5.0)
+    assert attempt.host.outstanding == 0
+
+
+def test_a_retried_try_is_never_held() -> None:
+    core = make(2)
+    call = begin(core)
+    attempt = first(call)
+    assert call.finish(attempt, 0.0, E503, hold=True).action == "retry"
+    assert attempt.host.outstanding == 0
+    call.end(0.0)
+
+
+def test_once_part_of_the_request_went_out_only_a_failed_connection_retries() -> None:
+    core = make(3, retry=RetrySpec(attempts=3))
+    call = begin(core, method="PUT")
+    call.sent()
+    assert call.finish(first(call), 0.0, CONNECT).action == "retry"
+    second = call.attempt(0.0)
+    assert second is not None
+    assert call.finish(second, 0.0, E503).reason == "not_idempotent"
+    call.end(0.0)
+    hedged = begin(make(2, hedge=HedgeSpec(delay=0.01)))
+    first(hedged)
+    hedged.sent()
+    assert hedged.hedge_at() is None  # nothing is sent twice, hedges included
+    hedged.end(0.0)
+
+
 # -- balancing and retries -------------------------------------------------------------------
 
 
@@ -457,6 +498,7 @@ class ServiceMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.calls: list[Call] = []
         self.launched: list[Attempt] = []
+        self.sent: set[Call] = set()  # calls that sent part of their request
 
     @initialize(
         n=st.integers(1, 5),
@@ -520,17 +562,26 @@ class ServiceMachine(RuleBasedStateMachine):
             before = self._availability()
             self._launch(call.attempt(self.now), before)
 
-    @rule(data=st.data(), outcome=outcomes)
-    def finish(self, data: st.DataObject, outcome: Outcome) -> None:
+    @rule(data=st.data(), outcome=outcomes, hold=st.booleans())
+    def finish(self, data: st.DataObject, outcome: Outcome, hold: bool) -> None:
         out = [a for a in self.launched if not a.done]
         if not out:
             return
         attempt = data.draw(st.sampled_from(out))
         call = attempt.call
-        verdict = call.finish(attempt, self.now, outcome)
+        verdict = call.finish(attempt, self.now, outcome, hold=hold)
         if verdict.action == "retry":
+            # Part of a request that went out is never sent again: only no connection.
+            assert call not in self.sent or outcome == CONNECT
             before = self._availability()
             self._launch(call.attempt(self.now), before)
+
+    @rule(data=st.data())
+    def send_part(self, data: st.DataObject) -> None:
+        if self.calls:
+            call = data.draw(st.sampled_from(self.calls))
+            call.sent()
+            self.sent.add(call)
 
     @rule(data=st.data())
     def hedge(self, data: st.DataObject) -> None:
@@ -570,7 +621,8 @@ class ServiceMachine(RuleBasedStateMachine):
         core = self.core
         out = [a for a in self.launched if not a.done]
         for host in core.hosts:
-            assert host.outstanding == sum(1 for a in out if a.host is host)
+            held = sum(1 for c in self.calls if c._held is host)  # answers being read
+            assert host.outstanding == sum(1 for a in out if a.host is host) + held
         assert core.budget.active == len(self.calls)
         granted = sum(1 for c in self.calls if c._retry_granted)
         extra = sum(1 for a in out if a.kind != "first")

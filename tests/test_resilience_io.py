@@ -33,6 +33,7 @@ from pipework.backends._resilience_spec import (
     OutlierSpec,
     RetrySpec,
 )
+from pipework.backends._stream import StreamTimeouts
 from pipework.container import BoundAddress
 
 from .test_backend_pool import Plan, RawBackend, Seen, _Ctx, echo, serving
@@ -505,3 +506,131 @@ async def test_with_empty_retry_and_breaker_tables_a_503_is_retried_and_the_brea
                 await get(c)
             assert refused.value.reason == "circuit_open"
             assert counts(found) == [20]  # refused: nothing sent
+
+
+# -- streamed exchanges (proxy routes) ---------------------------------------------------------
+
+TIMEOUTS = StreamTimeouts(connect=5.0, first_byte=5.0, idle=5.0)
+
+
+async def pieces(body: bytes, size: int = 100) -> AsyncIterator[bytes]:
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+async def stream(
+    c: ServiceClient,
+    method: bytes = b"GET",
+    body: bytes | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> tuple[int, bytes]:
+    """A streamed exchange, read whole: its status and body."""
+    sent = None if body is None else pieces(body)
+    length = None if body is None else len(body)
+    async with c.stream(
+        method, b"/x", list(headers), sent, length=length, timeouts=TIMEOUTS
+    ) as answer:
+        return answer.status, b"".join([piece async for piece in answer.body()])
+
+
+@pytest.mark.parametrize(("settings", "expected"), [({}, [1, 0]), (RETRY, [1, 1])])
+async def test_a_stream_answered_503_is_retried_on_another_host_with_a_retry_table(
+    settings: dict[str, Any], expected: list[int]
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found, client(service(urls(found), **settings)) as c:
+            code, _ = await stream(c)
+            assert code == (200 if settings else 503)  # the 503 relayed, without a table
+            assert counts(found) == expected
+            stats = c.core.statistics(trio.current_time())
+            assert [h.requests for h in stats.hosts] == expected  # tries on each host
+
+
+async def test_a_stream_whose_body_was_read_is_never_sent_again() -> None:
+    body = bytes(range(256)) * 4
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found:
+            svc = service(urls(found), retry=RetrySpec(idempotent_only=False))
+            async with client(svc) as c:
+                code, _ = await stream(c, b"PUT", body)
+                assert code == 503
+                assert counts(found) == [1, 0]
+                assert found[0][0].seen[0].body == body
+
+
+async def test_a_refused_connection_is_retried_before_the_body_is_read() -> None:
+    body = b"order=7;" * 100
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo) as found, client(service([closed_port(), found[0][1]])) as c:
+            code, _ = await stream(c, b"POST", body)
+            assert code == 200
+            assert found[0][0].seen[0].body == body  # sent whole, once
+            first = c.core.statistics(trio.current_time()).hosts[0]
+            assert (first.requests, first.failures) == (1, 1)
+
+
+async def test_a_streamed_answer_counts_on_its_host_until_its_exchange_ends() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo, echo) as found, client(service(urls(found))) as c:
+            async with c.stream(b"GET", b"/", [], None, length=None, timeouts=TIMEOUTS) as a:
+                assert a.status == 200
+                stats = c.core.statistics(trio.current_time())
+                assert [h.outstanding for h in stats.hosts] == [1, 0]  # being relayed
+                assert [h.requests for h in stats.hosts] == [1, 0]
+            stats = c.core.statistics(trio.current_time())
+            assert [h.outstanding for h in stats.hosts] == [0, 0]
+            assert stats.budget.active_calls == 0
+
+
+async def test_a_stream_never_hedges(autojump_clock: trio.testing.MockClock) -> None:
+    async with hosts(hold, echo) as found:
+        svc = service(urls(found), hedge=HedgeSpec(delay=0.5))
+        async with client(svc) as c, trio.open_nursery() as nursery:
+            nursery.start_soon(stream, c)
+            await trio.sleep(2.0)  # four times the hedge's delay, in virtual time
+            assert counts(found) == [1, 0]
+            found[0][0].release.set()
+        assert counts(found) == [1, 0]
+        assert c.core.statistics(trio.current_time()).budget.hedges == 0
+
+
+async def test_a_streams_try_ends_at_its_per_try_timeout_and_goes_elsewhere(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(hold, echo) as found:
+        svc = service(urls(found), retry=RetrySpec(per_try_timeout=1.0))
+        async with client(svc) as c:
+            start = trio.current_time()
+            code, _ = await stream(c)
+            assert code == 200
+            assert counts(found) == [1, 1]
+            assert start + 1.0 <= trio.current_time() <= start + 1.0 + RetrySpec().backoff_base
+
+
+async def test_an_open_breaker_refuses_a_stream_before_anything_is_sent() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503)) as found:
+            svc = service(urls(found), breaker=BreakerSpec(minimum_calls=2, wait=7.0))
+            async with client(svc) as c:
+                assert (await stream(c))[0] == 503
+                assert (await stream(c))[0] == 503
+                with pytest.raises(pw.Overloaded) as refused:
+                    await stream(c)
+                assert refused.value.reason == "circuit_open"
+                assert 0 < refused.value.retry_after <= 7.0
+                assert counts(found) == [2]
+
+
+async def test_each_host_gets_its_own_host_header_unless_one_was_kept() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo, echo) as found, client(service(urls(found))) as c:
+            own = found[0][1].removeprefix("http://").encode()
+            for _ in range(2):  # the service's Host, as a proxy route sends it
+                await stream(c, headers=[(b"host", own)])
+            for _ in range(2):  # the client's, kept
+                await stream(c, headers=[(b"host", b"shop.example")])
+            for backend, url in found:
+                assert [s.headers["host"] for s in backend.seen] == [
+                    url.removeprefix("http://"),
+                    "shop.example",
+                ]
