@@ -2,8 +2,9 @@
 in front of several small real trio backends (one per host) and a real client: a host
 picked per request on its own pool with its own ``Host``, a retry only while nothing of the
 request's body was read, an open breaker's refusal as a 503 problem with ``Retry-After``,
-health checks keeping requests off a host, and the per-host metrics counting proxied tries.
-Real time (the gateway reads its file in a thread): every wait is on a condition."""
+health checks keeping requests off a host, the per-host metrics counting proxied tries,
+and websockets to the hosts the service picks. Real time (the gateway reads its file in a
+thread): every wait is on a condition."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from wsproto.events import TextMessage
 
 from pipework import Gateway
 from pipework.backends._hosts_core import ServiceCore
+from pipework.container import BoundAddress
 
+from ._proxy_backend import running_backend
 from ._proxy_gateway import gateway
 from .test_backend_pool import echo
+from .test_proxy_websocket import Client
 from .test_resilience_io import (
     HANG_GUARD,
     Health,
@@ -58,12 +63,12 @@ strip_prefix = true
 @asynccontextmanager
 async def proxying(
     tmp_path: Path, hosts: Sequence[str], tables: str = ""
-) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient, BoundAddress]]:
     async with (
         gateway(tmp_path, proxy_file(hosts, tables)) as (gw, address),
         httpx.AsyncClient(base_url=address.url, timeout=HANG_GUARD) as client,
     ):
-        yield gw, client
+        yield gw, client, address
 
 
 def core(gw: Gateway) -> ServiceCore:
@@ -73,7 +78,10 @@ def core(gw: Gateway) -> ServiceCore:
 
 async def test_requests_are_spread_over_the_hosts_and_counted_per_host(tmp_path: Path) -> None:
     with trio.fail_after(HANG_GUARD):
-        async with hosts(echo, echo, echo) as found, proxying(tmp_path, urls(found)) as (_, http):
+        async with (
+            hosts(echo, echo, echo) as found,
+            proxying(tmp_path, urls(found)) as (_, http, _),
+        ):
             for _ in range(6):
                 answer = await http.get("/api/x")
                 assert answer.status_code == 200, answer.text
@@ -94,7 +102,7 @@ async def test_a_bodiless_get_answered_503_is_retried_elsewhere_with_a_retry_tab
     with trio.fail_after(HANG_GUARD):
         async with (
             hosts(status(503), echo) as found,
-            proxying(tmp_path, urls(found), tables) as (_, http),
+            proxying(tmp_path, urls(found), tables) as (_, http, _),
         ):
             answer = await http.get("/api/x")
         assert answer.status_code == (200 if tables else 503)
@@ -107,7 +115,7 @@ async def test_a_request_whose_body_went_out_is_not_sent_again(tmp_path: Path) -
     with trio.fail_after(HANG_GUARD):
         async with (
             hosts(status(503), echo) as found,
-            proxying(tmp_path, urls(found), tables) as (_, http),
+            proxying(tmp_path, urls(found), tables) as (_, http, _),
         ):
             answer = await http.put("/api/x", content=body)
         assert answer.status_code == 503  # the backend's own, relayed
@@ -122,10 +130,7 @@ async def test_a_refused_connection_is_retried_elsewhere_with_the_whole_body(
     with trio.fail_after(HANG_GUARD):
         async with (
             hosts(echo) as found,
-            proxying(tmp_path, [closed_port(), found[0][1]]) as (
-                gw,
-                http,
-            ),
+            proxying(tmp_path, [closed_port(), found[0][1]]) as (gw, http, _),
         ):
             answer = await http.post("/api/orders", content=body)
             assert answer.status_code == 200, answer.text
@@ -142,7 +147,7 @@ async def test_an_open_breaker_refuses_proxied_requests_with_503_and_retry_after
     with trio.fail_after(HANG_GUARD):
         async with (
             hosts(status(503), status(503)) as found,
-            proxying(tmp_path, urls(found), tables) as (_, http),
+            proxying(tmp_path, urls(found), tables) as (_, http, _),
         ):
             for _ in range(2):
                 assert (await http.get("/api/x")).status_code == 503  # the backends'
@@ -162,7 +167,10 @@ async def test_health_checks_keep_proxied_requests_off_an_unhealthy_host(tmp_pat
     bad.code = 503
     tables = '[services.api.health]\npath = "/health"\ninterval = 0.5\ntimeout = 0.5\n'
     with trio.fail_after(HANG_GUARD):
-        async with hosts(bad, good) as found, proxying(tmp_path, urls(found), tables) as (gw, http):
+        async with (
+            hosts(bad, good) as found,
+            proxying(tmp_path, urls(found), tables) as (gw, http, _),
+        ):
             api = core(gw)
             await until(lambda: not api.hosts[0].healthy)
             # Off probation, the good host would need three slow checks in a row to go.
@@ -173,3 +181,50 @@ async def test_health_checks_keep_proxied_requests_off_an_unhealthy_host(tmp_pat
         one, two = (backend for backend, _ in found)
         assert [s.target for s in one.seen if s.target != "/health"] == []
         assert len([s for s in two.seen if s.target != "/health"]) == 4
+
+
+# -- websockets ------------------------------------------------------------------------------
+
+
+async def test_websockets_go_to_the_hosts_the_service_picks(tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with (
+            running_backend() as one,
+            running_backend() as two,
+            proxying(tmp_path, [one.url, two.url]) as (gw, _, address),
+        ):
+            api = core(gw)
+            async with (
+                Client.opening(address, "/api/a") as a,
+                Client.opening(address, "/api/b") as b,
+            ):
+                await a.accepted()
+                await b.accepted()
+                for ws, text in ((a, "to one"), (b, "to two")):
+                    await ws.say(TextMessage(text))
+                    assert await ws.message() == text
+                stats = api.statistics(trio.current_time())
+                assert [h.requests for h in stats.hosts] == [1, 1]  # one each, round robin
+                assert [h.outstanding for h in stats.hosts] == [1, 1]  # open: the hosts' load
+                for ws in (a, b):
+                    await ws.say(TextMessage("close 4002"))
+                    assert (await ws.closed()).code == 4002
+            await until(lambda: all(h.outstanding == 0 for h in api.hosts))
+
+
+async def test_a_websocket_whose_host_refuses_the_connection_goes_to_another(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with (
+            running_backend() as backend,
+            proxying(tmp_path, [closed_port(), backend.url]) as (gw, _, address),
+            Client.opening(address, "/api/chat") as ws,
+        ):
+            await ws.accepted()
+            await ws.say(TextMessage("hello"))
+            assert await ws.message() == "hello"
+            first, second = core(gw).statistics(trio.current_time()).hosts
+            assert (first.requests, first.failures, second.requests) == (1, 1, 1)
+            await ws.say(TextMessage("close 4002"))
+            assert (await ws.closed()).code == 4002

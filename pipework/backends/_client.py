@@ -69,11 +69,12 @@ from ._http_spec import (
 from ._http_template import TemplateError, render_body
 from ._outlier_core import Failure, Outcome
 from ._pool import Pool, ResponseTooLarge
-from ._stream import StreamTimeouts, UpstreamAnswer, open_stream
+from ._stream import Handshake, StreamTimeouts, UpstreamAnswer, open_stream
 
 __all__ = [
     "HostLink",
     "ServiceClient",
+    "WebsocketCall",
     "decode_answer",
     "failure_of",
     "refused",
@@ -373,6 +374,21 @@ class ServiceClient:
             begun.end(trio.current_time())
             self.report()
 
+    @asynccontextmanager
+    async def websocket(self, connect_timeout: float) -> AsyncIterator[WebsocketCall]:
+        """A proxied websocket as a call of the service's core: refused with
+        :class:`~pipework.Overloaded` by an open breaker, else a :class:`WebsocketCall`
+        for the relay (its connection, ``Host`` and handshake), ended with the context."""
+        begun = self.core.begin(trio.current_time(), method="GET", hedge=False)
+        if isinstance(begun, Refusal):
+            self.report()
+            raise refused(self.service, begun)
+        try:
+            yield WebsocketCall(self, begun, connect_timeout)
+        finally:
+            begun.end(trio.current_time())
+            self.report()
+
     def _host_headers(
         self, headers: list[tuple[bytes, bytes]], link: HostLink
     ) -> list[tuple[bytes, bytes]]:
@@ -383,9 +399,14 @@ class ServiceClient:
         if link.netloc == own:
             return headers
         return [
-            (name, link.netloc) if value == own and name.lower() == b"host" else (name, value)
+            (name, self.host_for(value, link)) if name.lower() == b"host" else (name, value)
             for name, value in headers
         ]
+
+    def host_for(self, host: bytes, link: HostLink) -> bytes:
+        """The ``Host`` to send ``link``'s host for a request that carries ``host``: its own
+        name for the service's (its first host's), else ``host`` as it is."""
+        return link.netloc if host == self._host else host
 
     def prepare(
         self,
@@ -599,6 +620,75 @@ class ServiceClient:
         if done.answer is None:
             raise too_big(self.service, status)
         return _decode(self.service, call, done.answer)
+
+
+class WebsocketCall:
+    """One proxied websocket through its service's core (:meth:`ServiceClient.websocket`):
+    :meth:`connect` opens a connection to the host the core picks -- another one after a
+    connection not made, by the core's rules -- :meth:`host` names that host,
+    :meth:`handshake_done` counts the try's outcome (the handshake's answer; the host
+    counts the websocket as outstanding while it stays open). Nothing is tried again once
+    connected: the handshake's answer is the client's."""
+
+    __slots__ = ("_attempt", "_call", "_client", "_link", "_timeout")
+
+    def __init__(self, client: ServiceClient, call: Call, connect_timeout: float) -> None:
+        self._client = client
+        self._call = call
+        self._timeout = connect_timeout
+        self._attempt: Attempt | None = None  # the connected try, until its handshake ended
+        self._link: HostLink | None = None
+
+    async def connect(self) -> trio.SocketStream:
+        """A new connection (never the keep-alive pool's: it becomes the websocket's).
+        Raises :class:`~._failures.ConnectFailed`, or ``trio.TooSlowError`` when the
+        connect timeout ran out, for the last try the core allowed."""
+        call, client = self._call, self._client
+        attempt = call.attempt(trio.current_time())
+        while True:
+            if attempt is None:  # every host drained meanwhile
+                raise ConnectFailed(f"service {client.service.name!r} has no host to call")
+            link = client._link(attempt.host)
+            pool = link.pool
+            failure: OSError | trio.TooSlowError
+            try:
+                with trio.fail_after(self._timeout):
+                    stream = await trio.open_tcp_stream(pool.host, pool.port)
+            except (OSError, trio.TooSlowError) as exc:
+                failure = exc
+            else:
+                call.sent()  # the handshake goes out: it is not sent again
+                self._attempt, self._link = attempt, link
+                return stream
+            verdict = call.finish(attempt, trio.current_time(), Outcome.failed(Failure.CONNECT))
+            if verdict.action != "retry":
+                if isinstance(failure, trio.TooSlowError):
+                    raise failure
+                raise ConnectFailed(f"could not connect to {pool.where}: {failure}") from failure
+            with trio.move_on_at(call.deadline):
+                await trio.sleep(verdict.delay)
+            attempt = call.attempt(trio.current_time())
+
+    def host(self, given: bytes) -> bytes:
+        """The ``Host`` for the connected host, of a request that carries ``given``."""
+        assert self._link is not None, "connect first"
+        return self._client.host_for(given, self._link)
+
+    def handshake_done(self, handshake: Handshake) -> None:
+        """The try's outcome: the handshake's answer, or how it failed."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is None:  # it never connected: the core has counted its tries
+            return
+        outcome: Outcome
+        if handshake.status is not None:
+            outcome = Outcome.answer(handshake.status)
+        elif handshake.phase is None:  # refused before the backend was asked
+            outcome = Outcome.cancel()
+        elif handshake.timed_out:
+            outcome = Outcome.failed(Failure.TIMEOUT)
+        else:
+            outcome = Outcome.failed(Failure.BROKEN)
+        self._call.finish(attempt, trio.current_time(), outcome, hold=True)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:

@@ -61,13 +61,10 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
 
 def _upstream(backends: Backends, name: str) -> Upstream:
     service = backends.services[name]
-    url = service.url
     return Upstream(
         name,
         backends.lean(name),
-        url.host,
-        url.port if url.port is not None else 80,
-        url.netloc,
+        service.url.netloc,
         service.timeout,
         service.connect_timeout,
         service.request_id_header,
