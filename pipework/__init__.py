@@ -35,6 +35,12 @@ from .backends._http import Backends as Backends
 from .backends._http import http_pipe as http_pipe
 from .backends._http_spec import HttpCall as HttpCall
 from .backends._http_spec import Service as Service
+from .backends._resilience_spec import BreakerSpec as BreakerSpec
+from .backends._resilience_spec import HealthSpec as HealthSpec
+from .backends._resilience_spec import HedgeSpec as HedgeSpec
+from .backends._resilience_spec import HostSpec as HostSpec
+from .backends._resilience_spec import OutlierSpec as OutlierSpec
+from .backends._resilience_spec import RetrySpec as RetrySpec
 from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
@@ -94,6 +100,7 @@ __all__ = [
     "Backends",
     "BorrowTimeout",
     "BranchEnd",
+    "BreakerSpec",
     "CallbackSigner",
     "Catalogue",
     "Chain",
@@ -108,6 +115,9 @@ __all__ = [
     "Gateway",
     "GatewayConfig",
     "GraphNode",
+    "HealthSpec",
+    "HedgeSpec",
+    "HostSpec",
     "HttpCall",
     "InternalError",
     "InvalidTransition",
@@ -123,6 +133,7 @@ __all__ = [
     "MergeConflict",
     "MergePolicy",
     "Metrics",
+    "OutlierSpec",
     "Overloaded",
     "Parallel",
     "Pipe",
@@ -143,6 +154,7 @@ __all__ = [
     "ResourcePoolError",
     "ResourcePoolStatistics",
     "ResourceStartupError",
+    "RetrySpec",
     "Route",
     "Serial",
     "Service",

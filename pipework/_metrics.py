@@ -52,7 +52,13 @@ __all__ = [
 #: The variable naming prometheus-client's multiprocess directory.
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 #: State families whose gauges are per process (one series each, ``pid`` label).
-_PER_PROCESS: Final = ("pipework_event_queue_", "pipework_pool_")
+_PER_PROCESS: Final = (
+    "pipework_event_queue_",
+    "pipework_pool_",
+    # Each process balances with its own view of a service's hosts and breaker.
+    "pipework_backend_host_",
+    "pipework_backend_breaker_",
+)
 
 
 def multiprocess_directory() -> str | None:
@@ -290,6 +296,7 @@ class Metrics:
         )
         self._collector: _StateCollector | None = None
         self._resource_pools: _ResourcePoolCollector | None = None
+        self._services: _ServiceCollector | None = None
         #: The collectors read at scrape time (what :meth:`publish` writes out).
         self._states: list[Collector] = []
         #: Set when several processes share the metrics (see the module's docstring).
@@ -346,6 +353,20 @@ class Metrics:
         """Stop reading the pool (it shut down); its families keep their other pools."""
         if self._resource_pools is not None and self._resource_pools.pools.get(name) is pool:
             del self._resource_pools.pools[name]
+
+    def watch_service(self, name: str, read: Callable[[], Any]) -> None:
+        """Read a backend service's resilience statistics (``ServiceStatistics``, from
+        ``read()``) at every scrape, as ``service=name``. A second reader under a name
+        already watched replaces the first (a reload's plan)."""
+        if self._services is None:
+            self._services = _ServiceCollector()
+            self.add_state(self._services)
+        self._services.services[name] = read
+
+    def unwatch_service(self, name: str, read: Callable[[], Any]) -> None:
+        """Stop reading the service, if ``read`` is still the one watched."""
+        if self._services is not None and self._services.services.get(name) is read:
+            del self._services.services[name]
 
     def exposition(self) -> bytes:
         """The text exposition format, as ``GET /metrics`` serves it: this process's
@@ -439,6 +460,108 @@ class _StateCollector(Collector):
             jobs.add_metric([status], count)
         yield jobs
         yield from _pool_families(self._pool, self._label)
+
+
+#: A host's states, one series each (1 for the one it is in).
+_HOST_STATES: Final = ("available", "unhealthy", "ejected", "draining")
+_BREAKER_STATES: Final = ("closed", "open", "half_open")
+
+
+class _ServiceCollector(Collector):
+    """The resilience families of the backend services (docs/resilience.md): per host and
+    per service, read from each service core's statistics at scrape time."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, Callable[[], Any]] = {}
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        host = ["service", "host"]
+        requests = CounterMetricFamily(
+            "pipework_backend_host_requests",
+            "Tries sent to each host of a service (retries and hedges included).",
+            labels=host,
+        )
+        failures = CounterMetricFamily(
+            "pipework_backend_host_failures",
+            "Tries to each host that failed: a 5xx answer or no answer.",
+            labels=host,
+        )
+        ejections = CounterMetricFamily(
+            "pipework_backend_host_ejections",
+            "Times each host was ejected by outlier detection.",
+            labels=host,
+        )
+        latency = GaugeMetricFamily(
+            "pipework_backend_host_latency_seconds",
+            "Each host's latency estimate (peak EWMA, what p2c balances on).",
+            labels=host,
+        )
+        outstanding = GaugeMetricFamily(
+            "pipework_backend_host_outstanding",
+            "Tries out to each host now.",
+            labels=host,
+        )
+        healthy = GaugeMetricFamily(
+            "pipework_backend_host_healthy",
+            "1 while the host passes its active health checks (or has none), else 0.",
+            labels=host,
+        )
+        state = GaugeMetricFamily(
+            "pipework_backend_host_state",
+            "1 for the state each host is in: available, unhealthy, ejected, draining.",
+            labels=[*host, "state"],
+        )
+        breaker = GaugeMetricFamily(
+            "pipework_backend_breaker_state",
+            "1 for the state of each service's circuit breaker: closed, open, half_open.",
+            labels=["service", "state"],
+        )
+        opened = CounterMetricFamily(
+            "pipework_backend_breaker_opened",
+            "Times each service's circuit breaker opened.",
+            labels=["service"],
+        )
+        retries = CounterMetricFamily(
+            "pipework_backend_retries",
+            "Extra tries sent by kind: retry, hedge.",
+            labels=["service", "kind"],
+        )
+        exhausted = CounterMetricFamily(
+            "pipework_backend_retry_budget_exhausted",
+            "Retries and hedges not sent because the retry budget was spent.",
+            labels=["service"],
+        )
+        refused = CounterMetricFamily(
+            "pipework_backend_refused",
+            "Calls refused before a try by reason: circuit_open, circuit_probing, no_host.",
+            labels=["service", "reason"],
+        )
+        for name, read in sorted(self.services.items()):
+            stats = read()
+            for h in stats.hosts:
+                labels = [name, h.url]
+                requests.add_metric(labels, h.requests)
+                failures.add_metric(labels, h.failures)
+                ejections.add_metric(labels, h.ejections)
+                if h.latency is not None:
+                    latency.add_metric(labels, h.latency)
+                outstanding.add_metric(labels, h.outstanding)
+                healthy.add_metric(labels, 1 if h.healthy else 0)
+                for one in _HOST_STATES:
+                    state.add_metric([*labels, one], 1 if h.state == one else 0)
+            for one in _BREAKER_STATES:
+                breaker.add_metric([name, one], 1 if stats.breaker.state == one else 0)
+            opened.add_metric([name], stats.breaker.opened)
+            retries.add_metric([name, "retry"], stats.budget.retries)
+            retries.add_metric([name, "hedge"], stats.budget.hedges)
+            exhausted.add_metric([name], stats.budget.exhausted)
+            for reason, count in sorted(stats.refused.items()):
+                refused.add_metric([name, reason], count)
+        yield from (requests, failures, ejections, latency, outstanding, healthy, state)
+        yield from (breaker, opened, retries, exhausted, refused)
 
 
 class _ResourcePoolCollector(Collector):

@@ -147,8 +147,18 @@ async def _weighted_engine() -> str:
     resources = pw.ResourcePool(
         make, 2, borrow_timeout=1, launch_timeout=1, name="pdf", metrics=engine.metrics
     )
+    # An http:// service of two hosts: its resilience families, read at every scrape.
+    backends = pw.Backends(
+        [
+            pw.Service(
+                "search",
+                hosts=(pw.HostSpec("http://127.0.0.1:9"), pw.HostSpec("http://127.0.0.1:10")),
+            )
+        ]
+    )
+    backends.metrics = engine.metrics
     with trio.fail_after(HANG_GUARD):  # virtual time: a hang fails at once
-        async with engine, resources:
+        async with engine, resources, backends:
             assert await engine.run("user", {"user_id": 7}) == {"id": 7}
             await engine.run("order")
             async with resources.borrow():

@@ -1,5 +1,6 @@
 """The lean client of one ``http://`` service: an :class:`HttpCall` rendered straight to
-h11's request parts and sent through a keep-alive :class:`~._pool.Pool`.
+h11's request parts and sent through a keep-alive :class:`~._pool.Pool` per host, each try
+chosen, retried or hedged by the service's resilience core (:mod:`._hosts_core`).
 
 It builds the same request the httpx path builds (same target, query encoding, headers and
 JSON body; ``Accept-Encoding: gzip, deflate``) without httpx's request and URL models,
@@ -9,20 +10,54 @@ JSON parsed, other text decoded with its charset (or, for a raw call, its bytes 
 their content type). What fails is raised as the same
 :class:`~pipework.BackendError` texts, or as the lean client's own exceptions
 (:mod:`._failures`) for the caller to translate.
+
+**The driver of the resilience core.** A call begins with :meth:`ServiceCore.begin`: a
+refusal (the breaker open, every host drained) raises :class:`~pipework.Overloaded` (503
+with ``Retry-After``) before anything is sent. Each try goes to the host the core picks,
+through that host's own pool (``Host.tag`` holds it, as a :class:`HostLink`), by the try's
+deadline; its outcome -- an answer's status, or a :class:`Failure` for what the pool
+raised -- goes back to :meth:`Call.finish`, whose verdict answers, retries after a pause
+(inside the call's deadline) or drops it. With hedging, the tries of a call run in a
+nursery: a hedge starts when :meth:`Call.hedge_at` comes, the first try whose outcome is
+the call's answer cancels the others (their connections are closed, never reused: the
+pool's cancellation rule). The call's result is its answering try's: the answer decoded,
+or that try's failure raised as it came from the pool.
+
+**A streamed exchange** (:meth:`ServiceClient.stream`, for proxy routes) goes through the
+same core, with three differences: a try ends at the answer's head (its status is the
+outcome; the body is the caller's to relay), a try is retried only while nothing of the
+request's body was read (a failed connection always qualifies: nothing was sent), and it
+never hedges.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AbstractAsyncContextManager
+import random
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass, replace
 from typing import Any, Final
 from urllib.parse import urlencode
 
-from .._errors import BackendError
+import httpx
+import trio
+
+from .._errors import BackendError, Overloaded
 from ..pipes._state import raw_value
-from ._h1 import ACCEPT_ENCODING, Answer
+from ._balance_core import Host
+from ._call_core import Attempt, Call, Refusal, Verdict
+from ._failures import CallTimeout, ConnectFailed, ConnectionBroken, TransportFailure
+from ._h1 import ACCEPT_ENCODING, Answer, StaleConnection
+from ._hosts_core import (
+    BreakerChanged,
+    HealthChanged,
+    HostEjected,
+    HostReturned,
+    ServiceCore,
+)
 from ._http_spec import (
     HttpCall,
     Service,
@@ -32,10 +67,25 @@ from ._http_spec import (
     raw_body,
 )
 from ._http_template import TemplateError, render_body
+from ._outlier_core import Failure, Outcome
 from ._pool import Pool, ResponseTooLarge
-from ._stream import StreamTimeouts, UpstreamAnswer, open_stream
+from ._stream import Handshake, StreamTimeouts, UpstreamAnswer, open_stream
 
-__all__ = ["ServiceClient", "decode_answer", "too_big", "unaccepted"]
+__all__ = [
+    "HostLink",
+    "ServiceClient",
+    "WebsocketCall",
+    "decode_answer",
+    "failure_of",
+    "refused",
+    "too_big",
+    "unaccepted",
+]
+
+_log = logging.getLogger("pipework.backends")
+
+#: A health check's answer is read only to its status; a body past this is not read.
+_CHECK_MAX_BYTES: Final = 64 * 1024
 
 _DEFAULTS: Final = (
     ("accept", "Accept", "*/*"),
@@ -43,25 +93,77 @@ _DEFAULTS: Final = (
 )
 
 
-class ServiceClient:
-    """Calls to one ``http://`` service over a pool sized by its :class:`Service`."""
+class HostLink:
+    """What the client keeps for one host (its ``Host.tag``): the pool of connections to
+    it and the ``Host`` header its requests carry."""
 
-    def __init__(self, service: Service, user_agent: str, pool: Pool | None = None) -> None:
+    __slots__ = ("netloc", "pool", "url")
+
+    def __init__(self, url: str, pool: Pool, netloc: bytes) -> None:
+        self.url = url
+        self.pool = pool
+        self.netloc = netloc
+
+
+@dataclass(slots=True)
+class _Try:
+    """How one try ended, as the call may use it: an answer, the status of one too big, or
+    the pool's failure."""
+
+    outcome: Outcome
+    answer: Answer | None = None
+    failure: TransportFailure | None = None
+
+
+class _Watched:
+    """A streamed request's body, noting whether anything was asked of it: once it was,
+    the request cannot be sent again (what was read is gone)."""
+
+    __slots__ = ("_body", "read")
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self._body = body
+        self.read = False
+
+    def __aiter__(self) -> _Watched:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self.read = True  # from the asking: a piece cut off by a cancellation is lost too
+        return await self._body.__anext__()
+
+
+class ServiceClient:
+    """Calls to one ``http://`` service: a pool per host, each sized by its
+    :class:`Service`, and the service's resilience core choosing the hosts. ``pool``
+    replaces the pool of a one-host service (tests); ``core`` is one a reload carries over
+    (:meth:`ServiceCore.reconfigure` is applied to it); ``rng`` seeds a new core."""
+
+    def __init__(
+        self,
+        service: Service,
+        user_agent: str,
+        pool: Pool | None = None,
+        *,
+        core: ServiceCore | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         url = service.url
         if url.scheme != "http":
             raise ValueError(f"the lean client speaks plain http, not {url.scheme}")
+        if pool is not None and len(service.endpoints) > 1:
+            raise ValueError("a pool may be given only for a service of one host")
         self.service = service
-        port = url.port if url.port is not None else 80
-        self.pool = pool or Pool(
-            url.host,
-            port,
-            max_connections=service.max_connections,
-            max_idle=service.max_keepalive,
-            idle_timeout=service.keepalive_expiry,
-            connect_timeout=(
-                service.timeout if service.connect_timeout is None else service.connect_timeout
-            ),
-        )
+        if core is None:
+            core = ServiceCore(service.name, service.resilience, rng=rng)
+        else:
+            core.reconfigure(service.resilience, trio.current_time())
+        self.core = core
+        self._links: dict[str, HostLink] = {}
+        self._checks: dict[str, Pool] = {}  # each host's health-check connection
+        self._closed = False
+        for host in core.hosts:
+            host.tag = self._link(host, pool)
         self._base = url.raw_path.rstrip(b"/").decode("ascii")
         self._raw_base = self._base.encode("ascii")
         self._host = url.netloc
@@ -71,8 +173,105 @@ class ServiceClient:
             base[name.lower()] = (name, value)
         self._headers = base
 
+    @property
+    def pool(self) -> Pool:
+        """The first host's pool (the only one of a service with a ``base_url``)."""
+        return self._link(self.core.hosts[0]).pool
+
+    @property
+    def links(self) -> Mapping[str, HostLink]:
+        """Each host's pool, by the host's URL."""
+        return self._links
+
+    def _link(self, host: Host, pool: Pool | None = None) -> HostLink:
+        """The host's link, made on first use: a core carried over by a reload may pick a
+        host this client's plan did not have, for the tries of the calls still on it."""
+        link = self._links.get(host.url)
+        if link is None:
+            service = self.service
+            url = httpx.URL(host.url)
+            if pool is None:
+                pool = Pool(
+                    url.host,
+                    url.port if url.port is not None else 80,
+                    max_connections=service.max_connections,
+                    max_idle=service.max_keepalive,
+                    idle_timeout=service.keepalive_expiry,
+                    connect_timeout=(
+                        service.timeout
+                        if service.connect_timeout is None
+                        else service.connect_timeout
+                    ),
+                )
+            link = self._links[host.url] = HostLink(host.url, pool, url.netloc)
+        return link
+
+    def adopt(self, core: ServiceCore) -> None:
+        """Take over ``core`` (the previous plan's, on a reload) with this client's settings:
+        hosts that stay keep what they learnt (:meth:`ServiceCore.reconfigure`)."""
+        core.reconfigure(self.service.resilience, trio.current_time())
+        self.core = core
+        for host in core.hosts:
+            host.tag = self._link(host)
+
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        self._closed = True
+        for link in list(self._links.values()):
+            await link.pool.aclose()
+        for pool in list(self._checks.values()):
+            await pool.aclose()
+
+    # -- active health checks --------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Check every host of the service every ``health.interval``, forever (cancel to
+        stop): ``GET health.path`` on a connection of its own -- never queued behind the
+        traffic, never counted as a try -- passes with an expected status within
+        ``health.timeout``. Each result goes to :meth:`ServiceCore.health_check`."""
+        while not self._closed:
+            spec = self.core.resilience.health
+            if spec is None:
+                return
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for host in self.core.hosts:
+                    nursery.start_soon(self._check, host.url)
+            await trio.sleep_until(started + spec.interval)
+
+    async def _check(self, url: str) -> None:
+        spec = self.core.resilience.health
+        if spec is None:
+            return
+        parsed = httpx.URL(url)
+        pool = self._checks.get(url)
+        if pool is None:
+            port = parsed.port if parsed.port is not None else 80
+            pool = self._checks[url] = Pool(
+                parsed.host, port, max_connections=1, connect_timeout=spec.timeout
+            )
+        headers = [
+            (b"Host", parsed.netloc),
+            (b"User-Agent", self._headers["user-agent"][1].encode()),
+        ]
+        # After the host's path prefix, as the calls' paths (docs/configuration.md).
+        target = parsed.raw_path.rstrip(b"/") + spec.path.encode()
+        try:
+            answer = await pool.request(
+                b"GET",
+                target,
+                headers,
+                deadline=trio.current_time() + spec.timeout,
+                max_bytes=_CHECK_MAX_BYTES,
+            )
+        except ResponseTooLarge as exc:
+            passed = exc.status in spec.expected_statuses
+        except TransportFailure:
+            passed = False
+        else:
+            passed = answer.status in spec.expected_statuses
+        with suppress(KeyError):  # removed by a reload while it was checked
+            self.core.health_check(url, trio.current_time(), passed=passed)
+        self.report()
 
     def stream(
         self,
@@ -89,20 +288,125 @@ class ServiceClient:
         they are (but for framing), with the service's ``Host`` unless they hold one; an
         origin-form ``target`` (``/path?query``) goes under the service's base path. The
         service's own headers (``headers``, ``User-Agent``) are not added: a streamed
-        request is passed through, not made."""
+        request is passed through, not made.
+
+        It goes through the service's core as a call does (:meth:`_streamed`): refused
+        with :class:`~pipework.Overloaded` by an open breaker, sent to the host the core
+        picks -- with that host's ``Host`` where ``headers`` carry the service's own --
+        and retried by the core's rules while nothing of ``body`` was read."""
         if target.startswith(b"/"):
             target = self._raw_base + target
-        return open_stream(
-            self.pool,
-            method,
-            target,
-            headers,
-            body,
-            host=self._host,
-            length=length,
-            timeouts=timeouts,
-            deadline=deadline,
-        )
+        return self._streamed(method, target, headers, body, length, timeouts, deadline)
+
+    @asynccontextmanager
+    async def _streamed(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: AsyncIterator[bytes] | None,
+        length: int | None,
+        timeouts: StreamTimeouts,
+        deadline: float,
+    ) -> AsyncIterator[UpstreamAnswer]:
+        """The core's loop for one streamed exchange. A try ends at the answer's head: its
+        status is the try's outcome (a retried one's exchange is closed unread), and the
+        answering try's host counts it as outstanding until the exchange ends. No hedging:
+        the answer is read by the caller, inside this context, as it streams."""
+        core = self.core
+        now = trio.current_time()
+        begun = core.begin(now, method=method.decode("latin-1"), deadline=deadline, hedge=False)
+        if isinstance(begun, Refusal):
+            self.report()
+            raise refused(self.service, begun)
+        sent = None if body is None else _Watched(body)
+        per_try = core.resilience.retry.per_try_timeout
+        if per_try is not None and per_try < timeouts.first_byte:
+            # A try's own timeout runs from the request's end, as the first byte's does.
+            timeouts = replace(timeouts, first_byte=per_try)
+        try:
+            attempt = begun.attempt(trio.current_time())
+            while True:
+                if attempt is None:  # every host drained meanwhile
+                    raise ConnectFailed(f"service {self.service.name!r} has no host to call")
+                link = self._link(attempt.host)
+                exchange = AsyncExitStack()
+                answer: UpstreamAnswer | None = None
+                failure: TransportFailure | None = None
+                # A request that cannot be sent at all raises here, before any I/O: no
+                # host's fault (the try ends as cancelled).
+                opened = open_stream(
+                    link.pool,
+                    method,
+                    target,
+                    self._host_headers(headers, link),
+                    sent,
+                    host=link.netloc,
+                    length=length,
+                    timeouts=timeouts,
+                    deadline=deadline,
+                )
+                try:
+                    answer = await exchange.enter_async_context(opened)
+                except TransportFailure as exc:
+                    failure = exc
+                if sent is not None and sent.read:
+                    begun.sent()
+                if failure is not None:
+                    outcome = Outcome.failed(failure_of(failure))
+                else:
+                    assert answer is not None
+                    outcome = Outcome.answer(answer.status)
+                verdict = begun.finish(attempt, trio.current_time(), outcome, hold=True)
+                if verdict.action == "answer":
+                    break
+                assert verdict.action == "retry", verdict
+                await exchange.aclose()  # a retried answer is not relayed: it ends unread
+                with trio.move_on_at(begun.deadline):
+                    await trio.sleep(verdict.delay)
+                attempt = begun.attempt(trio.current_time())
+            if failure is not None:
+                raise failure
+            assert answer is not None
+            async with exchange:
+                yield answer
+        finally:
+            begun.end(trio.current_time())
+            self.report()
+
+    @asynccontextmanager
+    async def websocket(self, connect_timeout: float) -> AsyncIterator[WebsocketCall]:
+        """A proxied websocket as a call of the service's core: refused with
+        :class:`~pipework.Overloaded` by an open breaker, else a :class:`WebsocketCall`
+        for the relay (its connection, ``Host`` and handshake), ended with the context."""
+        begun = self.core.begin(trio.current_time(), method="GET", hedge=False)
+        if isinstance(begun, Refusal):
+            self.report()
+            raise refused(self.service, begun)
+        try:
+            yield WebsocketCall(self, begun, connect_timeout)
+        finally:
+            begun.end(trio.current_time())
+            self.report()
+
+    def _host_headers(
+        self, headers: list[tuple[bytes, bytes]], link: HostLink
+    ) -> list[tuple[bytes, bytes]]:
+        """``headers`` with the service's own ``Host`` (its first host's) changed to
+        ``link``'s: each host of a service gets its own name, as a call's does. A ``Host``
+        the caller chose (the client's, kept) goes as it is."""
+        own = self._host
+        if link.netloc == own:
+            return headers
+        return [
+            (name, self.host_for(value, link)) if name.lower() == b"host" else (name, value)
+            for name, value in headers
+        ]
+
+    def host_for(self, host: bytes, link: HostLink) -> bytes:
+        """The ``Host`` to send ``link``'s host for a request that carries ``host``: its own
+        name for the service's (its first host's), else ``host`` as it is."""
+        return link.netloc if host == self._host else host
 
     def prepare(
         self,
@@ -166,29 +470,253 @@ class ServiceClient:
         deadline: float,
         extra: Mapping[str, str] | None = None,
     ) -> Any:
-        """Make ``call`` by ``deadline`` (trio time); return the answer's body, decoded."""
-        method, target, headers, body = self.prepare(call, state, extra)
-        service = self.service
+        """Make ``call`` by ``deadline`` (trio time); return the answer's body, decoded.
+        Raises :class:`~pipework.Overloaded` when the core refuses the call, the
+        answering try's failure (:mod:`._failures`) when it had no answer."""
+        request = self.prepare(call, state, extra)
+        core = self.core
+        begun = core.begin(trio.current_time(), method=call.method, deadline=deadline)
+        if isinstance(begun, Refusal):
+            self.report()
+            raise refused(self.service, begun)
         try:
-            answer = await self.pool.request(
+            done = await self._drive(begun, request)
+        finally:
+            begun.end(trio.current_time())
+            self.report()
+        return self._result(call, done)
+
+    def report(self) -> None:
+        """Log what changed in the service's core: a host ejected or back, a health
+        change, the breaker moving (one line each, on the ``pipework.backends`` logger)."""
+        name = self.service.name
+        for event in self.core.pop_events():
+            if isinstance(event, HostEjected):
+                _log.warning(
+                    "service %r: host %s ejected (%s), ejection %d, for %.3g s",
+                    name,
+                    event.url,
+                    event.rule,
+                    event.ejections,
+                    max(0.0, event.until - trio.current_time()),
+                )
+            elif isinstance(event, HostReturned):
+                _log.info("service %r: host %s is back from its ejection", name, event.url)
+            elif isinstance(event, HealthChanged):
+                level = logging.INFO if event.healthy else logging.WARNING
+                health = "healthy" if event.healthy else "unhealthy"
+                _log.log(level, "service %r: host %s is %s", name, event.url, health)
+            elif isinstance(event, BreakerChanged):
+                level = logging.INFO if event.state == "closed" else logging.WARNING
+                _log.log(
+                    level,
+                    "service %r: circuit breaker %s%s",
+                    name,
+                    event.state,
+                    "" if event.reason is None else f" ({event.reason})",
+                )
+
+    async def _drive(
+        self, call: Call, request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None]
+    ) -> _Try:
+        """The core's loop for one call: tries until one is the call's answer."""
+        attempt = call.attempt(trio.current_time())
+        while True:
+            if attempt is None:  # every host drained meanwhile
+                return _Try(
+                    Outcome.failed(Failure.CONNECT),
+                    failure=ConnectFailed(f"service {self.service.name!r} has no host to call"),
+                )
+            if call.hedge_at() is None:
+                done = await self._try(attempt, request)
+                verdict = call.finish(attempt, trio.current_time(), done.outcome)
+            else:
+                verdict, done = await self._hedged(call, attempt, request)
+            if verdict.action == "answer":
+                return done
+            # "retry" (a "drop" leaves no try out here: only a try still out drops one)
+            assert verdict.action == "retry", verdict
+            with trio.move_on_at(call.deadline):
+                await trio.sleep(verdict.delay)
+            attempt = call.attempt(trio.current_time())
+
+    async def _hedged(
+        self,
+        call: Call,
+        first: Attempt,
+        request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None],
+    ) -> tuple[Verdict, _Try]:
+        """``first`` and the hedges beside it, until one try's verdict is not a drop."""
+        decided: list[tuple[Verdict, _Try]] = []
+
+        async def run(attempt: Attempt, scope: trio.CancelScope) -> None:
+            try:
+                done = await self._try(attempt, request)
+            except BaseException:
+                if not attempt.done:  # cancelled: another try answered, or the call ended
+                    call.finish(attempt, trio.current_time(), Outcome.cancel())
+                raise
+            verdict = call.finish(attempt, trio.current_time(), done.outcome)
+            if verdict.action != "drop":
+                decided.append((verdict, done))
+                scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, first, nursery.cancel_scope)
+                while (at := call.hedge_at()) is not None:
+                    await trio.sleep_until(at)
+                    hedge = call.hedge(trio.current_time())
+                    if hedge is not None:
+                        nursery.start_soon(run, hedge, nursery.cancel_scope)
+                # No more hedges: the tries out decide.
+        except BaseExceptionGroup as group:
+            # The boundary: a cancellation goes on as trio raised it (the scope that
+            # cancelled finds it in the group); one error alone goes on as itself, so the
+            # caller sees the same errors with a hedge as without.
+            _, others = group.split(trio.Cancelled)
+            if others is not None:
+                leaves = list(_leaves(others))
+                if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                    raise leaves[0] from None
+            raise
+        assert decided, "a call's last try out always decides"
+        return decided[0]
+
+    async def _try(
+        self,
+        attempt: Attempt,
+        request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None],
+    ) -> _Try:
+        """One try, on its host's pool, by its deadline."""
+        method, target, headers, body = request
+        if self._closed:
+            closed = ConnectFailed(f"the client of service {self.service.name!r} is closed")
+            return _Try(Outcome.failed(Failure.CONNECT), failure=closed)
+        link = self._link(attempt.host)
+        wire = [(b"Host", link.netloc), *headers[1:]]  # the first is the Host header
+        try:
+            answer = await link.pool.request(
                 method,
                 target,
-                headers,
+                wire,
                 body,
-                deadline=deadline,
-                max_bytes=service.max_response_bytes,
+                deadline=attempt.deadline,
+                max_bytes=self.service.max_response_bytes,
             )
         except ResponseTooLarge as exc:
-            status = exc.status
-        else:
-            if answer.status not in call.accept:
-                raise unaccepted(service, call, answer.status)
-            return _decode(service, call, answer)
-        # Raised out here, not in the handler: the error holds no ResponseTooLarge as its
-        # context, nor the frames that one came through.
+            return _Try(Outcome.answer(exc.status))
+        except TransportFailure as exc:
+            return _Try(Outcome.failed(failure_of(exc)), failure=exc)
+        return _Try(Outcome.answer(answer.status), answer=answer)
+
+    def _result(self, call: HttpCall, done: _Try) -> Any:
+        if done.failure is not None:
+            raise done.failure
+        status = done.outcome.status
+        assert status is not None
         if status not in call.accept:
-            raise unaccepted(service, call, status)
-        raise too_big(service, status)
+            raise unaccepted(self.service, call, status)
+        if done.answer is None:
+            raise too_big(self.service, status)
+        return _decode(self.service, call, done.answer)
+
+
+class WebsocketCall:
+    """One proxied websocket through its service's core (:meth:`ServiceClient.websocket`):
+    :meth:`connect` opens a connection to the host the core picks -- another one after a
+    connection not made, by the core's rules -- :meth:`host` names that host,
+    :meth:`handshake_done` counts the try's outcome (the handshake's answer; the host
+    counts the websocket as outstanding while it stays open). Nothing is tried again once
+    connected: the handshake's answer is the client's."""
+
+    __slots__ = ("_attempt", "_call", "_client", "_link", "_timeout")
+
+    def __init__(self, client: ServiceClient, call: Call, connect_timeout: float) -> None:
+        self._client = client
+        self._call = call
+        self._timeout = connect_timeout
+        self._attempt: Attempt | None = None  # the connected try, until its handshake ended
+        self._link: HostLink | None = None
+
+    async def connect(self) -> trio.SocketStream:
+        """A new connection (never the keep-alive pool's: it becomes the websocket's).
+        Raises :class:`~._failures.ConnectFailed`, or ``trio.TooSlowError`` when the
+        connect timeout ran out, for the last try the core allowed."""
+        call, client = self._call, self._client
+        attempt = call.attempt(trio.current_time())
+        while True:
+            if attempt is None:  # every host drained meanwhile
+                raise ConnectFailed(f"service {client.service.name!r} has no host to call")
+            link = client._link(attempt.host)
+            pool = link.pool
+            failure: OSError | trio.TooSlowError
+            try:
+                with trio.fail_after(self._timeout):
+                    stream = await trio.open_tcp_stream(pool.host, pool.port)
+            except (OSError, trio.TooSlowError) as exc:
+                failure = exc
+            else:
+                call.sent()  # the handshake goes out: it is not sent again
+                self._attempt, self._link = attempt, link
+                return stream
+            verdict = call.finish(attempt, trio.current_time(), Outcome.failed(Failure.CONNECT))
+            if verdict.action != "retry":
+                if isinstance(failure, trio.TooSlowError):
+                    raise failure
+                raise ConnectFailed(f"could not connect to {pool.where}: {failure}") from failure
+            with trio.move_on_at(call.deadline):
+                await trio.sleep(verdict.delay)
+            attempt = call.attempt(trio.current_time())
+
+    def host(self, given: bytes) -> bytes:
+        """The ``Host`` for the connected host, of a request that carries ``given``."""
+        assert self._link is not None, "connect first"
+        return self._client.host_for(given, self._link)
+
+    def handshake_done(self, handshake: Handshake) -> None:
+        """The try's outcome: the handshake's answer, or how it failed."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is None:  # it never connected: the core has counted its tries
+            return
+        outcome: Outcome
+        if handshake.status is not None:
+            outcome = Outcome.answer(handshake.status)
+        elif handshake.phase is None:  # refused before the backend was asked
+            outcome = Outcome.cancel()
+        elif handshake.timed_out:
+            outcome = Outcome.failed(Failure.TIMEOUT)
+        else:
+            outcome = Outcome.failed(Failure.BROKEN)
+        self._call.finish(attempt, trio.current_time(), outcome, hold=True)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def failure_of(exc: TransportFailure) -> Failure:
+    """What a pool's failure says about the host (see :class:`Failure`)."""
+    if isinstance(exc, ConnectFailed):
+        return Failure.CONNECT
+    if isinstance(exc, CallTimeout):
+        return Failure.CONNECT if exc.phase == "connect" else Failure.TIMEOUT
+    if isinstance(exc, ConnectionBroken) and isinstance(exc.__cause__, StaleConnection):
+        return Failure.RESET  # closed before any byte of the answer
+    return Failure.BROKEN
+
+
+def refused(service: Service, refusal: Refusal) -> Overloaded:
+    """The error of a call the service's core refused: 503 with ``Retry-After``."""
+    return Overloaded(
+        f"{refusal.message} (retry after {refusal.retry_after:g} s)",
+        reason=refusal.reason,
+        retry_after=refusal.retry_after,
+    )
 
 
 def _decode(service: Service, call: HttpCall, answer: Answer) -> Any:

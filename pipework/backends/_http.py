@@ -21,6 +21,10 @@ an unaccepted status, an answer that cannot be read or a broken connection is a
 :class:`~pipework.BackendUnreachable`, running out of time a
 :class:`~pipework.DeadlineExceeded` (504) — each saying what failed, where and what to do,
 with the client's own exception as ``__cause__``. Neither client's exceptions go further.
+A call to an ``http://`` service goes through its resilience core (several hosts,
+balancing, ejection, the breaker, retries, hedging: docs/resilience.md); a call the core
+refuses (the breaker open, every host drained) is :class:`~pipework.Overloaded` (503 with
+``Retry-After``), nothing sent.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Final
@@ -51,6 +55,7 @@ from ._failures import (
     TransportFailure,
 )
 from ._h1 import ACCEPT_ENCODING, BadEncoding, content_decoder
+from ._hosts_core import ServiceStatistics
 from ._http_spec import (
     HttpCall,
     Service,
@@ -97,8 +102,36 @@ class Backends:
         self._clients: dict[str, httpx.AsyncClient] | None = None
         self._lean: dict[str, ServiceClient] = {}
         self._stack: AsyncExitStack | None = None
-        #: Where calls are counted (the engine's metrics); set before serving.
-        self.metrics: Metrics | None = None
+        self._health: set[trio.CancelScope] = set()  # of the running check_health tasks
+        self._metrics: Metrics | None = None
+        self._watched: dict[str, Callable[[], ServiceStatistics]] = {}
+
+    @property
+    def metrics(self) -> Metrics | None:
+        """Where calls are counted (the engine's metrics); set before serving. The
+        resilience state of each ``http://`` service is read from it at every scrape
+        while these backends are open."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics | None) -> None:
+        self._unwatch()
+        self._metrics = metrics
+        self._watch()
+
+    def _watch(self) -> None:
+        metrics = self._metrics
+        if metrics is None:
+            return
+        for name, client in self._lean.items():
+            read = self._watched[name] = _reader(client)
+            metrics.watch_service(name, read)
+
+    def _unwatch(self) -> None:
+        metrics, watched, self._watched = self._metrics, self._watched, {}
+        if metrics is not None:
+            for name, read in watched.items():
+                metrics.unwatch_service(name, read)
 
     async def __aenter__(self) -> Backends:
         if self._stack is not None:
@@ -124,7 +157,45 @@ class Backends:
                 clients[name] = await stack.enter_async_context(client)
             self._stack = stack.pop_all()
         self._clients, self._lean = clients, lean
+        self._watch()
         return self
+
+    async def check_health(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the active health checks of every ``http://`` service with a ``health``
+        table (one task each), until these backends close or :meth:`adopt` hands their
+        services on. Start it in a nursery that outlives them (the gateway's, the test's):
+        the backends own no task, since a reload closes them from another task than the
+        one that opened them."""
+        if self._stack is None:  # closed already (a reload's plan retired at once)
+            task_status.started()
+            return
+        with trio.CancelScope() as scope:
+            self._health.add(scope)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for client in self._lean.values():
+                        if client.service.health is not None:
+                            nursery.start_soon(client.check_health)
+                    task_status.started()
+            finally:
+                self._health.discard(scope)
+
+    def adopt(self, previous: Backends | None) -> None:
+        """Carry the resilience state of ``previous`` (the plan these backends replace)
+        over: each service of both keeps its core -- the health, ejections, latencies,
+        drains and breaker of hosts that did not change (docs/resilience.md) -- and the
+        previous backends' health checks stop (these ones' take over). Call it at the swap,
+        once these backends are open."""
+        if previous is None:
+            return
+        for scope in list(previous._health):
+            scope.cancel()
+        for name, client in self._lean.items():
+            old = previous._lean.get(name)
+            if old is not None:
+                client.adopt(old.core)
 
     async def __aexit__(
         self,
@@ -132,6 +203,9 @@ class Backends:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        for scope in list(self._health):
+            scope.cancel()  # the health checks end with the clients they use
+        self._unwatch()
         stack, self._stack, self._clients, self._lean = self._stack, None, None, {}
         if stack is not None:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
@@ -227,6 +301,16 @@ class Backends:
                 raise _failure(service, ctx, budget, deadline, exc) from exc
         assert scope.cancelled_caught
         raise _timed_out(service, ctx, "answer", budget, deadline)
+
+
+def _reader(client: ServiceClient) -> Callable[[], ServiceStatistics]:
+    """What the metrics read of a service at a scrape: its core's statistics (the core a
+    reload handed over included)."""
+
+    def read() -> ServiceStatistics:
+        return client.core.statistics(trio.current_time())
+
+    return read
 
 
 def _log_failure(

@@ -19,6 +19,19 @@ from .._headers import HOP_BY_HOP, WILDCARD, pass_problem, passed
 from ..pipes._pipe import REQUEST_KEY, RequestUse
 from ..pipes._state import as_raw
 from ._http_template import BodyTemplate, Template, TemplateError, parse_body
+from ._resilience_spec import (
+    BREAKER_OFF,
+    CONNECT_RETRY,
+    OUTLIER_OFF,
+    Balance,
+    BreakerSpec,
+    HealthSpec,
+    HedgeSpec,
+    HostSpec,
+    OutlierSpec,
+    Resilience,
+    RetrySpec,
+)
 
 __all__ = [
     "DEFAULT_ACCEPT",
@@ -31,6 +44,7 @@ __all__ = [
     "check_header_name",
     "check_header_value",
     "check_pass_header",
+    "check_same_api",
     "forwarded_headers",
     "is_token",
     "passed_headers",
@@ -105,7 +119,16 @@ def check_base_url(url: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Service:
-    """A backend service: every call to it goes to ``base_url`` (plus the pipe's path).
+    """A backend service: every call to it goes to one of its hosts (plus the pipe's path).
+
+    The hosts are ``base_url`` alone, or ``hosts`` (URLs or :class:`HostSpec` with weights;
+    one of the two, not both), all with the same scheme and path. ``balance`` chooses among
+    them (``p2c``, ``round_robin``, ``random``); ``health``, ``outlier``, ``breaker``,
+    ``retry`` and ``hedge`` set how the service stays available when hosts fail (see
+    docs/resilience.md). None, a file without the table, keeps a service as it was before
+    it had hosts: no health checks and no hedging; the breaker off; only a failed
+    connection retried, once; outlier ejection with Envoy's defaults only for a service of
+    several hosts (one host has nowhere else to go).
 
     ``timeout`` bounds one whole call in seconds (and always the job's remaining time);
     ``connect_timeout`` the connection set-up. ``max_connections`` is the size of its
@@ -118,7 +141,7 @@ class Service:
     """
 
     name: str
-    base_url: str
+    base_url: str = ""
     timeout: float = 10.0
     connect_timeout: float | None = None
     max_connections: int = 10
@@ -127,15 +150,37 @@ class Service:
     headers: Mapping[str, str] = field(default_factory=dict)
     max_response_bytes: int = 10 * 1024 * 1024
     request_id_header: str | None = "X-Request-ID"
+    hosts: tuple[HostSpec, ...] = ()
+    balance: Balance = "p2c"
+    health: HealthSpec | None = None
+    outlier: OutlierSpec | None = None
+    breaker: BreakerSpec | None = None
+    retry: RetrySpec | None = None
+    hedge: HedgeSpec | None = None
 
     def __post_init__(self) -> None:
         where = f"service {self.name!r}"
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
         if not self.name:
             raise RegistrationError("a service needs a non-empty name")
-        problem = check_base_url(self.base_url)
+        hosts = tuple(HostSpec(h) if isinstance(h, str) else h for h in self.hosts)
+        object.__setattr__(self, "hosts", hosts)
+        if self.base_url and hosts:
+            raise RegistrationError(f"{where}: set base_url or hosts, not both")
+        if not self.base_url and not hosts:
+            raise RegistrationError(f"{where}: set its base_url, or its hosts")
+        for host in self.endpoints:
+            problem = check_base_url(host.url)
+            if problem is not None:
+                name = "base_url" if self.base_url else "host"
+                raise RegistrationError(f"{where}: {name} {problem}")
+        problem = check_same_api(tuple(h.url for h in hosts))
         if problem is not None:
-            raise RegistrationError(f"{where}: base_url {problem}")
+            raise RegistrationError(f"{where}: {problem}")
+        try:
+            self.resilience  # noqa: B018 -- checks the hosts and settings together
+        except RegistrationError as exc:
+            raise RegistrationError(f"{where}: {exc}") from None
         for name, value in (("timeout", self.timeout), ("connect_timeout", self.connect_timeout)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise RegistrationError(f"{where}: {name} must be a positive number, got {value}")
@@ -154,8 +199,32 @@ class Service:
                 raise RegistrationError(f"{where}: {problem}")
 
     @property
+    def endpoints(self) -> tuple[HostSpec, ...]:
+        """Every host of the service: ``hosts``, or ``base_url`` as one host of weight 1."""
+        return self.hosts or (HostSpec(self.base_url),)
+
+    @property
+    def resilience(self) -> Resilience:
+        """The hosts and settings the service's sans-IO core (``ServiceCore``) runs on,
+        with what a setting left None means (see the class docstring)."""
+        endpoints = self.endpoints
+        outlier = self.outlier
+        if outlier is None:
+            outlier = OutlierSpec() if len(endpoints) > 1 else OUTLIER_OFF
+        return Resilience(
+            endpoints,
+            self.balance,
+            self.health,
+            outlier,
+            BREAKER_OFF if self.breaker is None else self.breaker,
+            CONNECT_RETRY if self.retry is None else self.retry,
+            self.hedge,
+        )
+
+    @property
     def url(self) -> httpx.URL:
-        return httpx.URL(self.base_url)
+        """The first host's URL (the only one's, for a service with a ``base_url``)."""
+        return httpx.URL(self.endpoints[0].url)
 
     def limits(self) -> httpx.Limits:
         keepalive = self.max_connections if self.max_keepalive is None else self.max_keepalive
@@ -164,6 +233,24 @@ class Service:
             max_keepalive_connections=min(keepalive, self.max_connections),
             keepalive_expiry=self.keepalive_expiry,
         )
+
+
+def check_same_api(urls: tuple[str, ...]) -> str | None:
+    """Why ``urls`` (each a valid base URL) cannot be the hosts of one service, or None: they
+    must share the scheme and the path, being copies of one API."""
+    if len(urls) < 2:
+        return None
+    first = httpx.URL(urls[0])
+    for url in urls[1:]:
+        other = httpx.URL(url)
+        if other.scheme != first.scheme:
+            return f"hosts {urls[0]!r} and {url!r} differ in scheme; a service's hosts share one"
+        if other.raw_path.rstrip(b"/") != first.raw_path.rstrip(b"/"):
+            return (
+                f"hosts {urls[0]!r} and {url!r} differ in path; a service's hosts serve one "
+                "API under one path (make them two services if they are not)"
+            )
+    return None
 
 
 @dataclass(frozen=True, slots=True)

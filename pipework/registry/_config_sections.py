@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
+from .._errors import RegistrationError
 from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..container._collector import SERVING_GC_THRESHOLD
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
 from ._config_read import Table, check_name, open_table
+from ._config_resilience import RESILIENCE_KEYS, read_resilience
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -62,6 +64,7 @@ SERVICE_KEYS: Final = (
     "headers",
     "max_response_bytes",
     "request_id_header",
+    *RESILIENCE_KEYS,
     *WEIGHT_KEYS,
 )
 
@@ -314,12 +317,6 @@ def read_services(
 def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
     t, weights = draft.table, draft.weights
     c = t.c
-    base_url = t.string("base_url", None, required=True)
-    if base_url is not None:
-        problem = check_base_url(base_url)
-        if problem is not None:
-            c.error(t.at("base_url"), problem)
-            base_url = None
     headers = t.string_table("headers")
     for header in headers:
         problem = check_header_name(header)
@@ -346,7 +343,8 @@ def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
             f"worker slot while waiting for a connection; raise it to {needed} or more",
         )
     timeout = t.number("timeout", 10.0)
-    fields: dict[str, Any] = {
+    fields: dict[str, Any] = read_resilience(t, timeout)
+    fields |= {
         "timeout": timeout,
         "connect_timeout": t.number("connect_timeout", None),
         "max_connections": connections or default,
@@ -358,6 +356,10 @@ def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
         if t.data.get("request_id_header") is False
         else t.string("request_id_header", "X-Request-ID"),
     }
-    if base_url is None or c.failed(t.path):
+    if c.failed(t.path):
         return None
-    return Service(name, base_url, headers=headers, **fields)
+    try:
+        return Service(name, headers=headers, **fields)
+    except RegistrationError as exc:  # every check above should have caught it first
+        c.error(t.path, str(exc))
+        return None

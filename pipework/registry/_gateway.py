@@ -62,13 +62,10 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
 
 def _upstream(backends: Backends, name: str) -> Upstream:
     service = backends.services[name]
-    url = service.url
     return Upstream(
         name,
         backends.lean(name),
-        url.host,
-        url.port if url.port is not None else 80,
-        url.netloc,
+        service.url.netloc,
         service.timeout,
         service.connect_timeout,
         service.request_id_header,
@@ -121,6 +118,7 @@ class Gateway:
             backends.metrics = engine.metrics
             async with engine, trio.open_nursery() as retiring:
                 self._retiring = retiring
+                await retiring.start(backends.check_health)
                 container = self.container = Container(
                     engine,
                     config=replace(_container_config(config), **self.overrides),
@@ -170,6 +168,9 @@ class Gateway:
             proxies = _proxies(config, backends)
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
+            # Hosts that stay keep their health, ejections and breaker; the checks go on.
+            backends.adopt(self._backends)
+            retiring.start_soon(backends.check_health)
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
