@@ -12,8 +12,11 @@ proxied request passes through, in order:
    the target, or refuse (its error's status and problem);
 4. a slot of the service's pool key, held until the answer's last byte: a refusal is a 503
    with ``Retry-After``, as for any route;
-5. the exchange (:meth:`Upstream.client.stream`): the body sent while it arrives, the answer's
-   head awaited, its latency recorded for the key's adaptive limit;
+5. the exchange (:meth:`Upstream.client.stream`) through the service's resilience core: a
+   host picked for the request, an open breaker's refusal a 503 with ``Retry-After``, a
+   try retried by the service's rules while nothing of the body was read; the body sent
+   while it arrives, the answer's head awaited, its latency (retries included) recorded
+   for the key's adaptive limit;
 6. the ``after`` chain (if any) on the answer's head (status and headers);
 7. the answer relayed while it arrives; a client that goes away cancels the exchange.
 
