@@ -1,7 +1,7 @@
-"""The admin API's hand on the backend hosts: list them, drain one, restore it -- through a
-gateway served from its file on a real socket, with a real client, in front of several
-real trio HTTP servers (one per host). Real time (the gateway reads its file in a thread):
-every wait is on a condition, bounded by the guard."""
+"""The admin API's hand on the backend hosts: list them, drain one, restore it -- for HTTP
+pipes and proxy routes, through a gateway served from its file on a real socket, with a
+real client, in front of several real trio HTTP servers (one per host). Real time (the
+gateway reads its file in a thread): every wait is on a condition, bounded by the guard."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pipework.container import BoundAddress, ContainerConfig
 from .test_backend_pool import RawBackend, Seen, echo
 from .test_container_harness import SECRET, assert_problem, bearer, serving
 from .test_gateway import TOKEN, gateway_file
+from .test_proxy_resilience import proxying
 from .test_resilience_io import hosts
 
 HANG_GUARD = 30.0
@@ -32,8 +33,8 @@ AUTH = bearer(TOKEN)
 
 
 async def held_when_slow(backend: RawBackend, seen: Seen, index: int) -> tuple[bytes, bool] | None:
-    """Echo, but hold a call to ``/users/slow`` until the backend's ``release``."""
-    if seen.target == "/users/slow":
+    """Echo, but hold a call to a path ending in ``/slow`` until the backend's ``release``."""
+    if seen.target.endswith("/slow"):
         await backend.release.wait()
     return await echo(backend, seen, index)
 
@@ -161,6 +162,40 @@ async def test_a_drained_host_takes_no_new_call_and_finishes_the_one_it_has(
                 for n in range(3):
                     assert (await gw.http.get(f"/users/{n}")).status_code == 200
                 assert [calls(b) - n for b, n in zip(backends, before, strict=True)] == [1, 1, 1]
+
+
+async def test_a_drained_host_takes_no_new_proxied_request_and_relays_the_one_it_has(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(held_when_slow, echo) as found:
+            backends = [b for b, _ in found]
+            urls = [u for _, u in found]
+            async with proxying(tmp_path, urls) as (_, http), trio.open_nursery() as nursery:
+                auth = bearer("proxy-admin")
+                slow: list[httpx.Response] = []
+
+                async def call_slow() -> None:
+                    slow.append(await http.get("/api/slow"))
+
+                nursery.start_soon(call_slow)  # round robin: the first request goes to host 0
+                await until(lambda: calls(backends[0]) == 1)
+                path = f"/admin/services/api/hosts/{address(urls[0])}/drain"
+                drained = await http.post(path, headers=auth)
+                assert drained.status_code == 200, drained.text
+                assert drained.json()["host"]["outstanding"] == 1
+                for n in range(4):
+                    answer = await http.get(f"/api/{n}")
+                    assert answer.status_code == 200, answer.text
+                assert [calls(b) for b in backends] == [1, 4]
+                backends[0].release.set()
+                await until(lambda: bool(slow))
+                assert slow[0].status_code == 200, slow[0].text
+                listed = (await http.get("/admin/services/api", headers=auth)).json()
+                assert [(h["state"], h["outstanding"]) for h in listed["hosts"]] == [
+                    ("draining", 0),
+                    ("available", 0),
+                ]
 
 
 async def test_a_drain_lasts_across_a_reload_that_keeps_the_host(tmp_path: Path) -> None:
