@@ -49,6 +49,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         admin_token=s.admin_token_value(os.environ),
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
+        gc_threshold=s.gc_threshold or None,
     )
 
 
