@@ -79,7 +79,8 @@ class Running:
         return found
 
     async def host(self, service: str, url: str) -> dict[str, Any]:
-        (host,) = [h for h in (await self.services())[service]["hosts"] if h["url"] == url]
+        hosts: list[dict[str, Any]] = (await self.services())[service]["hosts"]
+        (host,) = [h for h in hosts if h["url"] == url]
         return host
 
 
