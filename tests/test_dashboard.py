@@ -725,6 +725,133 @@ ALERT_CASES += [
 ]
 
 
+def _cycle(pattern: tuple[float, ...], length: int = 31) -> str:
+    """``pattern`` repeated for ``length`` samples, in promtool's notation."""
+    return " ".join(f"{pattern[i % len(pattern)]:g}" for i in range(length))
+
+
+def _host_states(service: str, host: str, ejected: str, available: str) -> list[dict[str, str]]:
+    labels = f'{INSTANCE}, service="{service}", host="{host}"'
+    return [
+        {"series": f'pipework_backend_host_state{{{labels}, state="ejected"}}', "values": ejected},
+        {
+            "series": f'pipework_backend_host_state{{{labels}, state="available"}}',
+            "values": available,
+        },
+    ]
+
+
+def _breaker(service: str, **states: str) -> list[dict[str, str]]:
+    return [
+        {
+            "series": f'pipework_backend_breaker_state{{{INSTANCE}, service="{service}", '
+            f'state="{state}"}}',
+            "values": values,
+        }
+        for state, values in states.items()
+    ]
+
+
+def _refused(service: str, reason: str, values: str) -> dict[str, str]:
+    return {
+        "series": f'pipework_backend_refused_total{{{INSTANCE}, service="{service}", '
+        f'reason="{reason}"}}',
+        "values": values,
+    }
+
+
+def _each_fires(alertname: str, severity: str, *labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "eval_time": "20m",
+        "alertname": alertname,
+        "exp_alerts": [
+            {
+                "exp_labels": {
+                    "job": "pipework",
+                    "instance": "gw-1:8000",
+                    **one,
+                    "severity": severity,
+                }
+            }
+            for one in labels
+        ],
+    }
+
+
+# Upstream resilience (docs/resilience.md).
+ALERT_CASES += [
+    {
+        # .1 ejected from minute 5 on; .2 for one minute; .3 one minute in three (a host
+        # that keeps coming back); .4 ejected all along by one of two processes (the
+        # state gauge sums them), the other balancing over it: out half of the views.
+        "input_series": [
+            *_host_states("search", "10.0.0.1:9200", "0x5 1x25", "1x5 0x25"),
+            *_host_states("search", "10.0.0.2:9200", "0x10 1 0x19", "1x10 0 1x19"),
+            *_host_states("search", "10.0.0.3:9200", _cycle((0, 0, 1)), _cycle((1, 1, 0))),
+            *_host_states("search", "10.0.0.4:9200", "1x30", "1x30"),
+        ],
+        "alert_rule_test": [
+            _quiet("PipeworkBackendHostEjected", "9m"),  # out half of the last 10 minutes
+            _each_fires(
+                "PipeworkBackendHostEjected",
+                "warning",
+                {"service": "search", "host": "10.0.0.1:9200"},
+            ),
+        ],
+    },
+    {
+        # From minute 5, "search" is open and refuses calls; "flapping" goes between open
+        # and half open, its probes failing; "quiet" opened, then no call came (it stays open
+        # until one does, refusing nothing); "closed" refused calls between two scrapes.
+        "input_series": [
+            *_breaker("search", closed="1x5 0x25", open="0x5 1x25", half_open="0x30"),
+            _refused("search", "circuit_open", "0x5 10+10x24"),
+            *_breaker(
+                "flapping",
+                closed="1x5 0x25",
+                open="0x5 " + _cycle((1, 0), 25),
+                half_open="0x5 " + _cycle((0, 1), 25),
+            ),
+            _refused("flapping", "circuit_open", "0x5 5+5x24"),
+            _refused("flapping", "circuit_probing", "0x5 1+1x24"),
+            *_breaker("quiet", closed="0x30", open="1x30", half_open="0x30"),
+            _refused("quiet", "circuit_open", "0x30"),
+            *_breaker("closed", closed="1x30", open="0x30", half_open="0x30"),
+            _refused("closed", "circuit_open", "0+2x30"),
+            _refused("closed", "no_host", "0+2x30"),
+        ],
+        "alert_rule_test": [
+            _quiet("PipeworkBackendCircuitOpen", "6m"),
+            _each_fires(
+                "PipeworkBackendCircuitOpen",
+                "warning",
+                {"service": "flapping"},
+                {"service": "search"},
+            ),
+        ],
+    },
+    {
+        # "search" keeps exhausting its budget; "users" did once, at minute 11.
+        "input_series": [
+            {
+                "series": f"pipework_backend_retry_budget_exhausted_total{{{INSTANCE}, "
+                f'service="search"}}',
+                "values": "0+3x30",
+            },
+            {
+                "series": f"pipework_backend_retry_budget_exhausted_total{{{INSTANCE}, "
+                f'service="users"}}',
+                "values": "0x10 1x20",
+            },
+        ],
+        "alert_rule_test": [
+            _quiet("PipeworkBackendRetryBudgetExhausted", "8m"),
+            _each_fires("PipeworkBackendRetryBudgetExhausted", "warning", {"service": "search"}),
+        ],
+    },
+]
+
+
 def run_alert_tests(tmp_path: Path, cases: list[dict[str, Any]]) -> None:
     (tmp_path / "rules.yml").write_text(without_annotations(rule_file()))
     tests = {

@@ -214,6 +214,38 @@ class ServiceClient:
         for host in core.hosts:
             host.tag = self._link(host)
 
+    # -- the operator's hand (the admin API) -------------------------------------------------
+
+    def drain(self, url: str) -> bool:
+        """Take host ``url`` out of rotation: no new tries go to it, those out finish.
+        False when it was drained already; KeyError for a host the service does not have."""
+        host = self.core.host(url)
+        changed = not host.draining
+        self.core.drain(url, trio.current_time())
+        name = self.service.name
+        if changed:
+            _log.info(
+                "service %r: host %s drained; %d tries out finish", name, url, host.outstanding
+            )
+        if all(h.draining for h in self.core.hosts):
+            _log.warning(
+                "service %r: every host is drained; its calls are refused until one is restored",
+                name,
+            )
+        self.report()  # the breaker opens if the hosts left are all out
+        return changed
+
+    def restore(self, url: str) -> bool:
+        """Put a drained host back in rotation (its health and ejection still apply).
+        False when it was not drained; KeyError for a host the service does not have."""
+        host = self.core.host(url)
+        changed = host.draining
+        self.core.restore(url, trio.current_time())
+        if changed:
+            _log.info("service %r: host %s restored", self.service.name, url)
+        self.report()
+        return changed
+
     async def aclose(self) -> None:
         self._closed = True
         for link in list(self._links.values()):

@@ -211,6 +211,27 @@ class Backends:
             with trio.CancelScope(shield=True):  # closing sockets is cleanup: let it finish
                 await stack.aclose()
 
+    # -- the operator's hand on the hosts (the admin API, wired by the registry) -------------
+
+    def resilience(self) -> dict[str, ServiceStatistics | None]:
+        """Every service's resilience state now, by name; None for a service whose calls
+        do not go through a resilience core (an ``https://`` one, or every service with a
+        ``transport``)."""
+        now = trio.current_time()
+        return {
+            name: None if (lean := self._lean.get(name)) is None else lean.core.statistics(now)
+            for name in self.services
+        }
+
+    def drain(self, service: str, url: str) -> bool:
+        """Drain host ``url`` of ``service`` (no new tries, those out finish); False when it
+        was drained already. It stays drained across reloads that keep the host."""
+        return self.lean(service).drain(url)
+
+    def restore(self, service: str, url: str) -> bool:
+        """Put host ``url`` of ``service`` back in rotation; False when it was not drained."""
+        return self.lean(service).restore(url)
+
     def lean(self, name: str) -> ServiceClient:
         """The lean client of ``http://`` service ``name`` (proxy routes stream through
         it); RuntimeError while the backends are closed or when the service has none (an

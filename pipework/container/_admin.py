@@ -12,6 +12,11 @@ default. Every call needs ``Authorization: Bearer <token>``; a missing or wrong 
 - ``POST /admin/reload``: validate the config file again and, if it is good, swap it in;
   a bad file changes nothing and the answer lists every problem. Live values survive it
   unless the file changed that field of that key (see :class:`LiveWeights`).
+- ``GET /admin/services`` (and ``/admin/services/{name}``): each backend service's hosts
+  with their state, weight, tries out and latency, and its breaker.
+- ``POST /admin/services/{name}/hosts/{host}/drain`` and ``.../restore``: take a host out
+  of rotation (no new tries; those out finish) and put it back. A drain lasts across
+  reloads that keep the host (:mod:`._admin_services`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ from .._http._problems import Problem
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError, PoolStatistics, Weights
+from ._admin_services import (
+    Upstreams,
+    find_host,
+    find_service,
+    host_document,
+    service_document,
+    services_document,
+)
 
 __all__ = ["AdminApi", "LiveWeights", "Reload", "admin_token"]
 
@@ -61,8 +74,12 @@ class AdminApi:
         *,
         max_body: int,
         body_time_limit: float,
+        upstreams: Upstreams | None = None,
     ) -> None:
         self._engine = engine
+        #: The backend services whose hosts ``/admin/services`` shows and drains (None:
+        #: none); a reload swaps the new plan's in.
+        self.upstreams = upstreams
         self._token = token
         self.reload_hook = reload
         self._max_body = max_body
@@ -173,6 +190,39 @@ class AdminApi:
                 400, "Bad Request", f"the config was not reloaded: {exc}", slug="config-invalid"
             ) from None
         return _json({"reloaded": True, **summary})
+
+    async def services(self) -> Response:
+        self._authorize()
+        return _json(services_document(self.upstreams))
+
+    async def service(self, name: str) -> Response:
+        self._authorize()
+        return _json({"service": name, **service_document(find_service(self.upstreams, name))})
+
+    async def drain(self, name: str, host: str) -> Response:
+        return self._turn(name, host, drain=True)
+
+    async def restore(self, name: str, host: str) -> Response:
+        return self._turn(name, host, drain=False)
+
+    def _turn(self, name: str, host: str, *, drain: bool) -> Response:
+        """Drain or restore the host; the answer shows the service after the change. No
+        await between finding the host and changing it: a reload cannot come between."""
+        self._authorize()
+        found = find_host(name, find_service(self.upstreams, name), host)
+        upstreams = self.upstreams
+        assert upstreams is not None  # find_service found the service there
+        turn = upstreams.drain if drain else upstreams.restore
+        changed = turn(name, found.url)
+        after = find_service(upstreams, name)
+        return _json(
+            {
+                "service": name,
+                "changed": changed,
+                "host": host_document(find_host(name, after, host)),
+                **service_document(after),
+            }
+        )
 
 
 def _bad_weights(detail: str) -> Problem:

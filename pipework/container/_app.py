@@ -41,6 +41,7 @@ from ..dispatcher._engine import Engine
 from ..proxy import ProxyLayer, ProxySet, ProxyTable
 from ..proxy._forwarding import trusted_networks
 from ._admin import AdminApi, Reload, admin_token
+from ._admin_services import Upstreams
 from ._callbacks import CallbackSigner
 from ._collector import tuned_collector
 from ._idempotency import IdempotencyTable
@@ -122,7 +123,9 @@ class Container:
     """Serves ``engine``'s routes (default: those registered on its registry), the job
     API, signed callbacks, ``/healthz`` and ``/readyz``. ``app`` is the QuartTrio app.
     ``backplane`` carries the boards' writes (default: this process alone; a
-    ``RedisBackplane`` shares them with every process on the same Redis and prefix)."""
+    ``RedisBackplane`` shares them with every process on the same Redis and prefix).
+    ``upstreams``: the backend services whose hosts the admin API shows, drains and
+    restores (a gateway's ``Backends``; :meth:`set_upstreams` swaps them at a reload)."""
 
     def __init__(
         self,
@@ -135,6 +138,7 @@ class Container:
         boards: Iterable[BoardSpec] = (),
         backplane: Backplane | None = None,
         proxies: ProxySet | None = None,
+        upstreams: Upstreams | None = None,
     ) -> None:
         self.engine = engine
         self._proxies = proxies or ProxySet(ProxyTable(()))
@@ -189,6 +193,7 @@ class Container:
                 reload,
                 max_body=config.max_body,
                 body_time_limit=config.body_time_limit,
+                upstreams=upstreams,
             )
         )
         self.app = self._build_app()
@@ -309,6 +314,22 @@ class Container:
                 "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
             )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
+            app.add_url_rule("/admin/services", "admin_services", admin.services, methods=["GET"])
+            app.add_url_rule(
+                "/admin/services/<name>", "admin_service", admin.service, methods=["GET"]
+            )
+            app.add_url_rule(
+                "/admin/services/<name>/hosts/<host>/drain",
+                "admin_drain",
+                admin.drain,
+                methods=["POST"],
+            )
+            app.add_url_rule(
+                "/admin/services/<name>/hosts/<host>/restore",
+                "admin_restore",
+                admin.restore,
+                methods=["POST"],
+            )
         # OPTIONS on the container's own paths: Quart's automatic answer would list the
         # catch-all's methods too; these are the paths' own (and a route's on the same path).
         own = [
@@ -370,6 +391,11 @@ class Container:
     def set_proxies(self, proxies: ProxySet) -> None:
         """Swap the proxy routes and their clients in (a reload)."""
         self.proxy_layer.set_proxies(proxies)
+
+    def set_upstreams(self, upstreams: Upstreams | None) -> None:
+        """The backend services the admin API drains hosts of, from now on (a reload)."""
+        if self.admin is not None:
+            self.admin.upstreams = upstreams
 
     def set_boards(self, specs: Iterable[BoardSpec]) -> dict[str, list[str]]:
         """Serve the boards ``specs`` declare from now on (a reload's swap), in one step;

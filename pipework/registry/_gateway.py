@@ -126,6 +126,7 @@ class Gateway:
                     boards=[b.spec(os.environ) for b in config.boards.values()],
                     backplane=config.backplane.build(os.environ),
                     proxies=_proxies(config, backends),
+                    upstreams=backends,
                 )
                 await container.serve(
                     host=host or config.server.host,
@@ -170,6 +171,7 @@ class Gateway:
             generation = engine.swap_registry(registry)
             # Hosts that stay keep their health, ejections and breaker; the checks go on.
             backends.adopt(self._backends)
+            container.set_upstreams(backends)  # drains now reach the cores via the new plan
             retiring.start_soon(backends.check_health)
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
