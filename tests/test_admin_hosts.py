@@ -172,7 +172,7 @@ async def test_a_drained_host_takes_no_new_proxied_request_and_relays_the_one_it
         async with hosts(held_when_slow, echo) as found:
             backends = [b for b, _ in found]
             urls = [u for _, u in found]
-            async with proxying(tmp_path, urls) as (_, http), trio.open_nursery() as nursery:
+            async with proxying(tmp_path, urls) as (_, http, _), trio.open_nursery() as nursery:
                 auth = bearer("proxy-admin")
                 slow: list[httpx.Response] = []
 
