@@ -158,7 +158,12 @@ class BreakerMachine(RuleBasedStateMachine):
     def admit(self) -> None:
         state = self.b.state
         until = self.b._until
+        # Asking first changes nothing, and says what admitting then does.
+        before = (self.b.state, self.b._probes, self.b._passed)
+        refusing = self.b.refusing(self.now)
+        assert (self.b.state, self.b._probes, self.b._passed) == before
         permit = self.b.admit(self.now)
+        assert refusing is not permit.allowed
         if state is BreakerState.OPEN and self.now < until:
             assert not permit.allowed
             assert permit.retry_after == pytest.approx(until - self.now)

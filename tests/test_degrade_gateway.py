@@ -169,3 +169,75 @@ async def test_a_saturated_services_optional_branch_is_done_without_and_the_answ
                 metrics = (await client.get("/metrics")).text
     counted = 'pipework_degraded_total{pipe="recommend",reason="no_slot",route="page"} 2.0'
     assert counted in metrics
+
+
+def breaker_file(backend: str) -> str:
+    return f"""
+[services.catalog]
+base_url = "{backend}"
+timeout = 5
+
+[services.flaky]
+base_url = "{backend}"
+timeout = 5
+
+[services.flaky.breaker]
+minimum_calls = 2
+failure_percent = 50
+window = 600
+wait = 600
+
+[pipes.product]
+service = "catalog"
+path = "/products/{{sku}}"
+
+[pipes.recommend]
+service = "flaky"
+path = "/flaky/{{sku}}"
+optional = true
+
+[routes.page]
+method = "GET"
+path = "/page/{{sku}}"
+chain = [{{ all_of = ["product", "recommend"] }}]
+"""
+
+
+async def test_an_optional_pipe_whose_service_breaker_is_open_is_not_even_tried(
+    tmp_path: Path,
+) -> None:
+    asked: list[str] = []
+    app = QuartTrio("flaky")
+
+    @app.route("/products/<sku>")
+    async def product(sku: str) -> dict[str, str]:
+        return {"sku": sku, "name": "lamp"}
+
+    @app.route("/flaky/<sku>")
+    async def flaky(sku: str) -> Response:
+        asked.append(sku)
+        return Response("down", status=503)
+
+    path = tmp_path / "gateway.toml"
+    stop = trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            address: BoundAddress = await nursery.start(
+                functools.partial(serve, app, port=0, shutdown_trigger=stop)
+            )
+            path.write_text(breaker_file(address.url))
+            async with served(path) as client:
+                # Two failed calls: the page still answers, the pipe degraded for its error;
+                # and the breaker opens (two calls, all failed).
+                for sku in ("1", "2"):
+                    failed = await client.get(f"/page/{sku}")
+                    assert failed.status_code == 200, failed.text
+                    assert failed.headers["Pipework-Degraded"] == "recommend;reason=error"
+                assert asked == ["1", "2"]
+                # Now the service refuses: the pipe is degraded before any call is made.
+                refused = await client.get("/page/3")
+                assert refused.status_code == 200, refused.text
+                assert refused.headers["Pipework-Degraded"] == "recommend;reason=refused"
+                assert refused.json()["degraded"] == {"recommend": "refused"}
+                assert asked == ["1", "2"]
+            stop.set()

@@ -105,6 +105,17 @@ class Breaker:
 
     # -- calls ----------------------------------------------------------------------------
 
+    def refusing(self, now: float) -> bool:
+        """Whether :meth:`admit` would refuse a call now; asks without changing anything
+        (an open breaker whose wait is over would let a probe through)."""
+        if not self.spec.enabled:
+            return False
+        if self.state is BreakerState.OPEN:
+            return now < self._until
+        if self.state is BreakerState.HALF_OPEN:
+            return self._probes + self._passed >= self.spec.half_open_calls
+        return False
+
     def admit(self, now: float) -> Permit:
         """May a call go through now? A half-open permit is a probe."""
         if not self.spec.enabled:

@@ -220,6 +220,11 @@ class ServiceCore:
         self.budget.active += 1
         return Call(self, permit, deadline, may_resend, wants_hedge)
 
+    def refusing(self, now: float) -> bool:
+        """Whether :meth:`begin` would refuse a call now (every host drained, or the breaker
+        refusing), without changing anything: what degradation asks before a pipe runs."""
+        return all(h.draining for h in self.hosts) or self.breaker.refusing(now)
+
     def pick(self, now: float, exclude: Iterable[Host] = (), *, repeat: bool = True) -> Host | None:
         """A host for a try: an available one not in ``exclude``; else (with ``repeat``) an
         available one again; else, in panic, any host not draining likewise. None when

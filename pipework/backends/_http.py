@@ -223,6 +223,12 @@ class Backends:
             for name in self.services
         }
 
+    def refusing(self, service: str) -> bool:
+        """Whether ``service`` refuses calls now (its breaker, or every host drained); never
+        for a service without a resilience core."""
+        lean = self._lean.get(service)
+        return lean is not None and lean.core.refusing(trio.current_time())
+
     def drain(self, service: str, url: str) -> bool:
         """Drain host ``url`` of ``service`` (no new tries, those out finish); False when it
         was drained already. It stays drained across reloads that keep the host."""

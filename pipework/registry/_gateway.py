@@ -31,6 +31,7 @@ from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..proxy import ProxySet, ProxyTable, Upstream
 from ._config import GatewayConfig, build_registry, load_config
+from ._config_pipes import HttpPipeConfig
 
 __all__ = ["Gateway"]
 
@@ -72,6 +73,32 @@ def _upstream(backends: Backends, name: str) -> Upstream:
     )
 
 
+class _ServiceRefusals:
+    """The engine's :class:`~pipework.dispatcher.Refusals` for a gateway: a key refuses calls
+    when every service its HTTP pipes call does (a breaker open, every host drained), read
+    from the plan in force. A key shared with a service that still answers never refuses:
+    a pipe is degraded only when its call could not be made."""
+
+    def __init__(self) -> None:
+        self.backends: Backends | None = None
+        self.services: dict[str, frozenset[str]] = {}
+
+    def follow(self, config: GatewayConfig, backends: Backends) -> None:
+        """The plan in force: its backends and which services each key calls."""
+        services: dict[str, set[str]] = {}
+        for pipe in config.pipes.values():
+            if isinstance(pipe, HttpPipeConfig):
+                services.setdefault(pipe.key, set()).add(pipe.call.service)
+        self.services = {key: frozenset(names) for key, names in services.items()}
+        self.backends = backends
+
+    def refusing(self, key: str) -> bool:
+        backends, services = self.backends, self.services.get(key)
+        if backends is None or not services:
+            return False
+        return all(backends.refusing(name) for name in services)
+
+
 class Gateway:
     """Serves the gateway the file at ``path`` declares, until ``stop`` is set."""
 
@@ -86,6 +113,7 @@ class Gateway:
         self._stack: AsyncExitStack | None = None
         self._retiring: trio.Nursery | None = None
         self._backends: Backends | None = None  # the current plan's
+        self._refusals = _ServiceRefusals()
         self._lock = trio.Lock()
 
     async def run(
@@ -114,7 +142,9 @@ class Gateway:
                 default_timeout=config.server.default_timeout,
                 # Histogram buckets at the file's timeouts (a reload keeps these buckets).
                 metrics=Metrics(timeouts=config.timeouts()),
+                refusals=self._refusals,
             )
+            self._refusals.follow(config, backends)
             backends.metrics = engine.metrics
             async with engine, trio.open_nursery() as retiring:
                 self._retiring = retiring
@@ -172,6 +202,7 @@ class Gateway:
             # Hosts that stay keep their health, ejections and breaker; the checks go on.
             backends.adopt(self._backends)
             container.set_upstreams(backends)  # drains now reach the cores via the new plan
+            self._refusals.follow(config, backends)
             retiring.start_soon(backends.check_health)
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
