@@ -4,6 +4,8 @@ Each module exposes ``run(quick: bool) -> list[dict]``; every row compares pipew
 baseline measured in the same run and reports the ratio, so the numbers travel between
 machines better than absolute times do. ``python -m benchmarks [--quick] [--only NAME]``;
 a run with ``--only`` rewrites its modules' sections of the report and keeps the others.
+A ``## bench_*`` section no module writes (a measurement by hand, such as an A/B of two
+builds) is kept by every run.
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ def _section(module: str, module_rows: list[dict[str, Any]], quick: bool) -> lis
     return [*lines, *blocks, ""]
 
 
+def _without(report: str, modules: set[str]) -> str:
+    """``report`` less the sections of ``modules``: what a full run keeps is the rest."""
+    kept = _sections(report)
+    return "\n".join(line for name, lines in kept.items() if name not in modules for line in lines)
+
+
 def _sections(report: str) -> dict[str, list[str]]:
     """The ``## bench_*`` sections of an earlier report, by module."""
     sections: dict[str, list[str]] = {}
@@ -138,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             if "markdown" in r:
                 continue
             print(f"  {r['scenario']}: {r['ratio']:.2f}× {r['baseline']}", file=sys.stderr)
-    # A partial run keeps the other modules' sections of the last report.
-    previous = args.out.read_text() if args.only and args.out.exists() else None
+    # A partial run keeps the other modules' sections of the last report; every run keeps
+    # the sections written by hand.
+    previous = args.out.read_text() if args.out.exists() else None
+    if previous is not None and not args.only:
+        modules = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)}
+        previous = _without(previous, modules)
     args.out.write_text(render(rows, args.quick, previous))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

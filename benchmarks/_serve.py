@@ -93,7 +93,7 @@ def _pipework_container(
     registry.route("echo", path="/echo", chain="echo")
     registry.route("park", path="/park", chain="park", timeout=PARK_TIMEOUT)
     backends = None if backend is None else _backend_route(engine, registry, backend)
-    container = pw.Container(engine)
+    container = pw.Container(engine, config=pw.ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD))
 
     async def parked() -> Response:
         suspended = await engine.store.list(pw.Status.SUSPENDED)

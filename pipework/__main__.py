@@ -35,6 +35,7 @@ from ._errors import PipeworkError
 from ._logging import JsonFormatter
 from ._supervisor import PARENT_ENV, READY, Supervisor, listen
 from .container._app import Container, ContainerConfig
+from .container._collector import SERVING_GC_THRESHOLD
 from .container._routes import Route, routes_of
 from .dispatcher._engine import Engine
 from .dispatcher._store import MemoryJobStore
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="base URL backends use to reach this server, for callback URLs (over the file's)",
     )
     serve.add_argument(
+        "--gc-threshold",
+        type=_not_negative,
+        default=None,
+        metavar="N",
+        help=f"the garbage collector's young threshold while serving, 0 for the "
+        f"interpreter's (the file's, else {SERVING_GC_THRESHOLD:,})",
+    )
+    serve.add_argument(
         "--workers",
         type=_positive,
         default=1,
@@ -131,12 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _not_negative(text: str) -> int:
+    return _whole(text, 0)
+
+
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of at least {least}, got {text!r}"
+        )
     return value
 
 
@@ -175,7 +194,8 @@ def _serve(args: argparse.Namespace) -> int:
         trio.run(_run_gateway, gateway, args.host, args.port, fd, args.ready_fd)
         return 0
     engine = load_engine(args.target)
-    config = replace(ContainerConfig(), **_overrides(args))
+    # This process is pipework's own, so it serves with the raised threshold unless told.
+    config = replace(ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD), **_overrides(args))
     host = args.host or "127.0.0.1"
     port = 8000 if args.port is None else args.port
     trio.run(functools.partial(_run, engine, config, host, port, fd, args.ready_fd))
@@ -298,6 +318,7 @@ def _worker_command(args: argparse.Namespace, listen_fd: int, ready_fd: int) -> 
         ("--shutdown-grace", args.shutdown_grace),
         ("--max-body", args.max_body),
         ("--public-url", args.public_url),
+        ("--gc-threshold", args.gc_threshold),
     ):
         if value is not None:
             command += [flag, str(value)]
@@ -314,7 +335,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "public_url": args.public_url,
         "access_log": None if args.access_log else False,
     }
-    return {name: value for name, value in given.items() if value is not None}
+    overrides = {name: value for name, value in given.items() if value is not None}
+    if args.gc_threshold is not None:  # 0 is given too: it means the interpreter's (None)
+        overrides["gc_threshold"] = args.gc_threshold or None
+    return overrides
 
 
 async def _run(

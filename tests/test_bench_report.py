@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.__main__ import render
+from benchmarks.__main__ import _without, render
 
 
 def _row(scenario: str) -> dict[str, Any]:
@@ -32,3 +32,15 @@ def test_a_partial_run_keeps_the_other_sections_and_one_final_newline() -> None:
     assert not last.endswith("\n\n")
     engine = again.split("## bench_engine", 1)[1].split("## bench_stages", 1)[0]
     assert last.split("## bench_engine", 1)[1].split("## bench_stages", 1)[0] == engine
+
+
+def test_a_full_run_keeps_the_sections_written_by_hand() -> None:
+    hand = "## bench_engine_by_hand\n\nAn A/B of two builds.\n"
+    first = render({"bench_engine": [_row("a")]}, quick=True) + "\n" + hand
+    # A full run rewrites every module's section: what it keeps of the last report is the rest.
+    kept = _without(first, {"bench_engine", "bench_stages"})
+    assert "| a |" not in kept
+    again = render({"bench_engine": [_row("b")]}, quick=True, previous=kept)
+    assert "| b |" in again
+    assert "| a |" not in again
+    assert again.split("## bench_engine_by_hand", 1)[1] == "\n\nAn A/B of two builds.\n"

@@ -1,17 +1,23 @@
-"""The collector's young threshold while a container serves: raised for the serving, put
-back when the last server in the process stops, left alone when asked."""
+"""The collector's young threshold while a container serves: raised for the serving when
+asked (``pipework serve`` asks by default; an embedding program's container does not), put
+back when the last server in the process stops."""
 
 from __future__ import annotations
 
 import functools
 import gc
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import trio
 
 import pipework as pw
+from pipework import ConfigError, Gateway, load_config
+from pipework.__main__ import _overrides, build_parser
 from pipework.container import BoundAddress, Container, ContainerConfig
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
+from pipework.registry._gateway import _container_config
 
 
 def test_nested_servers_restore_the_thresholds_when_the_last_one_stops() -> None:
@@ -38,10 +44,10 @@ def test_the_threshold_must_be_positive() -> None:
         ContainerConfig(gc_threshold=0)
 
 
-async def test_a_container_serves_with_the_raised_threshold_and_restores_it() -> None:
+async def test_a_container_serves_with_the_raised_threshold_only_when_asked() -> None:
     found = gc.get_threshold()
     seen: list[tuple[int, int, int]] = []
-    for config in (ContainerConfig(), ContainerConfig(gc_threshold=None)):
+    for config in (ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD), ContainerConfig()):
         stop = trio.Event()
         async with pw.Engine(registry=pw.Registry()) as engine:
             container = Container(engine, None, config)
@@ -53,3 +59,30 @@ async def test_a_container_serves_with_the_raised_threshold_and_restores_it() ->
                 stop.set()
         assert gc.get_threshold() == found
     assert seen == [(SERVING_GC_THRESHOLD, *found[1:]), found]
+
+
+def test_pipework_serve_raises_it_unless_the_file_or_the_command_line_says_otherwise(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "gateway.toml"
+    for server, flags, expected in (
+        ("", [], SERVING_GC_THRESHOLD),
+        ("gc_threshold = 20000", [], 20_000),
+        ("gc_threshold = 0", [], None),
+        ("gc_threshold = 20000", ["--gc-threshold", "0"], None),
+        ("", ["--gc-threshold", "30000"], 30_000),
+    ):
+        path.write_text(f"[server]\n{server}\n")
+        args = build_parser().parse_args(["serve", str(path), *flags])
+        gateway = Gateway(str(path), overrides=_overrides(args))
+        config = replace(_container_config(gateway.config), **gateway.overrides)
+        assert config.gc_threshold == expected, (server, flags)
+
+
+def test_a_negative_threshold_is_refused_where_it_was_written(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text("[server]\ngc_threshold = -1\n")
+    with pytest.raises(ConfigError, match=r"server\.gc_threshold"):
+        load_config(path)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", str(path), "--gc-threshold", "-1"])

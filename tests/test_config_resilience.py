@@ -24,6 +24,7 @@ from pipework import (
     config_from_dict,
     loads_config,
 )
+from pipework.backends._resilience_spec import BREAKER_OFF, CONNECT_RETRY, OUTLIER_OFF
 from pipework.registry._config_resilience import (
     BREAKER_KEYS,
     HEALTH_KEYS,
@@ -105,16 +106,41 @@ def test_every_setting_is_read_into_the_services_specs() -> None:
     assert [h.weight for h in core.hosts] == [1, 3]
 
 
-def test_a_base_url_is_one_host_and_the_defaults_apply() -> None:
+def test_a_base_url_is_one_host_and_behaves_as_before_hosts_existed() -> None:
     users = load('[services.users]\nbase_url = "http://users.internal"\n').services["users"]
     assert users.endpoints == (HostSpec("http://users.internal"),)
     assert users.hosts == ()
     assert (users.balance, users.health, users.hedge) == ("p2c", None, None)
-    assert (users.outlier, users.breaker, users.retry) == (
-        OutlierSpec(),
-        BreakerSpec(),
-        RetrySpec(),
+    assert (users.outlier, users.breaker, users.retry) == (None, None, None)
+    # What the core runs with: no breaker, a failed connection retried once and nothing
+    # else, and no ejection of the one host (there is nowhere else to go).
+    core = users.resilience
+    assert core.breaker == BREAKER_OFF
+    assert not core.breaker.enabled
+    assert core.retry == CONNECT_RETRY
+    assert (core.retry.attempts, core.retry.statuses, core.retry.connect_only) == (
+        2,
+        frozenset(),
+        True,
     )
+    assert core.outlier == OUTLIER_OFF
+    assert (core.hedge, core.health) == (None, None)
+
+
+def test_several_hosts_without_tables_eject_outliers_and_nothing_more() -> None:
+    two = load('[services.s]\nhosts = ["http://a", "http://b"]\n').services["s"].resilience
+    assert two.outlier == OutlierSpec()  # Envoy's defaults: somewhere else to go
+    assert (two.breaker, two.retry) == (BREAKER_OFF, CONNECT_RETRY)
+
+
+def test_an_empty_table_turns_its_mechanism_on_with_envoys_defaults() -> None:
+    text = S + "[services.s.breaker]\n[services.s.retry]\n[services.s.outlier]\n"
+    s = load(text).services["s"]
+    assert (s.breaker, s.retry, s.outlier) == (BreakerSpec(), RetrySpec(), OutlierSpec())
+    core = s.resilience
+    assert (core.breaker, core.retry, core.outlier) == (BreakerSpec(), RetrySpec(), OutlierSpec())
+    assert core.breaker.enabled
+    assert core.retry.statuses == frozenset({502, 503, 504})
 
 
 def test_a_hedge_delay_in_seconds() -> None:

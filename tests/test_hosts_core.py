@@ -44,10 +44,22 @@ RESET = Outcome.failed(Failure.RESET)
 
 
 def make(n: int = 3, *, seed: int = 1, weights: list[int] | None = None, **kw: Any) -> ServiceCore:
+    """A core over ``n`` hosts with every mechanism on (as with each table present and
+    empty), unless ``kw`` says otherwise."""
     ws = weights or [1] * n
     hosts = tuple(HostSpec(f"http://h{i}.internal:800{i}", w) for i, w in enumerate(ws))
+    kw.setdefault("outlier", OutlierSpec())
+    kw.setdefault("breaker", BreakerSpec())
+    kw.setdefault("retry", RetrySpec())
     service = Service("svc", hosts=hosts, **kw)
     return ServiceCore("svc", service.resilience, rng=random.Random(seed))
+
+
+def plain(n: int) -> ServiceCore:
+    """The core of a service of ``n`` hosts written without any resilience table."""
+    hosts = tuple(HostSpec(f"http://h{i}.internal:800{i}") for i in range(n))
+    service = Service("svc", hosts=hosts) if n > 1 else Service("svc", hosts[0].url)
+    return ServiceCore("svc", service.resilience, rng=random.Random(1))
 
 
 def begin(core: ServiceCore, now: float = 0.0, **kw: Any) -> Call:
@@ -107,6 +119,79 @@ def test_a_base_url_is_one_host_of_weight_one() -> None:
 def test_settings_that_cannot_work_are_refused(build: Any, match: str) -> None:
     with pytest.raises(RegistrationError, match=match):
         build()
+
+
+# -- what a service without tables does ------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_without_tables_only_a_failed_connection_is_retried_and_only_once(n: int) -> None:
+    core = plain(n)
+    for outcome in (E503, Outcome.answer(502), RESET, Outcome.failed(Failure.TIMEOUT)):
+        assert one_call(core, 0.0, outcome) == "final", outcome
+    assert one_call(core, 0.0, CONNECT) == "attempts"  # one retry, then its failure
+    stats = core.statistics(0.0)
+    assert stats.budget.retries == 1
+    assert sum(h.requests for h in stats.hosts) == 4 + 2
+
+
+def test_without_a_breaker_table_the_breaker_never_opens() -> None:
+    core = plain(1)
+    for i in range(200):
+        assert one_call(core, i * 0.01, E503) == "final"
+    stats = core.statistics(2.0)
+    assert (stats.breaker.state, stats.breaker.opened) == ("closed", 0)
+    assert isinstance(core.begin(2.0), Call)
+
+
+def test_without_an_outlier_table_a_lone_host_is_never_ejected_but_one_of_two_is() -> None:
+    lone, pair = plain(1), plain(2)
+    for i in range(50):
+        one_call(lone, i * 0.01, E503)
+        one_call(pair, i * 0.01, E503)
+    assert [h.state for h in lone.statistics(0.5).hosts] == ["available"]
+    assert "ejected" in [h.state for h in pair.statistics(0.5).hosts]  # Envoy's 5 in a row
+
+
+# -- a streamed answer and a streamed body ----------------------------------------------------
+
+
+def test_a_held_answer_keeps_its_host_busy_until_the_call_ends() -> None:
+    core = make(2)
+    call = begin(core)
+    attempt = first(call)
+    verdict = call.finish(attempt, 0.1, OK, hold=True)
+    assert verdict.action == "answer"
+    assert attempt.host.outstanding == 1  # its body is still being read
+    assert attempt.host.requests == 1
+    assert attempt.host.latency(0.1) == pytest.approx(0.1)  # the try ended at its head
+    call.end(5.0)
+    assert attempt.host.outstanding == 0
+
+
+def test_a_retried_try_is_never_held() -> None:
+    core = make(2)
+    call = begin(core)
+    attempt = first(call)
+    assert call.finish(attempt, 0.0, E503, hold=True).action == "retry"
+    assert attempt.host.outstanding == 0
+    call.end(0.0)
+
+
+def test_once_part_of_the_request_went_out_only_a_failed_connection_retries() -> None:
+    core = make(3, retry=RetrySpec(attempts=3))
+    call = begin(core, method="PUT")
+    call.sent()
+    assert call.finish(first(call), 0.0, CONNECT).action == "retry"
+    second = call.attempt(0.0)
+    assert second is not None
+    assert call.finish(second, 0.0, E503).reason == "not_idempotent"
+    call.end(0.0)
+    hedged = begin(make(2, hedge=HedgeSpec(delay=0.01)))
+    first(hedged)
+    hedged.sent()
+    assert hedged.hedge_at() is None  # nothing is sent twice, hedges included
+    hedged.end(0.0)
 
 
 # -- balancing and retries -------------------------------------------------------------------
@@ -413,6 +498,7 @@ class ServiceMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.calls: list[Call] = []
         self.launched: list[Attempt] = []
+        self.sent: set[Call] = set()  # calls that sent part of their request
 
     @initialize(
         n=st.integers(1, 5),
@@ -476,17 +562,26 @@ class ServiceMachine(RuleBasedStateMachine):
             before = self._availability()
             self._launch(call.attempt(self.now), before)
 
-    @rule(data=st.data(), outcome=outcomes)
-    def finish(self, data: st.DataObject, outcome: Outcome) -> None:
+    @rule(data=st.data(), outcome=outcomes, hold=st.booleans())
+    def finish(self, data: st.DataObject, outcome: Outcome, hold: bool) -> None:
         out = [a for a in self.launched if not a.done]
         if not out:
             return
         attempt = data.draw(st.sampled_from(out))
         call = attempt.call
-        verdict = call.finish(attempt, self.now, outcome)
+        verdict = call.finish(attempt, self.now, outcome, hold=hold)
         if verdict.action == "retry":
+            # Part of a request that went out is never sent again: only no connection.
+            assert call not in self.sent or outcome == CONNECT
             before = self._availability()
             self._launch(call.attempt(self.now), before)
+
+    @rule(data=st.data())
+    def send_part(self, data: st.DataObject) -> None:
+        if self.calls:
+            call = data.draw(st.sampled_from(self.calls))
+            call.sent()
+            self.sent.add(call)
 
     @rule(data=st.data())
     def hedge(self, data: st.DataObject) -> None:
@@ -526,7 +621,8 @@ class ServiceMachine(RuleBasedStateMachine):
         core = self.core
         out = [a for a in self.launched if not a.done]
         for host in core.hosts:
-            assert host.outstanding == sum(1 for a in out if a.host is host)
+            held = sum(1 for c in self.calls if c._held is host)  # answers being read
+            assert host.outstanding == sum(1 for a in out if a.host is host) + held
         assert core.budget.active == len(self.calls)
         granted = sum(1 for c in self.calls if c._retry_granted)
         extra = sum(1 for a in out if a.kind != "first")

@@ -35,6 +35,7 @@ def forward(
     **options: object,
 ) -> Headers:
     fields: dict[str, object] = {"host": b"svc.internal", "request_id": None, **options}
+    # The keyword options are each a different type; the call checks them at run time.
     return request_headers(headers, peer=peer, trusted=trusted, **fields)  # type: ignore[arg-type]
 
 

@@ -35,6 +35,7 @@ from wsproto.events import (
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import RemoteProtocolError
 
+from pipework.backends._stream import Handshake
 from pipework.container import BoundAddress, serve
 from pipework.proxy._websocket import WebsocketOutcome, relay_websocket
 from pipework.proxy._websocket_core import (
@@ -208,9 +209,10 @@ class RelayApp:
     idle_timeout: float | None = None
     handshake_timeout: float | None = None
     max_message: int = 16 * MB
-    host: bytes = b"backend.test"
+    host: bytes | Callable[[], bytes] = b"backend.test"
     extension: bool = True  # offer the relay ASGI's websocket.http.response extension
     outcomes: list[WebsocketOutcome] = field(default_factory=list)
+    handshakes: list[Handshake] = field(default_factory=list)  # what handshake_done heard
     ended: trio.Event = field(default_factory=trio.Event)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -239,6 +241,7 @@ class RelayApp:
                 service="chat",
                 correlation_id="corr-1",
                 answer_filter=lambda headers: [*headers, (b"via", b"1.1 pipework")],
+                handshake_done=self.handshakes.append,
             )
         finally:
             self.ended.set()
@@ -389,6 +392,24 @@ async def test_text_and_binary_messages_pass_both_ways() -> None:
     assert seen.request.target == "/echo?room=1"
     assert seen.request.host == "backend.test"
     assert outcome == WebsocketOutcome(101, 1000, "client")
+    assert run.app.handshakes == [Handshake(101)]
+
+
+async def test_a_host_given_as_a_function_is_asked_once_connected() -> None:
+    asked: list[bool] = []
+
+    def host() -> bytes:
+        asked.append(True)
+        return b"picked.test"
+
+    async with running(host=host) as run, Client.opening(run.address) as client:
+        await client.accepted()
+        assert asked == [True]
+        await client.say(CloseConnection(1000))
+        await client.closed()
+    seen = run.backend.seen[0]
+    assert seen.request is not None
+    assert seen.request.host == "picked.test"
 
 
 async def test_a_ten_megabyte_message_passes_whole_both_ways() -> None:
@@ -618,6 +639,7 @@ async def test_a_backends_refusal_reaches_the_client_as_it_came() -> None:
     assert headers[b"content-type"] == b"text/plain"
     assert headers[b"via"] == b"1.1 pipework"
     assert outcome.status == 404
+    assert run.app.handshakes == [Handshake(404)]
 
 
 async def test_a_refusal_cut_short_is_not_completed_for_the_client() -> None:
@@ -641,6 +663,7 @@ async def test_a_host_wsproto_cannot_write_is_refused() -> None:
     assert json.loads(body)["type"] == "urn:pipework:problem:malformed-request"
     assert run.backend.seen == []  # nothing was sent
     assert outcome.status == 400
+    assert run.app.handshakes == [Handshake(None)]  # the backend was not asked
 
 
 async def test_without_the_extension_a_refusal_is_a_403() -> None:
@@ -676,6 +699,7 @@ async def test_an_unreachable_backend_refuses_the_client(extension: bool) -> Non
         ):
             status, headers, body = await client.refusal()
             outcome = await run.app.outcome()
+    assert run.app.handshakes == [Handshake(None, "connect")]
     if not extension:
         assert status == 403
         assert "could not connect" in outcome.detail
@@ -707,6 +731,7 @@ async def test_a_handshake_that_times_out_is_a_504(mock_clock: trio.testing.Mock
     assert problem["phase"] == "handshake"
     assert "within 10s" in problem["detail"]
     assert outcome.status == 504
+    assert run.app.handshakes == [Handshake(None, "handshake", timed_out=True)]
 
 
 async def test_a_client_that_leaves_during_the_handshake_ends_it() -> None:
@@ -717,6 +742,7 @@ async def test_a_client_that_leaves_during_the_handshake_ends_it() -> None:
         await seen.ended.wait()
         outcome = await run.app.outcome()
     assert outcome == WebsocketOutcome(None, 1006, "client")
+    assert run.app.handshakes == []  # no answer to report
 
 
 # -- the relay alone ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pipework._http._problems import problem_for_exception
 from pipework._metrics import Metrics
 from pipework.backends._balance_core import Host
 from pipework.backends._client import ServiceClient
+from pipework.backends._failures import ConnectFailed
 from pipework.backends._hosts_core import ServiceCore
 from pipework.backends._resilience_spec import (
     BreakerSpec,
@@ -32,6 +33,7 @@ from pipework.backends._resilience_spec import (
     OutlierSpec,
     RetrySpec,
 )
+from pipework.backends._stream import StreamTimeouts
 from pipework.container import BoundAddress
 
 from .test_backend_pool import Plan, RawBackend, Seen, _Ctx, echo, serving
@@ -85,6 +87,15 @@ def counts(found: list[tuple[RawBackend, str]]) -> list[int]:
     return [len(b.seen) for b, _ in found]
 
 
+def urls(found: list[tuple[RawBackend, str]]) -> list[str]:
+    return [u for _, u in found]
+
+
+#: A service with a ``[retry]`` table: statuses retried (without one, only a failed
+#: connection is).
+RETRY: dict[str, Any] = {"retry": RetrySpec()}
+
+
 # -- balancing ---------------------------------------------------------------------------
 
 
@@ -109,10 +120,8 @@ async def test_a_failing_host_is_ejected_and_traffic_moves_to_the_others(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with hosts(echo, status(500), echo) as found:
-        svc = service(
-            [u for _, u in found],
-            outlier=OutlierSpec(consecutive_5xx=2, max_ejection_percent=50),
-        )
+        outlier = OutlierSpec(consecutive_5xx=2, max_ejection_percent=50)
+        svc = service([u for _, u in found], outlier=outlier)
         async with client(svc) as c:
             statuses = []
             for _ in range(12):
@@ -126,7 +135,7 @@ async def test_a_failing_host_is_ejected_and_traffic_moves_to_the_others(
             stats = c.core.statistics(trio.current_time())
             assert [h.state for h in stats.hosts] == ["available", "ejected", "available"]
             # Its ejection ends at base_ejection_time: it takes calls again.
-            autojump_clock.jump(svc.outlier.base_ejection_time)
+            autojump_clock.jump(outlier.base_ejection_time)
             for _ in range(3):
                 with suppress(pw.BackendError):
                     await get(c)
@@ -143,6 +152,7 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
                 [u for _, u in found],
                 outlier=OutlierSpec(consecutive_5xx=1, max_ejection_percent=100),
                 breaker=BreakerSpec(wait=7.0),
+                retry=RetrySpec(),
             )
             ctx = _Ctx({})
             backends = Backends([svc])
@@ -189,7 +199,7 @@ async def test_the_breaker_opens_when_every_host_is_out_and_refuses_at_once() ->
 
 async def test_an_idempotent_call_is_retried_on_another_host() -> None:
     with trio.fail_after(HANG_GUARD):
-        async with hosts(status(503), echo) as found, client(service([u for _, u in found])) as c:
+        async with hosts(status(503), echo) as found, client(service(urls(found), **RETRY)) as c:
             answer = await get(c)
             assert answer == {"conn": 0, "index": 0}
             assert counts(found) == [1, 1]
@@ -198,7 +208,7 @@ async def test_an_idempotent_call_is_retried_on_another_host() -> None:
 
 async def test_a_post_is_not_retried() -> None:
     with trio.fail_after(HANG_GUARD):
-        async with hosts(status(503), echo) as found, client(service([u for _, u in found])) as c:
+        async with hosts(status(503), echo) as found, client(service(urls(found), **RETRY)) as c:
             with pytest.raises(pw.BackendError) as info:
                 await get(c, "POST")
             assert info.value.status == 503
@@ -367,7 +377,8 @@ async def test_a_try_past_its_per_try_timeout_is_retried_on_another_host(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with hosts(hold, echo) as found:
-        svc = service([u for _, u in found], retry=RetrySpec(per_try_timeout=1.0))
+        retry = RetrySpec(per_try_timeout=1.0)
+        svc = service([u for _, u in found], retry=retry)
         async with client(svc) as c:
             start = trio.current_time()
             answer = await get(c)
@@ -375,7 +386,7 @@ async def test_a_try_past_its_per_try_timeout_is_retried_on_another_host(
             assert counts(found) == [1, 1]
             # The retry went out after the try's timeout and its backoff, well before the
             # call's own deadline (10 s).
-            assert start + 1.0 <= trio.current_time() <= start + 1.0 + svc.retry.backoff_base
+            assert start + 1.0 <= trio.current_time() <= start + 1.0 + retry.backoff_base
             assert c.links[found[0][1]].pool.statistics().open == 0  # the slow one closed
 
 
@@ -440,3 +451,186 @@ async def test_a_gateway_reload_keeps_the_health_of_its_hosts(tmp_path: Path) ->
                 assert [s.target for s in two.seen if s.target != "/health"] == []
                 assert len([s for s in one.seen if s.target != "/health"]) == 4
                 stop.set()
+
+
+# -- the defaults: a file written before resilience existed -----------------------------------
+
+
+def from_file(url: str, tables: str = "") -> Service:
+    """Service ``api`` as a gateway file declares it: one host at ``url``, then ``tables``."""
+    text = f'[services.api]\nbase_url = "{url}"\ntimeout = 10\n{tables}'
+    return pw.loads_config(text).services["api"]
+
+
+async def test_an_old_style_file_retries_no_status_and_never_opens_its_breaker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(status(503)) as found, client(from_file(found[0][1])) as c:
+        for n in range(1, 41):  # twice the breaker's minimum_calls, every one failed
+            with pytest.raises(pw.BackendError) as info:
+                await get(c)
+            assert info.value.status == 503
+            assert counts(found) == [n]  # one try each: a 503 is not retried
+        stats = c.core.statistics(trio.current_time())
+        assert (stats.breaker.state, stats.breaker.opened, stats.refused["circuit_open"]) == (
+            "closed",
+            0,
+            0,
+        )
+        assert stats.hosts[0].state == "available"  # a lone host is never ejected
+        assert stats.budget.retries == 0
+
+
+async def test_an_old_style_file_retries_a_failed_connection_once() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with client(from_file(closed_port())) as c:
+            with pytest.raises(ConnectFailed):
+                await get(c, "POST")  # nothing was sent: any method
+            (host,) = c.core.statistics(trio.current_time()).hosts
+            assert (host.requests, host.failures) == (2, 2)
+
+
+async def test_with_empty_retry_and_breaker_tables_a_503_is_retried_and_the_breaker_opens(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(status(503)) as found:
+        svc = from_file(found[0][1], "[services.api.retry]\n[services.api.breaker]\n")
+        async with client(svc) as c:
+            # Envoy's defaults: two tries a call; 20 tries in the window, all failed, open it.
+            for n in range(1, 11):
+                with pytest.raises(pw.BackendError) as info:
+                    await get(c)
+                assert info.value.status == 503
+                assert counts(found) == [2 * n]
+            with pytest.raises(pw.Overloaded) as refused:
+                await get(c)
+            assert refused.value.reason == "circuit_open"
+            assert counts(found) == [20]  # refused: nothing sent
+
+
+# -- streamed exchanges (proxy routes) ---------------------------------------------------------
+
+TIMEOUTS = StreamTimeouts(connect=5.0, first_byte=5.0, idle=5.0)
+
+
+async def pieces(body: bytes, size: int = 100) -> AsyncIterator[bytes]:
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+async def stream(
+    c: ServiceClient,
+    method: bytes = b"GET",
+    body: bytes | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> tuple[int, bytes]:
+    """A streamed exchange, read whole: its status and body."""
+    sent = None if body is None else pieces(body)
+    length = None if body is None else len(body)
+    async with c.stream(
+        method, b"/x", list(headers), sent, length=length, timeouts=TIMEOUTS
+    ) as answer:
+        return answer.status, b"".join([piece async for piece in answer.body()])
+
+
+@pytest.mark.parametrize(("settings", "expected"), [({}, [1, 0]), (RETRY, [1, 1])])
+async def test_a_stream_answered_503_is_retried_on_another_host_with_a_retry_table(
+    settings: dict[str, Any], expected: list[int]
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found, client(service(urls(found), **settings)) as c:
+            code, _ = await stream(c)
+            assert code == (200 if settings else 503)  # the 503 relayed, without a table
+            assert counts(found) == expected
+            stats = c.core.statistics(trio.current_time())
+            assert [h.requests for h in stats.hosts] == expected  # tries on each host
+
+
+async def test_a_stream_whose_body_was_read_is_never_sent_again() -> None:
+    body = bytes(range(256)) * 4
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503), echo) as found:
+            svc = service(urls(found), retry=RetrySpec(idempotent_only=False))
+            async with client(svc) as c:
+                code, _ = await stream(c, b"PUT", body)
+                assert code == 503
+                assert counts(found) == [1, 0]
+                assert found[0][0].seen[0].body == body
+
+
+async def test_a_refused_connection_is_retried_before_the_body_is_read() -> None:
+    body = b"order=7;" * 100
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo) as found, client(service([closed_port(), found[0][1]])) as c:
+            code, _ = await stream(c, b"POST", body)
+            assert code == 200
+            assert found[0][0].seen[0].body == body  # sent whole, once
+            first = c.core.statistics(trio.current_time()).hosts[0]
+            assert (first.requests, first.failures) == (1, 1)
+
+
+async def test_a_streamed_answer_counts_on_its_host_until_its_exchange_ends() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo, echo) as found, client(service(urls(found))) as c:
+            async with c.stream(b"GET", b"/", [], None, length=None, timeouts=TIMEOUTS) as a:
+                assert a.status == 200
+                stats = c.core.statistics(trio.current_time())
+                assert [h.outstanding for h in stats.hosts] == [1, 0]  # being relayed
+                assert [h.requests for h in stats.hosts] == [1, 0]
+            stats = c.core.statistics(trio.current_time())
+            assert [h.outstanding for h in stats.hosts] == [0, 0]
+            assert stats.budget.active_calls == 0
+
+
+async def test_a_stream_never_hedges(autojump_clock: trio.testing.MockClock) -> None:
+    async with hosts(hold, echo) as found:
+        svc = service(urls(found), hedge=HedgeSpec(delay=0.5))
+        async with client(svc) as c, trio.open_nursery() as nursery:
+            nursery.start_soon(stream, c)
+            await trio.sleep(2.0)  # four times the hedge's delay, in virtual time
+            assert counts(found) == [1, 0]
+            found[0][0].release.set()
+        assert counts(found) == [1, 0]
+        assert c.core.statistics(trio.current_time()).budget.hedges == 0
+
+
+async def test_a_streams_try_ends_at_its_per_try_timeout_and_goes_elsewhere(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with hosts(hold, echo) as found:
+        svc = service(urls(found), retry=RetrySpec(per_try_timeout=1.0))
+        async with client(svc) as c:
+            start = trio.current_time()
+            code, _ = await stream(c)
+            assert code == 200
+            assert counts(found) == [1, 1]
+            assert start + 1.0 <= trio.current_time() <= start + 1.0 + RetrySpec().backoff_base
+
+
+async def test_an_open_breaker_refuses_a_stream_before_anything_is_sent() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(status(503)) as found:
+            svc = service(urls(found), breaker=BreakerSpec(minimum_calls=2, wait=7.0))
+            async with client(svc) as c:
+                assert (await stream(c))[0] == 503
+                assert (await stream(c))[0] == 503
+                with pytest.raises(pw.Overloaded) as refused:
+                    await stream(c)
+                assert refused.value.reason == "circuit_open"
+                assert 0 < refused.value.retry_after <= 7.0
+                assert counts(found) == [2]
+
+
+async def test_each_host_gets_its_own_host_header_unless_one_was_kept() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with hosts(echo, echo) as found, client(service(urls(found))) as c:
+            own = found[0][1].removeprefix("http://").encode()
+            for _ in range(2):  # the service's Host, as a proxy route sends it
+                await stream(c, headers=[(b"host", own)])
+            for _ in range(2):  # the client's, kept
+                await stream(c, headers=[(b"host", b"shop.example")])
+            for backend, url in found:
+                assert [s.headers["host"] for s in backend.seen] == [
+                    url.removeprefix("http://"),
+                    "shop.example",
+                ]

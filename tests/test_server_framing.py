@@ -109,6 +109,7 @@ async def test_a_close_waits_for_the_sends_before_it() -> None:
     connection's other sends take, so the two could run at once."""
     a, b = trio.socket.socketpair()
     stream = trio.SocketStream(a)
+    # No app, no context, no state: only the close path runs, which uses none of them.
     server = TCPServer(None, Config(), None, {}, stream)  # type: ignore[arg-type]
     closed = trio.Event()
 

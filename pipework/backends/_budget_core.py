@@ -15,8 +15,9 @@ granted, its backoff included, until its try ends.
 so any method); a reset before any byte of the answer, a try's own timeout, or an answer
 whose status is listed, only when the call may be sent again -- an idempotent method, or
 any method with ``idempotent_only = false`` or the caller's opt-in, since the backend may
-have acted. An answer cut short after its first byte is never retried: part of it may
-already be on its way to the client.
+have acted -- and never with ``connect_only`` (a service without a ``retry`` table). An
+answer cut short after its first byte is never retried: part of it may already be on its
+way to the client.
 
 **Backoff** is "full jitter" (AWS's architecture blog, "Exponential Backoff And Jitter"): the
 *n*-th retry (from 0) waits a uniform draw from ``[0, min(backoff_max, backoff_base * 2ⁿ)]``,
@@ -59,6 +60,8 @@ def classify(
     failure = outcome.failure
     if failure is Failure.CONNECT:
         return "retry"
+    if spec.connect_only:
+        return "final"
     if failure in (Failure.RESET, Failure.TIMEOUT) or (
         outcome.status is not None and outcome.status in spec.statuses
     ):

@@ -86,6 +86,7 @@ class Call:
     __slots__ = (
         "_core",
         "_ended",
+        "_held",
         "_retry_granted",
         "answered",
         "attempts",
@@ -107,6 +108,7 @@ class Call:
         self.answered = False
         self._retry_granted = False
         self._ended = False
+        self._held: Host | None = None
 
     @property
     def probe(self) -> bool:
@@ -166,8 +168,15 @@ class Call:
             return None
         return self._launch(host, now, "hedge")
 
-    def finish(self, attempt: Attempt, now: float, outcome: Outcome) -> Verdict:
-        """``attempt`` ended with ``outcome``: count it, and say what the call does next."""
+    def finish(
+        self, attempt: Attempt, now: float, outcome: Outcome, *, hold: bool = False
+    ) -> Verdict:
+        """``attempt`` ended with ``outcome``: count it, and say what the call does next.
+
+        ``hold``: the outcome is the answer's head, whose body the caller goes on reading
+        (a proxied stream). The try is over -- its outcome and latency count now -- but an
+        answer that is the call's keeps its host's count of calls outstanding until
+        :meth:`end`, so the balancer sees a long stream as load."""
         if attempt.call is not self or attempt.done:
             raise RuntimeError(f"{attempt!r} is not an attempt of this call still out")
         attempt.done = True
@@ -180,7 +189,16 @@ class Call:
         verdict = self._decide(attempt, now, outcome)
         if verdict.action == "answer":
             self.answered = True
+            if hold and outcome.status is not None:
+                self._held = attempt.host
+                attempt.host.outstanding += 1
         return verdict
+
+    def sent(self) -> None:
+        """Part of the request went out and cannot be sent again (a streamed body was read
+        from): from now on only a failed connection -- nothing sent -- is retried."""
+        self.may_resend = False
+        self.hedging = False
 
     def end(self, now: float) -> None:
         """The call is over: attempts still out count as cancelled, a retry granted but not
@@ -195,6 +213,9 @@ class Call:
             self._retry_granted = False
         if not self.attempts:
             core.breaker.record(self.permit, now, error=None)
+        if self._held is not None:
+            self._held.outstanding -= 1
+            self._held = None
         core.budget.active -= 1
         self._ended = True
 

@@ -22,6 +22,12 @@ nursery: a hedge starts when :meth:`Call.hedge_at` comes, the first try whose ou
 the call's answer cancels the others (their connections are closed, never reused: the
 pool's cancellation rule). The call's result is its answering try's: the answer decoded,
 or that try's failure raised as it came from the pool.
+
+**A streamed exchange** (:meth:`ServiceClient.stream`, for proxy routes) goes through the
+same core, with three differences: a try ends at the answer's head (its status is the
+outcome; the body is the caller's to relay), a try is retried only while nothing of the
+request's body was read (a failed connection always qualifies: nothing was sent), and it
+never hedges.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ import logging
 import math
 import random
 from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, suppress
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass, replace
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -63,11 +69,12 @@ from ._http_spec import (
 from ._http_template import TemplateError, render_body
 from ._outlier_core import Failure, Outcome
 from ._pool import Pool, ResponseTooLarge
-from ._stream import StreamTimeouts, UpstreamAnswer, open_stream
+from ._stream import Handshake, StreamTimeouts, UpstreamAnswer, open_stream
 
 __all__ = [
     "HostLink",
     "ServiceClient",
+    "WebsocketCall",
     "decode_answer",
     "failure_of",
     "refused",
@@ -106,6 +113,24 @@ class _Try:
     outcome: Outcome
     answer: Answer | None = None
     failure: TransportFailure | None = None
+
+
+class _Watched:
+    """A streamed request's body, noting whether anything was asked of it: once it was,
+    the request cannot be sent again (what was read is gone)."""
+
+    __slots__ = ("_body", "read")
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self._body = body
+        self.read = False
+
+    def __aiter__(self) -> _Watched:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self.read = True  # from the asking: a piece cut off by a cancellation is lost too
+        return await self._body.__anext__()
 
 
 class ServiceClient:
@@ -263,20 +288,125 @@ class ServiceClient:
         they are (but for framing), with the service's ``Host`` unless they hold one; an
         origin-form ``target`` (``/path?query``) goes under the service's base path. The
         service's own headers (``headers``, ``User-Agent``) are not added: a streamed
-        request is passed through, not made."""
+        request is passed through, not made.
+
+        It goes through the service's core as a call does (:meth:`_streamed`): refused
+        with :class:`~pipework.Overloaded` by an open breaker, sent to the host the core
+        picks -- with that host's ``Host`` where ``headers`` carry the service's own --
+        and retried by the core's rules while nothing of ``body`` was read."""
         if target.startswith(b"/"):
             target = self._raw_base + target
-        return open_stream(
-            self.pool,
-            method,
-            target,
-            headers,
-            body,
-            host=self._host,
-            length=length,
-            timeouts=timeouts,
-            deadline=deadline,
-        )
+        return self._streamed(method, target, headers, body, length, timeouts, deadline)
+
+    @asynccontextmanager
+    async def _streamed(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: AsyncIterator[bytes] | None,
+        length: int | None,
+        timeouts: StreamTimeouts,
+        deadline: float,
+    ) -> AsyncIterator[UpstreamAnswer]:
+        """The core's loop for one streamed exchange. A try ends at the answer's head: its
+        status is the try's outcome (a retried one's exchange is closed unread), and the
+        answering try's host counts it as outstanding until the exchange ends. No hedging:
+        the answer is read by the caller, inside this context, as it streams."""
+        core = self.core
+        now = trio.current_time()
+        begun = core.begin(now, method=method.decode("latin-1"), deadline=deadline, hedge=False)
+        if isinstance(begun, Refusal):
+            self.report()
+            raise refused(self.service, begun)
+        sent = None if body is None else _Watched(body)
+        per_try = core.resilience.retry.per_try_timeout
+        if per_try is not None and per_try < timeouts.first_byte:
+            # A try's own timeout runs from the request's end, as the first byte's does.
+            timeouts = replace(timeouts, first_byte=per_try)
+        try:
+            attempt = begun.attempt(trio.current_time())
+            while True:
+                if attempt is None:  # every host drained meanwhile
+                    raise ConnectFailed(f"service {self.service.name!r} has no host to call")
+                link = self._link(attempt.host)
+                exchange = AsyncExitStack()
+                answer: UpstreamAnswer | None = None
+                failure: TransportFailure | None = None
+                # A request that cannot be sent at all raises here, before any I/O: no
+                # host's fault (the try ends as cancelled).
+                opened = open_stream(
+                    link.pool,
+                    method,
+                    target,
+                    self._host_headers(headers, link),
+                    sent,
+                    host=link.netloc,
+                    length=length,
+                    timeouts=timeouts,
+                    deadline=deadline,
+                )
+                try:
+                    answer = await exchange.enter_async_context(opened)
+                except TransportFailure as exc:
+                    failure = exc
+                if sent is not None and sent.read:
+                    begun.sent()
+                if failure is not None:
+                    outcome = Outcome.failed(failure_of(failure))
+                else:
+                    assert answer is not None
+                    outcome = Outcome.answer(answer.status)
+                verdict = begun.finish(attempt, trio.current_time(), outcome, hold=True)
+                if verdict.action == "answer":
+                    break
+                assert verdict.action == "retry", verdict
+                await exchange.aclose()  # a retried answer is not relayed: it ends unread
+                with trio.move_on_at(begun.deadline):
+                    await trio.sleep(verdict.delay)
+                attempt = begun.attempt(trio.current_time())
+            if failure is not None:
+                raise failure
+            assert answer is not None
+            async with exchange:
+                yield answer
+        finally:
+            begun.end(trio.current_time())
+            self.report()
+
+    @asynccontextmanager
+    async def websocket(self, connect_timeout: float) -> AsyncIterator[WebsocketCall]:
+        """A proxied websocket as a call of the service's core: refused with
+        :class:`~pipework.Overloaded` by an open breaker, else a :class:`WebsocketCall`
+        for the relay (its connection, ``Host`` and handshake), ended with the context."""
+        begun = self.core.begin(trio.current_time(), method="GET", hedge=False)
+        if isinstance(begun, Refusal):
+            self.report()
+            raise refused(self.service, begun)
+        try:
+            yield WebsocketCall(self, begun, connect_timeout)
+        finally:
+            begun.end(trio.current_time())
+            self.report()
+
+    def _host_headers(
+        self, headers: list[tuple[bytes, bytes]], link: HostLink
+    ) -> list[tuple[bytes, bytes]]:
+        """``headers`` with the service's own ``Host`` (its first host's) changed to
+        ``link``'s: each host of a service gets its own name, as a call's does. A ``Host``
+        the caller chose (the client's, kept) goes as it is."""
+        own = self._host
+        if link.netloc == own:
+            return headers
+        return [
+            (name, self.host_for(value, link)) if name.lower() == b"host" else (name, value)
+            for name, value in headers
+        ]
+
+    def host_for(self, host: bytes, link: HostLink) -> bytes:
+        """The ``Host`` to send ``link``'s host for a request that carries ``host``: its own
+        name for the service's (its first host's), else ``host`` as it is."""
+        return link.netloc if host == self._host else host
 
     def prepare(
         self,
@@ -490,6 +620,75 @@ class ServiceClient:
         if done.answer is None:
             raise too_big(self.service, status)
         return _decode(self.service, call, done.answer)
+
+
+class WebsocketCall:
+    """One proxied websocket through its service's core (:meth:`ServiceClient.websocket`):
+    :meth:`connect` opens a connection to the host the core picks -- another one after a
+    connection not made, by the core's rules -- :meth:`host` names that host,
+    :meth:`handshake_done` counts the try's outcome (the handshake's answer; the host
+    counts the websocket as outstanding while it stays open). Nothing is tried again once
+    connected: the handshake's answer is the client's."""
+
+    __slots__ = ("_attempt", "_call", "_client", "_link", "_timeout")
+
+    def __init__(self, client: ServiceClient, call: Call, connect_timeout: float) -> None:
+        self._client = client
+        self._call = call
+        self._timeout = connect_timeout
+        self._attempt: Attempt | None = None  # the connected try, until its handshake ended
+        self._link: HostLink | None = None
+
+    async def connect(self) -> trio.SocketStream:
+        """A new connection (never the keep-alive pool's: it becomes the websocket's).
+        Raises :class:`~._failures.ConnectFailed`, or ``trio.TooSlowError`` when the
+        connect timeout ran out, for the last try the core allowed."""
+        call, client = self._call, self._client
+        attempt = call.attempt(trio.current_time())
+        while True:
+            if attempt is None:  # every host drained meanwhile
+                raise ConnectFailed(f"service {client.service.name!r} has no host to call")
+            link = client._link(attempt.host)
+            pool = link.pool
+            failure: OSError | trio.TooSlowError
+            try:
+                with trio.fail_after(self._timeout):
+                    stream = await trio.open_tcp_stream(pool.host, pool.port)
+            except (OSError, trio.TooSlowError) as exc:
+                failure = exc
+            else:
+                call.sent()  # the handshake goes out: it is not sent again
+                self._attempt, self._link = attempt, link
+                return stream
+            verdict = call.finish(attempt, trio.current_time(), Outcome.failed(Failure.CONNECT))
+            if verdict.action != "retry":
+                if isinstance(failure, trio.TooSlowError):
+                    raise failure
+                raise ConnectFailed(f"could not connect to {pool.where}: {failure}") from failure
+            with trio.move_on_at(call.deadline):
+                await trio.sleep(verdict.delay)
+            attempt = call.attempt(trio.current_time())
+
+    def host(self, given: bytes) -> bytes:
+        """The ``Host`` for the connected host, of a request that carries ``given``."""
+        assert self._link is not None, "connect first"
+        return self._client.host_for(given, self._link)
+
+    def handshake_done(self, handshake: Handshake) -> None:
+        """The try's outcome: the handshake's answer, or how it failed."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is None:  # it never connected: the core has counted its tries
+            return
+        outcome: Outcome
+        if handshake.status is not None:
+            outcome = Outcome.answer(handshake.status)
+        elif handshake.phase is None:  # refused before the backend was asked
+            outcome = Outcome.cancel()
+        elif handshake.timed_out:
+            outcome = Outcome.failed(Failure.TIMEOUT)
+        else:
+            outcome = Outcome.failed(Failure.BROKEN)
+        self._call.finish(attempt, trio.current_time(), outcome, hold=True)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:

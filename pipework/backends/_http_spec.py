@@ -20,6 +20,9 @@ from ..pipes._pipe import REQUEST_KEY, RequestUse
 from ..pipes._state import as_raw
 from ._http_template import BodyTemplate, Template, TemplateError, parse_body
 from ._resilience_spec import (
+    BREAKER_OFF,
+    CONNECT_RETRY,
+    OUTLIER_OFF,
     Balance,
     BreakerSpec,
     HealthSpec,
@@ -122,7 +125,10 @@ class Service:
     one of the two, not both), all with the same scheme and path. ``balance`` chooses among
     them (``p2c``, ``round_robin``, ``random``); ``health``, ``outlier``, ``breaker``,
     ``retry`` and ``hedge`` set how the service stays available when hosts fail (see
-    docs/resilience.md; ``health`` and ``hedge`` are off when None).
+    docs/resilience.md). None, a file without the table, keeps a service as it was before
+    it had hosts: no health checks and no hedging; the breaker off; only a failed
+    connection retried, once; outlier ejection with Envoy's defaults only for a service of
+    several hosts (one host has nowhere else to go).
 
     ``timeout`` bounds one whole call in seconds (and always the job's remaining time);
     ``connect_timeout`` the connection set-up. ``max_connections`` is the size of its
@@ -147,9 +153,9 @@ class Service:
     hosts: tuple[HostSpec, ...] = ()
     balance: Balance = "p2c"
     health: HealthSpec | None = None
-    outlier: OutlierSpec = field(default_factory=OutlierSpec)
-    breaker: BreakerSpec = field(default_factory=BreakerSpec)
-    retry: RetrySpec = field(default_factory=RetrySpec)
+    outlier: OutlierSpec | None = None
+    breaker: BreakerSpec | None = None
+    retry: RetrySpec | None = None
     hedge: HedgeSpec | None = None
 
     def __post_init__(self) -> None:
@@ -199,14 +205,19 @@ class Service:
 
     @property
     def resilience(self) -> Resilience:
-        """The hosts and settings the service's sans-IO core (``ServiceCore``) runs on."""
+        """The hosts and settings the service's sans-IO core (``ServiceCore``) runs on,
+        with what a setting left None means (see the class docstring)."""
+        endpoints = self.endpoints
+        outlier = self.outlier
+        if outlier is None:
+            outlier = OutlierSpec() if len(endpoints) > 1 else OUTLIER_OFF
         return Resilience(
-            self.endpoints,
+            endpoints,
             self.balance,
             self.health,
-            self.outlier,
-            self.breaker,
-            self.retry,
+            outlier,
+            BREAKER_OFF if self.breaker is None else self.breaker,
+            CONNECT_RETRY if self.retry is None else self.retry,
             self.hedge,
         )
 

@@ -19,8 +19,11 @@ from .._errors import RegistrationError
 
 __all__ = [
     "BALANCES",
+    "BREAKER_OFF",
+    "CONNECT_RETRY",
     "IDEMPOTENT_METHODS",
     "MAX_WEIGHT",
+    "OUTLIER_OFF",
     "Balance",
     "BreakerSpec",
     "HealthSpec",
@@ -187,7 +190,10 @@ class RetrySpec:
     opt-in), after a reset before any byte of the answer, a ``per_try_timeout``, or an answer
     whose status is in ``statuses``. Retries in flight stay within the budget: at most
     ``budget_percent`` of the calls in progress, but always ``min_concurrency``. Before each
-    retry a pause drawn from [0, min(backoff_max, backoff_base * 2^n)] (full jitter)."""
+    retry a pause drawn from [0, min(backoff_max, backoff_base * 2^n)] (full jitter).
+
+    ``connect_only``: only a failed connection is retried -- what a service without a
+    ``retry`` table does (:data:`CONNECT_RETRY`), as nginx and HAProxy retry by default."""
 
     attempts: int = 2
     statuses: frozenset[int] = frozenset({502, 503, 504})
@@ -197,6 +203,7 @@ class RetrySpec:
     backoff_max: float = 0.25
     per_try_timeout: float | None = None
     idempotent_only: bool = True
+    connect_only: bool = False
 
     def __post_init__(self) -> None:
         where = "retry"
@@ -212,6 +219,11 @@ class RetrySpec:
                 f"backoff_base ({self.backoff_base:g} s)"
             )
         _positive(where, "per_try_timeout", self.per_try_timeout)
+        if self.connect_only and self.statuses:
+            raise RegistrationError(
+                f"{where}: connect_only retries a failed connection only, so statuses "
+                f"must be empty, got {sorted(self.statuses)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,10 +247,23 @@ class HedgeSpec:
         _at_least(where, "max_extra", self.max_extra, 1)
 
 
+#: The breaker of a service without a ``breaker`` table: it never opens.
+BREAKER_OFF: Final = BreakerSpec(enabled=False)
+#: The retries of a service without a ``retry`` table: a failed connection, once.
+CONNECT_RETRY: Final = RetrySpec(statuses=frozenset(), connect_only=True)
+#: The outlier ejection of a service of one host without an ``outlier`` table: none.
+OUTLIER_OFF: Final = OutlierSpec(
+    consecutive_5xx=0, consecutive_gateway_failure=0, consecutive_local_origin_failure=0
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Resilience:
     """Everything the sans-IO core of one service needs: its hosts (at least one, each URL
-    once) and the settings above. ``health`` and ``hedge`` are off when None."""
+    once) and the settings above. ``health`` and ``hedge`` are off when None; the other
+    settings default to every mechanism on with its own defaults. What a service without
+    a table gets instead (the breaker off, a failed connection retried once, no ejection
+    of a lone host) is ``Service.resilience``'s choice (docs/resilience.md)."""
 
     hosts: tuple[HostSpec, ...]
     balance: Balance = "p2c"

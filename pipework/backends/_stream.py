@@ -73,7 +73,7 @@ from ._failures import CallTimeout, TransportFailure
 from ._h1 import Connection, StaleConnection, first_header
 from ._pool import EXCHANGE_ERRORS, IDEMPOTENT, RAN_OUT, Pool, Progress, failure
 
-__all__ = ["StreamTimeouts", "UpstreamAnswer", "open_stream"]
+__all__ = ["Handshake", "StreamTimeouts", "UpstreamAnswer", "open_stream"]
 
 #: Request headers the exchange never sends from the caller's list: it frames the body.
 _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding"})
@@ -95,6 +95,17 @@ class StreamTimeouts:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"StreamTimeouts.{name} must be a positive number, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """How a proxied websocket's handshake with its backend ended: the answer's ``status``
+    (101, or a refusal's), or none -- failed or ``timed_out`` in ``phase`` (``connect`` or
+    ``handshake``; None: refused before the backend was asked)."""
+
+    status: int | None
+    phase: str | None = None
+    timed_out: bool = False
 
 
 class UpstreamAnswer:

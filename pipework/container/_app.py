@@ -42,7 +42,7 @@ from ..proxy import ProxyLayer, ProxySet, ProxyTable
 from ..proxy._forwarding import trusted_networks
 from ._admin import AdminApi, Reload, admin_token
 from ._callbacks import CallbackSigner
-from ._collector import SERVING_GC_THRESHOLD, tuned_collector
+from ._collector import tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._middleware import CATCH_ALL, Middleware
@@ -81,9 +81,10 @@ class ContainerConfig:
       neither, the admin API is off).
     - ``access_log``: one line per request on the ``pipework.access`` logger (method,
       path, status, duration, request id).
-    - ``gc_threshold``: the garbage collector's young threshold while serving (None: the
-      interpreter's); see :mod:`._collector` for why a server holding many connections
-      wants it far above the default.
+    - ``gc_threshold``: the garbage collector's young threshold while serving (None, the
+      default: the interpreter's, since the process is the embedding program's);
+      ``SERVING_GC_THRESHOLD`` is what ``pipework serve`` uses. See :mod:`._collector` for
+      why a server holding many connections wants it far above the default.
     - ``trusted_proxies``: addresses and networks (``"10.0.0.0/8"``) whose
       ``X-Forwarded-*`` and ``Forwarded`` headers proxy routes pass on, appending to them;
       from any other client those headers are replaced.
@@ -102,7 +103,7 @@ class ContainerConfig:
     expose_errors: bool = False
     admin_token: str | None = None
     access_log: bool = True
-    gc_threshold: int | None = SERVING_GC_THRESHOLD
+    gc_threshold: int | None = None
     trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

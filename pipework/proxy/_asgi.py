@@ -12,8 +12,11 @@ proxied request passes through, in order:
    the target, or refuse (its error's status and problem);
 4. a slot of the service's pool key, held until the answer's last byte: a refusal is a 503
    with ``Retry-After``, as for any route;
-5. the exchange (:meth:`Upstream.client.stream`): the body sent while it arrives, the answer's
-   head awaited, its latency recorded for the key's adaptive limit;
+5. the exchange (:meth:`Upstream.client.stream`) through the service's resilience core: a
+   host picked for the request, an open breaker's refusal a 503 with ``Retry-After``, a
+   try retried by the service's rules while nothing of the body was read; the body sent
+   while it arrives, the answer's head awaited, its latency (retries included) recorded
+   for the key's adaptive limit;
 6. the ``after`` chain (if any) on the answer's head (status and headers);
 7. the answer relayed while it arrives; a client that goes away cancels the exchange.
 
@@ -196,24 +199,30 @@ class ProxyLayer:
                 return
             timeouts = _timeouts(route, client)
             with self._using(proxies):
-                async with self.pool.slot(route.pool_key):
+                async with (
+                    self.pool.slot(route.pool_key),
+                    client.client.websocket(timeouts.connect) as call,
+                ):
                     outcome = await relay_websocket(
                         scope,
                         receive,
                         send,
-                        connect=functools.partial(_connect, client, timeouts.connect),
+                        connect=call.connect,
                         target=target,
-                        host=host,
+                        host=functools.partial(call.host, host),
                         headers=forwarded,
                         idle_timeout=route.idle_timeout,
                         handshake_timeout=timeouts.first_byte,
                         service=route.service,
                         correlation_id=correlation_id,
                         answer_filter=response_headers,
+                        handshake_done=call.handshake_done,
                     )
-        except* PipeworkError:  # the pool refused the slot before the handshake
+        except* PipeworkError:  # the pool or the service's breaker refused, before the handshake
             await send({"type": "websocket.close", "code": 1013})
-            outcome = WebsocketOutcome(503, detail="no slot for the service's key")
+            outcome = WebsocketOutcome(
+                503, detail="no slot for the service's key, or its breaker open"
+            )
         finally:
             status = "none" if outcome is None or outcome.status is None else str(outcome.status)
             self.metrics.proxy_responses.labels(route.name, route.service, status).inc()
@@ -574,14 +583,3 @@ def _log_cut(ex: _Exchange, exc: BaseException) -> None:
         exc,
         extra={"correlation_id": ex.correlation_id, "route": ex.route.name},
     )
-
-
-async def _connect(service: Upstream, seconds: float) -> trio.SocketStream:
-    """A new connection to the service, for a websocket (never from the keep-alive pool:
-    the connection becomes the websocket's)."""
-    with trio.fail_after(seconds):
-        try:
-            return await trio.open_tcp_stream(service.host, service.port)
-        except OSError as exc:
-            where = f"{service.host}:{service.port}"
-            raise ConnectFailed(f"could not connect to {where}: {exc}") from exc

@@ -1,8 +1,11 @@
-"""A service as proxy routes see it: where it listens and how to stream an exchange to it.
+"""A service as proxy routes see it: its name, its time limits and how to stream an
+exchange to it or open a websocket.
 
-The proxy needs a service's address, its time limits and a client that streams
-(:meth:`~pipework.backends._client.ServiceClient.stream`); the registry, which builds the
-backends, hands it these. The proxy itself knows no HTTP client library.
+The proxy needs a client that streams
+(:meth:`~pipework.backends._client.ServiceClient.stream`) and opens websockets
+(:meth:`~pipework.backends._client.ServiceClient.websocket`), each through the service's
+resilience core; the registry, which builds the backends, hands it these. The proxy
+itself knows no HTTP client library.
 """
 
 from __future__ import annotations
@@ -13,13 +16,28 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..backends._stream import StreamTimeouts, UpstreamAnswer
+import trio
 
-__all__ = ["Streams", "Upstream"]
+from ..backends._stream import Handshake, StreamTimeouts, UpstreamAnswer
+
+__all__ = ["Streams", "Upstream", "Websocket"]
+
+
+class Websocket(Protocol):
+    """One proxied websocket as its service's call (the lean client's ``WebsocketCall``)."""
+
+    async def connect(self) -> trio.SocketStream: ...
+
+    def host(self, given: bytes) -> bytes: ...
+
+    def handshake_done(self, handshake: Handshake) -> None: ...
 
 
 class Streams(Protocol):
-    """What streams one exchange to a service (the lean client does)."""
+    """What streams one exchange to a service, and opens a websocket's call (the lean
+    client does)."""
+
+    def websocket(self, connect_timeout: float) -> AbstractAsyncContextManager[Websocket]: ...
 
     def stream(
         self,
@@ -36,14 +54,13 @@ class Streams(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """Service ``name`` at ``host:port`` (``netloc``: its ``Host``), its ``timeout`` and
-    ``connect_timeout`` (seconds; the route's own win), the header carrying the request
-    id (None: not sent), and its streaming ``client``."""
+    """Service ``name``: its ``Host`` (``netloc``, its first host's: the client gives each
+    host its own), its ``timeout`` and ``connect_timeout`` (seconds; the route's own win),
+    the header carrying the request id (None: not sent), and its ``client``, which picks
+    the host of each exchange and websocket."""
 
     name: str
     client: Streams
-    host: str
-    port: int
     netloc: bytes
     timeout: float
     connect_timeout: float | None = None

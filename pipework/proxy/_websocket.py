@@ -69,6 +69,7 @@ from wsproto.utilities import RemoteProtocolError
 
 from .._http._problems import PROBLEM_JSON, Problem, encode_problem
 from ..backends._failures import CallTimeout, TransportFailure
+from ..backends._stream import Handshake
 from ._websocket_core import (
     INTERNAL_ERROR,
     TRY_AGAIN_LATER,
@@ -106,7 +107,7 @@ async def relay_websocket(
     *,
     connect: Callable[[], Awaitable[trio.abc.Stream]],
     target: bytes,
-    host: bytes,
+    host: bytes | Callable[[], bytes],
     headers: _Headers,
     idle_timeout: float | None,
     handshake_timeout: float | None = None,
@@ -115,6 +116,7 @@ async def relay_websocket(
     service: str | None = None,
     correlation_id: str = "",
     answer_filter: Callable[[_Headers], _Headers] | None = None,
+    handshake_done: Callable[[Handshake], None] | None = None,
 ) -> WebsocketOutcome:
     """Relay the websocket of ``scope`` to a backend's, until either side ends it.
 
@@ -129,6 +131,10 @@ async def relay_websocket(
     that long; ``close_timeout`` bounds the closing handshakes at the end. ``service`` and
     ``correlation_id`` go into refusal problems; ``answer_filter`` is applied to the
     backend's answer headers (its 101's, or its refusal's) after the relay's own filter.
+    ``host`` may be a function, asked once connected (the host ``connect`` chose may name
+    it). ``handshake_done`` hears how the backend's handshake ended,
+    before the client is answered (:class:`~pipework.backends._stream.Handshake`); not when
+    the client left first.
 
     Returns how it went; raises only what it cannot handle (a cancellation, a bug).
     """
@@ -147,6 +153,7 @@ async def relay_websocket(
         service=service,
         correlation_id=correlation_id,
         answer_filter=answer_filter,
+        handshake_done=handshake_done,
     )
     try:
         return await relay.run()
@@ -167,6 +174,8 @@ class _Accepted:
 class _Refused:
     problem: Problem
     timed_out: bool = False
+    #: Where the backend failed (``connect`` or ``handshake``); None: not the backend.
+    phase: str | None = None
 
 
 class _Relay:
@@ -178,7 +187,7 @@ class _Relay:
         *,
         connect: Callable[[], Awaitable[trio.abc.Stream]],
         target: bytes,
-        host: bytes,
+        host: bytes | Callable[[], bytes],
         headers: _Headers,
         idle_timeout: float | None,
         handshake_timeout: float | None,
@@ -187,6 +196,7 @@ class _Relay:
         service: str | None,
         correlation_id: str,
         answer_filter: Callable[[_Headers], _Headers] | None,
+        handshake_done: Callable[[Handshake], None] | None = None,
     ) -> None:
         self.scope = scope
         self.receive = receive
@@ -202,6 +212,7 @@ class _Relay:
         self.service = service
         self.correlation_id = correlation_id
         self.answer_filter = answer_filter
+        self.handshake_done = handshake_done
         self.where = f"service {service!r}" if service else "the backend"
 
         self.stream: trio.abc.Stream | None = None
@@ -269,6 +280,7 @@ class _Relay:
 
             nursery.start_soon(watch_client)
             answer = await self._handshake()
+            self._report(answer)
             if isinstance(answer, _Accepted):
                 result = answer
             elif isinstance(answer, _Refused):
@@ -283,23 +295,39 @@ class _Relay:
         assert result is not None
         return result
 
-    async def _handshake(self) -> _Accepted | _Refused | RejectConnection:
-        wire = wire_host(self.host)
-        if wire is None:
-            return _Refused(
-                Problem(
-                    400,
-                    "Bad Request",
-                    f"the Host {self.host!r} cannot be sent on to {self.where}: "
-                    "send a host name of ASCII labels",
-                    slug="malformed-request",
-                )
+    def _report(self, answer: _Accepted | _Refused | RejectConnection) -> None:
+        if self.handshake_done is None:
+            return
+        if isinstance(answer, _Accepted):
+            self.handshake_done(Handshake(101))
+        elif isinstance(answer, RejectConnection):
+            self.handshake_done(Handshake(answer.status_code))
+        else:
+            self.handshake_done(Handshake(None, answer.phase, answer.timed_out))
+
+    def _bad_host(self, host: bytes) -> _Refused:
+        return _Refused(
+            Problem(
+                400,
+                "Bad Request",
+                f"the Host {host!r} cannot be sent on to {self.where}: "
+                "send a host name of ASCII labels",
+                slug="malformed-request",
             )
+        )
+
+    async def _handshake(self) -> _Accepted | _Refused | RejectConnection:
+        if not callable(self.host) and wire_host(self.host) is None:
+            return self._bad_host(self.host)
         timeout = math.inf if self.handshake_timeout is None else self.handshake_timeout
         phase = "connect"
         with trio.move_on_after(timeout):
             try:
                 self.stream = await self.connect()
+                host = self.host() if callable(self.host) else self.host
+                wire = wire_host(host)
+                if wire is None:
+                    return self._bad_host(host)
                 phase = "handshake"
                 request = Request(
                     host=wire,
@@ -313,7 +341,7 @@ class _Relay:
                 return self._timed_out(phase, exc)
             except (OSError, TransportFailure, trio.BrokenResourceError) as exc:
                 what = "could not connect" if phase == "connect" else "failed the handshake"
-                return self._failed(f"{self.where} {what} for a websocket: {exc}")
+                return self._failed(f"{self.where} {what} for a websocket: {exc}", phase)
             except RemoteProtocolError as exc:
                 return self._failed(f"{self.where} answered the websocket handshake wrongly: {exc}")
         return self._timed_out(phase, None)
@@ -341,9 +369,10 @@ class _Relay:
                 )
             self.ws.receive_data(bytes(data))
 
-    def _failed(self, detail: str) -> _Refused:
+    def _failed(self, detail: str, phase: str = "handshake") -> _Refused:
         return _Refused(
-            Problem(502, "Bad Gateway", detail, slug="backend-failed", service=self.service)
+            Problem(502, "Bad Gateway", detail, slug="backend-failed", service=self.service),
+            phase=phase,
         )
 
     def _timed_out(self, phase: str, exc: BaseException | None) -> _Refused:
@@ -363,7 +392,7 @@ class _Relay:
             service=self.service,
             phase=phase,
         )
-        return _Refused(problem, timed_out=True)
+        return _Refused(problem, timed_out=True, phase=phase)
 
     def _extension(self) -> bool:
         extensions = self.scope.get("extensions") or {}

@@ -234,11 +234,11 @@ def _health(t: Table) -> HealthSpec | None:
     )
 
 
-def _outlier(t: Table) -> OutlierSpec:
-    d = OutlierSpec()
+def _outlier(t: Table) -> OutlierSpec | None:
     o = _sub(t, "outlier", OUTLIER_KEYS)
     if o is None:
-        return d
+        return None  # Envoy's defaults for several hosts, none for one (Service.resilience)
+    d = OutlierSpec()
     base = o.number("base_ejection_time", d.base_ejection_time)
     most = o.number("max_ejection_time", max(d.max_ejection_time, base))
     if most < base:
@@ -264,11 +264,11 @@ def _outlier(t: Table) -> OutlierSpec:
     return built or d
 
 
-def _breaker(t: Table) -> BreakerSpec:
-    d = BreakerSpec()
+def _breaker(t: Table) -> BreakerSpec | None:
     b = _sub(t, "breaker", BREAKER_KEYS)
     if b is None:
-        return d
+        return None  # off: a file without the table keeps every call going out
+    d = BreakerSpec()
     built = _build(
         b,
         BreakerSpec,
@@ -282,11 +282,11 @@ def _breaker(t: Table) -> BreakerSpec:
     return built or d
 
 
-def _retry(t: Table, timeout: float) -> RetrySpec:
-    d = RetrySpec()
+def _retry(t: Table, timeout: float) -> RetrySpec | None:
     r = _sub(t, "retry", RETRY_KEYS)
     if r is None:
-        return d
+        return None  # a failed connection only, once (Service.resilience)
+    d = RetrySpec()
     base = r.number("backoff_base", d.backoff_base)
     most = r.number("backoff_max", max(d.backoff_max, base))
     if most < base:

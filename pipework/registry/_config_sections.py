@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from .._errors import RegistrationError
 from ..backends._http_spec import Service, check_base_url, check_header_name
+from ..container._collector import SERVING_GC_THRESHOLD
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
@@ -41,6 +42,7 @@ SERVER_KEYS: Final = (
     "public_url",
     "callback_secret_env",
     "trusted_proxies",
+    "gc_threshold",
 )
 POOL_KEYS: Final = (
     "max_workers",
@@ -86,6 +88,9 @@ class ServerConfig:
     #: Peers whose ``X-Forwarded-*`` and ``Forwarded`` fields proxy routes keep (and
     #: append to); every other peer's are replaced.
     trusted_proxies: tuple[Network, ...] = ()
+    #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
+    #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
+    gc_threshold: int = SERVING_GC_THRESHOLD
 
     def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin bearer token (from the file or the environment); None: no admin API."""
@@ -161,6 +166,7 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         public_url=public_url,
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
+        gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
     )
 
 

@@ -49,6 +49,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         admin_token=s.admin_token_value(os.environ),
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
+        gc_threshold=s.gc_threshold or None,
     )
 
 
@@ -61,13 +62,10 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
 
 def _upstream(backends: Backends, name: str) -> Upstream:
     service = backends.services[name]
-    url = service.url
     return Upstream(
         name,
         backends.lean(name),
-        url.host,
-        url.port if url.port is not None else 80,
-        url.netloc,
+        service.url.netloc,
         service.timeout,
         service.connect_timeout,
         service.request_id_header,
