@@ -31,7 +31,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from .._load import Server
@@ -153,12 +153,19 @@ backend bulk
 """
 
 
-def _command(kind: str, path: str, folder: Path, port: int, urls: Mapping[str, str]) -> list[str]:
+def _command(
+    kind: str,
+    path: str,
+    folder: Path,
+    port: int,
+    urls: Mapping[str, str],
+    text: Callable[[int], str] | None,
+) -> list[str]:
     conf = folder / f"{kind}.conf"
     if kind == "nginx":
         conf.write_text(nginx_conf(folder, port, urls))
         return [path, "-e", "stderr", "-p", str(folder), "-c", str(conf)]
-    conf.write_text(haproxy_conf(port, urls))
+    conf.write_text(haproxy_conf(port, urls) if text is None else text(port))
     return [path, "-db", "-f", str(conf)]
 
 
@@ -187,14 +194,18 @@ def _wait_listening(kind: str, process: subprocess.Popen[bytes], port: int) -> N
 
 
 @contextlib.contextmanager
-def started(kind: str, urls: Mapping[str, str]) -> Iterator[Server]:
-    """``kind`` (``nginx`` or ``haproxy``) serving the three routes until the block ends."""
+def started(
+    kind: str, urls: Mapping[str, str], conf: Callable[[int], str] | None = None
+) -> Iterator[Server]:
+    """``kind`` (``nginx`` or ``haproxy``) serving the three routes until the block ends;
+    for HAProxy, ``conf`` gives another configuration for the port it listens on
+    (benchmarks/resilience/haproxy.py)."""
     path = ensure_installed(kind)
     with tempfile.TemporaryDirectory() as name, tempfile.TemporaryFile() as errors:
         folder = Path(name)
         port = free_port()
         process = subprocess.Popen(
-            _command(kind, path, folder, port, urls),
+            _command(kind, path, folder, port, urls, conf),
             stdin=subprocess.DEVNULL,
             stdout=errors,
             stderr=errors,

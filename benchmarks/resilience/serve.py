@@ -1,0 +1,87 @@
+"""Serve the resilience benchmark's pipework gateway in its own process.
+
+``python -m benchmarks.resilience.serve pipework --host URL --host URL --host URL [--hedge]
+[--gc WHICH]`` serves ``gateway.toml`` beside this file with :class:`pipework.Gateway` (what
+``pipework serve gateway.toml --log-level WARNING`` runs) on 127.0.0.1 (a free port), its
+three hosts replaced by the ``--host`` URLs, prints its base URL on stdout once it listens,
+and serves until terminated. ``--hedge`` adds hedged calls to the service
+(``[services.replicas.hedge]``, :data:`HEDGE`). ``--gc`` as for the peers' gateways
+(:mod:`benchmarks.peers.serve`): pipework's serving thresholds by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from .._serve import raise_open_files_limit
+from ..peers.serve import _announce, gc_threshold
+
+GATEWAY_FILE = Path(__file__).with_name("gateway.toml")
+#: The hosts written in gateway.toml, which ``--host`` replaces in order.
+FILE_HOSTS = ("http://127.0.0.1:9201", "http://127.0.0.1:9202", "http://127.0.0.1:9203")
+#: The hedging scenario's table: a second try to another host once a call has waited the
+#: service's p95 (of its last 200 answers), at most one per call.
+HEDGE = """
+[services.replicas.hedge]
+delay = "p95"
+max_extra = 1
+"""
+
+
+def gateway_text(hosts: Sequence[str], *, hedge: bool = False) -> str:
+    """gateway.toml with its hosts replaced (and the hedge table added with ``hedge``)."""
+    if len(hosts) != len(FILE_HOSTS):
+        raise ValueError(f"{len(FILE_HOSTS)} hosts are needed, got {len(hosts)}")
+    text = GATEWAY_FILE.read_text()
+    for old, new in zip(FILE_HOSTS, hosts, strict=True):
+        if text.count(f'"{old}"') != 1:
+            raise RuntimeError(f"{GATEWAY_FILE} should name {old} exactly once")
+        text = text.replace(f'"{old}"', f'"{new}"')
+    return text + HEDGE if hedge else text
+
+
+def serve_pipework(hosts: Sequence[str], hedge: bool, young: int | None) -> None:
+    import pipework as pw
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "gateway.toml")
+        path.write_text(gateway_text(hosts, hedge=hedge))
+        # The container sets the threshold while it serves (None: it leaves the
+        # interpreter's); the command line has no option for it.
+        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+
+        async def main() -> None:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(
+                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
+                )
+                _announce(address.port)
+
+        trio.run(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.resilience.serve", description=__doc__
+    )
+    parser.add_argument("kind", choices=["pipework"], help="the gateway (pipework only)")
+    parser.add_argument("--host", action="append", required=True, help="a replica's base URL")
+    parser.add_argument("--hedge", action="store_true", help="hedge the calls")
+    parser.add_argument("--gc", choices=["serving", "interpreter"], default="serving")
+    args = parser.parse_args(argv)
+    raise_open_files_limit()
+    logging.basicConfig(level=logging.WARNING)
+    serve_pipework(args.host, args.hedge, gc_threshold(args.gc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
