@@ -69,6 +69,7 @@ from ._http_spec import (
 from ._http_template import TemplateError, render_body
 from ._outlier_core import Failure, Outcome
 from ._pool import Pool, ResponseTooLarge
+from ._resolve import resolved_hosts, same_names
 from ._stream import Handshake, StreamTimeouts, UpstreamAnswer, open_stream
 
 __all__ = [
@@ -203,16 +204,54 @@ class ServiceClient:
                         else service.connect_timeout
                     ),
                 )
-            link = self._links[host.url] = HostLink(host.url, pool, url.netloc)
+            authority = host.spec.authority
+            netloc = url.netloc if authority is None else authority.encode("ascii")
+            link = self._links[host.url] = HostLink(host.url, pool, netloc)
         return link
 
     def adopt(self, core: ServiceCore) -> None:
         """Take over ``core`` (the previous plan's, on a reload) with this client's settings:
-        hosts that stay keep what they learnt (:meth:`ServiceCore.reconfigure`)."""
-        core.reconfigure(self.service.resilience, trio.current_time())
+        hosts that stay keep what they learnt (:meth:`ServiceCore.reconfigure`), and the
+        addresses found for host names that stay are kept until they are resolved again."""
+        resilience = self.service.resilience
+        if self.service.resolve is not None and same_names(core.resilience.hosts, resilience.hosts):
+            resilience = replace(resilience, hosts=core.resilience.hosts)
+        core.reconfigure(resilience, trio.current_time())
         self.core = core
         for host in core.hosts:
             host.tag = self._link(host)
+
+    async def resolve_hosts(self) -> None:
+        """Every ``resolve`` seconds, the hosts given by name become their addresses,
+        forever (cancel to stop). A name that does not resolve keeps the hosts there are."""
+        every = self.service.resolve
+        failing = False
+        while every is not None and not self._closed:
+            try:
+                hosts = await resolved_hosts(self.service.endpoints)
+            except OSError as exc:
+                if not failing:  # once per run of failures: each try would say the same
+                    _log.warning(
+                        "service %r: its host names did not resolve (%s); its hosts stay %s",
+                        self.service.name,
+                        exc,
+                        ", ".join(h.url for h in self.core.hosts),
+                    )
+                failing = True
+            else:
+                failing = False
+                if hosts != self.core.resilience.hosts:
+                    self.core.reconfigure(
+                        replace(self.core.resilience, hosts=hosts), trio.current_time()
+                    )
+                    for host in self.core.hosts:
+                        host.tag = self._link(host)
+                    _log.info(
+                        "service %r: hosts %s",
+                        self.service.name,
+                        ", ".join(h.url for h in self.core.hosts),
+                    )
+            await trio.sleep(every)
 
     # -- the operator's hand (the admin API) -------------------------------------------------
 
@@ -282,7 +321,7 @@ class ServiceClient:
                 parsed.host, port, max_connections=1, connect_timeout=spec.timeout
             )
         headers = [
-            (b"Host", parsed.netloc),
+            (b"Host", link.netloc if (link := self._links.get(url)) else parsed.netloc),
             (b"User-Agent", self._headers["user-agent"][1].encode()),
         ]
         # After the host's path prefix, as the calls' paths (docs/configuration.md).

@@ -164,10 +164,10 @@ class Backends:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run the active health checks of every ``http://`` service with a ``health``
-        table (one task each), until these backends close or :meth:`adopt` hands their
-        services on. Start it in a nursery that outlives them (the gateway's, the test's):
-        the backends own no task, since a reload closes them from another task than the
-        one that opened them."""
+        table, and the re-resolution of the host names of those with ``resolve`` (one task
+        each), until these backends close or :meth:`adopt` hands their services on. Start
+        it in a nursery that outlives them (the gateway's, the test's): the backends own no
+        task, since a reload closes them from another task than the one that opened them."""
         if self._stack is None:  # closed already (a reload's plan retired at once)
             task_status.started()
             return
@@ -178,6 +178,8 @@ class Backends:
                     for client in self._lean.values():
                         if client.service.health is not None:
                             nursery.start_soon(client.check_health)
+                        if client.service.resolve is not None:
+                            nursery.start_soon(client.resolve_hosts)
                     task_status.started()
             finally:
                 self._health.discard(scope)

@@ -128,7 +128,10 @@ class Service:
     docs/resilience.md). None, a file without the table, keeps a service as it was before
     it had hosts: no health checks and no hedging; the breaker off; only a failed
     connection retried, once; outlier ejection with Envoy's defaults only for a service of
-    several hosts (one host has nowhere else to go).
+    several hosts (one host has nowhere else to go). ``resolve``: every so many seconds,
+    each host given by name becomes one host per address the name resolves to (each with
+    the name's weight, its requests still naming the name as ``Host``); None: the name is
+    resolved by each new connection, as before.
 
     ``timeout`` bounds one whole call in seconds (and always the job's remaining time);
     ``connect_timeout`` the connection set-up. ``max_connections`` is the size of its
@@ -157,6 +160,7 @@ class Service:
     breaker: BreakerSpec | None = None
     retry: RetrySpec | None = None
     hedge: HedgeSpec | None = None
+    resolve: float | None = None
 
     def __post_init__(self) -> None:
         where = f"service {self.name!r}"
@@ -181,7 +185,11 @@ class Service:
             self.resilience  # noqa: B018 -- checks the hosts and settings together
         except RegistrationError as exc:
             raise RegistrationError(f"{where}: {exc}") from None
-        for name, value in (("timeout", self.timeout), ("connect_timeout", self.connect_timeout)):
+        for name, value in (
+            ("timeout", self.timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("resolve", self.resolve),
+        ):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise RegistrationError(f"{where}: {name} must be a positive number, got {value}")
         if self.max_connections < 1:

@@ -72,10 +72,13 @@ def _statuses(where: str, name: str, statuses: Iterable[int]) -> frozenset[int]:
 @dataclass(frozen=True, slots=True)
 class HostSpec:
     """One host of a service: its base URL and its ``weight`` (1 to :data:`MAX_WEIGHT`),
-    relative to the other hosts': a host of weight 2 is meant to take twice the calls."""
+    relative to the other hosts': a host of weight 2 is meant to take twice the calls.
+    ``authority``: the ``Host`` its requests name when the URL holds one address of a
+    host name (re-resolved, ``Service.resolve``); None: the URL's own."""
 
     url: str
     weight: int = 1
+    authority: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url:

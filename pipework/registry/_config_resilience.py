@@ -73,7 +73,16 @@ RETRY_KEYS: Final = (
 )
 HEDGE_KEYS: Final = ("delay", "max_extra")
 #: The keys of ``[services.NAME]`` read here (``base_url`` is read here too).
-RESILIENCE_KEYS: Final = ("hosts", "balance", "health", "outlier", "breaker", "retry", "hedge")
+RESILIENCE_KEYS: Final = (
+    "hosts",
+    "resolve",
+    "balance",
+    "health",
+    "outlier",
+    "breaker",
+    "retry",
+    "hedge",
+)
 
 _STATUS_CLASS: Final = re.compile(r"[1-5]xx\Z")
 
@@ -94,6 +103,8 @@ def read_resilience(t: Table, timeout: float) -> dict[str, Any]:
     elif "hosts" not in t and "base_url" not in t:
         c.error(t.at("base_url"), "required key is missing: set base_url, or hosts for several")
     fields: dict[str, Any] = {"base_url": base_url or "", "hosts": _hosts(t)}
+    if "resolve" in t:
+        fields["resolve"] = t.number("resolve", 30.0)
     chosen = t.string("balance", "p2c", choices=BALANCES)
     balance: Balance = next(b for b in BALANCES if b == chosen)
     fields["balance"] = balance
