@@ -54,7 +54,9 @@ def render(rows: dict[str, list[dict[str, Any]]], quick: bool, previous: str | N
     lines = [
         "# Benchmarks",
         "",
-        "Written by `make bench` (`python -m benchmarks`); do not edit by hand. Every row "
+        "Written by `make bench` (`python -m benchmarks`); do not edit by hand, except in "
+        "a `## bench_*` section no module writes (a measurement by hand, such as an A/B of "
+        "two builds), which every run keeps. Every row "
         "measures pipework and its baseline in the same run; **ratio** is pipework's cost "
         "divided by the baseline's (lower is better, 1.0× is parity). Values are µs unless "
         "a unit is shown.",
