@@ -63,6 +63,8 @@ wait = 30
 [services.search.retry]
 attempts = 4
 statuses = [429, "5xx"]
+min_retries_per_second = 0.5
+budget_window = 30
 per_try_timeout = 0.5
 idempotent_only = false
 
@@ -98,6 +100,8 @@ def test_every_setting_is_read_into_the_services_specs() -> None:
     assert search.retry == RetrySpec(
         attempts=4,
         statuses=frozenset({429, *range(500, 600)}),
+        min_retries_per_second=0.5,
+        budget_window=30,
         per_try_timeout=0.5,
         idempotent_only=False,
     )
@@ -274,6 +278,18 @@ TWO = '[services.s]\nhosts = ["http://a", "http://b"]\n'
         (
             S + "[services.s.retry]\nbudget_percent = 120\n",
             "services.s.retry.budget_percent: must be at most 100 (a percentage), got 120",
+        ),
+        (
+            S + "[services.s.retry]\nmin_retries_per_second = -1\n",
+            "services.s.retry.min_retries_per_second: must be 0 or more, got -1",
+        ),
+        (
+            S + '[services.s.retry]\nmin_retries_per_second = "many"\n',
+            "services.s.retry.min_retries_per_second: expected a number",
+        ),
+        (
+            S + "[services.s.retry]\nbudget_window = 0\n",
+            "services.s.retry.budget_window: must be above 0, got 0",
         ),
         (
             S + "[services.s.retry]\nidempotent_onyl = false\n",

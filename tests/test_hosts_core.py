@@ -5,6 +5,7 @@ clock giving the same decisions."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from typing import Any
@@ -111,6 +112,8 @@ def test_a_base_url_is_one_host_of_weight_one() -> None:
         (lambda: RetrySpec(statuses=frozenset({99})), "not a status"),
         (lambda: RetrySpec(backoff_base=1, backoff_max=0.5), "at least backoff_base"),
         (lambda: RetrySpec(per_try_timeout=0), "positive number"),
+        (lambda: RetrySpec(min_retries_per_second=-1), "min_retries_per_second must be 0 or"),
+        (lambda: RetrySpec(budget_window=math.inf), "budget_window must be a positive"),
         (lambda: HedgeSpec(delay="p99"), 'or "p95"'),  # type: ignore[arg-type]
         (lambda: HedgeSpec(max_extra=0), "at least 1"),
         (lambda: Service("s", "http://s", balance="fastest"), "balance must be one of"),  # type: ignore[arg-type]
@@ -726,3 +729,46 @@ def test_a_statistics_snapshot_says_everything_about_the_service() -> None:
     assert [h.weight for h in stats.hosts] == [1, 3]
     host = next(h for h in stats.hosts if h.url == attempt.host.url)
     assert (host.state, host.requests, host.latency) == ("available", 1, None)
+
+
+# -- the retry budget's volume ---------------------------------------------------------------
+
+
+def every_host_down(core: ServiceCore, seconds: float, clients: int = 16) -> tuple[int, int]:
+    """``clients`` clients, each sending its next call 80 ms after its last answer, to a
+    service whose every host answers 503 in a millisecond, for ``seconds`` of virtual time;
+    returns the calls and the retries."""
+    loop = [(i * 0.005, i) for i in range(clients)]  # (when, client), staggered
+    heapq.heapify(loop)
+    calls = 0
+    while loop:
+        now, client = heapq.heappop(loop)
+        if now >= seconds:
+            continue
+        call = begin(core, now)
+        calls += 1
+        attempt = call.attempt(now)
+        while attempt is not None:
+            now += 0.001
+            verdict = call.finish(attempt, now, E503)
+            if verdict.action != "retry":
+                break
+            now += verdict.delay
+            attempt = call.attempt(now)
+        call.end(now)
+        heapq.heappush(loop, (now + 0.08, client))
+    return calls, core.statistics(seconds).budget.retries
+
+
+def test_fast_failures_are_retried_within_a_share_of_the_calls() -> None:
+    # Every host down and failing fast: few calls are ever in progress at once, so the
+    # bound on retries in flight (3 at least) lets nearly every call retry. The bound on
+    # their volume keeps them to budget_percent of the calls, plus its small floor.
+    retry = RetrySpec()
+    off = OutlierSpec(consecutive_5xx=0, consecutive_local_origin_failure=0)
+    core = make(3, outlier=off, breaker=BreakerSpec(enabled=False), retry=retry)
+    calls, retries = every_host_down(core, retry.budget_window)  # one window
+    assert calls > 1000
+    floor = retry.min_retries_per_second * retry.budget_window
+    assert retries <= retry.budget_percent / 100 * calls + floor + 1
+    assert retries >= retry.budget_percent / 100 * calls  # and the share is used

@@ -2,14 +2,37 @@
 backoff, and the latency window hedging reads its p95 from. Randomness comes only from the
 ``random.Random`` passed in.
 
-**The budget is Envoy's** (``RetryBudget`` in the cluster's circuit breakers,
-https://www.envoyproxy.io/docs/envoy/latest/api-v3/config/cluster/v3/circuit_breaker.proto):
-the retries in flight may be at most ``budget_percent`` of the active requests (rounded
-down), but always ``min_concurrency`` -- so a quiet service can still retry, and a
-struggling busy one sees at most a fifth more load from retries, never a multiple. Here the
-active requests are the calls in progress (each counted once, however many tries it makes),
-and a hedge counts as a retry. A retry holds its place in the budget from the moment it is
-granted, its backoff included, until its try ends.
+**The budget bounds retries twice**, and a retry needs both (a hedge counts as a retry):
+
+* *In flight*, Envoy's bound (``RetryBudget`` in the cluster's circuit breakers,
+  https://www.envoyproxy.io/docs/envoy/latest/api-v3/config/cluster/v3/circuit_breaker.proto):
+  the retries in flight may be at most ``budget_percent`` of the active requests (rounded
+  down), but always ``min_concurrency`` -- so a quiet service can still retry, and a
+  struggling busy one sees at most a fifth more load from retries, never a multiple. Here the
+  active requests are the calls in progress (each counted once, however many tries it
+  makes). A retry holds its place from the moment it is granted, its backoff included, until
+  its try ends.
+* *In volume*, after Finagle's ``RetryBudget`` (``com.twitter.finagle.service.RetryBudget``:
+  each request deposits ``percentCanRetry`` of a token, a retry withdraws one, a reserve of
+  ``minRetriesPerSec`` over the ``ttl``, tokens living ``ttl``). The bound in flight alone
+  does not bound the volume: failures that come back in a millisecond free their places so
+  fast that three places let nearly every call retry. Here each call that goes out deposits
+  ``budget_percent`` of a token when it begins, each retry granted withdraws one, and the
+  floor is ``min_retries_per_second * budget_window`` tokens. Finagle's bucket lets a
+  deposit pay for a retry until it expires, so the calls of a healthy minute pay for a burst
+  of retries when everything fails: a retry at t may spend what calls deposited before
+  t - ttl. This bound holds in **every** window instead: a retry is granted only while no
+  window of ``budget_window`` seconds ending now has spent more than its calls deposited
+  plus the floor. So in any window of that length, retries granted are at most
+  ``budget_percent`` of the calls begun in it, plus the floor, plus one (the retry that
+  found the budget not yet spent, and may spend the last part of a token).
+
+  How it is checked in constant time (amortised): with ``S(t)`` the deposits minus the
+  withdrawals up to t, a window (a, t] has spent ``S(a) - S(t)`` more than it deposited; the
+  most any window ending now has overspent is ``max S(a) - S(t)`` over a in [t - window, t).
+  Between two withdrawals ``S`` only grows, so that maximum is ``S`` just before now or just
+  before one of the withdrawals in the window: those values are kept in a deque, decreasing,
+  as for a sliding-window maximum.
 
 **What may be retried** (:func:`classify`): a try that could not connect (nothing was sent,
 so any method); a reset before any byte of the answer, a try's own timeout, or an answer
@@ -79,16 +102,25 @@ def backoff(spec: RetrySpec, retry: int, rng: random.Random) -> float:
 class BudgetStatistics:
     active_calls: int
     retries_in_flight: int
-    #: Retries (and hedges) the budget would allow in flight now.
+    #: Retries (and hedges) the bound in flight would allow in flight now.
     allowed: int
+    #: Retries (and hedges) the bound on volume would grant now, one after another.
+    volume_left: int
     retries: int
     hedges: int
-    #: Retries and hedges refused because the budget was spent.
+    #: Retries and hedges refused because the budget was spent (either bound).
     exhausted: int
 
 
+#: Deposits and withdrawals are counted in hundredths of a token, so that the usual whole
+#: percentages add up exactly.
+_TOKEN: Final = 100.0
+
+
 class RetryBudget:
-    """Envoy's retry budget over one service's calls (see the module docstring)."""
+    """The retry budget of one service's calls: Envoy's bound in flight and a bound on the
+    volume in every window (see the module docstring). The times given never go back; an
+    earlier one counts as the latest."""
 
     def __init__(self, spec: RetrySpec) -> None:
         self.spec = spec
@@ -97,16 +129,50 @@ class RetryBudget:
         self.retries = 0
         self.hedges = 0
         self.exhausted = 0
+        # The volume: S (the module docstring) now, at time _at, and just before _at.
+        self._at = -math.inf
+        self._level = 0.0
+        self._before = 0.0
+        #: (time of a withdrawal, S just before it), S decreasing from the left.
+        self._peaks: deque[tuple[float, float]] = deque()
+
+    def begin(self, now: float) -> None:
+        """A call goes out: it is in progress, and deposits its share of a token."""
+        self._advance(now)
+        self.active += 1
+        self._level += self.spec.budget_percent
+
+    def end(self) -> None:
+        """A call is over."""
+        if self.active <= 0:
+            raise RuntimeError("retry budget: a call ended that never began")
+        self.active -= 1
 
     def allowed(self) -> int:
         share = math.floor(self.spec.budget_percent * self.active / 100.0)
         return max(self.spec.min_concurrency, share)
 
-    def acquire(self, *, hedge: bool = False) -> bool:
-        """Take a place for one retry (or hedge); False (counted) when the budget is spent."""
-        if self.in_flight >= self.allowed():
+    def volume_left(self, now: float) -> float:
+        """Tokens left in the window that has spent the most (of those ending now): a
+        retry is granted while this is 0 or more."""
+        self._advance(now)
+        highest = self._before
+        if self._peaks:
+            highest = max(highest, self._peaks[0][1])
+        floor = self.spec.min_retries_per_second * self.spec.budget_window * _TOKEN
+        return (self._level + floor - highest) / _TOKEN
+
+    def acquire(self, now: float, *, hedge: bool = False) -> bool:
+        """Take a place for one retry (or hedge) and its token; False (counted) when either
+        bound is spent."""
+        if self.in_flight >= self.allowed() or self.volume_left(now) < 0:
             self.exhausted += 1
             return False
+        peak = self._before  # S just before now: a window may start there
+        while self._peaks and self._peaks[-1][1] <= peak:
+            self._peaks.pop()
+        self._peaks.append((self._at, peak))
+        self._level -= _TOKEN
         self.in_flight += 1
         if hedge:
             self.hedges += 1
@@ -115,19 +181,36 @@ class RetryBudget:
         return True
 
     def release(self) -> None:
+        """A retry's try ended (or it never began): its place in flight is free again. Its
+        token stays spent: it counted as a retry."""
         if self.in_flight <= 0:
             raise RuntimeError("retry budget released more often than acquired")
         self.in_flight -= 1
 
-    def statistics(self) -> BudgetStatistics:
+    def statistics(self, now: float) -> BudgetStatistics:
+        left = self.volume_left(now)
         return BudgetStatistics(
             active_calls=self.active,
             retries_in_flight=self.in_flight,
             allowed=self.allowed(),
+            volume_left=math.floor(left) + 1 if left >= 0 else 0,
             retries=self.retries,
             hedges=self.hedges,
             exhausted=self.exhausted,
         )
+
+    def _advance(self, now: float) -> None:
+        if now > self._at:
+            self._at = now
+            self._before = self._level
+        horizon = self._at - self.spec.budget_window
+        peaks = self._peaks
+        while peaks and peaks[0][0] <= horizon:
+            peaks.popleft()  # a window starting before it would be longer than the window
+        if not peaks and self._before:
+            # Nothing kept refers to an earlier S: count from 0 again, so S stays small.
+            self._level -= self._before
+            self._before = 0.0
 
 
 class LatencyWindow:

@@ -163,7 +163,7 @@ class Call:
             return None
         core = self._core
         host = core.pick(now, self._tried(), repeat=False)
-        if host is None or not core.budget.acquire(hedge=True):
+        if host is None or not core.budget.acquire(now, hedge=True):
             self.hedging = False
             return None
         return self._launch(host, now, "hedge")
@@ -216,7 +216,7 @@ class Call:
         if self._held is not None:
             self._held.outstanding -= 1
             self._held = None
-        core.budget.active -= 1
+        core.budget.end()
         self._ended = True
 
     # -- internals ---------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class Call:
         typical = core.latencies.quantile(0.5)
         if left <= 0 or (typical is not None and left < typical):
             return Verdict("answer", "deadline")
-        if not core.budget.acquire():
+        if not core.budget.acquire(now):
             return Verdict("answer", "budget")
         self._retry_granted = True
         return Verdict("retry", "retry", delay)

@@ -217,7 +217,7 @@ class ServiceCore:
         )
         wants_hedge = self.resilience.hedge is not None if hedge is None else hedge
         self.calls += 1
-        self.budget.active += 1
+        self.budget.begin(now)
         return Call(self, permit, deadline, may_resend, wants_hedge)
 
     def refusing(self, now: float) -> bool:
@@ -339,7 +339,7 @@ class ServiceCore:
             calls=self.calls,
             refused=MappingProxyType(dict(self.refused)),
             breaker=self.breaker.statistics(now),
-            budget=self.budget.statistics(),
+            budget=self.budget.statistics(now),
             latency_p50=self.latencies.quantile(0.5),
             latency_p95=self.latencies.quantile(0.95),
         )

@@ -191,9 +191,12 @@ class RetrySpec:
     there is one. A try is retried after a failed connection (nothing was sent: any method),
     or, for idempotent methods (all methods with ``idempotent_only = False`` or a caller's
     opt-in), after a reset before any byte of the answer, a ``per_try_timeout``, or an answer
-    whose status is in ``statuses``. Retries in flight stay within the budget: at most
-    ``budget_percent`` of the calls in progress, but always ``min_concurrency``. Before each
-    retry a pause drawn from [0, min(backoff_max, backoff_base * 2^n)] (full jitter).
+    whose status is in ``statuses``. Retries (hedges included) stay within the budget, which
+    bounds them twice: in flight, at most ``budget_percent`` of the calls in progress, but
+    always ``min_concurrency``; in volume, in any ``budget_window`` seconds at most
+    ``budget_percent`` of the calls begun in them plus ``min_retries_per_second`` per second
+    (and the one retry that finds the budget not yet spent). Before each retry a pause drawn
+    from [0, min(backoff_max, backoff_base * 2^n)] (full jitter).
 
     ``connect_only``: only a failed connection is retried -- what a service without a
     ``retry`` table does (:data:`CONNECT_RETRY`), as nginx and HAProxy retry by default."""
@@ -202,6 +205,8 @@ class RetrySpec:
     statuses: frozenset[int] = frozenset({502, 503, 504})
     budget_percent: float = 20.0
     min_concurrency: int = 3
+    min_retries_per_second: float = 1.0
+    budget_window: float = 10.0
     backoff_base: float = 0.025
     backoff_max: float = 0.25
     per_try_timeout: float | None = None
@@ -214,6 +219,12 @@ class RetrySpec:
         object.__setattr__(self, "statuses", _statuses(where, "statuses", self.statuses))
         _percent(where, "budget_percent", self.budget_percent, zero=True)
         _at_least(where, "min_concurrency", self.min_concurrency, 0)
+        if not (math.isfinite(self.min_retries_per_second) and self.min_retries_per_second >= 0):
+            raise RegistrationError(
+                f"{where}: min_retries_per_second must be 0 or more, "
+                f"got {self.min_retries_per_second}"
+            )
+        _positive(where, "budget_window", self.budget_window)
         _positive(where, "backoff_base", self.backoff_base)
         _positive(where, "backoff_max", self.backoff_max)
         if self.backoff_max < self.backoff_base:

@@ -66,6 +66,8 @@ RETRY_KEYS: Final = (
     "statuses",
     "budget_percent",
     "min_concurrency",
+    "min_retries_per_second",
+    "budget_window",
     "backoff_base",
     "backoff_max",
     "per_try_timeout",
@@ -316,6 +318,10 @@ def _retry(t: Table, timeout: float) -> RetrySpec | None:
         statuses=_statuses(r, "statuses", d.statuses, empty=True),
         budget_percent=_percent(r, "budget_percent", d.budget_percent, zero=True),
         min_concurrency=r.integer("min_concurrency", d.min_concurrency, minimum=0),
+        min_retries_per_second=r.number(
+            "min_retries_per_second", d.min_retries_per_second, positive=False
+        ),
+        budget_window=r.number("budget_window", d.budget_window),
         backoff_base=base,
         backoff_max=most,
         per_try_timeout=per_try,
