@@ -772,3 +772,75 @@ def test_fast_failures_are_retried_within_a_share_of_the_calls() -> None:
     floor = retry.min_retries_per_second * retry.budget_window
     assert retries <= retry.budget_percent / 100 * calls + floor + 1
     assert retries >= retry.budget_percent / 100 * calls  # and the share is used
+
+
+# -- a try that lost to a hedge ------------------------------------------------------------
+
+
+def test_a_try_that_lost_to_a_hedge_counts_its_time_on_its_host_and_nothing_else() -> None:
+    core = make(2, hedge=HedgeSpec(delay=0.1))
+    call = begin(core)
+    slow = first(call)
+    hedge = call.hedge(0.1)
+    assert hedge is not None
+    assert call.finish(hedge, 0.15, OK).action == "answer"
+    assert call.finish(slow, 0.15, Outcome.cancel()).reason == "cancelled"
+    call.end(0.15)
+    host = core.statistics(0.15).hosts[core.hosts.index(slow.host)]
+    # It took 0.15 s at least: a lower bound of its latency, as a slow answer would be...
+    assert host.latency == pytest.approx(0.15)
+    # ...but it did not fail: no failure, no outlier count, nothing for the breaker.
+    assert (host.failures, host.consecutive_5xx, host.consecutive_local_origin_failure) == (0, 0, 0)
+    breaker = core.statistics(0.15).breaker
+    assert (breaker.window_calls, breaker.window_failures) == (1, 0)  # the winner only
+    assert len(core.latencies) == 1  # the service's latencies are its answers'
+
+
+def test_a_lower_bound_never_lowers_a_hosts_estimate() -> None:
+    core = make(2, hedge=HedgeSpec(delay=0.1))
+    a = core.hosts[0]
+    a.observe(0.0, 2.0)
+    call = begin(core)
+    while (attempt := first(call)).host is not a:  # aim at the slow host
+        call.finish(attempt, 0.0, OK)
+        call.end(0.0)
+        call = begin(core)
+    hedge = call.hedge(0.1)
+    assert hedge is not None
+    call.finish(hedge, 0.12, OK)
+    call.end(0.12)  # the slow try is cancelled: it lost
+    assert a.latency(0.12) == pytest.approx(2.0 * math.exp(-0.012))  # decayed, not lowered
+
+
+def test_a_try_cancelled_from_outside_counts_nowhere() -> None:
+    core = make(2, hedge=HedgeSpec(delay=0.1))
+    call = begin(core)
+    first(call)
+    assert call.hedge(0.1) is not None
+    call.end(0.5)  # the caller gave up: no try answered
+    stats = core.statistics(0.5)
+    assert [h.latency for h in stats.hosts] == [None, None]
+    assert [h.failures for h in stats.hosts] == [0, 0]
+
+
+def test_a_slow_host_whose_tries_lose_to_hedges_loses_its_share() -> None:
+    # Host 0 answers in 1 s, the others in 10 ms; every try to host 0 is hedged after
+    # 50 ms and cancelled when the hedge answers. Were the cancelled tries counted
+    # nowhere, host 0 would never show its slowness and keep a third of the calls.
+    core = make(3, seed=3, hedge=HedgeSpec(delay=0.05))
+    slow_host = core.hosts[0]
+    slow = 0
+    for i in range(600):
+        now = i * 0.1
+        call = begin(core, now)
+        attempt = first(call, now)
+        if attempt.host is slow_host:
+            slow += 1
+            hedge = call.hedge(now + 0.05)
+            assert hedge is not None
+            call.finish(hedge, now + 0.06, OK)
+        else:
+            call.finish(attempt, now + 0.01, OK)
+        call.end(now + 0.06)
+    assert slow < 0.05 * 600
+    assert core.statistics(60.0).hosts[0].failures == 0

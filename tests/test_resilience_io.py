@@ -248,6 +248,12 @@ async def test_a_hedge_wins_against_a_slow_host_and_the_slow_try_is_closed(
             stats = c.core.statistics(trio.current_time())
             assert stats.budget.hedges == 1
             assert [h.outstanding for h in stats.hosts] == [0, 0]
+            # The slow try lost after 0.5 s at least: its host's latency says so, and
+            # it is no failure.
+            slow = stats.hosts[0]
+            assert slow.latency is not None
+            assert slow.latency >= 0.5
+            assert (slow.failures, slow.consecutive_local_origin_failure) == (0, 0)
 
 
 async def test_without_a_hedge_the_slow_host_is_waited_for(
@@ -403,6 +409,7 @@ async def test_a_hedged_call_cancelled_from_outside_ends_every_try(
             stats = c.core.statistics(trio.current_time())
             assert [h.outstanding for h in stats.hosts] == [0, 0]
             assert [h.failures for h in stats.hosts] == [0, 0]  # cancelled: nobody's fault
+            assert [h.latency for h in stats.hosts] == [None, None]  # no try answered
             assert stats.budget.retries_in_flight == 0
             assert stats.budget.active_calls == 0
             assert all(link.pool.statistics().open == 0 for link in c.links.values())

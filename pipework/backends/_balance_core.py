@@ -7,7 +7,9 @@ Finagle's *peak EWMA*: a sample above the current estimate replaces it at once (
 turning slow is seen on its first slow answer), a lower one is blended in with the weight
 ``1 - exp(-Δt / τ)`` of the time since the last sample, and between samples the estimate
 decays toward zero with the same ``τ`` (10 s), so a host left alone for being slow is
-tried again after a while rather than never.
+tried again after a while rather than never. A try stopped without its answer because
+another try of its call answered first gives a *lower bound* (:meth:`Host.observe_at_least`):
+it raises the estimate as a slower answer would, and never lowers it.
 
 Three balancers choose among the hosts they are given (the caller has already left out
 those that may not serve, see ``_hosts_core``):
@@ -136,6 +138,16 @@ class Host:
             w = math.exp(-max(now - self.stamp, 0.0) / DECAY_TIME)
             self.ewma = current + latency * (1.0 - w)
         self.stamp = now
+
+    def observe_at_least(self, now: float, latency: float) -> None:
+        """Fold in a lower bound: a try stopped after ``latency`` seconds without its answer
+        (another try answered first). Above the estimate it counts as a slower answer would,
+        in full; below, it changes nothing -- blended in, it would pull the estimate down
+        with a time the host never answered in."""
+        current = self.latency(now)
+        if current is None or latency > current:
+            self.ewma = latency
+            self.stamp = now
 
     def cost(self, now: float, fallback: float) -> float:
         """What p2c compares: the latency (``fallback`` before any sample) scaled by the

@@ -248,8 +248,14 @@ class ServiceCore:
             self.budget.release()
         error = None if outcome.cancelled else outcome.is_error
         self.breaker.record(attempt.call.permit, now, error=error)
-        if not outcome.cancelled and host in self.hosts:
-            elapsed = max(0.0, now - attempt.started)
+        elapsed = max(0.0, now - attempt.started)
+        if outcome.cancelled:
+            if attempt.call.answered and host in self.hosts:
+                # It lost to another try's answer: its own would have taken this long at
+                # least. Not a failure, but a slow host whose tries all lose to hedges must
+                # not look fast to the balancer for never answering.
+                host.observe_at_least(now, elapsed)
+        elif host in self.hosts:
             if outcome.is_error:
                 host.failures += 1
                 basis = host.latency(now) or self._typical_latency(now) or elapsed

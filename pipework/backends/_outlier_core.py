@@ -77,8 +77,10 @@ class Failure(Enum):
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How one try ended: an answer with ``status``, a ``failure``, or ``cancelled`` (the
-    caller stopped it: a hedge that lost, a call given up) -- which says nothing about the
-    host and is counted nowhere but in its outstanding calls."""
+    caller stopped it: a try that lost to another's answer, a call given up) -- which is no
+    failure of the host's and counts in no failure count, outlier rule or breaker. Only a
+    try that lost to another's answer says something: its host's latency estimate takes
+    the time it had waited as a lower bound (``Host.observe_at_least``)."""
 
     status: int | None = None
     failure: Failure | None = None
