@@ -15,8 +15,9 @@ pipework and for HAProxy in the same run.
   passed bring it back), outlier ejection after 5 failures in a row (Envoy's rules: 30 s
   the first time, one host of three at most), the circuit breaker (50 % of at least 20
   tries in 10 s, or no host left; open 2 s, then 3 probes), one retry on another host (a
-  failed connection, a reset, a try's 0.25 s timeout, 502/503/504), within Envoy's budget
-  (retries in flight at most 20 % of the calls in progress, 3 at least). Route A is a chain
+  failed connection, a reset, a try's 0.25 s timeout, 502/503/504), within the retry
+  budget's defaults (retries in flight at most 20 % of the calls in progress, 3 at least;
+  in any 10 s at most 20 % of the calls sent in them, plus 1 a second). Route A is a chain
   of one HTTP pipe to the service (`GET /a`); the file's proxy route to the same service
   (`/p`: the same hosts, balancer, checks and breaker, but never hedged) takes the load
   instead with `ROUTE = "proxy"` or `measure(quick, route="proxy")` (a scenario's
@@ -98,8 +99,9 @@ POLL = 0.1
 #: per_try_timeout): the time-to-close goal is their sum.
 BREAKER_WAIT = 2.0
 PROBE = 0.25
-#: pipework's retry budget (retries in flight, per cent of the calls in progress): the
-#: goal on the load retries add while every replica is down.
+#: pipework's retry budget (per cent of the calls, in flight and in volume; its floor of
+#: 1 retry a second comes on top): the goal on the load retries add while every replica
+#: is down.
 RETRY_BUDGET = 20.0
 
 # -- load: wrk, every request timed ------------------------------------------------------
