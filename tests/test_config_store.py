@@ -78,6 +78,21 @@ def test_without_hiredis_redis_is_served_and_the_slower_reader_warned_about(
     assert not [w for w in config.warnings if "hiredis" in str(w)]
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_how_long_and_how_many_dropped_ids_are_remembered_is_the_files(backend: str) -> None:
+    """Both stores remember a week of dropped ids, 100,000 at most, unless the file says."""
+    section: dict[str, object] = {"backend": backend, "url": "redis://x:1/0"}
+    if backend == "memory":
+        del section["url"]
+    store, _ = config_from_dict({**ROUTES, "store": section}).store.build(queue_capacity=1)
+    assert isinstance(store, pw.MemoryJobStore | RedisJobStore)
+    assert (store.remember_gone_count, store.remember_gone_seconds) == (100_000, 7 * 86400)
+    section |= {"remember_gone_count": 500, "remember_gone_seconds": 0}
+    store, _ = config_from_dict({**ROUTES, "store": section}).store.build(queue_capacity=1)
+    assert isinstance(store, pw.MemoryJobStore | RedisJobStore)
+    assert (store.remember_gone_count, store.remember_gone_seconds) == (500, 0)
+
+
 def test_the_url_may_come_from_the_environment() -> None:
     config = config_from_dict({**ROUTES, "store": {"backend": "redis", "url_env": "SHOP_REDIS"}})
     store, _ = config.store.build(queue_capacity=1, environ={"SHOP_REDIS": "redis://x:1/0"})
@@ -100,6 +115,10 @@ def test_the_url_may_come_from_the_environment() -> None:
         ),
         ({"backend": "redis", "url": "redis://x", "prefix": "a:b"}, "store.prefix", "':'"),
         ({"retain_count": 0}, "store.retain_count", ""),
+        ({"remember_gone_count": -1}, "store.remember_gone_count", "at least 0, got -1"),
+        ({"remember_gone_count": 2.5}, "store.remember_gone_count", "an integer"),
+        ({"remember_gone_seconds": -1}, "store.remember_gone_seconds", "0 or more, got -1"),
+        ({"remember_gone_seconds": "1d"}, "store.remember_gone_seconds", "a number"),
         ({"urls": "redis://x"}, "store.urls", "did you mean 'url'?"),
     ],
 )

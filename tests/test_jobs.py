@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import msgpack
 import pytest
@@ -246,6 +247,72 @@ async def test_store_delete_and_duplicate_create() -> None:
     await store.delete(job.id)
     with pytest.raises(pw.JobNotFound):
         await store.get(job.id)
+
+
+async def _known(engine: pw.Engine, ids: list[str]) -> list[str]:
+    """What the store says of each id: kept, gone (remembered) or unknown."""
+    said = []
+    for job_id in ids:
+        try:
+            await engine.status(job_id)
+        except pw.JobGone:
+            said.append("gone")
+        except pw.JobNotFound:
+            said.append("unknown")
+        else:
+            said.append("kept")
+    return said
+
+
+async def test_dropped_ids_are_remembered_by_count_and_by_time(
+    autojump_clock: trio.abc.Clock, each_store: type[Any]
+) -> None:
+    """``retain_count`` finished records are kept; of the dropped ids, the newest
+    ``remember_gone_count`` are remembered (gone, 410 for the owner), each until
+    ``remember_gone_seconds`` after its retention ended; an id forgotten is unknown (404)
+    as one that never existed. The same on every store (each_store)."""
+    store = each_store(
+        retain_seconds=60, retain_count=2, remember_gone_count=3, remember_gone_seconds=600
+    )
+    engine = pw.Engine(store=store)
+
+    @engine.pipe
+    async def one(ctx: pw.Context) -> None:
+        ctx.state["n"] = 1
+
+    engine.chain("c", one)
+    async with engine:
+        ids = []
+        for n in range(8):
+            await trio.sleep(n - trio.current_time())
+            ids.append(await engine.submit("c"))
+            await engine.wait(ids[-1])
+        # 8 finished: the last 2 kept, the 3 dropped before them remembered, 3 forgotten.
+        assert await _known(engine, ids) == ["unknown"] * 3 + ["gone"] * 3 + ["kept"] * 2
+        await trio.sleep(60)  # the kept ones' retention ends: dropped, and remembered
+        assert await _known(engine, ids) == ["unknown"] * 5 + ["gone"] * 3
+        # Jobs ended at 0, 1, ... 7 s: the one that ended at 5 s is forgotten at 665 s.
+        await trio.sleep(665.5 - trio.current_time())
+        assert await _known(engine, ids) == ["unknown"] * 6 + ["gone"] * 2
+        await trio.sleep(2)
+        assert await _known(engine, ids) == ["unknown"] * 8
+
+
+async def test_a_deleted_job_is_unknown_not_gone(each_store: type[Any]) -> None:
+    engine = pw.Engine(store=each_store(retain_count=1))
+
+    @engine.pipe
+    async def one(ctx: pw.Context) -> None:
+        ctx.state["n"] = 1
+
+    engine.chain("c", one)
+    async with engine:
+        first = await engine.submit("c")
+        await engine.wait(first)
+        second = await engine.submit("c")
+        await engine.wait(second)
+        await engine.store.delete(second)
+        assert await _known(engine, [first, second]) == ["gone", "unknown"]
 
 
 async def test_queue_refuses_new_work_at_capacity_but_takes_internal_events() -> None:

@@ -99,11 +99,14 @@ def _update_args(
     version: str = "",
     origin: str = "me",
     retain: int = 10,
+    remember: int = 10,
 ) -> tuple[list[str], list[Arg]]:
+    """The update script's keys and arguments: a terminal write's retention ends at 100.5
+    (wall clock), 30 s from now; a tombstone is remembered 20 s after that."""
     p = redis.p
-    keys = [f"{p}:job:{job}", f"{p}:finished", f"{p}:gone:{job}"]
-    args: list[Arg] = [b"blob2", status, job, int(terminal), 100.5, "hash", p, 60_000]
-    args += [120_000, retain, origin, version]
+    keys = [f"{p}:job:{job}", f"{p}:finished", f"{p}:gone"]
+    args: list[Arg] = [b"blob2", status, job, int(terminal), 100.5, "hash", p, 60_000, 30.0]
+    args += [retain, origin, 20.0, remember, version]
     return keys, args
 
 
@@ -170,8 +173,8 @@ async def test_update_answers_each_case_with_one_integer(redis: Redis) -> None:
     assert await redis.run("store_update", keys, args) == 3
     assert await redis("SMEMBERS", f"{p}:active") == []
     assert await redis("ZRANGE", f"{p}:finished", 0, -1, "WITHSCORES") == [b"a", b"100.5"]
-    assert await redis("GET", f"{p}:gone:a") == b"hash"
-    assert 0 < await redis("PTTL", f"{p}:gone:a") <= 120_000
+    assert await redis("HGETALL", f"{p}:gone") == [b"a", b"hash"]
+    assert await redis("ZRANGE", f"{p}:remembered", 0, -1, "WITHSCORES") == [b"a", b"100.5"]
     assert 0 < await redis("PTTL", f"{p}:job:a") <= 60_000
     # A finished record: a second end leaves it (its version said), anything else refused.
     keys, args = _update_args(redis, "a", "failed", terminal=True)
@@ -231,6 +234,35 @@ async def test_update_keeps_retain_count_finished_records_and_appends_an_entry(
     assert await redis("XLEN", f"{p}:events") == 1
 
 
+async def test_an_end_remembers_its_id_and_forgets_by_time_and_beyond_the_count(
+    redis: Redis,
+) -> None:
+    """Every end writes its tombstone; at most remember-gone count are kept beyond the
+    finished records, the oldest forgotten first, and those whose retention ended more than
+    remember-gone seconds ago are forgotten by the next end."""
+    p = redis.p
+
+    async def end(job: str, until: float, remember: int = 2) -> None:
+        await _create(redis, job)
+        keys, args = _update_args(redis, job, "done", terminal=True, retain=1, remember=remember)
+        args[4] = until  # its retention ends then: now is 30 s before
+        assert await redis.run("store_update", keys, args) == 1
+
+    for n in range(5):
+        await end(f"j{n}", 100 + n)
+    # j4 kept; j2 and j3 remembered beyond it; j0 and j1 forgotten.
+    assert await redis("ZRANGE", f"{p}:finished", 0, -1) == [b"j4"]
+    assert await redis("ZRANGE", f"{p}:remembered", 0, -1) == [b"j2", b"j3", b"j4"]
+    assert sorted(await redis("HKEYS", f"{p}:gone")) == [b"j2", b"j3", b"j4"]
+    # Now 122.5, so what ended before 102.5 is forgotten: j2's (102), not j3's (103).
+    await end("j5", 152.5)
+    assert await redis("ZRANGE", f"{p}:remembered", 0, -1) == [b"j3", b"j4", b"j5"]
+    # Told to remember none, an end writes no tombstone; j3's and j4's time has come (104).
+    await end("j6", 154, remember=0)
+    assert await redis("ZRANGE", f"{p}:remembered", 0, -1) == [b"j5"]
+    assert await redis("HKEYS", f"{p}:gone") == [b"j5"]
+
+
 async def test_status_writes_the_status_alone_at_the_version_read(redis: Redis) -> None:
     p = redis.p
     key = f"{p}:job:a"
@@ -244,12 +276,10 @@ async def test_status_writes_the_status_alone_at_the_version_read(redis: Redis) 
     assert await redis.run("store_status", [key], ["queued", 2.5, "a", p, 1]) == -2
 
 
-async def test_awaited_marks_an_active_record_and_answers_a_tombstone(redis: Redis) -> None:
+async def test_awaited_marks_an_active_record(redis: Redis) -> None:
     p = redis.p
-    keys = [f"{p}:job:a", f"{p}:gone:a"]
+    keys = [f"{p}:job:a"]
     assert await redis.run("store_awaited", keys, []) == []
-    await redis("SET", f"{p}:gone:a", "hash")
-    assert await redis.run("store_awaited", keys, []) == [None, None, b"hash"]
     await _create(redis, "a")
     assert await redis.run("store_awaited", keys, []) == [b"blob", b"0", None, b"queued", None]
     assert await redis("HGET", f"{p}:job:a", "w") == b"1"
@@ -270,12 +300,27 @@ async def test_delete_expire_list_and_release(redis: Redis) -> None:
     listed = await redis.run("store_list", [f"{p}:active", f"{p}:finished"], [p])
     assert listed == [b"blob", b"0", b"queued", None] + [b"blob2", b"1", b"done", b""] * 2
     assert await redis.run("store_list", [f"{p}:active"], [p]) == listed[:4]
-    assert await redis.run("store_expire", [f"{p}:finished"], [15, p]) == 1  # b's time came
+    expire = [f"{p}:finished", f"{p}:gone", f"{p}:remembered"]
+    assert await redis.run("store_expire", expire, [15, p, 20, 10]) == 1  # b's time came
     assert await redis("ZRANGE", f"{p}:finished", 0, -1) == [b"c"]
     assert await redis("EXISTS", f"{p}:job:b") == 0
+    # b is remembered (its tombstone, "hash") until 20 s after its retention ended (10).
+    assert await redis.run("store_expire", expire, [29, p, 20, 10, "b"]) == b"hash"
+    assert await redis.run("store_expire", expire, [29, p, 20, 10, "x"]) is None
+    assert await redis.run("store_expire", expire, [30, p, 20, 10, "b"]) is None
+    assert await redis("ZRANGE", f"{p}:remembered", 0, -1) == [b"c"]
+    assert await redis("HKEYS", f"{p}:gone") == [b"c"]
+    # Beyond the count (counted beyond the finished records kept, none now: c's time came
+    # too): the oldest forgotten.
+    await redis("ZADD", f"{p}:remembered", 1, "old")
+    await redis("HSET", f"{p}:gone", "old", "")
+    assert await redis.run("store_expire", expire, [0, p, 20, 1, "old"]) is None
+    assert await redis("ZRANGE", f"{p}:remembered", 0, -1) == [b"c"]
     assert await redis.run("store_delete", [f"{p}:job:a", f"{p}:finished"], ["a", p]) == 1
-    assert await redis.run("store_delete", [f"{p}:job:c", f"{p}:finished"], ["c", p]) == 1
     assert await redis.run("store_list", [f"{p}:active", f"{p}:finished"], [p]) == []
+    # A deleted job is unknown, not gone: its tombstone goes with it (c's record is gone).
+    assert await redis.run("store_delete", [f"{p}:job:c", f"{p}:finished"], ["c", p]) == 0
+    assert await redis("EXISTS", f"{p}:gone", f"{p}:remembered") == 0
     await redis("SET", f"{p}:lock:a", "holder")
     assert await redis.run("store_release", [f"{p}:lock:a"], ["another"]) == 0
     assert await redis.run("store_release", [f"{p}:lock:a"], ["holder"]) == 1

@@ -70,6 +70,69 @@ async def test_retention_by_count_drops_the_oldest_finished(redis_server: RedisS
         assert {j.id for j in await store.list()} == {jobs[1].id, jobs[2].id}
 
 
+async def _keys(store: RedisJobStore) -> set[str]:
+    """The keys under the store's prefix, without it (read in the store's round trips,
+    which hold an autojumping clock)."""
+    (found,) = await store.pipeline([["KEYS", f"{store.prefix}:*"]])
+    return {key.decode().removeprefix(f"{store.prefix}:") for key in found}
+
+
+async def _end(store: RedisJobStore, count: int) -> list[Job]:
+    """``count`` jobs ended a second apart (under an autojumping clock)."""
+    jobs = [_job(token_hash=f"t{n}") for n in range(count)]
+    for job in jobs:
+        await trio.sleep(1)
+        await store.create(job)
+        job.transition(pw.Status.CANCELLED)
+        await store.update(job)
+    return jobs
+
+
+async def test_a_dropped_job_leaves_no_key_of_its_own(
+    autojump_clock: trio.abc.Clock, redis_server: RedisServer
+) -> None:
+    """However many jobs ended, the ids remembered as gone are in two keys (a hash of the
+    owner-token hashes, a sorted set of when each is forgotten): no key per job once its
+    record is dropped, as there was one for a week."""
+    prefix = f"s{secrets.token_hex(6)}"
+    async with _store(redis_server, prefix, retain_count=2) as store:
+        jobs = await _end(store, 10)
+        kept = {f"job:{job.id}" for job in jobs[-2:]}
+        assert await _keys(store) == {"finished", "gone", "remembered"} | kept
+        with pytest.raises(pw.JobGone) as gone:
+            await store.get(jobs[0].id)
+        assert gone.value.token_hash == "t0"
+
+
+async def test_the_tombstones_kept_are_bounded_by_count_and_a_delete_takes_its_own(
+    autojump_clock: trio.abc.Clock, redis_server: RedisServer
+) -> None:
+    prefix = f"s{secrets.token_hex(6)}"
+    async with _store(
+        redis_server, prefix, retain_count=2, remember_gone_count=3, remember_gone_seconds=60
+    ) as store:
+        jobs = await _end(store, 10)
+
+        async def remembered() -> list[bytes]:
+            ids, hashed = await store.pipeline(
+                [["ZRANGE", f"{prefix}:remembered", 0, -1], ["HKEYS", f"{prefix}:gone"]]
+            )
+            assert sorted(ids) == sorted(hashed)
+            return list(ids)
+
+        # The 2 records kept, and the 3 dropped last: the owners of the others get 404.
+        assert await remembered() == [job.id.encode() for job in jobs[5:]]
+        await store.delete(jobs[-1].id)
+        assert await remembered() == [job.id.encode() for job in jobs[5:-1]]
+        with pytest.raises(pw.JobNotFound) as unknown:
+            await store.get(jobs[-1].id)
+        assert not isinstance(unknown.value, pw.JobGone)
+        # Forgotten with time: 60 s after their retention (an hour) ended, at the next end.
+        await trio.sleep(3600 + 60)
+        (last,) = await _end(store, 1)
+        assert await remembered() == [last.id.encode()]
+
+
 async def test_the_first_end_stands_and_a_finished_job_is_never_brought_back(
     redis_server: RedisServer,
 ) -> None:

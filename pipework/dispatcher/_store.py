@@ -5,13 +5,15 @@ Redis store implements the same methods. Active jobs are never evicted. A job th
 terminal status is moved to a retention list bounded by count and by time (on the trio
 clock, so tests can use virtual time); its ``retain_until`` says when it goes. After
 that, ``get`` raises :class:`JobGone` for as long as the id is remembered (so the HTTP side
-can answer 410 rather than 404).
+can answer 410 rather than 404): ``remember_gone_count`` dropped ids at most, each until
+``remember_gone_seconds`` after its retention ended. A forgotten id is unknown again
+(:class:`JobNotFound`, 404).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
@@ -19,7 +21,20 @@ from .._errors import JobGone, JobNotFound
 from ._job import Job
 from ._status import TERMINAL, Status
 
-__all__ = ["JobGone", "JobStore", "MemoryJobStore", "NowaitAccess"]
+__all__ = [
+    "REMEMBER_GONE_COUNT",
+    "REMEMBER_GONE_SECONDS",
+    "JobGone",
+    "JobStore",
+    "MemoryJobStore",
+    "NowaitAccess",
+    "check_retention",
+]
+
+#: How many dropped ids a store remembers at most, and for how long after their retention
+#: ended (a week): every store's defaults, and the file's (``[store]``).
+REMEMBER_GONE_COUNT: Final = 100_000
+REMEMBER_GONE_SECONDS: Final = 7 * 86400.0
 
 #: ``(get, update, create)`` as plain calls: an in-process store's synchronous access (see
 #: ``_abilities.InProcessStore``).
@@ -48,27 +63,31 @@ class JobStore(Protocol):
 
 class MemoryJobStore:
     """Jobs in this process's memory. ``retain_count`` finished jobs at most, each for at
-    most ``retain_seconds``; ``tombstones`` dropped ids are remembered to answer "gone"."""
+    most ``retain_seconds``; then ``remember_gone_count`` dropped ids at most are
+    remembered to answer "gone", each until ``remember_gone_seconds`` after its
+    retention ended."""
 
     def __init__(
         self,
         *,
         retain_seconds: float = 3600.0,
         retain_count: int = 10_000,
-        tombstones: int = 100_000,
+        remember_gone_count: int = REMEMBER_GONE_COUNT,
+        remember_gone_seconds: float = REMEMBER_GONE_SECONDS,
     ) -> None:
-        if retain_seconds <= 0 or retain_count < 1:
-            raise ValueError("retain_seconds must be positive and retain_count at least 1")
+        check_retention(retain_seconds, retain_count, remember_gone_count, remember_gone_seconds)
         self.retain_seconds = retain_seconds
         self.retain_count = retain_count
+        self.remember_gone_count = remember_gone_count
+        self.remember_gone_seconds = remember_gone_seconds
         self._active: dict[str, Job] = {}
         # Finished jobs in the order they finished, which is the order they expire in (every
         # one is kept for the same time): the oldest is always first, so dropping the
-        # expired ones looks at the head only. Dropped ids become tombstones (id -> owner
-        # token hash, "" for none), oldest dropped first, so a lookup tells gone from unknown.
+        # expired ones looks at the head only. Dropped ids become tombstones (id -> when it
+        # is forgotten, owner token hash or "" for none), oldest dropped first, which is
+        # also the order they are forgotten in: a lookup tells gone from unknown.
         self._finished: dict[str, Job] = {}
-        self._gone: dict[str, str] = {}
-        self._tombstones = tombstones
+        self._gone: dict[str, tuple[float, str]] = {}
 
     async def create(self, job: Job) -> None:
         self.create_nowait(job)
@@ -99,11 +118,11 @@ class MemoryJobStore:
         job = self._finished.get(job_id)
         if job is not None:
             return job
-        token_hash = self._gone.get(job_id)
-        if token_hash is not None:
+        tombstone = self._gone.get(job_id)
+        if tombstone is not None and tombstone[0] > now:
             raise JobGone(
                 f"job {job_id} finished and was dropped after its retention time",
-                token_hash=token_hash or None,
+                token_hash=tombstone[1] or None,
             )
         raise JobNotFound(f"no job with id {job_id!r}")
 
@@ -175,9 +194,29 @@ class MemoryJobStore:
             if oldest.retain_until > now and len(finished) <= self.retain_count:
                 return
             del finished[oldest.id]
-            self._bury(oldest)
+            self._bury(oldest, now)
 
-    def _bury(self, job: Job) -> None:
-        self._gone[job.id] = job.token_hash or ""
-        if len(self._gone) > self._tombstones:
-            del self._gone[next(iter(self._gone))]
+    def _bury(self, job: Job, now: float) -> None:
+        """Remember ``job``'s id, and forget the oldest beyond the count or past their time."""
+        gone = self._gone
+        if self.remember_gone_count:
+            assert job.retain_until is not None
+            gone[job.id] = (job.retain_until + self.remember_gone_seconds, job.token_hash or "")
+        while gone:
+            oldest = next(iter(gone))
+            if gone[oldest][0] > now and len(gone) <= self.remember_gone_count:
+                return
+            del gone[oldest]
+
+
+def check_retention(
+    retain_seconds: float,
+    retain_count: int,
+    remember_gone_count: int,
+    remember_gone_seconds: float,
+) -> None:
+    """A store's retention settings, checked alike by every store (ValueError)."""
+    if not retain_seconds > 0 or retain_count < 1:
+        raise ValueError("retain_seconds must be positive and retain_count at least 1")
+    if remember_gone_count < 0 or not remember_gone_seconds >= 0:
+        raise ValueError("remember_gone_count and remember_gone_seconds must not be negative")

@@ -16,9 +16,15 @@ build themselves):
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
 - ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
   publishes the new version on ``{p}:relay:{id}`` (see ``_relay.py``).
-- ``{p}:gone:{id}`` a tombstone (the owner-token hash, "" for none) written when the job
-  finishes and kept ``tombstone_seconds``: once the record is dropped, ``get`` raises
-  :class:`JobGone` rather than :class:`JobNotFound`.
+- ``{p}:gone`` a hash of tombstones, id -> the owner-token hash ("" for none), and
+  ``{p}:remembered`` a sorted set of the same ids scored by when their retention ends (as
+  in ``{p}:finished``). A tombstone is written when the job finishes; once the record is
+  dropped, ``get`` raises :class:`JobGone` rather than :class:`JobNotFound` until the id is
+  forgotten, ``remember_gone_seconds`` after its retention ended. Bounded by time and by
+  count: an end forgets the tombstones whose time has come and the oldest beyond
+  ``remember_gone_count`` (counted beyond the finished records kept), as it drops the
+  oldest finished records beyond ``retain_count``; so does a read that finds no record
+  (``store_expire.lua``); a delete takes the tombstone with it.
 
 Every write is one Lua script, so it is atomic against every other process: a create never
 overwrites, an update of a finished job never brings it back (a second terminal write
@@ -68,6 +74,7 @@ import trio
 from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ..dispatcher._job import ErrorInfo, Frame, Job, JobRecord, JoinRecord, Progress
 from ..dispatcher._status import ACTIVE, TERMINAL, Status
+from ..dispatcher._store import REMEMBER_GONE_COUNT, REMEMBER_GONE_SECONDS, check_retention
 from ..dispatcher._wake import Waiting, Wake
 from ._batches import Batches, _Call
 from ._client import Subscription
@@ -150,10 +157,8 @@ _STATUS_OF: Final = {s.value: s for s in Status}
 
 
 #: The update script's command (see _update_command): head, the job's key, the finished
-#: set, the tombstone's key, the stream if any, the blob, and the rest already encoded.
-_UPDATE_FORMAT: Final = (
-    b"%b$%d\r\n%b%b\r\n%b$%d\r\n%b%b\r\n%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b%b%b%b%b%b"
-)
+#: set, the tombstones' hash, the stream if any, the blob, and the rest already encoded.
+_UPDATE_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b%b%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b%b%b%b%b%b"
 #: The create script's command (see create).
 _CREATE_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b"
 #: The status script's command (see update_status).
@@ -168,8 +173,8 @@ def _bulk(data: bytes) -> bytes:
 class RedisJobStore(Batches):
     """Job records on Redis. ``url`` is where (``redis://[user:password@]host:port/db``,
     ``rediss://`` for TLS, ``unix:///path?db=N``). ``prefix`` keeps several deployments
-    (or tests) apart on one server. Retention as for the memory store;
-    ``tombstone_seconds`` is how long a dropped id still answers "gone".
+    (or tests) apart on one server. Retention, and how many dropped ids are remembered
+    for how long, as for the memory store.
 
     Use it as an async context manager (an :class:`~pipework.Engine` given it does so): its
     connection closes on the last exit.
@@ -184,19 +189,20 @@ class RedisJobStore(Batches):
         prefix: str = "pipework",
         retain_seconds: float = 3600.0,
         retain_count: int = 10_000,
-        tombstone_seconds: float = 7 * 86400.0,
+        remember_gone_count: int = REMEMBER_GONE_COUNT,
+        remember_gone_seconds: float = REMEMBER_GONE_SECONDS,
         lock_seconds: float = 10.0,
         io_timeout: float = 10.0,
     ) -> None:
-        if retain_seconds <= 0 or retain_count < 1:
-            raise ValueError("retain_seconds must be positive and retain_count at least 1")
+        check_retention(retain_seconds, retain_count, remember_gone_count, remember_gone_seconds)
         if ":" in prefix or not prefix:
             raise ValueError(f"the Redis key prefix must be non-empty without ':', got {prefix!r}")
         self.url = url
         self.prefix = prefix
         self.retain_seconds = retain_seconds
         self.retain_count = retain_count
-        self.tombstone_seconds = tombstone_seconds
+        self.remember_gone_count = remember_gone_count
+        self.remember_gone_seconds = remember_gone_seconds
         self.lock_seconds = lock_seconds
         self.io_timeout = io_timeout
         self._connection: Connection | None = None
@@ -225,9 +231,9 @@ class RedisJobStore(Batches):
         #: Jobs created here whose first event this process claimed (see create).
         self._claimed: dict[str, Job] = {}
         self.rider = None
-        self._update_head = b"*%d\r\n%b" % (18, encode_args(["EVALSHA", _SHAS["update"], 3]))
+        self._update_head = b"*%d\r\n%b" % (20, encode_args(["EVALSHA", _SHAS["update"], 3]))
         self._update_entry_head = b"*%d\r\n%b" % (
-            21,
+            23,
             encode_args(["EVALSHA", _SHAS["update"], 4]),
         )
         self._status_head = b"*%d\r\n%b" % (9, encode_args(["EVALSHA", _SHAS["status"], 1]))
@@ -242,7 +248,7 @@ class RedisJobStore(Batches):
         self._get_head = encode_args(["HMGET"])
         self._get_tail = encode_args(["d", "v", "s", "u"])
         self._job_prefix = f"{prefix}:job:".encode()
-        self._gone_prefix = f"{prefix}:gone:".encode()
+        self._gone_arg = encode_args([f"{prefix}:gone"])
         self._finished_arg = encode_args([f"{prefix}:finished"])
         self._active_arg = encode_args([f"{prefix}:active"])
         self._tail_given: tuple[object, ...] = ()
@@ -411,7 +417,7 @@ class RedisJobStore(Batches):
         blob, version, status, updated = await self._run(
             b"*6\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
         )
-        return await self._found(job_id, blob, version, None, status, updated)
+        return await self._found(job_id, blob, version, status, updated)
 
     async def read_awaited(self, job_id: str) -> Job:
         """The job's record for a caller about to wait for its end (``Engine.wait``): its
@@ -426,12 +432,10 @@ class RedisJobStore(Batches):
         if job is not None and self._hearing():
             self._read_at[job_id] = generation  # for wait_end: read while hearing
             return job
-        reply = await self._script("awaited", [self._key(job_id), self._gone(job_id)], [])
+        reply = await self._script("awaited", [self._key(job_id)], [])
         if not reply:
-            return await self._found(job_id, None, None, None)
-        if len(reply) < 5:  # a tombstone
-            return await self._found(job_id, None, None, reply[2])
-        job = await self._found(job_id, reply[0], reply[1], None, reply[3], reply[4])
+            return await self._found(job_id, None, None)
+        job = await self._found(job_id, reply[0], reply[1], reply[3], reply[4])
         if job.status not in TERMINAL:
             self._read_at[job_id] = generation
         return job
@@ -473,25 +477,22 @@ class RedisJobStore(Batches):
         job_id: str,
         blob: bytes | None,
         version: Any,
-        tombstone: bytes | None,
         status: bytes | None = None,
         updated: bytes | None = None,
     ) -> Job:
+        """The record read (``blob``, None for none), if it is still kept; else whether its
+        id is remembered, once what is due is dropped and forgotten (as the memory store
+        does before it answers)."""
         if blob is not None:
             job = self._decode(blob, version, status, updated)
             if job.retain_until is None or job.retain_until > trio.current_time():
                 return job
-            await self._expire()  # its time has come on the trio clock
-            token_hash: str | None = job.token_hash
-        else:
-            if tombstone is None:
-                tombstone = await self._run(["GET", self._gone(job_id)])
-            if tombstone is None:
-                raise JobNotFound(f"no job with id {job_id!r}")
-            token_hash = tombstone.decode() or None
+        tombstone = await self._expire(job_id)
+        if tombstone is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
         raise JobGone(
             f"job {job_id} finished and was dropped after its retention time",
-            token_hash=token_hash,
+            token_hash=tombstone.decode() or None,
         )
 
     async def update(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
@@ -622,7 +623,7 @@ class RedisJobStore(Batches):
         token = job.token_hash
         blob = self._encode(job)
         self._own.pop(job.id, None)
-        job_prefix, gone_prefix, size = self._job_prefix, self._gone_prefix, len(job_id)
+        job_prefix, size = self._job_prefix, len(job_id)
         # One format for the whole command: far fewer small bytes objects than a part each.
         command = _UPDATE_FORMAT % (
             self._update_head if entry is None else self._update_entry_head,
@@ -630,9 +631,7 @@ class RedisJobStore(Batches):
             job_prefix,
             job_id,
             self._finished_arg,
-            len(gone_prefix) + size,
-            gone_prefix,
-            job_id,
+            self._gone_arg,
             b"" if entry is None else _bulk(entry[0].encode()),
             len(blob),
             blob,
@@ -696,12 +695,15 @@ class RedisJobStore(Batches):
         jobs = [self._decode(*reply[i : i + 4]) for i in range(0, len(reply), 4)]
         return [job for job in jobs if job.status in wanted]
 
-    async def _expire(self) -> None:
+    async def _expire(self, job_id: str | None = None) -> Any:
+        """Drop the finished records and forget the tombstones whose time has come (on this
+        process's trio clock, see the module), and the tombstones beyond the count; with
+        ``job_id``, answer its tombstone then (None if it is not remembered)."""
         now = trio.current_time() + self._shift()
-        await self._script("expire", [f"{self.prefix}:finished"], [repr(now), self.prefix])
-
-    def _gone(self, job_id: str) -> str:
-        return f"{self.prefix}:gone:{job_id}"
+        p = self.prefix
+        keys = [f"{p}:finished", f"{p}:gone", f"{p}:remembered"]
+        args: list[Arg] = [repr(now), p, repr(self.remember_gone_seconds), self.remember_gone_count]
+        return await self._script("expire", keys, args if job_id is None else [*args, job_id])
 
     def _tail(self) -> bytes:
         """The arguments every update sends alike, encoded once (see _UPDATE)."""
@@ -712,9 +714,10 @@ class RedisJobStore(Batches):
         given = (
             self.prefix,
             self.retain_seconds,
-            self.tombstone_seconds,
             self.retain_count,
             origin,
+            self.remember_gone_seconds,
+            self.remember_gone_count,
         )
         if given != self._tail_given:
             self._tail_given = given
@@ -722,9 +725,11 @@ class RedisJobStore(Batches):
                 [
                     self.prefix,
                     int((self.retain_seconds + _SLACK_SECONDS) * 1000),
-                    int(self.tombstone_seconds * 1000),
+                    repr(float(self.retain_seconds)),
                     self.retain_count,
                     origin,
+                    repr(float(self.remember_gone_seconds)),
+                    self.remember_gone_count,
                 ]
             )
         return self._tail_bytes

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..dispatcher._queue import EventQueue
-from ..dispatcher._store import JobStore, MemoryJobStore
+from ..dispatcher._store import (
+    REMEMBER_GONE_COUNT,
+    REMEMBER_GONE_SECONDS,
+    JobStore,
+    MemoryJobStore,
+)
 from ._config_problems import Collector, KeyPath
 from ._config_read import open_table
 from ._config_redis import read_redis_target, redis_url
@@ -23,6 +28,8 @@ STORE_KEYS: Final = (
     "prefix",
     "retain_seconds",
     "retain_count",
+    "remember_gone_count",
+    "remember_gone_seconds",
     "claim_idle",
 )
 
@@ -30,7 +37,9 @@ STORE_KEYS: Final = (
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
     """``[store]``. ``url`` or the environment variable ``url_env`` names the Redis server
-    (a password belongs in the environment, not in the file)."""
+    (a password belongs in the environment, not in the file). Retention, and how many
+    dropped ids are remembered (answering 410 to their owner) for how long, apply to both
+    backends."""
 
     backend: str = "memory"
     url: str | None = None
@@ -38,6 +47,8 @@ class StoreSettings:
     prefix: str = "pipework"
     retain_seconds: float = 3600.0
     retain_count: int = 10_000
+    remember_gone_count: int = REMEMBER_GONE_COUNT
+    remember_gone_seconds: float = REMEMBER_GONE_SECONDS
     claim_idle: float = 30.0
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
@@ -48,19 +59,12 @@ class StoreSettings:
     ) -> tuple[JobStore, EventQueue | None]:
         """The job store and event queue an engine gets (None: its in-memory queue)."""
         if self.backend == "memory":
-            store = MemoryJobStore(
-                retain_seconds=self.retain_seconds, retain_count=self.retain_count
-            )
+            store = MemoryJobStore(**self._retention())
             return store, None
         from ..redis import RedisEventQueue, RedisJobStore  # the optional extra
 
         url = self.url_value(environ)
-        shared = RedisJobStore(
-            url,
-            prefix=self.prefix,
-            retain_seconds=self.retain_seconds,
-            retain_count=self.retain_count,
-        )
+        shared = RedisJobStore(url, prefix=self.prefix, **self._retention())
         # The queue's writes share the store's round trips (one connection for both).
         queue = RedisEventQueue(
             url,
@@ -70,6 +74,14 @@ class StoreSettings:
             store=shared,
         )
         return shared, queue
+
+    def _retention(self) -> dict[str, Any]:
+        return {
+            "retain_seconds": self.retain_seconds,
+            "retain_count": self.retain_count,
+            "remember_gone_count": self.remember_gone_count,
+            "remember_gone_seconds": self.remember_gone_seconds,
+        }
 
 
 def read_store(c: Collector, value: Any) -> StoreSettings:
@@ -87,5 +99,9 @@ def read_store(c: Collector, value: Any) -> StoreSettings:
         prefix=target.prefix,
         retain_seconds=t.number("retain_seconds", d.retain_seconds),
         retain_count=t.integer("retain_count", d.retain_count, minimum=1),
+        remember_gone_count=t.integer("remember_gone_count", d.remember_gone_count, minimum=0),
+        remember_gone_seconds=t.number(
+            "remember_gone_seconds", d.remember_gone_seconds, positive=False
+        ),
         claim_idle=t.number("claim_idle", d.claim_idle),
     )

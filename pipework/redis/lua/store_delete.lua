@@ -1,5 +1,8 @@
--- A record dropped whatever its status.
+-- A record dropped whatever its status, and its tombstone with it: a deleted job is
+-- unknown, not gone.
 -- KEYS: job, finished. ARGV: id, prefix.
 redis.call('SREM', ARGV[2] .. ':active', ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', ARGV[2] .. ':gone', ARGV[1])
+redis.call('ZREM', ARGV[2] .. ':remembered', ARGV[1])
 return redis.call('DEL', KEYS[1])

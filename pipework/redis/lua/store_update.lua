@@ -2,14 +2,21 @@
 -- more) once written; -1 no such record, -2 a finished record a non-terminal write may not
 -- change, -3 written since at another version (nothing written); -10 - v a finished record
 -- at version v that a terminal write leaves as it is.
--- KEYS: job, finished, gone. ARGV: blob, status, id, terminal (0/1), retain_until, token
--- hash, then what every call of a store sends alike: prefix, record ttl ms, tombstone ttl
--- ms, retain count, the writer's origin (see RedisJobStore._tail), and last the version
--- the record must still have ("" for any); then optionally (a fourth key, a stream) an
--- entry's field and value, added once the record is written (the job's next event, see
--- RedisEventQueue.update_and_put). An end is published only if someone elsewhere may wait
--- for it: the job came from another process (its origin), or a process that did not
--- create it waits for it (the field w).
+-- KEYS: job, finished, gone (the tombstones' hash). ARGV: blob, status, id, terminal
+-- (0/1), retain_until (wall clock), token hash, then what every call of a store sends
+-- alike: prefix, record ttl ms, retain seconds, retain count, the writer's origin,
+-- remember-gone seconds, remember-gone count (see RedisJobStore._tail), and last the
+-- version the record must still have ("" for any); then optionally (a fourth key, a
+-- stream) an entry's field and value, added once the record is written (the job's next
+-- event, see RedisEventQueue.update_and_put). An end is published only if someone
+-- elsewhere may wait for it: the job came from another process (its origin), or a process
+-- that did not create it waits for it (the field w).
+--
+-- An end writes the job's tombstone (its token hash in gone, and its id in
+-- {prefix}:remembered scored by when its retention ends, as in finished), forgets at most
+-- 8 tombstones whose time has come (remember-gone seconds after their retention ended),
+-- and keeps at most remember-gone count tombstones beyond the finished records kept (the
+-- oldest go first).
 --
 -- The terminal statuses (pipework.dispatcher's TERMINAL; _store.py checks the table).
 local terminal = {['cancelled'] = true, ['done'] = true, ['expired'] = true, ['failed'] = true}
@@ -19,7 +26,7 @@ if terminal[cur[1]] then
   if ARGV[4] == '1' then return -10 - tonumber(cur[2]) end
   return -2
 end
-if ARGV[12] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[12]) then
+if ARGV[14] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[14]) then
   return -3
 end
 local v = tonumber(cur[2]) + 1
@@ -32,13 +39,32 @@ if ARGV[4] == '1' then
   redis.call('SREM', p .. ':active', ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[8])
   redis.call('ZADD', KEYS[2], ARGV[5], ARGV[3])
-  redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[9])
   if cur[3] ~= ARGV[11] or cur[4] then redis.call('PUBLISH', p .. ':finished', ARGV[3]) end
-  local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[10])
+  local kept = redis.call('ZCARD', KEYS[2])
+  local extra = kept - tonumber(ARGV[10])
   if extra > 0 then
     local old = redis.call('ZPOPMIN', KEYS[2], extra)
     for i = 1, #old, 2 do redis.call('DEL', p .. ':job:' .. old[i]) end
+    kept = kept - extra
+  end
+  local remember = tonumber(ARGV[13])
+  local remembered = p .. ':remembered'
+  if remember > 0 then
+    redis.call('HSET', KEYS[3], ARGV[3], ARGV[6])
+    redis.call('ZADD', remembered, ARGV[5], ARGV[3])
+  end
+  -- Now is its retention's end less the retention; forgotten, what ended before that less
+  -- the time ids are remembered.
+  local since = tonumber(ARGV[5]) - tonumber(ARGV[9]) - tonumber(ARGV[12])
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', remembered, '-inf', since, 'LIMIT', 0, 8)) do
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('ZREM', remembered, id)
+  end
+  extra = redis.call('ZCARD', remembered) - kept - remember
+  if extra > 0 then
+    local old = redis.call('ZPOPMIN', remembered, extra)
+    for i = 1, #old, 2 do redis.call('HDEL', KEYS[3], old[i]) end
   end
 end
-if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[13], ARGV[14]) end
+if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[15], ARGV[16]) end
 return v
