@@ -18,6 +18,12 @@ reaches the parent only, and each worker stops on its own if the parent disappea
 Metrics: the parent makes (or wipes) the directory of prometheus-client's multiprocess
 mode and gives it to the workers as ``PROMETHEUS_MULTIPROC_DIR``; see
 :mod:`pipework._metrics`.
+
+Callback URLs: a URL one worker signs may reach any other, so the parent makes one random
+secret at start and hands it to every worker (a respawned one too) in the environment,
+``PIPEWORK_WORKERS_CALLBACK_SECRET`` — never on a command line, never logged. A worker
+signs with it unless a secret is configured, or the job store keeps one for every process
+sharing it (:mod:`pipework.container._callbacks`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import glob
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +44,8 @@ from typing import Final
 
 import trio
 from prometheus_client.multiprocess import mark_process_dead
+
+from .container._callbacks import WORKERS_SECRET_ENV
 
 __all__ = ["MULTIPROC_ENV", "PARENT_ENV", "Supervisor", "listen", "metrics_directory"]
 
@@ -123,6 +132,7 @@ class Supervisor:
         directory, made = metrics_directory(self._environ)
         self._environ[MULTIPROC_ENV] = directory
         self._environ[PARENT_ENV] = str(os.getpid())
+        self._environ[WORKERS_SECRET_ENV] = secrets.token_urlsafe(32)
         self._metrics_dir = directory
         try:
             return await self._run()

@@ -232,6 +232,56 @@ def test_callback_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert random_a.url_expiring_at("j", "s", 10) != random_b.url_expiring_at("j", "s", 10)
 
 
+def test_the_secret_chosen_by_the_operator_comes_first_then_the_workers_one() -> None:
+    def signed_with(signer: CallbackSigner) -> str:
+        return signer.url_expiring_at("j", "s", 10)
+
+    def signer_of(secret: str) -> str:
+        return signed_with(CallbackSigner(secret))
+
+    everything = {
+        "PIPEWORK_CALLBACK_SECRET": "e" * 32,
+        "PIPEWORK_WORKERS_CALLBACK_SECRET": "w" * 32,
+    }
+    configured = CallbackSigner.from_config("c" * 32, environ=everything)
+    assert (signed_with(configured), configured.chosen) == (signer_of("c" * 32), True)
+    from_env = CallbackSigner.from_config(None, environ=everything)
+    assert (signed_with(from_env), from_env.chosen) == (signer_of("e" * 32), True)
+    workers = {"PIPEWORK_CALLBACK_SECRET": "", "PIPEWORK_WORKERS_CALLBACK_SECRET": "w" * 32}
+    from_parent = CallbackSigner.from_config(None, environ=workers)
+    assert (signed_with(from_parent), from_parent.chosen) == (signer_of("w" * 32), False)
+    assert not CallbackSigner.from_config(None, environ={}).chosen
+
+
+class Keeper:
+    """A shared store's secret keeping, in memory."""
+
+    def __init__(self, kept: bytes | None = None) -> None:
+        self.kept = kept
+
+    async def callback_secret(self, proposed: bytes) -> bytes:
+        if self.kept is None:
+            self.kept = proposed
+        return self.kept
+
+
+async def test_a_secret_nobody_chose_gives_way_to_the_one_a_shared_store_keeps() -> None:
+    keeper = Keeper()
+    first = CallbackSigner.from_config(None, environ={})
+    second = CallbackSigner.from_config(None, environ={})
+    assert first.url_expiring_at("j", "s", 10) != second.url_expiring_at("j", "s", 10)
+    assert await first.share(keeper)  # the first keeps its own
+    assert await second.share(keeper)  # the second takes it
+    assert first.url_expiring_at("j", "s", 10) == second.url_expiring_at("j", "s", 10)
+    chosen = CallbackSigner("c" * 32)
+    assert not await chosen.share(keeper)  # the operator's stands
+    assert chosen.url_expiring_at("j", "s", 10) == CallbackSigner("c" * 32).url_expiring_at(
+        "j", "s", 10
+    )
+    with pytest.raises(ValueError, match="a kept callback secret must be at least 16 bytes"):
+        await CallbackSigner.from_config(None, environ={}).share(Keeper(b"short"))
+
+
 # -- idempotency ---------------------------------------------------------------------------
 
 

@@ -627,3 +627,52 @@ async def test_kill_9_of_the_process_that_accepted_and_claimed_the_jobs_loses_no
     )
     statuses = [(await rescue_store.get(job_id)).status for job_id in accepted]
     assert statuses.count(pw.Status.DONE) == len(accepted)
+
+
+@asynccontextmanager
+async def _serving(engine: pw.Engine) -> AsyncIterator[httpx.AsyncClient]:
+    """A container serving ``engine`` with no callback secret configured."""
+    container = pw.Container(engine, config=pw.ContainerConfig(shutdown_grace=0.5))
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        address: BoundAddress = await nursery.start(
+            functools.partial(container.serve, shutdown_trigger=stop)
+        )
+        try:
+            async with httpx.AsyncClient(base_url=address.url) as client:
+                yield client
+        finally:
+            stop.set()
+
+
+async def test_a_callback_url_one_process_signed_is_accepted_by_another(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no callback secret configured, each process signed with a random one of its own
+    and the others refused its URLs (403). The first to serve keeps its secret in Redis and
+    every other takes it: a URL signed by one process is accepted by another."""
+    monkeypatch.delenv("PIPEWORK_CALLBACK_SECRET", raising=False)
+    monkeypatch.delenv("PIPEWORK_WORKERS_CALLBACK_SECRET", raising=False)
+    urls: list[str] = []
+    signed = trio.Event()
+
+    def declare(engine: pw.Engine, name: str) -> None:
+        @engine.pipe
+        async def pay(ctx: pw.Context) -> None:
+            urls.append(ctx.callback_url("paid", ttl=60))
+            signed.set()
+            await ctx.suspend("paid", into="payment")  # (a signal sent before is kept)
+
+        engine.chain("order", pay)
+
+    engines = _engines(redis_server, declare, a_takes_work=False)
+    async with engines as (a, b), _serving(a) as client_a, _serving(b) as client_b:
+        with trio.fail_after(20):
+            job_id = await a.submit("order")
+            await signed.wait()
+            (url,) = urls  # signed by b, whose engine runs the steps
+            assert url.startswith(str(client_b.base_url).rstrip("/"))
+            path = httpx.URL(url).raw_path.decode()
+            answer = await client_a.post(path, json={"amount": 3})
+            assert answer.status_code == 204, answer.text
+            assert await a.wait(job_id) == {"payment": {"amount": 3}}

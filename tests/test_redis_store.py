@@ -133,6 +133,22 @@ async def test_the_tombstones_kept_are_bounded_by_count_and_a_delete_takes_its_o
         assert await remembered() == [last.id.encode()]
 
 
+async def test_one_callback_secret_is_kept_for_every_process(redis_server: RedisServer) -> None:
+    prefix = f"s{secrets.token_hex(6)}"
+    async with _store(redis_server, prefix) as one, _store(redis_server, prefix) as two:
+        assert await one.callback_secret(b"a" * 32) == b"a" * 32
+        assert await two.callback_secret(b"b" * 32) == b"a" * 32  # the first one's stands
+        async with _store(redis_server) as elsewhere:  # another prefix, another deployment
+            assert await elsewhere.callback_secret(b"c" * 32) == b"c" * 32
+        connection = await Connection.open(redis_server.url)
+        try:
+            await connection.call([["SET", f"{prefix}:callback_secret", "short"]])
+        finally:
+            await connection.aclose()
+        with pytest.raises(ValueError, match=f"'{prefix}:callback_secret' is not one pipework"):
+            await one.callback_secret(b"a" * 32)
+
+
 async def test_the_first_end_stands_and_a_finished_job_is_never_brought_back(
     redis_server: RedisServer,
 ) -> None:

@@ -61,6 +61,21 @@ def build_async_engine() -> pw.Engine:
     return engine
 
 
+def build_signing_engine() -> pw.Engine:
+    """``/sign`` answers the worker's pid and a callback URL it signed for its own job."""
+    registry = pw.Registry()
+    engine = _engine(registry)
+
+    @engine.pipe
+    async def sign(ctx: pw.Context) -> None:
+        await trio.sleep(0.02)  # long enough for concurrent requests to overlap
+        ctx.state["signed"] = {"pid": os.getpid(), "url": ctx.callback_url("paid", ttl=600)}
+
+    engine.chain("sign", sign, result="signed")
+    registry.route("sign", path="/sign", method="GET", chain="sign")
+    return engine
+
+
 def build_engine_failing_in_workers() -> pw.Engine:
     """Builds in the supervising process, fails in every worker."""
     if "PIPEWORK_SUPERVISOR_PID" in os.environ:
@@ -173,6 +188,51 @@ async def test_two_workers_serve_survive_a_killed_worker_and_stop_on_sigterm() -
     assert not any(alive(pid) for pid in now)
     assert b"SIGTERM: shutting down 2 workers gracefully" in served.stderr
     assert b"Traceback" not in served.stderr
+
+
+async def test_a_callback_url_one_worker_signed_is_not_refused_by_another() -> None:
+    """Every worker signs with the secret the parent made (none configured): a callback URL
+    one worker signed, received by another, passes its signature check there and finds no
+    job (404: with the memory store a job lives in its worker) — never 403, refused as
+    forged, as when each worker made a secret of its own."""
+    async with serving(
+        f"{__name__}:build_signing_engine", "--workers", "2", env={"PIPEWORK_CALLBACK_SECRET": ""}
+    ) as served:
+        base = served.url
+
+        async def post_fresh(path: str) -> int:
+            async with httpx.AsyncClient(base_url=base) as fresh:
+                return (await fresh.post(path, json={})).status_code
+
+        urls: dict[int, str] = {}
+        with trio.fail_after(60):
+            while len(urls) < 2:  # a URL from each worker
+                async with trio.open_nursery() as nursery:
+                    for _ in range(8):
+                        nursery.start_soon(_sign, base, urls)
+            answers: dict[int, list[int]] = {pid: [] for pid in urls}
+
+            async def post(pid: int) -> None:
+                path = httpx.URL(urls[pid]).raw_path.decode()
+                answers[pid].append(await post_fresh(path))
+
+            # Its own worker answers 409 (the job has ended); until the other one answers.
+            while not all(set(seen) - {409} for seen in answers.values()):
+                async with trio.open_nursery() as nursery:
+                    for pid in urls:
+                        for _ in range(4):
+                            nursery.start_soon(post, pid)
+        for seen in answers.values():
+            assert 404 in seen, seen
+            assert set(seen) <= {404, 409}, seen
+        assert b"PIPEWORK_WORKERS_CALLBACK_SECRET" not in served.stderr
+
+
+async def _sign(base: str, urls: dict[int, str]) -> None:
+    async with httpx.AsyncClient(base_url=base) as fresh:
+        response = await fresh.get("/sign")
+    assert response.status_code == 200, response.text
+    urls.setdefault(response.json()["pid"], response.json()["url"])
 
 
 async def test_sighup_reloads_every_worker(tmp_path: Path) -> None:

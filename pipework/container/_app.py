@@ -42,7 +42,7 @@ from ..proxy import ProxyLayer, ProxySet, ProxyTable
 from ..proxy._forwarding import trusted_networks
 from ._admin import AdminApi, Reload, admin_token
 from ._admin_services import Upstreams
-from ._callbacks import CallbackSigner
+from ._callbacks import CallbackSigner, SecretKeeper
 from ._collector import tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
@@ -75,8 +75,9 @@ class ContainerConfig:
     - ``cancel_wait``: seconds ``DELETE /jobs/{id}`` waits for the job to end.
     - ``idempotency_keys``: how many Idempotency-Keys are remembered at most.
     - ``callback_secret``: HMAC key for callback URLs (else ``PIPEWORK_CALLBACK_SECRET``,
-      else random per start); ``public_url``: the base of callback URLs as backends
-      reach this server (else the address it listens on).
+      else the one a shared job store keeps, else the one ``serve --workers N`` hands its
+      workers, else random per start: see :mod:`._callbacks`); ``public_url``: the base of
+      callback URLs as backends reach this server (else the address it listens on).
     - ``expose_errors``: show every pipe exception's message to clients (development).
     - ``admin_token``: the admin API's bearer token (else ``PIPEWORK_ADMIN_TOKEN``; with
       neither, the admin API is off).
@@ -219,6 +220,13 @@ class Container:
             **(hypercorn_options or {}),
         }
         stop = trio.Event()
+        store = self.engine.store
+        if isinstance(store, SecretKeeper) and await self.signer.share(store):
+            # Every process on this store signs alike (not logged: the secret itself).
+            _log.info(
+                "callback URLs are signed with the secret the job store keeps for every "
+                "process sharing it ([server] callback_secret_env chooses one instead)"
+            )
         with tuned_collector(self.config.gc_threshold):
             await self._serve(host, port, fd, stop, shutdown_trigger, options, task_status)
 

@@ -6,9 +6,18 @@ backend POSTs the signal's payload to it. The URL is
 HMAC-SHA256, keyed with the container's secret, over ``POST``, the path and ``exp``. It
 names one job and one signal, so a leaked URL can do nothing else, and only until ``exp``.
 
-The secret comes from the configuration, else from ``PIPEWORK_CALLBACK_SECRET``, else it is
-generated at start (then URLs handed out before a restart stop working, as do the jobs
-they would resume, which lived in that process's memory).
+Every process that may receive a callback must sign with the same secret, so it is, in
+this order (docs/scaling.md#callback-urls-across-processes):
+
+1. the configuration's (``ContainerConfig.callback_secret``, ``[server]
+   callback_secret_env``), else ``PIPEWORK_CALLBACK_SECRET``: chosen by the operator;
+2. the one a shared job store keeps (:class:`SecretKeeper`, the Redis store: the first
+   process to ask stores its own, every later one takes it), asked when the container
+   starts serving: every process on one Redis agrees, across machines and restarts;
+3. the one ``pipework serve --workers N`` makes at start and hands every worker in
+   ``PIPEWORK_WORKERS_CALLBACK_SECRET`` (through the environment, never a command line);
+4. else a random one, made at start (then URLs handed out before a restart stop working,
+   as do the jobs they would resume, which lived in that process's memory).
 """
 
 from __future__ import annotations
@@ -21,25 +30,38 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Final, Protocol, runtime_checkable
 from urllib.parse import quote, urlencode
 
 from .._http._problems import Problem
 
-__all__ = ["SECRET_ENV", "CallbackSigner"]
+__all__ = ["SECRET_ENV", "WORKERS_SECRET_ENV", "CallbackSigner", "SecretKeeper"]
 
+#: The operator's secret, when the configuration names none.
 SECRET_ENV: Final = "PIPEWORK_CALLBACK_SECRET"
+#: The secret ``serve --workers N`` makes for its workers (see the module).
+WORKERS_SECRET_ENV: Final = "PIPEWORK_WORKERS_CALLBACK_SECRET"
 _MIN_SECRET: Final = 16
 # Query values are parsed strictly: ASCII digits only (str.isdigit() takes "²" and "٣").
 _EXPIRES: Final = re.compile(r"[0-9]{1,12}\Z")
 _SIGNATURE: Final = re.compile(r"[A-Za-z0-9_-]{1,128}\Z")
 
 
+@runtime_checkable
+class SecretKeeper(Protocol):
+    """A job store shared by several processes that keeps one callback secret for all."""
+
+    async def callback_secret(self, proposed: bytes) -> bytes:
+        """The secret kept, else ``proposed``, kept from now on."""
+        ...
+
+
 class CallbackSigner:
     """Makes and checks callback URLs. ``base_url`` (e.g. ``https://gw.example.com``) is
     put in front of the path; the container sets it to where it serves unless configured.
-    ``clock`` gives Unix time (a parameter so tests can move it)."""
+    ``clock`` gives Unix time (a parameter so tests can move it). ``chosen``: the secret is
+    the operator's; one that is not gives way to a shared store's (:meth:`share`)."""
 
     def __init__(
         self,
@@ -47,23 +69,37 @@ class CallbackSigner:
         *,
         base_url: str = "",
         clock: Callable[[], float] = time.time,
+        chosen: bool = True,
     ) -> None:
-        key = secret.encode() if isinstance(secret, str) else bytes(secret)
-        if len(key) < _MIN_SECRET:
-            raise ValueError(
-                f"the callback secret must be at least {_MIN_SECRET} bytes; "
-                "use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
-            )
-        self._key = key
+        self._key = _checked(secret, "the callback secret")
         self.base_url = base_url.rstrip("/")
         self._clock = clock
+        self.chosen = chosen
 
     @classmethod
-    def from_config(cls, secret: bytes | str | None, *, base_url: str = "") -> CallbackSigner:
-        """The configured secret, else the environment's, else a new random one."""
-        if secret is None:
-            secret = os.environ.get(SECRET_ENV) or secrets.token_bytes(32)
-        return cls(secret, base_url=base_url)
+    def from_config(
+        cls,
+        secret: bytes | str | None,
+        *,
+        base_url: str = "",
+        environ: Mapping[str, str] | None = None,
+    ) -> CallbackSigner:
+        """The configured secret, else ``PIPEWORK_CALLBACK_SECRET``, else the one
+        ``serve --workers N`` handed its workers, else a new random one (see the module)."""
+        environ = os.environ if environ is None else environ
+        chosen = secret if secret is not None else environ.get(SECRET_ENV)
+        if chosen:
+            return cls(chosen, base_url=base_url)
+        made = environ.get(WORKERS_SECRET_ENV) or secrets.token_urlsafe(32)
+        return cls(made, base_url=base_url, chosen=False)
+
+    async def share(self, keeper: SecretKeeper) -> bool:
+        """Unless the operator chose the secret, sign with the one ``keeper`` keeps for
+        every process (this one's, if none was kept yet). Whether it did."""
+        if self.chosen:
+            return False
+        self._key = _checked(await keeper.callback_secret(self._key), "a kept callback secret")
+        return True
 
     @staticmethod
     def path(job_id: str, signal: str) -> str:
@@ -95,6 +131,16 @@ class CallbackSigner:
         message = f"{method}\n{path}\n{expires}".encode()
         digest = hmac.new(self._key, message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def _checked(secret: bytes | str, what: str) -> bytes:
+    key = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(key) < _MIN_SECRET:
+        raise ValueError(
+            f"{what} must be at least {_MIN_SECRET} bytes; "
+            "use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
+    return key
 
 
 def _refused(detail: str) -> Problem:

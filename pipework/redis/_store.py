@@ -25,6 +25,8 @@ build themselves):
   ``remember_gone_count`` (counted beyond the finished records kept), as it drops the
   oldest finished records beyond ``retain_count``; so does a read that finds no record
   (``store_expire.lua``); a delete takes the tombstone with it.
+- ``{p}:callback_secret`` the secret callback URLs are signed with when none is configured,
+  written once by the first process that serves (:meth:`RedisJobStore.callback_secret`).
 
 Every write is one Lua script, so it is atomic against every other process: a create never
 overwrites, an update of a finished job never brings it back (a second terminal write
@@ -79,7 +81,7 @@ from ..dispatcher._wake import Waiting, Wake
 from ._batches import Batches, _Call
 from ._client import Subscription
 from ._scripts import Script, load, terminal_statuses
-from ._wire import UNREACHABLE, Arg, Connection, encode_args
+from ._wire import UNREACHABLE, Arg, Connection, ReplyError, encode_args
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
 
@@ -87,6 +89,9 @@ _log = logging.getLogger("pipework.dispatcher")
 
 #: The wall-clock TTL a finished record gets beyond its retention: a safety net only.
 _SLACK_SECONDS: Final = 60.0
+
+#: The shortest callback secret a signer takes (the container's rule).
+_MIN_SECRET: Final = 16
 
 #: How many ends recorded here are kept for this process's waiters (each taken once).
 _ENDED_KEPT: Final = 4096
@@ -771,6 +776,26 @@ class RedisJobStore(Batches):
         finally:
             self._following -= 1
             self._deaf()
+
+    # -- one callback secret -------------------------------------------------------------
+
+    async def callback_secret(self, proposed: bytes) -> bytes:
+        """The secret every process on this server and prefix signs callback URLs with
+        (when none is configured): the one kept at ``{prefix}:callback_secret``, else
+        ``proposed``, kept there from now on (no expiry, so URLs outlive restarts as the
+        jobs do). The container asks once, when it starts serving."""
+        key = f"{self.prefix}:callback_secret"
+        written, kept = await self.pipeline([["SET", key, proposed, "NX"], ["GET", key]])
+        for reply in (written, kept):
+            if isinstance(reply, ReplyError):
+                raise reply
+        if not isinstance(kept, bytes) or len(kept) < _MIN_SECRET:
+            raise ValueError(
+                f"the callback secret kept in Redis at {key!r} is not one pipework wrote "
+                f"(a string of {_MIN_SECRET} bytes or more): delete that key (the next "
+                "process to start keeps its own) or configure [server] callback_secret_env"
+            )
+        return kept
 
     # -- exclusive sections --------------------------------------------------------------
 
