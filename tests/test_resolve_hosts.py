@@ -176,3 +176,11 @@ def test_resolve_is_read_from_the_file_and_checked_where_it_is_written() -> None
     assert config.services["api"].resolve == 15.0
     with pytest.raises(ConfigError, match=r"services\.api\.resolve"):
         loads_config('[services.api]\nbase_url = "http://replicas.test"\nresolve = 0\n')
+
+
+def test_an_https_service_cannot_silently_lose_hosts_or_settings() -> None:
+    with pytest.raises(ConfigError, match=r"services\.api\.hosts: several hosts need http://"):
+        loads_config('[services.api]\nhosts = ["https://a.test", "https://b.test"]\n')
+    config = loads_config('[services.api]\nbase_url = "https://a.test"\n[services.api.breaker]\n')
+    (warning,) = [w for w in config.warnings if "breaker" in str(w.path)]
+    assert "does nothing for an https:// service" in warning.message
