@@ -787,6 +787,7 @@ def refused(service: Service, refusal: Refusal) -> Overloaded:
         f"{refusal.message} (retry after {refusal.retry_after:g} s)",
         reason=refusal.reason,
         retry_after=refusal.retry_after,
+        service=service.name,
     )
 
 
