@@ -1,9 +1,11 @@
 """A service's refusal (its circuit breaker open) is cheap and quiet, and answered as before:
 a gateway from its file in front of two small real trio backends that answer 503, so two
-calls open the breaker; then a route whose chain is one HTTP pipe to the same service,
-refused. The refused job's log is one INFO line of its own with no traceback (its ``pipe
-ended`` line at DEBUG), while a failure that is no refusal is logged as ever. Real time
-(the gateway reads its file in a thread): every wait is on a condition."""
+calls open the breaker; then a route whose chain is one HTTP pipe, a proxy route and a
+proxied websocket to the same service, each refused. The refused job's log is one INFO
+line of its own with no traceback (its ``pipe ended`` line at DEBUG), while a failure that
+is no refusal is logged as ever; a proxied request or websocket is refused before it waits
+for a slot of its key or anything of its body is read. Real time (the gateway reads its
+file in a thread): every wait is on a condition."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pipework.backends._hosts_core import ServiceCore
 from pipework.container import BoundAddress
 
 from ._proxy_gateway import gateway
+from .test_proxy_websocket import Client
 from .test_resilience_io import HANG_GUARD, counts, hosts, status, urls
 
 
@@ -167,3 +170,45 @@ async def test_a_refused_call_is_answered_as_before(tmp_path: Path) -> None:
     # The job ended failed, its pipe's end an error, as for any refused call.
     assert 'pipework_job_duration_seconds_count{outcome="failed",route="pipe"} 3.0' in metrics
     assert 'pipework_pipe_duration_seconds_count{outcome="error",pipe="call_api"} 3.0' in metrics
+
+
+# -- proxy routes ----------------------------------------------------------------------------
+
+
+async def test_a_proxied_request_is_refused_without_waiting_for_a_slot_or_its_body(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with opened(tmp_path) as (gw, http, address):
+            assert gw._pool is not None
+            # The key's one slot is taken and nothing may wait for it: a request that
+            # asked the pool first would be refused by it (queue_full), not the breaker.
+            # The head of a POST whose body never comes: answered all the same.
+            async with (
+                gw._pool.slot("api"),
+                await trio.open_tcp_stream(address.host, address.port) as raw,
+            ):
+                await raw.send_all(
+                    b"POST /api/orders HTTP/1.1\r\nHost: gw\r\nContent-Length: 5000\r\n"
+                    b"X-Request-ID: req-proxied\r\n\r\n"
+                )
+                answer = b""
+                while b"}" not in answer:
+                    answer += await raw.receive_some()
+            metrics = (await http.get("/metrics")).text
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ")
+    assert b"retry-after: " in head.lower()
+    assert b'"reason":"circuit_open"' in body
+    assert 'pipework_backend_refused_total{reason="circuit_open",service="api"} 1.0' in metrics
+
+
+async def test_a_proxied_websocket_is_refused_without_waiting_for_a_slot(tmp_path: Path) -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with opened(tmp_path) as (gw, _, address):
+            assert gw._pool is not None
+            async with gw._pool.slot("api"), Client.opening(address, "/api/chat") as ws:
+                code, _, _ = await ws.refusal()
+            refused = dict(core(gw).statistics(trio.current_time()).refused)
+    assert code == 403  # the handshake closed (1013) before it was accepted
+    assert refused == {"circuit_open": 1, "circuit_probing": 0, "no_host": 0}
