@@ -111,17 +111,28 @@ class PipeworkError(Exception):
 
 
 class Overloaded(PipeworkError):
-    """Refused at once because a bounded queue is full; nothing was accepted.
+    """Refused at once because a bounded queue is full, or a backend service refuses its
+    calls for now; nothing was accepted.
 
     ``retry_after`` is an estimate in seconds of when trying again is likely to succeed.
+    ``service`` names the backend service whose resilience core refused the call (its
+    circuit breaker open or probing, every host drained); None for pipework's own queues.
     """
 
     http_status = 503
 
-    def __init__(self, message: str, *, reason: str = "queue_full", retry_after: float = 1.0):
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "queue_full",
+        retry_after: float = 1.0,
+        service: str | None = None,
+    ):
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after
+        self.service = service
 
 
 class Rejected(Overloaded):

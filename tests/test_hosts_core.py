@@ -565,6 +565,27 @@ class ServiceMachine(RuleBasedStateMachine):
             before = self._availability()
             self._launch(call.attempt(self.now), before)
 
+    @rule(method=st.sampled_from(["GET", "POST"]))
+    def refuse_first(self, method: str) -> None:
+        # Asked first (a proxied request before its slot): a refusal is begin's, counted
+        # once; no refusal changes nothing, and begin then lets the call in.
+        core = self._core()
+        before = core.statistics(self.now)
+        refusal = core.refuse(self.now)
+        after = core.statistics(self.now)
+        if refusal is None:
+            assert after == before
+            call = core.begin(self.now, method=method, deadline=self.now + 3)
+            assert isinstance(call, Call)
+            self.calls.append(call)
+            self._launch(call.attempt(self.now), self._availability())
+            return
+        assert after.refused[refusal.reason] == before.refused[refusal.reason] + 1
+        assert sum(after.refused.values()) == sum(before.refused.values()) + 1
+        again = core.begin(self.now, method=method)
+        assert isinstance(again, Refusal)
+        assert (again.reason, again.retry_after) == (refusal.reason, refusal.retry_after)
+
     @rule(data=st.data(), outcome=outcomes, hold=st.booleans())
     def finish(self, data: st.DataObject, outcome: Outcome, hold: bool) -> None:
         out = [a for a in self.launched if not a.done]

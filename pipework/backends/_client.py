@@ -344,6 +344,17 @@ class ServiceClient:
             self.core.health_check(url, trio.current_time(), passed=passed)
         self.report()
 
+    def refusal(self) -> Overloaded | None:
+        """The error of a call the service's core refuses now (counted, and the breaker's
+        change logged, as :meth:`call`'s refusal is), or None, nothing changed, when it
+        would take one: a proxied request asks before it waits for its slot of the pool
+        key, so one that can only be refused takes none."""
+        refusal = self.core.refuse(trio.current_time())
+        if refusal is None:
+            return None
+        self.report()
+        return refused(self.service, refusal)
+
     def stream(
         self,
         method: bytes,
@@ -787,6 +798,7 @@ def refused(service: Service, refusal: Refusal) -> Overloaded:
         f"{refusal.message} (retry after {refusal.retry_after:g} s)",
         reason=refusal.reason,
         retry_after=refusal.retry_after,
+        service=service.name,
     )
 
 

@@ -225,6 +225,17 @@ class ServiceCore:
         refusing), without changing anything: what degradation asks before a pipe runs."""
         return all(h.draining for h in self.hosts) or self.breaker.refusing(now)
 
+    def refuse(self, now: float) -> Refusal | None:
+        """:meth:`begin`'s refusal of a call now, counted as that one is; None, with nothing
+        changed, when :meth:`begin` would let the call in. What a proxied request asks
+        before it waits for its slot of the pool key: a call that can only be refused
+        takes none."""
+        if not self.refusing(now):
+            return None
+        refusal = self.begin(now)
+        assert isinstance(refusal, Refusal), "refusing() said begin() refuses"
+        return refusal
+
     def pick(self, now: float, exclude: Iterable[Host] = (), *, repeat: bool = True) -> Host | None:
         """A host for a try: an available one not in ``exclude``; else (with ``repeat``) an
         available one again; else, in panic, any host not draining likewise. None when

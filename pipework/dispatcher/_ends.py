@@ -32,7 +32,7 @@ from ._events import Event, RunJob
 from ._flight import Flight, Hooks
 from ._job import ErrorInfo, Job
 from ._lookup import ChainLookup
-from ._outcomes import note, where_in
+from ._outcomes import note, refused_by_service, where_in
 from ._retained import Retained
 from ._status import DONE, TERMINAL, Status
 from ._wake import Wake
@@ -287,7 +287,13 @@ class Ends:
                 observe(duration)
             else:
                 metrics.observe(metrics.job_duration, (job.chain, status.value), duration)
-        level = logging.INFO if status in _ORDINARY_ENDS else logging.WARNING
+        level = (
+            logging.INFO
+            # A service's refusal is expected while its breaker is open: one INFO line, the
+            # end of the job's trail (docs/resilience.md).
+            if status in _ORDINARY_ENDS or refused_by_service(job.exception)
+            else logging.WARNING
+        )
         if job_logger.isEnabledFor(level):
             log_job(
                 "job finished" if job.parent is None else "branch finished",

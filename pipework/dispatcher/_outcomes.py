@@ -16,7 +16,7 @@ from types import CoroutineType
 
 import trio
 
-from .._errors import BackendError, DeadlineExceeded, PipeContractError
+from .._errors import BackendError, DeadlineExceeded, Overloaded, PipeContractError
 from ..pipes._pipe import Context, Pipe, Suspend
 from ..pipes._stages import Chain
 from ._cursor import path_of, stage_path
@@ -31,6 +31,7 @@ __all__ = [
     "is_job_timeout",
     "note",
     "pipe_error",
+    "refused_by_service",
     "timeout_of",
     "where_in",
 ]
@@ -111,6 +112,15 @@ def backend_trouble(exc: BaseException) -> bool:
     # A bare OSError: trio's "all attempts to connect failed", socket errors. Anything
     # else, an HTTP client's own exception too, is the pipe's.
     return type(exc) is OSError
+
+
+def refused_by_service(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a backend service's refusal of a call (its circuit breaker open
+    or probing, every host drained): an expected state, logged once when the breaker
+    changed and counted by ``pipework_backend_refused_total``, so a job it ends is logged
+    without a traceback and below WARNING (docs/resilience.md). Not the backend's trouble
+    either: nothing was sent."""
+    return isinstance(exc, Overloaded) and exc.service is not None
 
 
 def note(exc: BaseException, job: Job, where: str) -> None:

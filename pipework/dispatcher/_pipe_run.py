@@ -38,6 +38,7 @@ from ._outcomes import (
     is_job_timeout,
     note,
     pipe_error,
+    refused_by_service,
     timeout_of,
 )
 from ._status import Status
@@ -243,7 +244,14 @@ class PipeRunner:
             self._pool.record(job.key, ok=True, latency=duration)
         elif outcome == "timeout" or (exc is not None and backend_trouble(exc)):
             self._pool.record(job.key, ok=False, latency=duration)
-        level = logging.WARNING if exc is not None else logging.INFO
+        if exc is None:
+            level = logging.INFO
+        elif refused_by_service(exc):
+            # Expected while a service's breaker is open: its job's end says it (INFO), the
+            # breaker's change was a WARNING; nothing to trace (docs/resilience.md).
+            level = logging.DEBUG
+        else:
+            level = logging.WARNING
         if not job_logger.isEnabledFor(level):
             return now  # the common case: skip building the record's fields
         log_job(
@@ -253,6 +261,7 @@ class PipeRunner:
             # (its chain of causes) only at DEBUG. A pipe's own bug keeps its traceback.
             exc
             if outcome == "error"
+            and level == logging.WARNING
             and exc is not None
             and not (
                 (isinstance(exc, BackendError) or backend_trouble(exc))

@@ -10,15 +10,18 @@ proxied request passes through, in order:
 2. a declared ``Content-Length`` above ``max_body`` is a 413 before anything else;
 3. the route's ``chain`` (if any) on the request's head, which may edit the headers and
    the target, or refuse (its error's status and problem);
-4. a slot of the service's pool key, held until the answer's last byte: a refusal is a 503
+4. the service's resilience core asked whether it refuses calls now (its breaker open,
+   every host drained): if so, a 503 with ``Retry-After`` at once, no slot waited for and
+   nothing of the body read;
+5. a slot of the service's pool key, held until the answer's last byte: a refusal is a 503
    with ``Retry-After``, as for any route;
-5. the exchange (:meth:`Upstream.client.stream`) through the service's resilience core: a
-   host picked for the request, an open breaker's refusal a 503 with ``Retry-After``, a
-   try retried by the service's rules while nothing of the body was read; the body sent
-   while it arrives, the answer's head awaited, its latency (retries included) recorded
-   for the key's adaptive limit;
-6. the ``after`` chain (if any) on the answer's head (status and headers);
-7. the answer relayed while it arrives; a client that goes away cancels the exchange.
+6. the exchange (:meth:`Upstream.client.stream`) through the service's resilience core: a
+   host picked for the request, a refusal by a breaker that opened meanwhile a 503 with
+   ``Retry-After``, a try retried by the service's rules while nothing of the body was
+   read; the body sent while it arrives, the answer's head awaited, its latency (retries
+   included) recorded for the key's adaptive limit;
+7. the ``after`` chain (if any) on the answer's head (status and headers);
+8. the answer relayed while it arrives; a client that goes away cancels the exchange.
 
 Before the answer's head is sent, a failure is a problem answer (502 for the backend, 504
 for a timeout, 413, 503); after it, the connection is closed mid-body, which is how HTTP
@@ -192,13 +195,17 @@ class ProxyLayer:
         outcome: WebsocketOutcome | None = None
         try:
             try:
-                target, host, forwarded = self._head_out(route, client, scope, correlation_id)
+                target = _target(route, scope)
             except BadTarget:
                 await send({"type": "websocket.close", "code": 1008})  # not proxied
                 outcome = WebsocketOutcome(403, detail="the path may not be proxied")
                 return
+            host, forwarded = self._head_out(route, client, scope, correlation_id)
             timeouts = _timeouts(route, client)
             with self._using(proxies):
+                refusal = client.client.refusal()
+                if refusal is not None:  # no slot waited for, as for a request
+                    raise refusal
                 async with (
                     self.pool.slot(route.pool_key),
                     client.client.websocket(timeouts.connect) as call,
@@ -273,17 +280,28 @@ class ProxyLayer:
             await self._refuse(ex, send, _too_large(BodyTooLarge(route.max_body)))
             return
         try:
-            target, _, forwarded = self._head_out(route, client, scope, ex.correlation_id)
+            target = _target(route, scope)
         except BadTarget as exc:
             problem = Problem(400, "Bad Request", str(exc), slug="malformed-request")
             await self._refuse(ex, send, problem)
             return
+        forwarded = None
         if route.chain is not None:
+            _, forwarded = self._head_out(route, client, scope, ex.correlation_id)
             edited = await self._before(ex, route.chain, scope, target, forwarded, send)
             if edited is None:
                 return
             target, forwarded = edited
         upload = ex.upload = Upload(receive, route.max_body) if has_body else None
+        refusal = client.client.refusal()
+        if refusal is not None:
+            # The service refuses calls now (its breaker open, every host drained): the
+            # same answer its call would get, before a slot of the key is waited for or
+            # anything of the body read (docs/resilience.md).
+            await self._refuse(ex, send, _failure(route, refusal))
+            return
+        if forwarded is None:
+            _, forwarded = self._head_out(route, client, scope, ex.correlation_id)
         timeouts = _timeouts(route, client)
         with trio.CancelScope(deadline=deadline) as deadline_scope:
             async with trio.open_nursery() as nursery:
@@ -327,12 +345,8 @@ class ProxyLayer:
         client: Upstream,
         scope: MutableMapping[str, Any],
         correlation_id: str,
-    ) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
-        """The target, ``Host`` and headers sent on; :class:`BadTarget` for a path that
-        must not be (a dot segment would leave the route's prefix on the service)."""
-        target = route.target(
-            scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
-        )
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """The ``Host`` and headers sent on (its target: :func:`_target`)."""
         kept = _header(scope["headers"], b"host") if route.host == "keep" else None
         host = kept or client.netloc
         forwarded = request_headers(
@@ -343,7 +357,7 @@ class ProxyLayer:
             request_id=correlation_id.encode(),
             request_id_header=_lower(client.request_id_header),
         )
-        return target, host, forwarded
+        return host, forwarded
 
     async def _relay(
         self,
@@ -495,6 +509,12 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
         if key.lower() == name:
             return value
     return None
+
+
+def _target(route: ProxyRoute, scope: MutableMapping[str, Any]) -> bytes:
+    """The target sent on; :class:`BadTarget` for a path that must not be (a dot segment
+    would leave the route's prefix on the service)."""
+    return route.target(scope.get("raw_path") or scope["path"].encode(), scope["query_string"])
 
 
 def _lower(name: str | None) -> bytes | None:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import trio
 
+from .._errors import PipeworkError
 from ..backends._stream import Handshake, StreamTimeouts, UpstreamAnswer
 
 __all__ = ["Streams", "Upstream", "Websocket"]
@@ -35,7 +36,12 @@ class Websocket(Protocol):
 
 class Streams(Protocol):
     """What streams one exchange to a service, and opens a websocket's call (the lean
-    client does)."""
+    client does); and what says, first, whether the service refuses calls now."""
+
+    def refusal(self) -> PipeworkError | None:
+        """The error a call to the service gets now without being tried (its breaker
+        open, every host drained: counted as such), or None when it would be taken."""
+        ...
 
     def websocket(self, connect_timeout: float) -> AbstractAsyncContextManager[Websocket]: ...
 
