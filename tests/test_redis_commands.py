@@ -91,7 +91,7 @@ async def test_update_command_is_its_arguments(
     job = _job(status, token)
     command, blob = store._update_command(job, expected, entry)
     args = _args(command)
-    keys = [b"pfx:job:jABC_123", b"pfx:finished", b"pfx:gone:jABC_123"]
+    keys = [b"pfx:job:jABC_123", b"pfx:finished", b"pfx:gone"]
     keys += [b"pfx:events"] if entry else []
     assert args[:3] == [b"EVALSHA", _SHAS["update"].encode(), b"%d" % len(keys)]
     assert args[3 : 3 + len(keys)] == keys
@@ -106,9 +106,11 @@ async def test_update_command_is_its_arguments(
         retain,
         b"" if token is None else token.encode(),
     ]
-    tail = [b"pfx", b"%d" % ((3600 + 60) * 1000), b"%d" % (7 * 86400 * 1000), b"10000"]
-    assert rest[6:11] == [*tail, store._origin.encode()]
-    assert rest[11:] == [expected.encode()] + ([b"e", _ENTRY[2]] if entry else [])
+    # The prefix, the record's life in ms, retention (seconds, count), the origin, then
+    # how long and how many dropped ids are remembered (a week, 100,000).
+    tail = [b"pfx", b"%d" % ((3600 + 60) * 1000), b"3600.0", b"10000", store._origin.encode()]
+    assert rest[6:13] == [*tail, b"%r" % float(7 * 86400), b"100000"]
+    assert rest[13:] == [expected.encode()] + ([b"e", _ENTRY[2]] if entry else [])
 
 
 async def test_update_tail_follows_its_settings() -> None:
