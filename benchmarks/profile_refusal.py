@@ -138,7 +138,7 @@ async def _receive(stream: trio.SocketStream) -> bytes:
 def _share(stats: pstats.Stats, parts: tuple[str, ...]) -> int:
     return sum(
         calls
-        for (filename, _, _), (_, calls, _, _, _) in stats.stats.items()  # type: ignore[attr-defined]
+        for (filename, _, _), (_, calls, _, _, _) in stats.stats.items()  # type: ignore[attr-defined]  # pstats keeps its table untyped
         if any(part in filename for part in parts)
     )
 
@@ -171,7 +171,7 @@ async def _measure(requests: int, path: Path) -> dict[str, dict[str, Any]]:
             stats = pstats.Stats(profile, stream=io.StringIO())
             calls = sum(
                 c
-                for _, c, _, _, _ in stats.stats.values()  # type: ignore[attr-defined]
+                for _, c, _, _, _ in stats.stats.values()  # type: ignore[attr-defined]  # pstats keeps its table untyped
             )
             lines = dict(counting.levels)
             tracebacks = counting.tracebacks

@@ -150,7 +150,7 @@ def test_p2c_under_load_spreads_outstanding_calls_by_weight() -> None:
 def test_the_same_seed_makes_the_same_choices(weights: list[int], seed: int, kind: str) -> None:
     def run() -> list[int]:
         pool = hosts(*weights)
-        balancer = make_balancer(kind, random.Random(seed))  # type: ignore[arg-type]
+        balancer = make_balancer(kind, random.Random(seed))  # type: ignore[arg-type]  # kind drawn as str
         out = []
         for i in range(200):
             chosen = balancer.choose(pool, i * 0.01)

@@ -114,9 +114,9 @@ def test_a_base_url_is_one_host_of_weight_one() -> None:
         (lambda: RetrySpec(per_try_timeout=0), "positive number"),
         (lambda: RetrySpec(min_retries_per_second=-1), "min_retries_per_second must be 0 or"),
         (lambda: RetrySpec(budget_window=math.inf), "budget_window must be a positive"),
-        (lambda: HedgeSpec(delay="p99"), 'or "p95"'),  # type: ignore[arg-type]
+        (lambda: HedgeSpec(delay="p99"), 'or "p95"'),  # type: ignore[arg-type]  # the mistake tested
         (lambda: HedgeSpec(max_extra=0), "at least 1"),
-        (lambda: Service("s", "http://s", balance="fastest"), "balance must be one of"),  # type: ignore[arg-type]
+        (lambda: Service("s", "http://s", balance="fastest"), "balance must be one of"),  # type: ignore[arg-type]  # the mistake tested
     ],
 )
 def test_settings_that_cannot_work_are_refused(build: Any, match: str) -> None:

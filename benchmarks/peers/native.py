@@ -178,7 +178,7 @@ def _serving_pid(kind: str, process: subprocess.Popen[bytes]) -> int:
         children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
         if children:
             return int(children[0])
-        time.sleep(0.05)
+        time.sleep(0.05)  # outside any trio run; another process gives no event to wait on
     raise RuntimeError("nginx started no worker")
 
 
@@ -189,7 +189,7 @@ def _wait_listening(kind: str, process: subprocess.Popen[bytes], port: int) -> N
             raise RuntimeError(f"{kind} exited with {process.returncode} at start")
         with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
             return
-        time.sleep(0.05)
+        time.sleep(0.05)  # outside any trio run; another process gives no event to wait on
     raise RuntimeError(f"{kind} did not listen on {HOST}:{port} within {START_TIMEOUT:g}s")
 
 
