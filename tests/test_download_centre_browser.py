@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import zipfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from examples.export.exporter import Blocking, ExportConfig, Exporter, in_thread
 from pipework.container import BoundAddress, Container, ContainerConfig
 
 from .test_export import EVERY, ROWS, HoldAtProgress, config
+
+DOCS_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "download-centre.png"
 
 CHROMIUM = "/usr/bin/chromium"
 WAIT = 20_000  # ms: a bound for a busy machine, never a wait
@@ -128,6 +131,14 @@ def chromium() -> Any:
             yield page, errors
         finally:
             browser.close()
+
+
+def screenshot_path(tmp_path: Path) -> Path:
+    """docs/download-centre.png when it is missing or PIPEWORK_SCREENSHOT=1 is set, else a
+    temporary file: a test run leaves the tree clean."""
+    if os.environ.get("PIPEWORK_SCREENSHOT") == "1" or not DOCS_SCREENSHOT.exists():
+        return DOCS_SCREENSHOT
+    return tmp_path / "download-centre.png"
 
 
 def colour(page: Page, row: str) -> str:
@@ -233,6 +244,7 @@ def batch_failure_expiry_restart(
     zipped: Path,
     restart: Callable[[], None],
     saved: Path,
+    shot: Path,
 ) -> dict[str, Any]:
     """Two exports ticked and downloaded as one zip; the failed one's reason on hover; the
     expired one grey with no download; then the server restarts and the page, reloaded,
@@ -252,6 +264,8 @@ def batch_failure_expiry_restart(
         seen["expired text"] = page.inner_text(rows["old"])
         page.check(f"{rows['a']} .pick")
         page.check(f"{rows['b']} .pick")
+        page.set_viewport_size({"width": 1600, "height": 400})
+        page.screenshot(path=str(shot))
         with page.expect_download(timeout=WAIT) as download:
             page.click("#batch")
         download.value.save_as(zipped)
@@ -284,6 +298,7 @@ async def test_a_batch_zip_a_failure_an_expiry_and_a_restart_on_the_page(
     cfg = config(orders, tmp_path / "exports")
     token = trio.lowlevel.current_trio_token()
     zipped, saved = tmp_path / "both.zip", tmp_path / "b.csv"
+    shot = screenshot_path(tmp_path)
     want_restart, restarted, finished = trio.Event(), trio.Event(), trio.Event()
     seen: dict[str, Any] = {}
 
@@ -294,7 +309,7 @@ async def test_a_batch_zip_a_failure_an_expiry_and_a_restart_on_the_page(
     async def drive(url: str, tickets: dict[str, str]) -> None:
         seen.update(
             await trio.to_thread.run_sync(
-                batch_failure_expiry_restart, url, tickets, zipped, restart, saved
+                batch_failure_expiry_restart, url, tickets, zipped, restart, saved, shot
             )
         )
         finished.set()
@@ -338,3 +353,4 @@ async def test_a_batch_zip_a_failure_an_expiry_and_a_restart_on_the_page(
     assert "done" in seen["after restart"]
     assert saved.read_bytes() == (files / f"{b[0]}.csv").read_bytes()
     assert seen["errors"] == []
+    assert shot.stat().st_size > 5_000

@@ -387,6 +387,7 @@ _PAGE: Final = """<!doctype html>
   h1 { font-size: 1.4rem; margin: 0 0 1rem; }
   table { border-collapse: collapse; min-width: 60rem; }
   th, td { text-align: left; padding: .4rem .6rem; border-bottom: 1px solid #ddd; }
+  td { white-space: nowrap; }
   td.id { font-family: ui-monospace, monospace; font-size: .75rem; color: #666; }
   td.num { text-align: right; font-variant-numeric: tabular-nums; }
   .status { font-weight: 600; }

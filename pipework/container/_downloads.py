@@ -262,12 +262,15 @@ class _Sink:
     def __init__(self) -> None:
         self.parts: list[bytes] = []
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes, /) -> int:
         self.parts.append(bytes(data))
         return len(data)
 
     def flush(self) -> None:
         pass
+
+    def close(self) -> None:
+        self.parts.clear()
 
     def take(self) -> bytes:
         data = b"".join(self.parts)
@@ -289,12 +292,12 @@ def _zip_name(name: str, taken: set[str]) -> str:
 
 
 async def zip_chunks(
-    entries: Iterable[tuple[str, trio.abc.AsyncResource, int, float | None]],
+    entries: Iterable[tuple[str, Any, int, float | None]],
 ) -> AsyncIterator[bytes]:
-    """One zip of ``(name, open file, size, time)`` entries, as chunks: each file is read
-    :data:`CHUNK` bytes at a time and its bytes given on at once (stored, not compressed:
-    no CPU on the event loop; a data descriptor after each file, since its CRC is known
-    only at its end; ZIP64 for a file of 2 GiB or more)."""
+    """One zip of ``(name, trio file open for reading, size, time)`` entries, as chunks:
+    each file is read :data:`CHUNK` bytes at a time and its bytes given on at once (stored,
+    not compressed: no CPU on the event loop; a data descriptor after each file, since its
+    CRC is known only at its end; ZIP64 for a file of 2 GiB or more)."""
     sink = _Sink()
     taken: set[str] = set()
     with zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
@@ -303,7 +306,7 @@ async def zip_chunks(
             info = zipfile.ZipInfo(_zip_name(name, taken), stamp.timetuple()[:6])
             info.compress_type = zipfile.ZIP_STORED
             with archive.open(info, "w", force_zip64=size >= 2**31) as entry:
-                while chunk := await file.read(CHUNK):  # type: ignore[attr-defined]  # trio's async file
+                while chunk := await file.read(CHUNK):
                     entry.write(chunk)
                     yield sink.take()
             yield sink.take()
@@ -495,7 +498,7 @@ class DownloadsApi:
         if file is None:
             raise _no_file(job_id)
         opened = await self._open(file)
-        size = os.fstat(opened.wrapped.fileno()).st_size  # type: ignore[attr-defined]  # trio's wrapper
+        size = os.fstat(opened.wrapped.fileno()).st_size
         response = Response(
             self._chunks(file, opened), content_type=file.media_type or "application/octet-stream"
         )
