@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import os
 import zipfile
 from collections.abc import AsyncIterator, Callable
@@ -131,6 +132,10 @@ def chromium() -> Any:
             yield page, errors
         finally:
             browser.close()
+
+
+def tickets_of(stored: str) -> set[str]:
+    return set(json.loads(stored))
 
 
 def screenshot_path(tmp_path: Path) -> Path:
@@ -285,6 +290,7 @@ def batch_failure_expiry_restart(
             page.wait_for_selector(f'{rows[name]}[data-status="{state}"]', timeout=WAIT)
         page.wait_for_selector(f'{rows["bad"]}[data-status="unknown"]', timeout=WAIT)
         seen["after restart"] = page.inner_text(rows["a"])
+        seen["kept"] = page.evaluate("localStorage.getItem('pipework.jobs')")
         with page.expect_download(timeout=WAIT) as download:
             page.click(f"{rows['b']} a.download")
         download.value.save_as(saved)
@@ -351,6 +357,9 @@ async def test_a_batch_zip_a_failure_an_expiry_and_a_restart_on_the_page(
         f"orders-{b[0]}.csv": (files / f"{b[0]}.csv").read_bytes(),
     }
     assert "done" in seen["after restart"]
+    # The job the server forgot (a failure leaves no export record) is shown as unknown,
+    # and its ticket kept: the page drops none on its own.
+    assert tickets_of(seen["kept"]) == set(tickets.values())
     assert saved.read_bytes() == (files / f"{b[0]}.csv").read_bytes()
     assert seen["errors"] == []
     assert shot.stat().st_size > 5_000

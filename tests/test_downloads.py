@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import secrets
 import time
 import tracemalloc
 import zipfile
@@ -24,7 +25,9 @@ import trio
 
 import pipework as pw
 from pipework.container import BoundAddress, Container, ContainerConfig
+from pipework.redis import RedisJobStore
 
+from ._redis import RedisServer
 from .test_container_harness import HANG_GUARD, SECRET, assert_problem
 
 TTL = 300
@@ -85,9 +88,9 @@ class Centre:
         return body
 
 
-def make_engine(files: Files, held: trio.Event) -> pw.Engine:
+def make_engine(files: Files, held: trio.Event, store: Any = None) -> pw.Engine:
     registry = pw.Registry()
-    engine = pw.Engine(registry=registry)
+    engine = pw.Engine(registry=registry, store=store)
 
     async def write(ctx: pw.Context, content: bytes) -> None:
         job = await engine.store.get(ctx.job_id)
@@ -132,11 +135,11 @@ def make_engine(files: Files, held: trio.Event) -> pw.Engine:
 
 
 @contextlib.asynccontextmanager
-async def centre(tmp_path: Path) -> AsyncIterator[Centre]:
+async def centre(tmp_path: Path, store: Any = None) -> AsyncIterator[Centre]:
     files = Files(tmp_path)
     held = trio.Event()
     clock = [time.time()]
-    engine = make_engine(files, held)
+    engine = make_engine(files, held, store)
     signer = pw.CallbackSigner(SECRET, clock=lambda: clock[0])
     stop = trio.Event()
     async with engine:
@@ -393,3 +396,21 @@ async def test_a_zip_of_large_files_streams_in_bounded_memory(tmp_path: Path) ->
         assert [i.file_size for i in infos] == [size, size]
         with archive.open(infos[1]) as member:
             assert member.read(1024) == b"\0" * 1024
+
+
+async def test_jobs_a_shared_store_keeps_are_listed_after_a_restart(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """On the Redis store a restart forgets nothing: the listing after it has every job,
+    those without a route's file record too."""
+    prefix = f"d{secrets.token_hex(6)}"
+    async with centre(tmp_path, RedisJobStore(redis_server.url, prefix=prefix)) as first:
+        made = await first.submit("/make")
+        plain = await first.submit("/plain")
+        before = await first.entries([made, plain])
+    # Another process on the same Redis, with none of the first one's memory.
+    async with centre(tmp_path, RedisJobStore(redis_server.url, prefix=prefix)) as second:
+        after = await second.entries([made, plain])
+    assert [e["id"] for e in before["jobs"]] == [e["id"] for e in after["jobs"]]
+    assert [e["state"] for e in after["jobs"]] == ["done", "done"]
+    assert after["missing"] == []
