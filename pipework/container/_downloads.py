@@ -524,9 +524,8 @@ class DownloadsApi:
             for file in files:
                 opened.append((file, await self._open(file)))
         except BaseException:
-            with trio.CancelScope(shield=True):
-                for _, handle in opened:
-                    await handle.aclose()
+            for _, handle in opened:
+                _close(handle)
             raise
         response = Response(self._zip(opened), content_type="application/zip")
         response.headers["Content-Disposition"] = _disposition(
@@ -551,9 +550,11 @@ class DownloadsApi:
             ) from None
 
     async def _chunks(self, file: ResultFile, opened: Any) -> AsyncIterator[bytes]:
-        async with opened:
+        try:
             while chunk := await opened.read(CHUNK):
                 yield chunk
+        finally:
+            _close(opened)
         await self._mark([file])
 
     async def _zip(self, opened: list[tuple[ResultFile, Any]]) -> AsyncIterator[bytes]:
@@ -565,9 +566,8 @@ class DownloadsApi:
                 if chunk:
                     yield chunk
         finally:
-            with trio.CancelScope(shield=True):
-                for _, handle in opened:
-                    await handle.aclose()
+            for _, handle in opened:
+                _close(handle)
         await self._mark([f for f, _ in opened])
 
     async def _mark(self, files: list[ResultFile]) -> None:
@@ -581,6 +581,13 @@ class DownloadsApi:
                     await found[0].mark_downloaded(file.job_id, when)
             except Exception:
                 _log.exception("job %s: its downloaded mark could not be kept", file.job_id)
+
+
+def _close(opened: Any) -> None:
+    """Close a file opened for reading, at once: closing a read-only file does not block
+    (nothing to flush), and a response body closed by a client that left, or collected,
+    may not await."""
+    opened.wrapped.close()
 
 
 def _document_of(file: ResultFile) -> dict[str, Any]:
