@@ -276,9 +276,13 @@ def batch_failure_expiry_restart(
         download.value.save_as(zipped)
         # Search: by name, then by state.
         page.fill("#q", tickets["a"].split(":")[0])
+        page.wait_for_selector(rows["b"], state="detached", timeout=WAIT)
         expect(page.locator("#jobs tbody tr")).to_have_count(1, timeout=WAIT)
         page.fill("#q", "")
         page.select_option("#state", "expired")
+        # The row the name search left must go (a count of one alone holds before too).
+        page.wait_for_selector(rows["a"], state="detached", timeout=WAIT)
+        page.wait_for_selector(rows["old"], timeout=WAIT)
         expect(page.locator("#jobs tbody tr")).to_have_count(1, timeout=WAIT)
         seen["expired only"] = page.inner_text("#jobs tbody")
         page.select_option("#state", "")
