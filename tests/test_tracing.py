@@ -11,17 +11,24 @@ import sys
 from collections.abc import AsyncIterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import trio
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
 import pipework as pw
-from pipework import WeightedPool, build_registry, loads_config
+from pipework import WeightedPool, _tracing, build_registry, loads_config
 from pipework.container import serve
 
+from ._proxy_gateway import gateway as proxy_gateway
+from ._proxy_gateway import gateway_file as proxy_gateway_file
 from ._tracing_spans import by_kind, children, in_memory_tracing, named, one, parent_of
 from .test_container_harness import serving
 
@@ -279,3 +286,131 @@ assert not found, found
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+# -- proxy routes ------------------------------------------------------------------------
+
+
+async def test_a_proxied_request_has_a_server_and_a_client_span(tmp_path: Path) -> None:
+    routes = '[routes.api]\nproxy = "echo"\nprefix = "/api"\nstrip_prefix = true\n'
+    with trio.fail_after(HANG_GUARD), in_memory_tracing() as (_, exported):
+        async with backend() as found:
+            text = proxy_gateway_file(found, routes)
+            async with (
+                proxy_gateway(tmp_path, text) as (_, address),
+                httpx.AsyncClient(base_url=address.url) as client,
+            ):
+                answer = await client.get("/api/x", headers=REQUEST_HEADERS)
+            assert answer.status_code == 200, answer.text
+        spans = exported.get_finished_spans()
+    server = one(by_kind(spans, SpanKind.SERVER))
+    assert server.name == "GET /api"
+    assert parent_of(server) == int(CLIENT_SPAN, 16)
+    assert attribute(server, "pipework.route") == "api"
+    assert attribute(server, "http.response.status_code") == 200
+    assert [e.name for e in server.events] == ["slot wait", "slot granted"]
+    call = one(by_kind(spans, SpanKind.CLIENT))
+    assert call.name == "GET echo"
+    assert parent_of(call) == (server.context.span_id if server.context else None)
+    assert attribute(call, "http.response.status_code") == 200
+    [(path, headers)] = found.seen
+    assert path == "/x"
+    # The service's caller is the client span; the client's tracestate and baggage go on.
+    assert headers["traceparent"] == f"00-{TRACE_ID}-{span_id(call)}-01"
+    assert headers["tracestate"] == "congo=t61rcWkgMzE"
+    assert headers["baggage"] == "userId=alice"
+
+
+# -- the exporter, from the gateway file ---------------------------------------------------
+
+
+@dataclass
+class OtlpReceiver:
+    """A collector's OTLP/HTTP traces endpoint, as small as it gets: every export request
+    decoded (opentelemetry-proto) and kept."""
+
+    url: str = ""
+    exports: list[ExportTraceServiceRequest] = field(default_factory=list)
+    arrived: trio.Event = field(default_factory=trio.Event)
+
+    async def app(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"].replace("lifespan.", "")
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = dict(scope["headers"])
+        assert scope["path"] == "/v1/traces"
+        assert headers[b"content-type"] == b"application/x-protobuf"
+        export = ExportTraceServiceRequest()
+        export.ParseFromString(body)
+        self.exports.append(export)
+        self.arrived.set()
+        reply = ExportTraceServiceResponse().SerializeToString()
+        out = [
+            (b"content-type", b"application/x-protobuf"),
+            (b"content-length", b"%d" % len(reply)),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": out})
+        await send({"type": "http.response.body", "body": reply})
+
+    def spans(self) -> list[tuple[str, Any]]:
+        """Every span received, with its service's name."""
+        found = []
+        for export in self.exports:
+            for resource_spans in export.resource_spans:
+                names = [
+                    a.value.string_value
+                    for a in resource_spans.resource.attributes
+                    if a.key == "service.name"
+                ]
+                for scope_spans in resource_spans.scope_spans:
+                    found.extend((names[0], span) for span in scope_spans.spans)
+        return found
+
+
+async def test_spans_are_exported_over_otlp_as_the_gateway_file_says(tmp_path: Path) -> None:
+    receiver = OtlpReceiver()
+    routes = '[routes.api]\nproxy = "echo"\nprefix = "/api"\n'
+    with trio.fail_after(HANG_GUARD):
+        async with backend() as found, trio.open_nursery() as nursery:
+            address = await nursery.start(
+                functools.partial(serve, cast(Any, receiver.app), host="127.0.0.1", port=0)
+            )
+            receiver.url = address.url
+            tracing = f"""
+[tracing]
+enabled = true
+exporter = "otlp"
+endpoint = "{receiver.url}/v1/traces"
+service_name = "shop-gateway"
+sample_ratio = 1.0
+"""
+            text = proxy_gateway_file(found, routes) + tracing
+            async with proxy_gateway(tmp_path, text) as (_, gateway_address):
+                async with httpx.AsyncClient(base_url=gateway_address.url) as client:
+                    answer = await client.get("/api/x", headers=REQUEST_HEADERS)
+                assert answer.status_code == 200, answer.text
+            # The gateway stopped: what its batch held was exported on the way out.
+            await receiver.arrived.wait()
+            nursery.cancel_scope.cancel()
+    assert _tracing.ACTIVE is _tracing.NO_TRACING  # the process's tracing is as it was
+    spans = receiver.spans()
+    assert {service for service, _ in spans} == {"shop-gateway"}
+    by_name = {span.name: span for _, span in spans}
+    assert set(by_name) == {"GET /api", "GET echo"}
+    server, call = by_name["GET /api"], by_name["GET echo"]
+    assert server.trace_id.hex() == TRACE_ID
+    assert server.parent_span_id.hex() == CLIENT_SPAN
+    assert call.parent_span_id == server.span_id
+    assert server.kind == server.SPAN_KIND_SERVER
+    assert call.kind == call.SPAN_KIND_CLIENT
+    [(_, headers)] = found.seen
+    assert headers["traceparent"] == f"00-{TRACE_ID}-{call.span_id.hex()}-01"

@@ -140,10 +140,12 @@ class Gateway:
         pool = self._pool = WeightedPool.from_config(config.pool_config())
         async with AsyncExitStack() as stack:
             self._stack = stack
-            # Before the container is built: its ASGI layer is chosen with it.
-            tracing = config.tracing.build(os.environ)
-            previous = _tracing.install(tracing)
-            stack.push_async_callback(_stop_tracing, tracing, previous)
+            # Before the container is built: its ASGI layer is chosen with it. Off, the
+            # process's tracing is left as it is (none, unless the program set its own).
+            if config.tracing.is_on(os.environ):
+                tracing = config.tracing.build(os.environ)
+                previous = _tracing.install(tracing)
+                stack.push_async_callback(_stop_tracing, tracing, previous)
             backends = self._backends = await stack.enter_async_context(config.backends())
             store, queue = config.store.build(queue_capacity=config.pool.queue_capacity)
             engine = self.engine = Engine(
