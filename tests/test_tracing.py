@@ -5,6 +5,7 @@ off costs nothing: no layer, no OpenTelemetry imported."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import Any, cast
 
 import httpx
 import trio
+import trio.testing
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -25,12 +27,17 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 import pipework as pw
 from pipework import WeightedPool, _tracing, build_registry, loads_config
+from pipework.backends._resilience_spec import HedgeSpec
 from pipework.container import serve
 
 from ._proxy_gateway import gateway as proxy_gateway
 from ._proxy_gateway import gateway_file as proxy_gateway_file
 from ._tracing_spans import by_kind, children, in_memory_tracing, named, one, parent_of
+from .test_backend_pool import echo
 from .test_container_harness import serving
+from .test_resilience_io import client as resilience_client
+from .test_resilience_io import get, hold, hosts
+from .test_resilience_io import service as resilience_service
 
 HANG_GUARD = 20.0
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -363,7 +370,7 @@ class OtlpReceiver:
 
     def spans(self) -> list[tuple[str, Any]]:
         """Every span received, with its service's name."""
-        found = []
+        found: list[tuple[str, Any]] = []
         for export in self.exports:
             for resource_spans in export.resource_spans:
                 names = [
@@ -414,3 +421,62 @@ sample_ratio = 1.0
     assert call.kind == call.SPAN_KIND_CLIENT
     [(_, headers)] = found.seen
     assert headers["traceparent"] == f"00-{TRACE_ID}-{call.span_id.hex()}-01"
+
+
+async def test_the_trace_id_is_readable_where_the_access_log_is_written() -> None:
+    """``current_trace_id()`` in the request's hooks (where the access log is written) is
+    its server span's trace id; None with tracing off."""
+    seen: list[str | None] = []
+
+    async def note(response: Any) -> Any:
+        seen.append(_tracing.current_trace_id())
+        return response
+
+    with trio.fail_after(HANG_GUARD):
+        for on in (True, False):
+            registry = pw.Registry()
+            engine = pw.Engine(registry=registry)
+            engine.chain("noop", _noop)
+            registry.route("noop", path="/noop", chain="noop", method="GET")
+            with in_memory_tracing() if on else contextlib.nullcontext() as traced:
+                async with serving(engine) as served:
+                    served.container.app.after_request(note)
+                    answer = await served.client.get("/noop", headers=REQUEST_HEADERS)
+                assert answer.status_code == 200, answer.text
+            if traced is not None:
+                server = one(by_kind(traced[1].get_finished_spans(), SpanKind.SERVER))
+                assert server.context is not None
+                assert f"{server.context.trace_id:032x}" == TRACE_ID
+    assert seen == [TRACE_ID, None]
+
+
+async def _noop(ctx: pw.Context) -> None:
+    ctx.state["ok"] = True
+
+
+# -- tries as events ---------------------------------------------------------------------
+
+
+async def test_a_hedge_and_the_try_it_beat_are_events_of_the_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hedge's task has a copy of its call's context: both tries end as events on the
+    call's span, the slow one cancelled."""
+    with in_memory_tracing() as (tracing, exported):
+        async with hosts(hold, echo) as found:
+            svc = resilience_service([u for _, u in found], hedge=HedgeSpec(delay=0.5))
+            async with resilience_client(svc) as c:
+                span = tracing.start("GET api", "client", {})
+                try:
+                    await get(c)
+                finally:
+                    span.end()
+        call = one(exported.get_finished_spans())
+    tries = {attribute_of(e, "pipework.try"): e for e in call.events}
+    assert set(tries) == {"first", "hedge"}
+    assert attribute_of(tries["hedge"], "pipework.verdict") == "answer"
+    assert attribute_of(tries["hedge"], "server.address") == found[1][1]
+    assert attribute_of(tries["first"], "pipework.cancelled") is True
+    assert attribute_of(tries["first"], "server.address") == found[0][1]
+    # The answer came first: its event precedes the cancelled try's.
+    assert [attribute_of(e, "pipework.try") for e in call.events] == ["hedge", "first"]
