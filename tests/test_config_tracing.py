@@ -12,6 +12,7 @@ from pipework import ConfigError, config_from_dict
 from pipework._cli_config import check
 from pipework._tracing import NO_TRACING
 from pipework._tracing_otel import OtelTracing
+from pipework.registry import _config_tracing
 from pipework.registry._config_tracing import TracingSettings
 
 ROUTES: dict[str, Any] = {
@@ -122,3 +123,14 @@ sample_ratio = -1
         "expected one of: otlp, console, none",
         f"  {path}:12: error: tracing.sample_ratio: must be 0 or more, got -1",
     ]
+
+
+def test_tracing_enabled_without_the_extra_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an installation without ``pipework[otel]``: nothing of it is found."""
+    monkeypatch.setattr(_config_tracing, "_installed", lambda module: False)
+    assert problems({"enabled": True}) == [
+        "tracing.enabled: tracing needs OpenTelemetry's SDK: install the otel extra: "
+        "pip install 'pipework[otel]'"
+    ]
+    # Off, or left to an environment that leaves it off, it needs nothing.
+    assert config_from_dict({**ROUTES, "tracing": {"enabled": False}}).tracing.enabled is False
