@@ -45,6 +45,7 @@ from ._admin import AdminApi, Reload, admin_token
 from ._admin_services import Upstreams
 from ._callbacks import CallbackSigner, SecretKeeper
 from ._collector import tuned_collector
+from ._downloads import DownloadsApi, FileResults, add_download_rules
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._middleware import CATCH_ALL, Middleware
@@ -176,6 +177,13 @@ class Container:
             cancel_wait=config.cancel_wait,
             expose_errors=config.expose_errors,
         )
+        self.downloads = DownloadsApi(
+            engine,
+            self.signer,
+            expose_errors=config.expose_errors,
+            max_body=config.max_body,
+            body_time_limit=config.body_time_limit,
+        )
         self.boards = Boards(boards, backplane=backplane)
         self.job_board = JobBoard(self.boards, expose_errors=config.expose_errors)
         self.board_api = BoardApi(
@@ -199,6 +207,11 @@ class Container:
             )
         )
         self.app = self._build_app()
+
+    def add_file_results(self, results: FileResults) -> None:
+        """List and serve the files ``results`` says its jobs made, in the download centre
+        (``GET /jobs``, ``/jobs/{id}/file``, ``/jobs/files.zip``; docs/http-api.md)."""
+        self.downloads.providers.append(results)
 
     # -- serving -------------------------------------------------------------------------
 
@@ -311,6 +324,7 @@ class Container:
             "/jobs/<job_id>/signals/<name>", "job_signal", jobs.signal, methods=["POST"]
         )
         app.add_url_rule("/callbacks/<job_id>/<name>", "callback", jobs.callback, methods=["POST"])
+        add_download_rules(app, self.downloads)
         add_board_rules(app, self.board_api)
         app.before_serving(self._start_boards)
         app.after_serving(self._stop_boards)
