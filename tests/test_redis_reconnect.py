@@ -157,6 +157,46 @@ async def test_a_steps_end_written_on_a_killed_connection_is_sent_again_and_its_
                 assert (record.status, record.error) == (pw.Status.DONE, None)
 
 
+async def test_a_request_parked_when_redis_goes_away_is_told_its_job_not_nothing_was_done(
+    tmp_path: Path,
+) -> None:
+    """A sync request is parked while its job's pipe runs (its backends called) when Redis
+    stops: its waiter, woken by the dropped subscription, cannot read the record. It is
+    answered 503 naming the job — its status's Location, its id and its token — never
+    "nothing was done" (a client that believed it would submit the job again)."""
+    server = start_redis(tmp_path)
+    try:
+        gate = _Gate(parked=1)
+        engine = _engine(server, f"w{secrets.token_hex(6)}", gate, takes_work=True)
+        async with engine, _serving(engine) as client:
+            answers: list[httpx.Response] = []
+
+            async def post() -> None:
+                answers.append(await client.post("/held", json={"n": 1}))
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(post)
+                    await gate.all_in.wait()
+                    server.stop()
+                server.restart()  # (before any check: the engine stops on a live Redis)
+                gate.release.set()
+                (answer,) = answers
+                assert answer.status_code == 503, answer.text
+                problem = answer.json()
+                assert problem["type"] == "urn:pipework:problem:store-unavailable"
+                assert "nothing was done" not in problem["detail"]
+                assert "may still run" in problem["detail"]
+                job_id = problem["job_id"]
+                assert gate.entered == 1  # its pipe did run
+                assert answer.headers["location"] == f"/jobs/{job_id}"
+                assert answer.headers["x-job-id"] == job_id
+                assert answer.headers["x-job-token"] == problem["token"]
+                assert answer.headers["retry-after"] == "1"
+    finally:
+        server.stop()
+
+
 class _CountedTimeouts(RedisJobStore):
     """Counts the round trips that got no answer in time."""
 
