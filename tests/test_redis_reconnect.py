@@ -48,10 +48,12 @@ class _Gate:
         self.release = trio.Event()
 
 
-def _engine(server: RedisServer, prefix: str, gate: _Gate, *, takes_work: bool) -> pw.Engine:
+def _engine(
+    server: RedisServer, prefix: str, gate: _Gate, *, takes_work: bool, **options: Any
+) -> pw.Engine:
     """An engine as ``[store] backend = "redis"`` builds it (the queue in the store's round
-    trips); its one pipe waits on the gate."""
-    store = RedisJobStore(server.url, prefix=prefix)
+    trips); its one pipe waits on the gate. ``options``: the store's."""
+    store = RedisJobStore(server.url, prefix=prefix, **options)
     engine = pw.Engine(
         store=store,
         queue=RedisEventQueue(
@@ -167,7 +169,9 @@ async def test_a_request_parked_when_redis_goes_away_is_told_its_job_not_nothing
     server = start_redis(tmp_path)
     try:
         gate = _Gate(parked=1)
-        engine = _engine(server, f"w{secrets.token_hex(6)}", gate, takes_work=True)
+        # Its read is sent again for a second (resend_seconds) before it is answered.
+        prefix = f"w{secrets.token_hex(6)}"
+        engine = _engine(server, prefix, gate, takes_work=True, resend_seconds=1)
         async with engine, _serving(engine) as client:
             answers: list[httpx.Response] = []
 
@@ -250,5 +254,38 @@ async def test_ends_written_while_redis_is_paused_are_made_once_it_is_back(
                 for job_id in ids:
                     record = await reader.get(job_id)
                     assert (record.status, record.error) == (pw.Status.DONE, None)
+    finally:
+        server.stop()
+
+
+async def test_a_lock_whose_answer_was_lost_is_known_held_by_its_taker(tmp_path: Path) -> None:
+    """The per-job lock's ``SET NX`` gets no answer (Redis paused past ``io_timeout``); Redis
+    runs it when it goes on. Sent again, it finds the lock held — by this very call, which
+    looks and takes it, rather than waiting out its own lease (a minute here)."""
+    server = start_redis(tmp_path)
+    try:
+        store = _CountedTimeouts(
+            server.url, prefix=f"w{secrets.token_hex(6)}", io_timeout=0.3, lock_seconds=60
+        )
+        async with store:
+            await store.pipeline([["PING"]])  # connected before Redis pauses
+            taken = trio.Event()
+
+            async def take() -> None:
+                async with store.lock("j"):
+                    taken.set()
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    server.process.send_signal(signal.SIGSTOP)
+                    try:
+                        nursery.start_soon(take)
+                        while store.timed_out == 0:  # noqa: ASYNC110 - no event to wait on
+                            await trio.sleep(0.05)
+                    finally:
+                        server.process.send_signal(signal.SIGCONT)
+                    await taken.wait()
+            (held,) = await store.pipeline([["EXISTS", f"{store.prefix}:lock:j"]])
+            assert held == 0  # let go of after
     finally:
         server.stop()

@@ -1,13 +1,14 @@
 """When a store call whose round trip failed (the connection lost, no answer in time, a
 server loading its data) is sent again: the arithmetic alone, no I/O (the store does the
-sending, :meth:`~._store.RedisJobStore._resent`).
+sending, :meth:`~._store.RedisJobStore._resend`).
 
 A call is sent again at once, whatever the time (a killed connection is made again at once
 and the call then goes through); after that, with pauses doubling from ``first`` up to
 ``most`` seconds, while the time given (``until``: the job's deadline for a step's write,
-bounded by the store's ``resend_seconds``) has not passed; none of them later than
-``until``. Only calls that may be sent twice are sent again: a read, or a write whose
-script tells its own earlier write apart (``lua/store_update.lua``).
+bounded by the store's ``resend_seconds``; ``resend_seconds`` for a parked request's read
+and the per-job lock) has not passed; none of them later than ``until``. Only calls that
+may be sent twice are sent again: a read, or a write whose script tells its own earlier
+write apart (``lua/store_update.lua``).
 """
 
 from __future__ import annotations

@@ -39,6 +39,13 @@ commands (a join's record when two branches end at once) take :meth:`lock`. A re
 the event queue's writes and reads when it shares the store (:mod:`._batches`, and
 :class:`RedisEventQueue`).
 
+**Sent again.** A call whose round trip failed for the store (its connection lost, no
+answer in time, a server loading) is sent again on a new connection (:mod:`._resend` says
+when): a read at once; a step's write until its job's deadline (``resend_seconds`` at
+most), marked (:data:`_AGAIN`) so that its script answers as written when the record holds
+that very write already, and makes nothing twice. A write whose answer never came marks
+its job (``_unsure``): the job's next write goes marked too.
+
 **Ends.** An end is published on ``{p}:finished`` only when a process other than the one
 that records it may wait for it: the job was created elsewhere, or its record is marked
 ``w`` (:meth:`read_awaited`). The creating process's waiters are woken by its own
@@ -188,7 +195,9 @@ class RedisJobStore(Batches):
     """Job records on Redis. ``url`` is where (``redis://[user:password@]host:port/db``,
     ``rediss://`` for TLS, ``unix:///path?db=N``). ``prefix`` keeps several deployments
     (or tests) apart on one server. Retention, and how many dropped ids are remembered
-    for how long, as for the memory store.
+    for how long, as for the memory store. ``resend_seconds``: how long a step's write
+    whose round trip failed is sent again, within its job's deadline (and a waiter's read;
+    see the module).
 
     Use it as an async context manager (an :class:`~pipework.Engine` given it does so): its
     connection closes on the last exit.
@@ -293,14 +302,18 @@ class RedisJobStore(Batches):
             connection, self._connection = self._connection, None
             await connection.aclose()
 
-    async def _script(self, name: str, keys: list[str], args: list[Arg]) -> Any:
+    async def _script(
+        self, name: str, keys: list[str], args: list[Arg], *, until: float | None = None
+    ) -> Any:
         """One of the store's scripts that may run twice (a read, or a write of the same
-        outcome again): sent again at once on a new connection if its round trip failed."""
+        outcome again): sent again on a new connection if its round trip failed, at once,
+        and until ``until`` (None: only at once)."""
         command: Command = ["EVALSHA", _SHAS[name], len(keys), *keys, *args]
         try:
             return await self._run(command, name)
         except StoreUnavailable as exc:
-            return await self._resend(command, name, trio.current_time(), exc)
+            now = trio.current_time()
+            return await self._resend(command, name, now if until is None else until, exc)
 
     async def _resend(
         self,
@@ -515,7 +528,10 @@ class RedisJobStore(Batches):
         if job is not None and self._hearing():
             self._read_at[job_id] = generation  # for wait_end: read while hearing
             return job
-        reply = await self._script("awaited", [self._key(job_id)], [])
+        # A parked request waits: its read is sent again for resend_seconds (within the
+        # request's own time limit) before it is answered that the store is away.
+        until = trio.current_time() + self.resend_seconds
+        reply = await self._script("awaited", [self._key(job_id)], [], until=until)
         if not reply:
             return await self._found(job_id, None, None)
         job = await self._found(job_id, reply[0], reply[1], reply[3], reply[4])
@@ -919,7 +935,7 @@ class RedisJobStore(Batches):
                 key = f"{self.prefix}:lock:{job_id}"
                 px = int(self.lock_seconds * 1000)
                 while True:
-                    if await self._run(["SET", key, token, "NX", "PX", px]):
+                    if await self._take_lock(key, token, px):
                         break
                     # Another process holds it, and no event can cross processes: poll
                     # briefly (a holder keeps it for one join's bookkeeping).
@@ -935,6 +951,21 @@ class RedisJobStore(Batches):
                 del self._locks[job_id]
             else:
                 self._locks[job_id] = (local, users - 1)
+
+    async def _take_lock(self, key: str, token: str, px: int) -> bool:
+        """Whether the lock at ``key`` is taken for ``token`` (``SET NX``); a round trip that
+        failed is sent again for ``resend_seconds``, and an answer "held" then looks whether
+        the holder is this very call, whose first answer was lost."""
+        take: Command = ["SET", key, token, "NX", "PX", px]
+        try:
+            return bool(await self._run(take))
+        except StoreUnavailable as exc:
+            lost = exc
+        until = trio.current_time() + self.resend_seconds
+        if await self._resend(take, None, until, lost):
+            return True
+        held = await self._resend(["GET", key], None, until, lost)  # (at once, first)
+        return bool(held == token.encode())
 
 
 def _wire(value: object) -> Any:

@@ -52,7 +52,8 @@ class StoreSettings:
     remember_gone_seconds: float = REMEMBER_GONE_SECONDS
     claim_idle: float = 30.0
     #: How long a step's write to Redis whose round trip failed is sent again (within its
-    #: job's deadline) before the job fails for the store (docs/scaling.md).
+    #: job's deadline) before the job fails for the store, and a parked request's read of
+    #: its job before the request is answered 503 naming it (docs/scaling.md).
     resend_seconds: float = 30.0
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
