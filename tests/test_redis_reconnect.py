@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 import pipework as pw
 from pipework.container import BoundAddress
+from pipework.dispatcher._job import Job, new_job_id
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._wire import Connection
 
@@ -287,5 +289,40 @@ async def test_a_lock_whose_answer_was_lost_is_known_held_by_its_taker(tmp_path:
                     await taken.wait()
             (held,) = await store.pipeline([["EXISTS", f"{store.prefix}:lock:j"]])
             assert held == 0  # let go of after
+    finally:
+        server.stop()
+
+
+async def test_the_store_says_a_write_may_have_been_made_and_a_read_did_nothing(
+    tmp_path: Path,
+) -> None:
+    """With Redis paused past ``io_timeout`` (a call sent, its answer not come), a write
+    that fails may have been made (``maybe_done``: its client is not told "nothing was
+    done"); a read that fails did nothing; and with Redis stopped, a call that found no
+    connection to be sent on did nothing."""
+    server = start_redis(tmp_path)
+    try:
+        store = RedisJobStore(
+            server.url, prefix=f"w{secrets.token_hex(6)}", io_timeout=0.2, resend_seconds=0
+        )
+        async with store:
+            job = Job(id=new_job_id(), chain="c", state={}, correlation_id="x")
+            await store.create(job)
+            job.transition(pw.Status.RUNNING)
+            with trio.fail_after(20):
+                server.process.send_signal(signal.SIGSTOP)
+                try:
+                    with pytest.raises(pw.StoreUnavailable) as written:
+                        await store.update(job)
+                    with pytest.raises(pw.StoreUnavailable) as read:
+                        await store.get(job.id)
+                finally:
+                    server.process.send_signal(signal.SIGCONT)
+                assert written.value.maybe_done
+                assert not read.value.maybe_done
+                server.stop()
+                with pytest.raises(pw.StoreUnavailable) as refused:
+                    await store.update(job)
+                assert not refused.value.maybe_done
     finally:
         server.stop()

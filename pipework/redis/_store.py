@@ -303,17 +303,25 @@ class RedisJobStore(Batches):
             await connection.aclose()
 
     async def _script(
-        self, name: str, keys: list[str], args: list[Arg], *, until: float | None = None
+        self,
+        name: str,
+        keys: list[str],
+        args: list[Arg],
+        *,
+        until: float | None = None,
+        reads: bool = False,
     ) -> Any:
         """One of the store's scripts that may run twice (a read, or a write of the same
         outcome again): sent again on a new connection if its round trip failed, at once,
-        and until ``until`` (None: only at once)."""
+        and until ``until`` (None: only at once). ``reads``: it changes nothing a client
+        asked for (its failure says nothing was done)."""
         command: Command = ["EVALSHA", _SHAS[name], len(keys), *keys, *args]
         try:
             return await self._run(command, name)
         except StoreUnavailable as exc:
             now = trio.current_time()
-            return await self._resend(command, name, now if until is None else until, exc)
+            until = now if until is None else until
+            return await self._resend(command, name, until, exc, reads=reads)
 
     async def _resend(
         self,
@@ -322,12 +330,16 @@ class RedisJobStore(Batches):
         until: float,
         lost: StoreUnavailable,
         read: Callable[[Any], None] | None = None,
+        *,
+        reads: bool = False,
     ) -> Any:
         """Send ``command`` again after its round trip failed with ``lost``: at once (on a
         new connection), then with growing pauses while ``until`` has not passed
         (:class:`Resend`); the last failure is raised if none goes through. ``command``
         must be one that may run twice: a read, or a write marked as sent again (its script
-        then tells a write already made, see _AGAIN). ``read``: as ``_Call.read``."""
+        then tells a write already made, see _AGAIN). ``read``: as ``_Call.read``.
+        ``reads``: ``command`` changes nothing a client asked for: its failure says
+        nothing was done (``StoreUnavailable.maybe_done``)."""
         resend = Resend(until)
         maybe_done = lost.maybe_done
         while (pause := resend.pause(trio.current_time())) is not None:
@@ -340,7 +352,7 @@ class RedisJobStore(Batches):
             except StoreUnavailable as exc:
                 lost = exc
                 maybe_done = maybe_done or exc.maybe_done
-        lost.maybe_done = maybe_done  # (done perhaps if any of them may have been)
+        lost.maybe_done = maybe_done and not reads  # (perhaps, if any of them may have been)
         raise lost
 
     def _resend_until(self, job: Job) -> float:
@@ -511,7 +523,7 @@ class RedisJobStore(Batches):
         try:
             reply = await self._run(command)
         except StoreUnavailable as exc:  # sent again at once, on a new connection
-            reply = await self._resend(command, None, trio.current_time(), exc)
+            reply = await self._resend(command, None, trio.current_time(), exc, reads=True)
         blob, version, status, updated = reply
         return await self._found(job_id, blob, version, status, updated)
 
@@ -531,7 +543,7 @@ class RedisJobStore(Batches):
         # A parked request waits: its read is sent again for resend_seconds (within the
         # request's own time limit) before it is answered that the store is away.
         until = trio.current_time() + self.resend_seconds
-        reply = await self._script("awaited", [self._key(job_id)], [], until=until)
+        reply = await self._script("awaited", [self._key(job_id)], [], until=until, reads=True)
         if not reply:
             return await self._found(job_id, None, None)
         job = await self._found(job_id, reply[0], reply[1], reply[3], reply[4])
@@ -819,7 +831,7 @@ class RedisJobStore(Batches):
         keys = [f"{self.prefix}:active"] if wanted & ACTIVE else []
         if wanted & TERMINAL:
             keys.append(f"{self.prefix}:finished")
-        reply = await self._script("list", keys, [self.prefix])
+        reply = await self._script("list", keys, [self.prefix], reads=True)
         jobs = [self._decode(*reply[i : i + 4]) for i in range(0, len(reply), 4)]
         return [job for job in jobs if job.status in wanted]
 
@@ -831,7 +843,8 @@ class RedisJobStore(Batches):
         p = self.prefix
         keys = [f"{p}:finished", f"{p}:gone", f"{p}:remembered"]
         args: list[Arg] = [repr(now), p, repr(self.remember_gone_seconds), self.remember_gone_count]
-        return await self._script("expire", keys, args if job_id is None else [*args, job_id])
+        args = args if job_id is None else [*args, job_id]
+        return await self._script("expire", keys, args, reads=True)
 
     def _tail(self) -> bytes:
         """The arguments every update sends alike, encoded once (see _UPDATE)."""
