@@ -326,3 +326,58 @@ async def test_the_store_says_a_write_may_have_been_made_and_a_read_did_nothing(
                 assert not refused.value.maybe_done
     finally:
         server.stop()
+
+
+async def test_a_submission_whose_create_got_no_answer_is_told_its_job_and_it_runs_once(
+    tmp_path: Path,
+) -> None:
+    """Redis is paused past ``io_timeout`` while a sync request's job is created: the
+    create, and the create sent again, get no answer, and the request is answered 503
+    naming the job it may have created (Location, id, token). Redis goes on, runs the
+    create, and the job runs — once: its client follows it to its result, and the same
+    request sent again with its Idempotency-Key gets that job, not a second one."""
+    server = start_redis(tmp_path)
+    try:
+        gate = _Gate(parked=1)
+        gate.release.set()
+        prefix = f"w{secrets.token_hex(6)}"
+        store = _CountedTimeouts(server.url, prefix=prefix, io_timeout=0.3)
+        queue = RedisEventQueue(server.url, prefix=prefix, store=store, claim_idle=1)
+        engine = pw.Engine(store=store, queue=queue)
+
+        @engine.pipe
+        async def held(ctx: pw.Context) -> None:
+            gate.entered += 1
+            ctx.state["done"] = ctx.state["n"]
+
+        engine.chain("held", held, result="done")
+        key = {"Idempotency-Key": secrets.token_hex(8)}
+        async with engine, _serving(engine) as client:
+            await client.post("/held", json={"n": 0})  # connected before Redis pauses
+            with trio.fail_after(60):
+                server.process.send_signal(signal.SIGSTOP)
+                try:
+                    answer = await client.post("/held", json={"n": 1}, headers=key)
+                finally:
+                    server.process.send_signal(signal.SIGCONT)
+                assert answer.status_code == 503, answer.text
+                problem = answer.json()
+                assert "nothing was done" not in problem["detail"]
+                job_id, token = problem["job_id"], problem["token"]
+                assert answer.headers["location"] == f"/jobs/{job_id}"
+                auth = {"Authorization": f"Bearer {token}"}
+                while True:  # the client follows it
+                    status = await client.get(f"/jobs/{job_id}", headers=auth)
+                    assert status.status_code == 200, status.text
+                    if status.json()["status"] == "done":
+                        break
+                    await trio.sleep(0.05)
+                result = await client.get(f"/jobs/{job_id}/result", headers=auth)
+                assert result.json() == 1
+                again = await client.post("/held", json={"n": 1}, headers=key)
+                assert again.status_code == 200, again.text
+                assert again.headers["x-job-id"] == job_id
+                assert again.json() == 1
+        assert gate.entered == 2  # the first request's job, and this one's once
+    finally:
+        server.stop()

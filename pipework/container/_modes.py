@@ -233,6 +233,16 @@ class _Ticket:
     deadline: float  # the job's (trio time)
 
 
+class _MaybeAccepted(Exception):
+    """A submission whose create was sent to a shared store and not answered: job
+    ``job_id`` may exist, with this ``deadline`` (answered by :func:`outcome_unknown`)."""
+
+    def __init__(self, job_id: str, deadline: float) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+        self.deadline = deadline
+
+
 _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 _NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
@@ -442,7 +452,10 @@ class Submissions:
         if key is None:
             shared = self.engine.shares_store
             token = secrets.token_urlsafe(32) if needs_token(route.mode, shared) else None
-            deadline, job_id = await self._new_job(route, state, token, admit=admit)
+            try:
+                deadline, job_id = await self._new_job(route, state, token, admit=admit)
+            except _MaybeAccepted as maybe:
+                raise outcome_unknown(maybe.job_id, token) from None
             return _Ticket(job_id, token, replayed=False, deadline=deadline)
         digest = fingerprint(route.method, request.path, state)
         with trio.move_on_after(_CLAIM_WAIT):
@@ -476,6 +489,11 @@ class Submissions:
         claim = self.idempotency.claim(key, digest, token)
         try:
             deadline, job_id = await self._new_job(route, state, token, admit=admit)
+        except _MaybeAccepted as maybe:
+            # The key keeps the job that may exist: a retry with it follows that job (or,
+            # not found, submits anew) rather than running it twice.
+            self.idempotency.bind(key, claim, maybe.job_id, maybe.deadline + self.retain_seconds)
+            raise outcome_unknown(maybe.job_id, token) from None
         except BaseException:
             self.idempotency.forget(key, claim)
             raise
@@ -518,7 +536,7 @@ class Submissions:
             # Its record may have been written (the connection was lost after it was sent):
             # the job may run. Its client follows it rather than submitting it again.
             _log.warning("pipework: job %s may or may not have been accepted: %s", exc.job_id, exc)
-            raise outcome_unknown(exc.job_id, token) from None
+            raise _MaybeAccepted(exc.job_id, deadline) from None
         return deadline, job_id
 
     # -- answering -----------------------------------------------------------------------
