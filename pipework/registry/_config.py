@@ -30,6 +30,7 @@ from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
 from ..pipes._pipe import REQUEST_KEY, Pipe
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
+from ._config_edge import EdgeConfig, read_edge
 from ._config_lines import scan_lines
 from ._config_pipes import (
     HttpPipeConfig,
@@ -65,7 +66,17 @@ __all__ = [
     "loads_config",
 ]
 
-SECTIONS: Final = ("server", "pool", "store", "services", "pipes", "routes", "boards")
+SECTIONS: Final = (
+    "server",
+    "pool",
+    "store",
+    "services",
+    "pipes",
+    "routes",
+    "boards",
+    "auth",
+    "cors",
+)
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
 
@@ -87,6 +98,8 @@ class GatewayConfig:
     backplane: BackplaneSettings = field(default_factory=BackplaneSettings)
     #: The proxy routes (``[routes.NAME]`` with ``proxy``), in the file's order.
     proxies: Mapping[str, ProxyConfig] = field(default_factory=lambda: MappingProxyType({}))
+    #: Who may call each route and from which origins (``[auth]``, ``[cors]``).
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -205,6 +218,8 @@ def config_from_dict(
     _check_proxied_schemes(c, proxies, services)
     _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
+    edge = read_edge(c, data, source)
+    routes = {name: _with_edge(rc, edge) for name, rc in routes.items()}
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,
@@ -217,6 +232,7 @@ def config_from_dict(
         store=store,
         backplane=backplane,
         proxies=MappingProxyType(proxies),
+        edge=edge,
     )
     if not c.has_errors:
         try:
@@ -226,6 +242,14 @@ def config_from_dict(
     if c.has_errors:
         raise ConfigError(c.problems(), source)
     return replace(config, warnings=c.problems())
+
+
+def _with_edge(rc: RouteConfig, edge: EdgeConfig) -> RouteConfig:
+    """The route with its authentication and CORS policy on it (what the container reads)."""
+    auth, cors = edge.auth.get(rc.route.name), edge.cors.get(rc.route.name)
+    if auth is None and cors is None:
+        return rc
+    return replace(rc, route=replace(rc.route, auth=auth, cors=cors))
 
 
 def _check_reserves(c: Collector, settings: PoolSettings) -> None:

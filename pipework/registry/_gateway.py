@@ -51,6 +51,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        cors=config.edge.server_cors,
     )
 
 
@@ -58,7 +59,13 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
     """The file's proxy routes and their services, streaming through the lean clients of
     ``backends`` (open)."""
     routes = [p.route for p in config.proxies.values()]
-    return ProxySet(ProxyTable(routes), {r.service: _upstream(backends, r.service) for r in routes})
+    names = {r.name for r in routes}
+    return ProxySet(
+        ProxyTable(routes),
+        {r.service: _upstream(backends, r.service) for r in routes},
+        auth={n: a for n, a in config.edge.auth.items() if n in names},
+        cors={n: p for n, p in config.edge.cors.items() if n in names},
+    )
 
 
 def _upstream(backends: Backends, name: str) -> Upstream:
@@ -207,6 +214,7 @@ class Gateway:
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
+            container.middleware.cors = config.edge.server_cors
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
