@@ -32,6 +32,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
+from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
 from ..board import Backplane, Boards, BoardSpec
 from ..board._api import BoardApi, add_board_rules
@@ -140,8 +141,10 @@ class Container:
         backplane: Backplane | None = None,
         proxies: ProxySet | None = None,
         upstreams: Upstreams | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.rate_limits = rate_limits
         self._proxies = proxies or ProxySet(ProxyTable(()))
         self.config = config = config or ContainerConfig()
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
@@ -167,6 +170,7 @@ class Container:
             retain_seconds=float(getattr(engine.store, "retain_seconds", 3600.0)),
             expose_errors=config.expose_errors,
         )
+        self.submissions.rate_limits = rate_limits
         self.jobs = JobsApi(
             engine,
             self.signer,
@@ -284,6 +288,7 @@ class Container:
             metrics=self.engine.metrics,
             trusted=trusted_networks(self.config.trusted_proxies),
             access_log=self.config.access_log,
+            rate_limits=self.rate_limits,
         )
         app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam
         self.middleware.install(app)
@@ -399,6 +404,12 @@ class Container:
     def set_proxies(self, proxies: ProxySet) -> None:
         """Swap the proxy routes and their clients in (a reload)."""
         self.proxy_layer.set_proxies(proxies)
+
+    def set_rate_limits(self, limits: RateLimits | None) -> None:
+        """The rate limits in force from the next request on (a reload), in one step."""
+        self.rate_limits = limits
+        self.submissions.rate_limits = limits
+        self.proxy_layer.rate_limits = limits
 
     def set_upstreams(self, upstreams: Upstreams | None) -> None:
         """The backend services the admin API drains hosts of, from now on (a reload)."""

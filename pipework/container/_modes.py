@@ -40,6 +40,7 @@ from .._http._bodies import (
 )
 from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
+from .._http._ratelimit import RateLimits
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state, raw_value
@@ -266,6 +267,8 @@ class Submissions:
         #: The request's route and path parameters (raises werkzeug's NotFound or
         #: MethodNotAllowed), or the answer itself.
         self.match: Callable[[Request], tuple[Route, Mapping[str, str]] | Response] = _unset
+        #: The rate limits in force (set by the container; None: none).
+        self.rate_limits: RateLimits | None = None
 
     async def serve(self, _rest: str = "") -> Response:
         """The routes' view: the route :attr:`match` finds for the request (set by the
@@ -277,6 +280,14 @@ class Submissions:
             return found
         route, params = found
         del found  # the pair would stay for as long as the request is parked
+        limits = self.rate_limits
+        if limits is not None:
+            # Before the body is read and any job exists: a refusal costs one decision.
+            applied = limits.routes.get(route.name)
+            if applied:
+                refusal = await limits.check(applied, current_request().scope)
+                if refusal is not None:
+                    raise refusal
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked

@@ -44,6 +44,7 @@ import trio
 
 from .._errors import DeadlineExceeded, PipeworkError
 from .._http._problems import Problem, problem_for_exception
+from .._http._ratelimit import RateLimits
 from .._http._request_ids import request_id
 from .._metrics import Metrics
 from ..backends._failures import CallTimeout, ConnectFailed, TransportFailure
@@ -125,8 +126,11 @@ class ProxyLayer:
         metrics: Metrics,
         trusted: tuple[IPv4Network | IPv6Network, ...] = (),
         access_log: bool = True,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self.app = app
+        #: The rate limits in force (None: none); the container swaps them at a reload.
+        self.rate_limits = rate_limits
         self.proxies = proxies
         self.pool = pool
         self.chains = chains
@@ -200,6 +204,15 @@ class ProxyLayer:
                 await send({"type": "websocket.close", "code": 1008})  # not proxied
                 outcome = WebsocketOutcome(403, detail="the path may not be proxied")
                 return
+            limits = self.rate_limits
+            applied = None if limits is None else limits.routes.get(route.name)
+            if applied:
+                assert limits is not None
+                refusal = await limits.check(applied, scope)
+                if refusal is not None:  # before the slot, as for a request
+                    await send({"type": "websocket.close", "code": 1013})
+                    outcome = WebsocketOutcome(429, detail=refusal.detail)
+                    return
             host, forwarded = self._head_out(route, client, scope, correlation_id)
             timeouts = _timeouts(route, client)
             with self._using(proxies):
@@ -272,6 +285,15 @@ class ProxyLayer:
         send: ASGISend,
     ) -> None:
         route = ex.route
+        limits = self.rate_limits
+        if limits is not None:
+            # Before anything else: no chain runs, no slot is waited for, no body read.
+            applied = limits.routes.get(route.name)
+            if applied:
+                refusal = await limits.check(applied, scope)
+                if refusal is not None:
+                    await self._refuse(ex, send, refusal)
+                    return
         client = proxies.clients[route.service]
         deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         incoming: list[tuple[bytes, bytes]] = scope["headers"]

@@ -45,6 +45,7 @@ ROUTE_KEYS: Final = (
     "result",
     "max_body",
     "body",
+    "rate_limits",
 )
 #: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
 PROXY_KEYS: Final = (
@@ -63,6 +64,7 @@ PROXY_KEYS: Final = (
     "chain",
     "after",
     "websocket",
+    "rate_limits",
 )
 _PROXY_ONLY: Final = tuple(k for k in PROXY_KEYS if k not in ROUTE_KEYS and k != "proxy")
 _ROUTE_HINT: Final = "expected one of: " + ", ".join(sorted(ROUTE_KEYS))
