@@ -260,7 +260,10 @@ def _limited_routes(
 ) -> dict[str, tuple[str, ...]]:
     """Read every route's and service's ``rate_limits`` and resolve them, by route: its own
     limits, then those of the services it reaches. A limit nobody names is a warning."""
-    declared = _names(data.get("rate_limits"))
+    section = data.get("rate_limits")
+    declared = (
+        [k for k, v in section.items() if isinstance(v, dict)] if isinstance(section, dict) else []
+    )
     known = settings.limits
     named: dict[tuple[str, str], tuple[str, ...]] = {}
     for section in ("routes", "services"):

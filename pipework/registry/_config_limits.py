@@ -147,7 +147,7 @@ def _limit(c: Collector, where: KeyPath, name: str, spec: dict[str, Any]) -> Lim
     max_keys = t.integer("max_keys", 100_000, minimum=1)
     if rate is not None and period * 1_000_000 / rate < 1:
         c.error(t.at("rate"), f"{rate} per {period:g}s is more than one per microsecond")
-    if key == "client" and "missing" in t:
+    if t.data.get("key", "client") == "client" and "missing" in t:
         c.warn(t.at("missing"), "a request always has a client address: used only with other keys")
     if c.failed(where) or rate is None or burst is None:
         return None
