@@ -201,6 +201,8 @@ class Container:
                 upstreams=upstreams,
             )
         )
+        if self.admin is not None:
+            self.admin.rate_limits = rate_limits
         self.app = self._build_app()
 
     # -- serving -------------------------------------------------------------------------
@@ -327,6 +329,18 @@ class Container:
                 "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
             )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
+            app.add_url_rule(
+                "/admin/rate_limits", "admin_limits", admin.rate_limits_view, methods=["GET"]
+            )
+            app.add_url_rule(
+                "/admin/rate_limits/<name>", "admin_limit", admin.set_rate_limit, methods=["PUT"]
+            )
+            app.add_url_rule(
+                "/admin/rate_limits/<name>",
+                "admin_limit_clear",
+                admin.clear_rate_limit,
+                methods=["DELETE"],
+            )
             app.add_url_rule("/admin/services", "admin_services", admin.services, methods=["GET"])
             app.add_url_rule(
                 "/admin/services/<name>", "admin_service", admin.service, methods=["GET"]
@@ -410,6 +424,8 @@ class Container:
         self.rate_limits = limits
         self.submissions.rate_limits = limits
         self.proxy_layer.rate_limits = limits
+        if self.admin is not None:
+            self.admin.rate_limits = limits
 
     def set_upstreams(self, upstreams: Upstreams | None) -> None:
         """The backend services the admin API drains hosts of, from now on (a reload)."""

@@ -247,6 +247,8 @@ class Gateway:
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
+            live_limits = container.admin.live_limits if container.admin is not None else None
+            limits_dropped = live_limits.rebase(limits) if live_limits is not None else []
             container.set_rate_limits(limits)
             self._rate_limits = limits
             if old_limits is not None and (limits is None or limits.store is not old_limits.store):
@@ -268,6 +270,8 @@ class Gateway:
             _log.warning("%s", warning.format(config.source))
         for sentence in dropped:
             _log.warning("reload: live weight %s", sentence)
+        for sentence in limits_dropped:
+            _log.warning("reload: live rate limit %s", sentence)
         for change, names in board_changes.items():
             if names:
                 _log.info("reload: boards %s: %s", change, ", ".join(names))
@@ -279,5 +283,6 @@ class Gateway:
             "config_generation": weights,
             "overrides": overrides,
             "overrides_dropped": dropped,
+            "rate_limit_overrides_dropped": limits_dropped,
             "boards_changed": board_changes,
         }
