@@ -83,41 +83,43 @@ async def test_concurrent_clients_exact_counts(
     async with running_backend() as backend:
         text = gateway_file(backend, LIMITS + (PIPE_ROUTE if route == "pipe" else PROXY_ROUTE))
         path = "/go/lamp" if route == "pipe" else "/api/echo/lamp"
-        async with gateway(tmp_path, text) as (gw, address):
-            async with httpx.AsyncClient(base_url=address.url) as client:
-                answers = await burst(client, path, 20)
-                assert statuses(answers) == {200: 5, 429: 15}
-                assert backend_calls(backend) == 5
-                refused = next(a for a in answers if a.status_code == 429)
-                assert refused.headers["content-type"] == "application/problem+json"
-                assert refused.headers["RateLimit-Policy"] == '"per-client";q=5;w=5'
-                assert refused.headers["RateLimit"] == '"per-client";r=0;t=5'
-                assert refused.headers["Retry-After"] == "1"
-                problem = refused.json()
-                assert problem["status"] == 429
-                assert problem["type"] == "urn:pipework:problem:rate-limited"
-                assert problem["limit"] == "per-client"
-                assert "'per-client'" in problem["detail"]
-                # Nothing else was started for the refused: no job, no pool slot.
-                assert gw.engine is not None
-                admitted = gw.engine.pool.statistics().admitted  # type: ignore[attr-defined]
-                assert admitted == 5
+        async with (
+            gateway(tmp_path, text) as (gw, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            answers = await burst(client, path, 20)
+            assert statuses(answers) == {200: 5, 429: 15}
+            assert backend_calls(backend) == 5
+            refused = next(a for a in answers if a.status_code == 429)
+            assert refused.headers["content-type"] == "application/problem+json"
+            assert refused.headers["RateLimit-Policy"] == '"per-client";q=5;w=5'
+            assert refused.headers["RateLimit"] == '"per-client";r=0;t=5'
+            assert refused.headers["Retry-After"] == "1"
+            problem = refused.json()
+            assert problem["status"] == 429
+            assert problem["type"] == "urn:pipework:problem:rate-limited"
+            assert problem["limit"] == "per-client"
+            assert "'per-client'" in problem["detail"]
+            # Nothing else was started for the refused: no job, no pool slot.
+            assert gw.engine is not None
+            admitted = gw.engine.pool.statistics().admitted  # type: ignore[attr-defined]
+            assert admitted == 5
 
-                mock_clock.jump(1.0)
-                assert statuses(await burst(client, path, 4)) == {200: 1, 429: 3}
-                mock_clock.jump(5.0)
-                assert statuses(await burst(client, path, 8)) == {200: 5, 429: 3}
-                assert backend_calls(backend) == 11
+            mock_clock.jump(1.0)
+            assert statuses(await burst(client, path, 4)) == {200: 1, 429: 3}
+            mock_clock.jump(5.0)
+            assert statuses(await burst(client, path, 8)) == {200: 5, 429: 3}
+            assert backend_calls(backend) == 11
 
-                metrics = (await client.get("/metrics")).text
-                assert (
-                    'pipework_rate_limit_decisions_total{decision="allowed",limit="per-client"} 11.0'
-                    in metrics
-                )
-                assert (
-                    'pipework_rate_limit_decisions_total{decision="limited",limit="per-client"} 21.0'
-                    in metrics
-                )
+            metrics = (await client.get("/metrics")).text
+            assert (
+                'pipework_rate_limit_decisions_total{decision="allowed",limit="per-client"} '
+                "11.0" in metrics
+            )
+            assert (
+                'pipework_rate_limit_decisions_total{decision="limited",limit="per-client"} '
+                "21.0" in metrics
+            )
 
 
 async def test_a_service_limit_is_one_budget_for_every_route_reaching_it(
@@ -138,19 +140,21 @@ key = "header:X-Api-Key"
         text = gateway_file(
             backend, limits + pipe_route + proxy_route, service='limit = 4\nrate_limits = "per-key"'
         )
-        async with gateway(tmp_path, text) as (_, address):
-            async with httpx.AsyncClient(base_url=address.url) as client:
-                a = {"X-Api-Key": "a"}
-                assert (await client.get("/go/1", headers=a)).status_code == 200
-                assert (await client.get("/api/echo/2", headers=a)).status_code == 200
-                assert (await client.get("/go/3", headers=a)).status_code == 200
-                assert (await client.get("/api/echo/4", headers=a)).status_code == 429
-                assert (await client.get("/go/5", headers=a)).status_code == 429
-                b = {"X-Api-Key": "b"}
-                assert statuses(await burst(client, "/go/6", 5, headers=b)) == {200: 3, 429: 2}
-                refused = await client.get("/go/7", headers=b)
-                assert refused.headers["RateLimit-Policy"] == '"per-key";q=3;w=180'
-                assert refused.headers["Retry-After"] == "60"
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            a = {"X-Api-Key": "a"}
+            assert (await client.get("/go/1", headers=a)).status_code == 200
+            assert (await client.get("/api/echo/2", headers=a)).status_code == 200
+            assert (await client.get("/go/3", headers=a)).status_code == 200
+            assert (await client.get("/api/echo/4", headers=a)).status_code == 429
+            assert (await client.get("/go/5", headers=a)).status_code == 429
+            b = {"X-Api-Key": "b"}
+            assert statuses(await burst(client, "/go/6", 5, headers=b)) == {200: 3, 429: 2}
+            refused = await client.get("/go/7", headers=b)
+            assert refused.headers["RateLimit-Policy"] == '"per-key";q=3;w=180'
+            assert refused.headers["Retry-After"] == "60"
 
 
 async def test_a_limit_keyed_by_identity_reads_the_identity_mapping(
@@ -194,27 +198,29 @@ async def test_a_reload_keeps_the_state_of_an_unchanged_limit_and_changes_its_ra
 ) -> None:
     async with running_backend() as backend:
         text = gateway_file(backend, LIMITS + PROXY_ROUTE)
-        async with gateway(tmp_path, text) as (gw, address):
-            async with httpx.AsyncClient(base_url=address.url) as client:
-                assert statuses(await burst(client, "/api/echo/x", 7)) == {200: 5, 429: 2}
-                # The same limit, a larger burst: what was used stays used.
-                (tmp_path / "gateway.toml").write_text(text.replace("burst = 5", "burst = 8"))
-                await gw.reload()
-                assert statuses(await burst(client, "/api/echo/x", 5)) == {200: 3, 429: 2}
-                refused = await client.get("/api/echo/x")
-                assert refused.headers["RateLimit-Policy"] == '"per-client";q=8;w=8'
-                # Keyed otherwise: the limit starts afresh.
-                keyed = text.replace("burst = 5", 'burst = 2\nkey = "header:X-Api-Key"')
-                (tmp_path / "gateway.toml").write_text(keyed)
-                await gw.reload()
-                answers = await burst(client, "/api/echo/x", 3, headers={"X-Api-Key": "k"})
-                assert statuses(answers) == {200: 2, 429: 1}
-                # No limit left: nothing refused.
-                (tmp_path / "gateway.toml").write_text(
-                    gateway_file(backend, PROXY_ROUTE.replace('rate_limits = ["per-client"]\n', ""))
-                )
-                await gw.reload()
-                assert statuses(await burst(client, "/api/echo/x", 6)) == {200: 6}
+        async with (
+            gateway(tmp_path, text) as (gw, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            assert statuses(await burst(client, "/api/echo/x", 7)) == {200: 5, 429: 2}
+            # The same limit, a larger burst: what was used stays used.
+            (tmp_path / "gateway.toml").write_text(text.replace("burst = 5", "burst = 8"))
+            await gw.reload()
+            assert statuses(await burst(client, "/api/echo/x", 5)) == {200: 3, 429: 2}
+            refused = await client.get("/api/echo/x")
+            assert refused.headers["RateLimit-Policy"] == '"per-client";q=8;w=8'
+            # Keyed otherwise: the limit starts afresh.
+            keyed = text.replace("burst = 5", 'burst = 2\nkey = "header:X-Api-Key"')
+            (tmp_path / "gateway.toml").write_text(keyed)
+            await gw.reload()
+            answers = await burst(client, "/api/echo/x", 3, headers={"X-Api-Key": "k"})
+            assert statuses(answers) == {200: 2, 429: 1}
+            # No limit left: nothing refused.
+            (tmp_path / "gateway.toml").write_text(
+                gateway_file(backend, PROXY_ROUTE.replace('rate_limits = ["per-client"]\n', ""))
+            )
+            await gw.reload()
+            assert statuses(await burst(client, "/api/echo/x", 6)) == {200: 6}
 
 
 async def test_the_admin_api_sets_a_limit_live(
@@ -223,32 +229,34 @@ async def test_the_admin_api_sets_a_limit_live(
     auth = {"Authorization": "Bearer proxy-admin"}
     async with running_backend() as backend:
         text = gateway_file(backend, LIMITS + PROXY_ROUTE)
-        async with gateway(tmp_path, text) as (gw, address):
-            async with httpx.AsyncClient(base_url=address.url) as client:
-                listed = (await client.get("/admin/rate_limits", headers=auth)).json()
-                assert listed["limits"]["per-client"]["burst"] == 5
-                assert listed["limits"]["per-client"]["routes"] == ["api"]
-                assert statuses(await burst(client, "/api/echo/x", 5)) == {200: 5}
-                changed = await client.put(
-                    "/admin/rate_limits/per-client", headers=auth, json={"burst": 7}
-                )
-                assert changed.status_code == 200, changed.text
-                assert changed.json()["limit"]["burst"] == 7
-                assert statuses(await burst(client, "/api/echo/x", 3)) == {200: 2, 429: 1}
-                bad = await client.put(
-                    "/admin/rate_limits/per-client", headers=auth, json={"burst": 0}
-                )
-                assert bad.status_code == 400 and "burst" in bad.json()["detail"]
-                unknown = await client.put(
-                    "/admin/rate_limits/per-clint", headers=auth, json={"burst": 3}
-                )
-                assert unknown.status_code == 404 and "per-client" in unknown.json()["detail"]
-                # A reload that leaves the limit alone keeps the live value...
-                await gw.reload()
-                listed = (await client.get("/admin/rate_limits", headers=auth)).json()
-                assert listed["limits"]["per-client"]["burst"] == 7
-                assert listed["overrides"] == {"per-client": {"burst": 7}}
-                # ...and DELETE puts the file's back.
-                cleared = await client.delete("/admin/rate_limits/per-client", headers=auth)
-                assert cleared.json()["limit"]["burst"] == 5
-                assert json.loads(cleared.text)["cleared"] == {"burst": 7}
+        async with (
+            gateway(tmp_path, text) as (gw, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            listed = (await client.get("/admin/rate_limits", headers=auth)).json()
+            assert listed["limits"]["per-client"]["burst"] == 5
+            assert listed["limits"]["per-client"]["routes"] == ["api"]
+            assert statuses(await burst(client, "/api/echo/x", 5)) == {200: 5}
+            changed = await client.put(
+                "/admin/rate_limits/per-client", headers=auth, json={"burst": 7}
+            )
+            assert changed.status_code == 200, changed.text
+            assert changed.json()["limit"]["burst"] == 7
+            assert statuses(await burst(client, "/api/echo/x", 3)) == {200: 2, 429: 1}
+            bad = await client.put("/admin/rate_limits/per-client", headers=auth, json={"burst": 0})
+            assert bad.status_code == 400
+            assert "burst" in bad.json()["detail"]
+            unknown = await client.put(
+                "/admin/rate_limits/per-clint", headers=auth, json={"burst": 3}
+            )
+            assert unknown.status_code == 404
+            assert "per-client" in unknown.json()["detail"]
+            # A reload that leaves the limit alone keeps the live value...
+            await gw.reload()
+            listed = (await client.get("/admin/rate_limits", headers=auth)).json()
+            assert listed["limits"]["per-client"]["burst"] == 7
+            assert listed["overrides"] == {"per-client": {"burst": 7}}
+            # ...and DELETE puts the file's back.
+            cleared = await client.delete("/admin/rate_limits/per-client", headers=auth)
+            assert cleared.json()["limit"]["burst"] == 5
+            assert json.loads(cleared.text)["cleared"] == {"burst": 7}

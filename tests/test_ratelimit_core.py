@@ -144,7 +144,9 @@ def test_the_least_recently_used_key_goes_first() -> None:
     table.put("b", 10, 0)
     table.put("a", 11, 0)  # a is now the most recent
     table.put("c", 10, 0)
-    assert table.get("b") is None and table.get("a") == 11 and table.get("c") == 10
+    assert table.get("b") is None
+    assert table.get("a") == 11
+    assert table.get("c") == 10
     assert table.evicted == 1  # b was still draining
 
 
@@ -213,7 +215,8 @@ async def test_a_refusal_is_a_429_with_the_draft_fields(
     await trio.sleep(0.1)
     assert await limits.check(applied, scope()) is None
     problem = await limits.check(applied, scope())
-    assert problem is not None and problem.status == 429
+    assert problem is not None
+    assert problem.status == 429
     assert problem.headers["Retry-After"] == "1"  # 0.4 s, rounded up
     assert problem.headers["RateLimit-Policy"] == '"api";q=2;w=1'
     assert problem.headers["RateLimit"] == '"api";r=0;t=1'
@@ -227,4 +230,5 @@ def test_a_limit_keeps_its_table_across_an_unchanged_rebuild() -> None:
     )
     assert new.adopt(old) == ["a"]
     assert new.limits["a"].table is old.limits["a"].table
-    assert isinstance(new.limits["b"], Limit) and new.limits["b"].table is not old.limits["b"].table
+    assert isinstance(new.limits["b"], Limit)
+    assert new.limits["b"].table is not old.limits["b"].table

@@ -283,11 +283,11 @@ class Submissions:
         limits = self.rate_limits
         if limits is not None:
             # Before the body is read and any job exists: a refusal costs one decision.
-            applied = limits.routes.get(route.name)
-            if applied:
-                refusal = await limits.check(applied, current_request().scope)
-                if refusal is not None:
-                    raise refusal
+            met = limits.routes.get(route.name)
+            if met:
+                too_many = await limits.check(met, current_request().scope)
+                if too_many is not None:
+                    raise too_many
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked

@@ -205,13 +205,13 @@ class ProxyLayer:
                 outcome = WebsocketOutcome(403, detail="the path may not be proxied")
                 return
             limits = self.rate_limits
-            applied = None if limits is None else limits.routes.get(route.name)
-            if applied:
+            met = None if limits is None else limits.routes.get(route.name)
+            if met:
                 assert limits is not None
-                refusal = await limits.check(applied, scope)
-                if refusal is not None:  # before the slot, as for a request
+                too_many = await limits.check(met, scope)
+                if too_many is not None:  # before the slot, as for a request
                     await send({"type": "websocket.close", "code": 1013})
-                    outcome = WebsocketOutcome(429, detail=refusal.detail)
+                    outcome = WebsocketOutcome(too_many.status, detail=too_many.detail)
                     return
             host, forwarded = self._head_out(route, client, scope, correlation_id)
             timeouts = _timeouts(route, client)
@@ -288,11 +288,11 @@ class ProxyLayer:
         limits = self.rate_limits
         if limits is not None:
             # Before anything else: no chain runs, no slot is waited for, no body read.
-            applied = limits.routes.get(route.name)
-            if applied:
-                refusal = await limits.check(applied, scope)
-                if refusal is not None:
-                    await self._refuse(ex, send, refusal)
+            met = limits.routes.get(route.name)
+            if met:
+                too_many = await limits.check(met, scope)
+                if too_many is not None:
+                    await self._refuse(ex, send, too_many)
                     return
         client = proxies.clients[route.service]
         deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
