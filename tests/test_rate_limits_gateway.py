@@ -260,3 +260,89 @@ async def test_the_admin_api_sets_a_limit_live(
             cleared = await client.delete("/admin/rate_limits/per-client", headers=auth)
             assert cleared.json()["limit"]["burst"] == 5
             assert json.loads(cleared.text)["cleared"] == {"burst": 7}
+
+
+async def test_a_flood_of_client_addresses_keeps_at_most_max_keys(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Behind a trusted proxy each X-Forwarded-For address is a client of its own: 50 of
+    them pass once each, and the limit keeps the 10 most recent keys, no more."""
+    limits = """
+[rate_limits.per-client]
+rate = 1
+period = 3600
+burst = 1
+max_keys = 10
+"""
+    auth = {"Authorization": "Bearer proxy-admin"}
+    async with running_backend() as backend:
+        text = gateway_file(backend, limits + PROXY_ROUTE, server='trusted_proxies = ["127.0.0.1"]')
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            for i in range(50):
+                forwarded = {"X-Forwarded-For": f"10.0.0.{i}"}
+                assert (await client.get("/api/echo/x", headers=forwarded)).status_code == 200
+            shown = (await client.get("/admin/rate_limits", headers=auth)).json()
+            assert shown["limits"]["per-client"]["keys_held"] == 10
+            assert shown["limits"]["per-client"]["keys_evicted"] == 40
+            # A kept key is still drained; an evicted one starts with a full bucket again.
+            recent = {"X-Forwarded-For": "10.0.0.49"}
+            assert (await client.get("/api/echo/x", headers=recent)).status_code == 429
+            evicted = {"X-Forwarded-For": "10.0.0.0"}
+            assert (await client.get("/api/echo/x", headers=evicted)).status_code == 200
+            # The proxy's own address is trusted, not the forwarded chain before it: a
+            # client cannot pick its key by sending a trusted address first.
+            chained = {"X-Forwarded-For": "127.0.0.1, 10.0.0.49"}
+            assert (await client.get("/api/echo/x", headers=chained)).status_code == 429
+
+
+async def test_an_untrusted_peer_cannot_choose_its_key(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    limits = LIMITS.replace("burst = 5", "burst = 2")
+    async with running_backend() as backend:
+        text = gateway_file(backend, limits + PROXY_ROUTE)
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            codes = [
+                (
+                    await client.get("/api/echo/x", headers={"X-Forwarded-For": f"10.1.0.{i}"})
+                ).status_code
+                for i in range(3)
+            ]
+            assert codes == [200, 200, 429]
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_a_store_that_cannot_be_reached_is_decided_by_fail_open(
+    tmp_path: Path, mock_clock: trio.testing.MockClock, fail_open: bool
+) -> None:
+    store = f"""
+[rate_limits]
+store = "redis"
+url = "redis://127.0.0.1:1/0"
+fail_open = {"true" if fail_open else "false"}
+"""
+    async with running_backend() as backend:
+        text = gateway_file(backend, store + LIMITS + PROXY_ROUTE)
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url) as client,
+        ):
+            answer = await client.get("/api/echo/x")
+            if fail_open:
+                assert answer.status_code == 200
+            else:
+                assert answer.status_code == 503
+                assert answer.json()["type"] == "urn:pipework:problem:rate-limit-store-unavailable"
+                assert answer.headers["Retry-After"] == "1"
+            assert len(backend.requests) == (1 if fail_open else 0)
+            metrics = (await client.get("/metrics")).text
+            assert (
+                'pipework_rate_limit_decisions_total{decision="error",limit="per-client"} 1.0'
+                in (metrics)
+            )
