@@ -50,6 +50,8 @@ def check(path: str | os.PathLike[str], *, format: str = "text") -> int:
     s = loaded[0].summary()
     warned = len(s["warnings"])
     proxies = f", {_count(s['proxy_routes'], 'proxy route')}" if s["proxy_routes"] else ""
+    if s["rate_limits"]:
+        proxies += f", {_count(s['rate_limits'], 'rate limit')}"
     print(
         f"{s['source']}: valid: {_count(s['services'], 'service')}, "
         f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}{proxies}; "

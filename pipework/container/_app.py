@@ -33,6 +33,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
 from .._http._cors import CorsPolicy, is_preflight
+from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
 from ..board import Backplane, Boards, BoardSpec
 from ..board._api import BoardApi, add_board_rules
@@ -144,8 +145,10 @@ class Container:
         backplane: Backplane | None = None,
         proxies: ProxySet | None = None,
         upstreams: Upstreams | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.rate_limits = rate_limits
         self._proxies = proxies or ProxySet(ProxyTable(()))
         self.config = config = config or ContainerConfig()
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
@@ -172,6 +175,7 @@ class Container:
             retain_seconds=float(getattr(engine.store, "retain_seconds", 3600.0)),
             expose_errors=config.expose_errors,
         )
+        self.submissions.rate_limits = rate_limits
         self.jobs = JobsApi(
             engine,
             self.signer,
@@ -202,6 +206,8 @@ class Container:
                 upstreams=upstreams,
             )
         )
+        if self.admin is not None:
+            self.admin.rate_limits = rate_limits
         self.app = self._build_app()
 
     # -- serving -------------------------------------------------------------------------
@@ -289,6 +295,7 @@ class Container:
             metrics=self.engine.metrics,
             trusted=trusted_networks(self.config.trusted_proxies),
             access_log=self.config.access_log,
+            rate_limits=self.rate_limits,
         )
         app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam
         self.middleware.install(app)
@@ -327,6 +334,18 @@ class Container:
                 "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
             )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
+            app.add_url_rule(
+                "/admin/rate_limits", "admin_limits", admin.rate_limits_view, methods=["GET"]
+            )
+            app.add_url_rule(
+                "/admin/rate_limits/<name>", "admin_limit", admin.set_rate_limit, methods=["PUT"]
+            )
+            app.add_url_rule(
+                "/admin/rate_limits/<name>",
+                "admin_limit_clear",
+                admin.clear_rate_limit,
+                methods=["DELETE"],
+            )
             app.add_url_rule("/admin/services", "admin_services", admin.services, methods=["GET"])
             app.add_url_rule(
                 "/admin/services/<name>", "admin_service", admin.service, methods=["GET"]
@@ -404,6 +423,14 @@ class Container:
     def set_proxies(self, proxies: ProxySet) -> None:
         """Swap the proxy routes and their clients in (a reload)."""
         self.proxy_layer.set_proxies(proxies)
+
+    def set_rate_limits(self, limits: RateLimits | None) -> None:
+        """The rate limits in force from the next request on (a reload), in one step."""
+        self.rate_limits = limits
+        self.submissions.rate_limits = limits
+        self.proxy_layer.rate_limits = limits
+        if self.admin is not None:
+            self.admin.rate_limits = limits
 
     def set_upstreams(self, upstreams: Upstreams | None) -> None:
         """The backend services the admin API drains hosts of, from now on (a reload)."""

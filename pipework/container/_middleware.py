@@ -67,6 +67,9 @@ _ENDPOINTS: Final = {
     "admin_key": "admin",
     "admin_key_clear": "admin",
     "admin_reload": "admin",
+    "admin_limits": "admin",
+    "admin_limit": "admin",
+    "admin_limit_clear": "admin",
 }
 #: The endpoints of the rules that hand every other path to the routes' own map.
 CATCH_ALL: Final = ("routes_root", "routes")

@@ -46,6 +46,7 @@ from .._errors import DeadlineExceeded, PipeworkError
 from .._http._auth import RouteAuth, put_identity
 from .._http._cors import CorsPolicy, PreflightRefused, header_pairs
 from .._http._problems import Problem, problem_for_exception
+from .._http._ratelimit import RateLimits
 from .._http._request_ids import request_id
 from .._metrics import Metrics
 from ..backends._failures import CallTimeout, ConnectFailed, TransportFailure
@@ -132,8 +133,11 @@ class ProxyLayer:
         metrics: Metrics,
         trusted: tuple[IPv4Network | IPv6Network, ...] = (),
         access_log: bool = True,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self.app = app
+        #: The rate limits in force (None: none); the container swaps them at a reload.
+        self.rate_limits = rate_limits
         self.proxies = proxies
         self.pool = pool
         self.chains = chains
@@ -259,6 +263,15 @@ class ProxyLayer:
                 await send({"type": "websocket.close", "code": 1008})  # not proxied
                 outcome = WebsocketOutcome(403, detail="the path may not be proxied")
                 return
+            limits = self.rate_limits
+            met = None if limits is None else limits.routes.get(route.name)
+            if met:
+                assert limits is not None
+                too_many = await limits.check(met, scope)
+                if too_many is not None:  # before the slot, as for a request
+                    await send({"type": "websocket.close", "code": 1013})
+                    outcome = WebsocketOutcome(too_many.status, detail=too_many.detail)
+                    return
             host, forwarded = self._head_out(route, client, scope, correlation_id)
             timeouts = _timeouts(route, client)
             with self._using(proxies):
@@ -331,15 +344,24 @@ class ProxyLayer:
         send: ASGISend,
     ) -> None:
         route = ex.route
-        client = proxies.clients[route.service]
-        deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         auth = proxies.auth.get(route.name)
-        if auth is not None:  # before the body, the chain, the service and a slot
+        if auth is not None:  # first: its identity keys the limits
             try:
                 await self._authenticate(auth, scope)
             except Problem as refused:
                 await self._refuse(ex, send, refused)
                 return
+        limits = self.rate_limits
+        if limits is not None:
+            # Before anything else: no chain runs, no slot is waited for, no body read.
+            met = limits.routes.get(route.name)
+            if met:
+                too_many = await limits.check(met, scope)
+                if too_many is not None:
+                    await self._refuse(ex, send, too_many)
+                    return
+        client = proxies.clients[route.service]
+        deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         incoming: list[tuple[bytes, bytes]] = scope["headers"]
         length, has_body = _body_framing(incoming, ex.method)
         if route.max_body is not None and length is not None and length > route.max_body:

@@ -47,6 +47,7 @@ ROUTE_KEYS: Final = (
     "max_body",
     "body",
     *EDGE_ROUTE_KEYS,
+    "rate_limits",
 )
 #: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
 PROXY_KEYS: Final = (
@@ -66,6 +67,7 @@ PROXY_KEYS: Final = (
     "after",
     "websocket",
     *EDGE_ROUTE_KEYS,
+    "rate_limits",
 )
 _PROXY_ONLY: Final = tuple(k for k in PROXY_KEYS if k not in ROUTE_KEYS and k != "proxy")
 _ROUTE_HINT: Final = "expected one of: " + ", ".join(sorted(ROUTE_KEYS))

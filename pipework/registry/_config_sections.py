@@ -66,6 +66,7 @@ SERVICE_KEYS: Final = (
     "headers",
     "max_response_bytes",
     "request_id_header",
+    "rate_limits",
     *RESILIENCE_KEYS,
     *WEIGHT_KEYS,
 )

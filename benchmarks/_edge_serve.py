@@ -1,0 +1,80 @@
+"""Serve bench_edge's gateway in its own process.
+
+``python -m benchmarks._edge_serve pipework --backend URL`` writes the gateway file
+:func:`gateway_text` declares (its service at ``URL``), serves it with
+:class:`pipework.Gateway` on 127.0.0.1 (a free port, no access log, logging at WARNING),
+prints its base URL on stdout once it listens, and serves until terminated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+from pathlib import Path
+
+import trio
+
+from ._serve import raise_open_files_limit
+from .peers.serve import _announce
+
+#: Route pairs: the same proxy route, bare and behind each edge policy. ``/plain`` has
+#: none; ``/limited`` meets a per-client rate limit so large it is never reached (the cost
+#: of deciding it is what is measured). ``/limited-jwt`` is the slot for a route behind the
+#: same limit and a JWT check, once the gateway file can declare one.
+ROUTES = ("plain", "limited")
+
+
+def gateway_text(backend: str) -> str:
+    routes = "".join(
+        f"""
+[routes.{name}]
+proxy = "backend"
+prefix = "/{name}"
+strip_prefix = true
+{'rate_limits = ["never-reached"]' if name != "plain" else ""}
+"""
+        for name in ROUTES
+    )
+    return f"""
+[services.backend]
+base_url = "{backend}"
+timeout = 5
+reserve = 32
+
+[rate_limits.never-reached]
+rate = 1000000
+burst = 1000000000
+key = "client"
+{routes}
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._edge_serve")
+    parser.add_argument("kind", choices=["pipework"])
+    parser.add_argument("--backend", required=True)
+    args = parser.parse_args(argv)
+    raise_open_files_limit()
+    logging.basicConfig(level=logging.WARNING)
+    import pipework as pw
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "edge.toml")
+        path.write_text(gateway_text(args.backend))
+        gateway = pw.Gateway(str(path), overrides={"access_log": False})
+
+        async def serve() -> None:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(
+                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
+                )
+                _announce(address.port)
+
+        trio.run(serve)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
