@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,8 @@ import trio.testing
 
 import pipework as pw
 from pipework import ConfigError, Gateway, loads_config
+from pipework._http import _auth
+from pipework._http._auth import JwksFile, JwksUrl, JwtBearer
 from pipework.container import BoundAddress
 
 from ._edge_keys import (
@@ -537,3 +540,87 @@ rate_limits = ["per-tenant"]
     # Authentication comes first: a forged token is a 401, never counted in a limit.
     assert forged.status_code == 401
     assert len(SEEN) == 3
+
+
+# -- remembered tokens ---------------------------------------------------------------------
+
+
+class Counting:
+    """A JwtBearer whose full verifications are counted."""
+
+    def __init__(self, bearer: JwtBearer) -> None:
+        self.bearer = bearer
+        self.full = 0
+        verify = bearer._verify
+
+        async def counted(token: str) -> Any:
+            self.full += 1
+            return await verify(token)
+
+        bearer._verify = counted  # type: ignore[method-assign]  # a spy on one instance
+
+    async def identify(self, token: str) -> Any:
+        return await self.bearer.identify({"authorization": f"Bearer {token}"})
+
+
+def bearer_of(source: Any, **options: Any) -> JwtBearer:
+    return JwtBearer(
+        "partners",
+        source,
+        algorithms=("RS256", "ES256", "EdDSA"),
+        issuer=ISSUER,
+        audience=(AUDIENCE,),
+        **options,
+    )
+
+
+async def test_a_verified_token_is_remembered_but_its_exp_still_checked(
+    tmp_path: Path, signers: dict[str, Signer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps(jwks(*signers.values())))
+    spy = Counting(bearer_of(JwksFile(str(path))))
+    token = signers["EdDSA"].sign(claims())
+    for _ in range(3):
+        assert (await spy.identify(token)).subject == "alice"
+    assert spy.full == 1
+    # Past its exp (by the wall clock the check reads), a remembered token is checked in
+    # full again, not taken from memory.
+    later = time.time() + 3600
+    monkeypatch.setattr(_auth, "_wall_clock", lambda: later)
+    await spy.identify(token)
+    assert spy.full == 2
+    # A refusal is never remembered.
+    forged = unsigned(claims(), "eddsa-1")
+    for _ in range(2):
+        with pytest.raises(_auth.Refusal):
+            await spy.identify(forged)
+    assert spy.full == 4
+    # The bound holds.
+    small = Counting(bearer_of(JwksFile(str(path)), cache_size=2))
+    tokens = [signers["ES256"].sign(claims(sub=f"u{i}")) for i in range(3)]
+    for t in (*tokens, tokens[0]):
+        await small.identify(t)
+    assert len(small.bearer._verified) == 2
+    assert small.full == 4  # the first token was dropped to make room
+
+
+async def test_a_remembered_token_whose_key_was_rotated_out_is_refused(
+    signers: dict[str, Signer], autojump_clock: trio.testing.MockClock
+) -> None:
+    document = jwks(signers["RS256"])
+
+    async def fetch(url: str) -> bytes:
+        return json.dumps(document).encode()
+
+    source = JwksUrl("https://id.example/jwks", max_age=300, min_refetch=30, fetch=fetch)
+    spy = Counting(bearer_of(source))
+    token = signers["RS256"].sign(claims())
+    await spy.identify(token)
+    await spy.identify(token)
+    assert (spy.full, source.fetches) == (1, 1)
+    document = jwks(signers["ES256"])  # the provider drops the RS256 key
+    await trio.sleep(300)  # the keys are due for a refresh: the token is checked again
+    with pytest.raises(_auth.Refusal, match="no key for the token's kid 'rs256-1'"):
+        await spy.identify(token)
+    assert (spy.full, source.fetches) == (2, 2)

@@ -27,7 +27,9 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
+import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -267,6 +269,10 @@ class KeySource(Protocol):
 
     async def key(self, kid: str | None) -> jwt.PyJWK | None: ...
 
+    def generation(self) -> int | None:
+        """Which set of keys is in force (tokens verified under another are verified
+        again); None when the keys are due for a refresh."""
+
 
 def _pick(keys: Mapping[str, jwt.PyJWK], kid: str | None) -> jwt.PyJWK | None:
     if kid is not None:
@@ -285,6 +291,9 @@ class JwksFile:
 
     async def key(self, kid: str | None) -> jwt.PyJWK | None:
         return _pick(self.keys, kid)
+
+    def generation(self) -> int | None:
+        return 0  # read once: a reload builds a new one
 
 
 Fetch = Callable[[str], Awaitable[bytes]]
@@ -330,7 +339,13 @@ class JwksUrl:
         self.keys: dict[str, jwt.PyJWK] = {}
         self.fetched_at = -float("inf")  # trio time of the last fetch, good or not
         self.fetches = 0
+        self._generation = 0
         self._under_way: trio.Event | None = None
+
+    def generation(self) -> int | None:
+        if trio.current_time() - self.fetched_at >= self.max_age:
+            return None
+        return self._generation
 
     async def key(self, kid: str | None) -> jwt.PyJWK | None:
         now = trio.current_time()
@@ -353,6 +368,7 @@ class JwksUrl:
             self.fetches += 1
             try:
                 self.keys = jwks_keys(await self._fetch(self.url), self.url)
+                self._generation += 1
             except (OSError, ValueError) as exc:
                 _log.warning(
                     "could not fetch the JWKS at %s (%s); keeping the %d keys known",
@@ -376,7 +392,14 @@ class JwtBearer:
     ``audience``: what ``iss`` and ``aud`` must hold (None: not checked); ``leeway``:
     seconds of clock skew allowed on ``exp``, ``nbf`` and ``iat``; ``subject_claim``: the
     claim naming the identity; ``claims``: those kept on the identity (and in the job's
-    state)."""
+    state).
+
+    A token that verified is remembered (up to ``cache_size`` tokens, the oldest dropped
+    first; 0: none): a client sends the same access token with each request, and its
+    signature need not be checked again while the keys it was checked with are in force
+    (the same JWKS file; for a URL, the same fetch, within ``jwks_max_age``). Its ``exp``
+    and ``nbf`` are checked at every use all the same. A refused token is never
+    remembered."""
 
     def __init__(
         self,
@@ -391,6 +414,7 @@ class JwtBearer:
         subject_claim: str = "sub",
         claims: tuple[str, ...] = (),
         realm: str = "",
+        cache_size: int = 10_000,
     ) -> None:
         for alg in algorithms:
             if alg not in ASYMMETRIC_ALGORITHMS:
@@ -412,6 +436,9 @@ class JwtBearer:
         self.subject_claim = subject_claim
         self.claims = claims
         self.realm = realm or name
+        self.cache_size = cache_size
+        # token -> (identity, exp, nbf, keys' generation); dicts keep insertion order.
+        self._verified: dict[str, tuple[Identity, float, float, int]] = {}
 
     def present(self, headers: Mapping[str, str]) -> bool:
         value = headers.get("authorization")
@@ -421,6 +448,27 @@ class JwtBearer:
         token = bearer_token(headers.get("authorization"))
         if not token:
             raise Refusal("the Authorization header holds no token")
+        hit = self._verified.get(token)
+        if hit is not None:
+            identity, expires, not_before, generation = hit
+            now = _wall_clock()
+            # PyJWT's own bounds: expired once exp <= now - leeway, early while nbf > now + leeway.
+            if (
+                generation == self.source.generation()
+                and now - self.leeway < expires
+                and not_before <= now + self.leeway
+            ):
+                return identity
+            del self._verified[token]  # checked again below, in full
+        identity, expires, not_before = await self._verify(token)
+        current = self.source.generation()
+        if self.cache_size and current is not None:
+            if len(self._verified) >= self.cache_size:
+                del self._verified[next(iter(self._verified))]
+            self._verified[token] = (identity, expires, not_before, current)
+        return identity
+
+    async def _verify(self, token: str) -> tuple[Identity, float, float]:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
@@ -474,12 +522,22 @@ class JwtBearer:
         if not isinstance(subject, str) or not subject:
             raise Refusal(f"the token's {self.subject_claim!r} claim is not a non-empty string")
         kept = {name: claims[name] for name in self.claims if name in claims}
-        return Identity(subject, "jwt", self.name, _scopes(claims), kept, claims)
+        identity = Identity(subject, "jwt", self.name, _scopes(claims), kept, claims)
+        return identity, _bound(claims.get("exp"), math.inf), _bound(claims.get("nbf"), -math.inf)
 
     def challenge(
         self, error: str | None = None, description: str | None = None, scope: str | None = None
     ) -> str:
         return _challenge("Bearer", self.realm, error, description, scope)
+
+
+#: The wall clock tokens' exp and nbf are read against (PyJWT reads the same one).
+_wall_clock = time.time
+
+
+def _bound(value: Any, default: float) -> float:
+    # PyJWT has checked that exp and nbf, when present, are numbers.
+    return float(value) if isinstance(value, int | float) else default
 
 
 def _check_key_fits(key: jwt.PyJWK, alg: str) -> None:

@@ -53,6 +53,7 @@ JWT_KEYS: Final = (
     "require",
     "subject_claim",
     "claims",
+    "token_cache",
 )
 CORS_KEYS: Final = ("origins", "methods", "headers", "expose", "credentials", "max_age")
 
@@ -292,6 +293,7 @@ def _jwt(t: Table, name: str, base: str, urls: dict[str, JwksUrl]) -> JwtBearer 
     max_age = t.number("jwks_max_age", 300.0)
     min_refetch = t.number("jwks_min_refetch", 30.0, positive=False)
     realm = t.string("realm", name)
+    token_cache = t.integer("token_cache", 10_000, minimum=0)
     file, url = t.string("jwks_file", None), t.string("jwks_url", None)
     source: JwksFile | JwksUrl | None = None
     if (file is None) == (url is None):
@@ -331,6 +333,7 @@ def _jwt(t: Table, name: str, base: str, urls: dict[str, JwksUrl]) -> JwtBearer 
         subject_claim=subject_claim,
         claims=claims,
         realm=realm,
+        cache_size=token_cache,
     )
 
 
