@@ -1,7 +1,8 @@
 """Serve bench_edge's gateway in its own process.
 
-``python -m benchmarks._edge_serve pipework --backend URL`` writes the gateway file
-:func:`gateway_text` declares (its service at ``URL``), serves it with
+``python -m benchmarks._edge_serve pipework --backend URL --jwks PATH`` writes the gateway
+file :func:`gateway_text` declares (its service at ``URL``, its JWTs verified with the
+JWKS file at ``PATH``), serves it with
 :class:`pipework.Gateway` on 127.0.0.1 (a free port, no access log, logging at WARNING),
 prints its base URL on stdout once it listens, and serves until terminated.
 """
@@ -20,19 +21,26 @@ from .peers.serve import _announce
 
 #: Route pairs: the same proxy route, bare and behind each edge policy. ``/plain`` has
 #: none; ``/limited`` meets a per-client rate limit so large it is never reached (the cost
-#: of deciding it is what is measured). ``/limited-jwt`` is the slot for a route behind the
-#: same limit and a JWT check, once the gateway file can declare one.
-ROUTES = ("plain", "limited")
+#: of deciding it is what is measured); ``/limited-jwt`` meets the same limit, keyed by the
+#: identity a JWT check (RS256, a JWKS file) establishes first.
+ROUTES = ("plain", "limited", "limited-jwt")
+ISSUER = "https://bench.invalid"
+AUDIENCE = "bench"
 
 
-def gateway_text(backend: str) -> str:
+def gateway_text(backend: str, jwks: str) -> str:
+    extra = {
+        "plain": "",
+        "limited": 'rate_limits = ["never-reached"]',
+        "limited-jwt": 'rate_limits = ["never-reached-by-identity"]\nauth = "bench"',
+    }
     routes = "".join(
         f"""
 [routes.{name}]
 proxy = "backend"
 prefix = "/{name}"
 strip_prefix = true
-{'rate_limits = ["never-reached"]' if name != "plain" else ""}
+{extra[name]}
 """
         for name in ROUTES
     )
@@ -46,6 +54,18 @@ reserve = 32
 rate = 1000000
 burst = 1000000000
 key = "client"
+
+[rate_limits.never-reached-by-identity]
+rate = 1000000
+burst = 1000000000
+key = "identity"
+
+[auth.bench]
+type = "jwt"
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
 {routes}
 """
 
@@ -54,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._edge_serve")
     parser.add_argument("kind", choices=["pipework"])
     parser.add_argument("--backend", required=True)
+    parser.add_argument("--jwks", required=True)
     args = parser.parse_args(argv)
     raise_open_files_limit()
     logging.basicConfig(level=logging.WARNING)
@@ -61,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "edge.toml")
-        path.write_text(gateway_text(args.backend))
+        path.write_text(gateway_text(args.backend, args.jwks))
         gateway = pw.Gateway(str(path), overrides={"access_log": False})
 
         async def serve() -> None:
             stop = trio.Event()
             async with trio.open_nursery() as nursery:
                 address = await nursery.start(
-                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
+                    lambda task_status: gateway.run(port=0, stop=stop, task_status=task_status)
                 )
                 _announce(address.port)
 
