@@ -7,6 +7,7 @@ gateway fetch it more than once per ``jwks_min_refetch``."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -22,6 +23,7 @@ import trio.testing
 
 import pipework as pw
 from pipework import ConfigError, Gateway, loads_config
+from pipework._cli_config import check
 from pipework._http import _auth
 from pipework._http._auth import JwksFile, JwksUrl, JwtBearer
 from pipework.container import BoundAddress
@@ -624,3 +626,38 @@ async def test_a_remembered_token_whose_key_was_rotated_out_is_refused(
     with pytest.raises(_auth.Refusal, match="no key for the token's kid 'rs256-1'"):
         await spy.identify(token)
     assert (spy.full, source.fetches) == (2, 2)
+
+
+# -- pipework check --------------------------------------------------------------------------
+
+
+async def test_check_fetches_jwks_urls_only_when_asked(
+    tmp_path: Path,
+    signers: dict[str, Signer],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("EDGE_TEST_DEPLOY_KEY", DEPLOY_KEY)
+    with trio.socket.socket() as sock:  # a port nothing listens on: bound, then closed
+        await sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    async with serving_jwks(jwks(signers["ES256"])) as server, running_backend() as backend:
+        good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+        good.write_text(gateway_text(backend, f'jwks_url = "{server.url}"'))
+        bad.write_text(gateway_text(backend, f'jwks_url = "http://127.0.0.1:{closed}/jwks"'))
+        assert await trio.to_thread.run_sync(check, str(bad)) == 0
+        assert server.fetches == 0
+        assert await trio.to_thread.run_sync(functools.partial(check, str(good), fetch=True)) == 0
+        assert server.fetches == 1
+        server.document = {"keys": []}
+        capsys.readouterr()  # the valid file's summary
+        run = functools.partial(check, str(good), format="json", fetch=True)
+        assert await trio.to_thread.run_sync(run) == 1
+        refused = json.loads(capsys.readouterr().out)
+        run = functools.partial(check, str(bad), fetch=True)
+        assert await trio.to_thread.run_sync(run) == 1
+    assert refused["valid"] is False
+    assert refused["errors"][0]["path"] == "auth.partners.jwks_url"
+    assert "the JWKS holds no key" in refused["errors"][0]["message"]
+    err = capsys.readouterr().err
+    assert "error: auth.partners.jwks_url: cannot use the JWKS" in err
