@@ -64,7 +64,7 @@ def signers() -> dict[str, Signer]:
     return {alg: Signer.make(alg, f"{alg.lower()}-1") for alg in ("RS256", "ES256", "EdDSA")}
 
 
-def gateway_text(backend: Backend, auth_source: str, *, extra: str = "") -> str:
+def gateway_text(backend: Backend, auth_source: str, *, extra: str = "", service: str = "") -> str:
     ci_digest = hashlib.sha256(CI_KEY.encode()).hexdigest()
     return f"""
 [pool]
@@ -73,6 +73,7 @@ max_workers = 4
 [services.echo]
 base_url = "{backend.url}"
 timeout = 5
+{service}
 
 [auth.partners]
 type = "jwt"
@@ -304,6 +305,31 @@ async def test_a_proxy_route_refuses_before_the_service_is_called(
     assert len(backend.requests) == 1
     # The token goes on to the service as it came.
     assert dict(allowed.json()["headers"])["authorization"] == f"Bearer {token}"
+
+
+async def test_a_refused_proxied_request_waits_for_no_slot(
+    tmp_path: Path, signers: dict[str, Signer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EDGE_TEST_DEPLOY_KEY", DEPLOY_KEY)
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(*signers.values())))
+    token = bearer(signers["RS256"].sign(claims()))
+    async with running_backend() as backend:
+        # One slot, and a wait for it longer than the test may take.
+        text = gateway_text(
+            backend, 'jwks_file = "jwks.json"', service="limit = 1\nwait_timeout = 3600"
+        )
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url, timeout=30) as client,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(functools.partial(client.get, "/api/hang", headers=token))
+            await backend.hung.wait()  # it holds the service's one slot
+            refused = await client.get("/api/echo")  # answered, not parked behind it
+            forged = await client.get("/api/echo", headers=bearer("not-a-jwt"))
+            nursery.cancel_scope.cancel()
+    assert_unauthorized(refused, None, "a bearer token")
+    assert_unauthorized(forged, "invalid_token", "not a JWT")
 
 
 # -- a JWKS URL ----------------------------------------------------------------------------
