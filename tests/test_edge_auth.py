@@ -54,6 +54,12 @@ async def whoami(ctx: pw.Context) -> None:
     ctx.state["who"] = ctx.state.get("identity")
 
 
+async def tenant_header(ctx: pw.Context) -> None:
+    """A proxy route's chain: the caller's tenant, from its identity, to the service."""
+    tenant = ctx.state["identity"]["claims"]["tenant"]
+    ctx.state["request"]["headers"].append(["x-tenant", tenant])
+
+
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
     SEEN.clear()
@@ -330,6 +336,34 @@ async def test_a_refused_proxied_request_waits_for_no_slot(
             nursery.cancel_scope.cancel()
     assert_unauthorized(refused, None, "a bearer token")
     assert_unauthorized(forged, "invalid_token", "not a JWT")
+
+
+async def test_a_proxy_routes_chain_sees_the_identity(
+    tmp_path: Path, signers: dict[str, Signer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EDGE_TEST_DEPLOY_KEY", DEPLOY_KEY)
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(*signers.values())))
+    route = """
+[pipes.tenant_header]
+python = "tests.test_edge_auth:tenant_header"
+
+[routes.tenant-api]
+proxy = "echo"
+prefix = "/tapi"
+strip_prefix = true
+auth = "partners"
+chain = ["tenant_header"]
+"""
+    async with running_backend() as backend:
+        text = gateway_text(backend, 'jwks_file = "jwks.json"') + route
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url, timeout=10) as client,
+        ):
+            token = signers["ES256"].sign(claims(tenant="globex"))
+            answer = await client.get("/tapi/echo", headers=bearer(token))
+    assert answer.status_code == 200, answer.text
+    assert dict(answer.json()["headers"])["x-tenant"] == "globex"
 
 
 # -- a JWKS URL ----------------------------------------------------------------------------

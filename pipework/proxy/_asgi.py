@@ -43,7 +43,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import DeadlineExceeded, PipeworkError
-from .._http._auth import RouteAuth, put_identity
+from .._http._auth import IDENTITY_STATE_KEY, Identity, RouteAuth, put_identity
 from .._http._cors import CorsPolicy, PreflightRefused, header_pairs
 from .._http._problems import Problem, problem_for_exception
 from .._http._ratelimit import RateLimits
@@ -118,6 +118,7 @@ class _Exchange:
     client_gone: bool = False
     # The answer's last message was handed to the server (the backend's, or a problem's).
     answered: bool = False
+    identity: Identity | None = None  # who the route's auth says the caller is
 
 
 class ProxyLayer:
@@ -227,12 +228,14 @@ class ProxyLayer:
         await send({"type": "http.response.start", "status": 204, "headers": pairs})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _authenticate(self, auth: RouteAuth, scope: MutableMapping[str, Any]) -> None:
+    async def _authenticate(self, auth: RouteAuth, scope: MutableMapping[str, Any]) -> Identity:
         headers = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in reversed(scope["headers"])  # the first of a name wins
         }
-        put_identity(scope, await auth.authenticate(headers))
+        identity = await auth.authenticate(headers)
+        put_identity(scope, identity)
+        return identity
 
     async def _serve_websocket(
         self,
@@ -347,7 +350,7 @@ class ProxyLayer:
         auth = proxies.auth.get(route.name)
         if auth is not None:  # first: its identity keys the limits
             try:
-                await self._authenticate(auth, scope)
+                ex.identity = await self._authenticate(auth, scope)
             except Problem as refused:
                 await self._refuse(ex, send, refused)
                 return
@@ -513,7 +516,10 @@ class ProxyLayer:
             "headers": _pairs(headers),
             "client": None if scope.get("client") is None else scope["client"][0],
         }
-        state = await self._run(ex, chain, {"request": request}, send)
+        start: dict[str, Any] = {"request": request}
+        if ex.identity is not None:  # the route's chain sees who the caller is
+            start[IDENTITY_STATE_KEY] = ex.identity.state()
+        state = await self._run(ex, chain, start, send)
         if state is None:
             return None
         edited = state.get("request", request)
