@@ -34,9 +34,9 @@ def set_identity(
 def identity_of(scope: Mapping[str, Any]) -> str | None:
     """The request's identity (``"id"``), or None when nothing established one."""
     found = scope.get(IDENTITY)
-    if not isinstance(found, Mapping):
+    if found is None:
         return None
-    ident = found.get("id")
+    ident = found.get("id") if isinstance(found, Mapping) else getattr(found, "subject", None)
     return ident if isinstance(ident, str) and ident else None
 
 
@@ -44,7 +44,9 @@ def claim_of(scope: Mapping[str, Any], name: str) -> str | None:
     """The claim ``name`` as text (a string, or a number or boolean written as JSON
     would), or None: no identity, no such claim, or one that is a list or an object."""
     found = scope.get(IDENTITY)
-    claims = found.get("claims") if isinstance(found, Mapping) else None
+    if found is None:
+        return None
+    claims = found.get("claims") if isinstance(found, Mapping) else getattr(found, "claims", None)
     if not isinstance(claims, Mapping):
         return None
     value = claims.get(name)

@@ -29,9 +29,10 @@ from typing import Final
 import trio
 from quart import Request, Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import NotFound
+from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
+from .._http._cors import CorsPolicy, is_preflight
 from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
 from ..board import Backplane, Boards, BoardSpec
@@ -47,7 +48,7 @@ from ._callbacks import CallbackSigner, SecretKeeper
 from ._collector import tuned_collector
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
-from ._middleware import CATCH_ALL, Middleware
+from ._middleware import CATCH_ALL, CORS_ENDPOINTS, Middleware, preflight_answer
 from ._modes import Parking, Submissions
 from ._readiness import CANARY_CHAIN, Probes, healthz
 from ._request import incoming
@@ -91,6 +92,8 @@ class ContainerConfig:
     - ``trusted_proxies``: addresses and networks (``"10.0.0.0/8"``) whose
       ``X-Forwarded-*`` and ``Forwarded`` headers proxy routes pass on, appending to them;
       from any other client those headers are replaced.
+    - ``cors``: which other origins' pages may call the job, board and jobs-page endpoints
+      from a browser (None: none; each route has its own policy).
     """
 
     max_body: int = 1024 * 1024
@@ -108,6 +111,7 @@ class ContainerConfig:
     access_log: bool = True
     gc_threshold: int | None = None
     trusted_proxies: tuple[str, ...] = ()
+    cors: CorsPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -157,6 +161,7 @@ class Container:
             engine.metrics,
             max_header_bytes=config.max_header_bytes,
             access_log=config.access_log,
+            cors=config.cors,
         )
         self.probes = Probes(engine, self.parking, readiness_timeout=config.readiness_timeout)
         self.submissions = Submissions(
@@ -441,27 +446,56 @@ class Container:
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])
 
-    async def _own_options(self) -> Response:
-        path = request.path
-        allowed = {*self._own_paths.allowed_methods(path), *self._matcher.allowed_methods(path)}
-        allowed.discard("OPTIONS")  # as on a route's path: the methods a 405 would list
-        return Response("", status=204, headers={"Allow": ", ".join(sorted(allowed))})
-
     def _match(self, req: Request) -> tuple[Route, Mapping[str, str]] | Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
         if req.method == "OPTIONS":
             allowed = self._matcher.allowed_methods(req.path)
             if not allowed:
                 raise NotFound()
+            ctx = incoming()
+            if ctx is not None and is_preflight("OPTIONS", ctx.headers):
+                return self._route_preflight(req.path, ctx.headers)
             return Response("", status=204, headers={"Allow": ", ".join(allowed)})
         name = self._static.get((req.method, req.path))
         params: Mapping[str, str] = _NO_PARAMS
         if name is None:
             name, params = self._matcher.match(req.path, method=req.method)
+        route = self._by_name[name]
         ctx = incoming()
         if ctx is not None:
             ctx.route = name
-        return self._by_name[name], params
+            ctx.cors = route.cors
+        return route, params
+
+    def _route_preflight(self, path: str, headers: Mapping[str, str]) -> Response:
+        """A CORS preflight on a route's path, answered by the policy of the route it asks
+        about; no job, no authentication (a preflight carries no credentials)."""
+        method = headers["access-control-request-method"].strip()
+        try:
+            name, _ = self._matcher.match(path, method=method)
+        except HTTPException:
+            name = None
+        cors = None if name is None else self._by_name[name].cors
+        if name is not None:
+            ctx = incoming()
+            if ctx is not None:
+                ctx.route = name
+        return preflight_answer(cors, headers)
+
+    async def _own_options(self) -> Response:
+        path = request.path
+        ctx = incoming()
+        cors = self.middleware.cors  # the file's, as of the last reload
+        if ctx is not None and is_preflight("OPTIONS", ctx.headers):
+            method = ctx.headers["access-control-request-method"].strip()
+            try:
+                endpoint, _ = self._own_paths.match(path, method=method)
+            except HTTPException:
+                endpoint = None
+            return preflight_answer(cors if endpoint in CORS_ENDPOINTS else None, ctx.headers)
+        allowed = {*self._own_paths.allowed_methods(path), *self._matcher.allowed_methods(path)}
+        allowed.discard("OPTIONS")  # as on a route's path: the methods a 405 would list
+        return Response("", status=204, headers={"Allow": ", ".join(sorted(allowed))})
 
 
 #: With several processes, how often each writes its state families for the others' scrapes.

@@ -29,6 +29,7 @@ from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
+from .._http._auth import RouteAuth, identity_of, put_identity
 from .._http._bodies import (
     JSON,
     choose_media_type,
@@ -51,6 +52,7 @@ from ._modes_core import (
     KeyStep,
     Preferences,
     RanOut,
+    add_identity,
     add_request,
     admits_now,
     build_state,
@@ -280,6 +282,8 @@ class Submissions:
             return found
         route, params = found
         del found  # the pair would stay for as long as the request is parked
+        if route.auth is not None:  # 401/403 before anything else is read or started
+            await self._authenticate(route.auth)
         limits = self.rate_limits
         if limits is not None:
             # Before the body is read and any job exists: a refusal costs one decision.
@@ -409,6 +413,12 @@ class Submissions:
             raise shutting_down()
         raise deadline_passed(job_id)
 
+    async def _authenticate(self, auth: RouteAuth) -> None:
+        ctx = incoming()
+        headers = _NO_HEADERS if ctx is None else ctx.headers
+        scope: Any = current_request().scope  # the ASGI scope, a dict (typed as a TypedDict)
+        put_identity(scope, await auth.authenticate(headers))
+
     async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
         # answered 4xx has started nothing.
@@ -431,6 +441,9 @@ class Submissions:
             kept, body = None, decode_object(data, headers.get("content-type"))
         query = req.args if req.scope.get("query_string") else _NO_QUERY
         state = build_state(body, query, params)
+        identity = identity_of(req.scope) if route.auth is not None else None
+        if identity is not None:
+            add_identity(state, identity.state())
         use = self.engine.registry.get_chain(route.chain).request_use
         if use is not None or kept is not None:
             add_request(state, request_record(use, req.scope["headers"], kept))

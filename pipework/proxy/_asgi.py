@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 from typing import Any, Final, Protocol
@@ -43,6 +43,8 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import DeadlineExceeded, PipeworkError
+from .._http._auth import RouteAuth, put_identity
+from .._http._cors import CorsPolicy, PreflightRefused, header_pairs
 from .._http._problems import Problem, problem_for_exception
 from .._http._ratelimit import RateLimits
 from .._http._request_ids import request_id
@@ -93,6 +95,11 @@ class ProxySet:
 
     table: ProxyTable
     clients: dict[str, Upstream] = field(default_factory=dict)
+    #: Who may call each route (by route name; absent: anyone), checked before a slot.
+    auth: Mapping[str, RouteAuth] = field(default_factory=dict)
+    #: Which other origins' pages may call each route (by route name; absent: the gateway
+    #: leaves CORS, preflights included, to the service).
+    cors: Mapping[str, CorsPolicy] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -174,14 +181,58 @@ class ProxyLayer:
         kind = scope["type"]
         proxies = self.proxies
         if proxies.table and kind == "http":
-            hit = proxies.table.match(scope["path"], scope["method"])
+            method = scope["method"]
+            if method == "OPTIONS" and proxies.cors:
+                asked = _header(scope["headers"], b"access-control-request-method")
+                if asked is not None and _header(scope["headers"], b"origin") is not None:
+                    hit = proxies.table.match(scope["path"], asked.decode("latin-1").strip())
+                    if isinstance(hit, ProxyRoute) and hit.name in proxies.cors:
+                        return self._preflight(proxies.cors[hit.name], scope, send)
+            hit = proxies.table.match(scope["path"], method)
             if hit is not None:
+                if isinstance(hit, ProxyRoute) and hit.name in proxies.cors:
+                    send = _with_cors(send, proxies.cors[hit.name], scope)
                 return self._serve(hit, proxies, scope, receive, send)
         elif proxies.table and kind == "websocket":
             hit = proxies.table.match(scope["path"], "GET")
             if isinstance(hit, ProxyRoute) and hit.websocket:
                 return self._serve_websocket(hit, proxies, scope, receive, send)
         return self.app(scope, receive, send)
+
+    async def _preflight(
+        self, cors: CorsPolicy, scope: MutableMapping[str, Any], send: ASGISend
+    ) -> None:
+        """A CORS preflight on a route with a policy: answered here, without the service,
+        a slot or authentication (a preflight carries no credentials)."""
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name.lower() in _PREFLIGHT_HEADERS
+        }
+        try:
+            found = cors.preflight(
+                headers["origin"],
+                headers["access-control-request-method"],
+                headers.get("access-control-request-headers"),
+            )
+        except PreflightRefused as exc:
+            problem = Problem(
+                403, "Forbidden", str(exc), slug="cors-refused", headers={"Vary": "Origin"}
+            )
+            await send_problem(
+                send, problem, correlation_id=_correlation_id(scope), instance=scope["path"]
+            )
+            return
+        pairs = [*header_pairs(found), (b"x-request-id", _correlation_id(scope).encode())]
+        await send({"type": "http.response.start", "status": 204, "headers": pairs})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _authenticate(self, auth: RouteAuth, scope: MutableMapping[str, Any]) -> None:
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in reversed(scope["headers"])  # the first of a name wins
+        }
+        put_identity(scope, await auth.authenticate(headers))
 
     async def _serve_websocket(
         self,
@@ -198,6 +249,14 @@ class ProxyLayer:
         started = time.perf_counter()
         outcome: WebsocketOutcome | None = None
         try:
+            auth = proxies.auth.get(route.name)
+            if auth is not None:
+                try:
+                    await self._authenticate(auth, scope)
+                except Problem as refused:  # refused before the handshake is accepted
+                    await send({"type": "websocket.close", "code": 1008})
+                    outcome = WebsocketOutcome(refused.status, detail=refused.detail)
+                    return
             try:
                 target = _target(route, scope)
             except BadTarget:
@@ -285,17 +344,25 @@ class ProxyLayer:
         send: ASGISend,
     ) -> None:
         route = ex.route
+        client = proxies.clients[route.service]
+        deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
+        auth = proxies.auth.get(route.name)
+        if auth is not None:  # before the body, the chain, the service and a slot
+            try:
+                await self._authenticate(auth, scope)
+            except Problem as refused:
+                await self._refuse(ex, send, refused)
+                return
         limits = self.rate_limits
         if limits is not None:
-            # Before anything else: no chain runs, no slot is waited for, no body read.
+            # After authentication (a limit may key on its identity), before the body,
+            # the chain, the service and a slot.
             met = limits.routes.get(route.name)
             if met:
                 too_many = await limits.check(met, scope)
                 if too_many is not None:
                     await self._refuse(ex, send, too_many)
                     return
-        client = proxies.clients[route.service]
-        deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         incoming: list[tuple[bytes, bytes]] = scope["headers"]
         length, has_body = _body_framing(incoming, ex.method)
         if route.max_body is not None and length is not None and length > route.max_body:
@@ -524,6 +591,31 @@ class ProxyLayer:
 
 
 # -- small rules -------------------------------------------------------------------------
+
+
+_PREFLIGHT_HEADERS: Final = frozenset(
+    {b"origin", b"access-control-request-method", b"access-control-request-headers"}
+)
+
+
+def _with_cors(send: ASGISend, cors: CorsPolicy, scope: MutableMapping[str, Any]) -> ASGISend:
+    """``send`` adding the route's CORS headers to the answer's head (the service's own
+    ``Access-Control-*`` headers are replaced: the route's policy decides)."""
+    origin = _header(scope["headers"], b"origin")
+    text = None if origin is None else origin.decode("latin-1")
+    added = header_pairs(cors.response_headers(text))
+
+    async def sending(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            kept = [
+                (name, value)
+                for name, value in message["headers"]
+                if not name.lower().startswith(b"access-control-")
+            ]
+            message = {**message, "headers": [*kept, *added]}
+        await send(message)
+
+    return sending
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -30,6 +30,7 @@ from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
 from ..pipes._pipe import REQUEST_KEY, Pipe
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
+from ._config_edge import EdgeConfig, read_edge
 from ._config_limits import LimitSettings, read_limit_names, read_rate_limits
 from ._config_lines import scan_lines
 from ._config_pipes import (
@@ -75,6 +76,8 @@ SECTIONS: Final = (
     "routes",
     "boards",
     "rate_limits",
+    "auth",
+    "cors",
 )
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
@@ -104,6 +107,8 @@ class GatewayConfig:
     limited_routes: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    #: Who may call each route and from which origins (``[auth]``, ``[cors]``).
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -225,6 +230,8 @@ def config_from_dict(
     boards, backplane = read_boards(c, data.get("boards"))
     rate_limits = read_rate_limits(c, data.get("rate_limits"))
     limited = _limited_routes(c, data, rate_limits, pipes, routes, proxies)
+    edge = read_edge(c, data, source)
+    routes = {name: _with_edge(rc, edge) for name, rc in routes.items()}
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,
@@ -239,6 +246,7 @@ def config_from_dict(
         proxies=MappingProxyType(proxies),
         rate_limits=rate_limits,
         limited_routes=MappingProxyType(limited),
+        edge=edge,
     )
     if not c.has_errors:
         try:
@@ -293,6 +301,14 @@ def _limits_of(
     for service in dict.fromkeys(services):
         found.extend(named.get(("services", service), ()))
     return tuple(dict.fromkeys(found))
+
+
+def _with_edge(rc: RouteConfig, edge: EdgeConfig) -> RouteConfig:
+    """The route with its authentication and CORS policy on it (what the container reads)."""
+    auth, cors = edge.auth.get(rc.route.name), edge.cors.get(rc.route.name)
+    if auth is None and cors is None:
+        return rc
+    return replace(rc, route=replace(rc.route, auth=auth, cors=cors))
 
 
 def _check_reserves(c: Collector, settings: PoolSettings) -> None:

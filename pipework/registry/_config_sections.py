@@ -43,6 +43,8 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
+    "cors",
 )
 POOL_KEYS: Final = (
     "max_workers",

@@ -52,6 +52,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        cors=config.edge.server_cors,
     )
 
 
@@ -59,7 +60,13 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
     """The file's proxy routes and their services, streaming through the lean clients of
     ``backends`` (open)."""
     routes = [p.route for p in config.proxies.values()]
-    return ProxySet(ProxyTable(routes), {r.service: _upstream(backends, r.service) for r in routes})
+    names = {r.name for r in routes}
+    return ProxySet(
+        ProxyTable(routes),
+        {r.service: _upstream(backends, r.service) for r in routes},
+        auth={n: a for n, a in config.edge.auth.items() if n in names},
+        cors={n: p for n, p in config.edge.cors.items() if n in names},
+    )
 
 
 def _upstream(backends: Backends, name: str) -> Upstream:
@@ -253,6 +260,7 @@ class Gateway:
             self._rate_limits = limits
             if old_limits is not None and (limits is None or limits.store is not old_limits.store):
                 retiring.start_soon(old_limits.store.aclose)
+            container.middleware.cors = config.edge.server_cors
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
