@@ -1,7 +1,8 @@
 """Serve bench_edge's gateway in its own process.
 
-``python -m benchmarks._edge_serve pipework --backend URL`` writes the gateway file
-:func:`gateway_text` declares (its service at ``URL``), serves it with
+``python -m benchmarks._edge_serve pipework --backend URL --jwks PATH`` writes the gateway
+file :func:`gateway_text` declares (its service at ``URL``, its JWT auth verifying with the
+JWKS file at ``PATH``), serves it with
 :class:`pipework.Gateway` on 127.0.0.1 (a free port, no access log, logging at WARNING),
 prints its base URL on stdout once it listens, and serves until terminated.
 """
@@ -18,25 +19,37 @@ import trio
 from ._serve import raise_open_files_limit
 from .peers.serve import _announce
 
-#: Route pairs: the same proxy route, bare and behind each edge policy. ``/plain`` has
-#: none; ``/limited`` meets a per-client rate limit so large it is never reached (the cost
-#: of deciding it is what is measured). ``/limited-jwt`` is the slot for a route behind the
-#: same limit and a JWT check, once the gateway file can declare one.
-ROUTES = ("plain", "limited")
+#: The same proxy route, bare and behind the edge's policies. ``/plain`` has none;
+#: ``/limited`` meets a per-client rate limit so large it is never reached (the cost of
+#: deciding it is what is measured); ``/limited-jwt`` the same limit after a JWT check.
+ROUTES: dict[str, str] = {
+    "plain": "",
+    "limited": 'rate_limits = ["never-reached"]',
+    "limited-jwt": 'rate_limits = ["never-reached"]\nauth = "bench"',
+}
+ISSUER = "https://issuer.bench.example"
+AUDIENCE = "bench"
 
 
-def gateway_text(backend: str) -> str:
+def gateway_text(backend: str, jwks: str) -> str:
     routes = "".join(
         f"""
 [routes.{name}]
 proxy = "backend"
 prefix = "/{name}"
 strip_prefix = true
-{'rate_limits = ["never-reached"]' if name != "plain" else ""}
+{policy}
 """
-        for name in ROUTES
+        for name, policy in ROUTES.items()
     )
     return f"""
+[auth.bench]
+type = "jwt"
+jwks_file = "{jwks}"
+algorithms = ["ES256"]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+
 [services.backend]
 base_url = "{backend}"
 timeout = 5
@@ -54,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._edge_serve")
     parser.add_argument("kind", choices=["pipework"])
     parser.add_argument("--backend", required=True)
+    parser.add_argument("--jwks", required=True)
     args = parser.parse_args(argv)
     raise_open_files_limit()
     logging.basicConfig(level=logging.WARNING)
@@ -61,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "edge.toml")
-        path.write_text(gateway_text(args.backend))
+        path.write_text(gateway_text(args.backend, args.jwks))
         gateway = pw.Gateway(str(path), overrides={"access_log": False})
 
         async def serve() -> None:
