@@ -496,3 +496,44 @@ def test_a_jwks_file_with_a_private_key_or_a_shared_secret_is_refused(tmp_path: 
         text = f'[auth.p]\ntype = "jwt"\njwks_file = "{path}"\nalgorithms = ["EdDSA"]'
         found = problems(BASE + text)
         assert any("auth.p.jwks_file" in p for p in found), found
+
+
+async def test_rate_limits_key_on_the_identity_and_claims_authentication_establishes(
+    tmp_path: Path, signers: dict[str, Signer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EDGE_TEST_DEPLOY_KEY", DEPLOY_KEY)
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(*signers.values())))
+    limits = """
+[rate_limits.per-tenant]
+rate = 1
+period = 3600
+burst = 2
+key = "claim:tenant"
+
+[routes.tenants]
+path = "/tenants"
+chain = ["whoami"]
+result = "who"
+auth = "partners"
+rate_limits = ["per-tenant"]
+"""
+    async with running_backend() as backend:
+        text = gateway_text(backend, 'jwks_file = "jwks.json"') + limits
+        async with (
+            gateway(tmp_path, text) as (_, address),
+            httpx.AsyncClient(base_url=address.url, timeout=10) as client,
+        ):
+            acme = [signers["RS256"].sign(claims(sub=f"user-{i}")) for i in range(3)]
+            answers = [await client.post("/tenants", json={}, headers=bearer(t)) for t in acme]
+            other = await client.post(
+                "/tenants", json={}, headers=bearer(signers["ES256"].sign(claims(tenant="globex")))
+            )
+            forged = await client.post(
+                "/tenants", json={}, headers=bearer(unsigned(claims(tenant="fresh"), "rs256-1"))
+            )
+    # One tenant's users share its budget, whoever they are; another tenant has its own.
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert other.status_code == 200
+    # Authentication comes first: a forged token is a 401, never counted in a limit.
+    assert forged.status_code == 401
+    assert len(SEEN) == 3

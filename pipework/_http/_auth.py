@@ -14,10 +14,11 @@ job exists (and before a proxied request waits for a slot).
   :class:`~._problems.Problem`: ``401`` with ``WWW-Authenticate`` (RFC 6750's error codes)
   for a missing or bad credential, ``403`` for a credential without a scope the route needs.
 
-The identity is put in the request's ASGI scope under :data:`IDENTITY_SCOPE_KEY` (read it
-with :func:`identity_of`): the one place where later decisions (rate limits keyed by an
-identity or a claim) read who the request is from; a pipe route's job gets it in its state
-under :data:`IDENTITY_STATE_KEY`.
+The identity is put in the request's identity mapping (:mod:`._identity`: the ASGI scope's
+``"pipework.identity"``, with the token's claims), the one place where later decisions
+(rate limits keyed by an identity or a claim) read who the request is from
+(:func:`put_identity`); a pipe route's job gets it in its state under
+:data:`IDENTITY_STATE_KEY`, with the claims its auth keeps.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ import jwt
 import trio
 
 from ._credentials import bearer_token
+from ._identity import set_identity
 from ._problems import Problem, retry_after_header
 
 __all__ = [
     "ASYMMETRIC_ALGORITHMS",
-    "IDENTITY_SCOPE_KEY",
     "IDENTITY_STATE_KEY",
     "ApiKeys",
     "Authenticator",
@@ -49,15 +50,13 @@ __all__ = [
     "JwksUrl",
     "JwtBearer",
     "RouteAuth",
-    "identity_of",
     "jwks_keys",
+    "put_identity",
     "sha256_hex",
 ]
 
 _log = logging.getLogger("pipework.auth")
 
-#: Where the request's identity is kept in its ASGI scope (``scope[IDENTITY_SCOPE_KEY]``).
-IDENTITY_SCOPE_KEY: Final = "pipework.identity"
 #: The job state's key for the identity of the request that started it.
 IDENTITY_STATE_KEY: Final = "identity"
 
@@ -91,13 +90,15 @@ def sha256_hex(text: str) -> str:
 class Identity:
     """Who a request comes from: ``subject`` (a key's name, a token's ``sub``), how it
     proved it (``scheme``: ``"api_key"`` or ``"jwt"``; ``auth``: the ``[auth.NAME]`` that
-    accepted it), its ``scopes`` and the ``claims`` the route's auth keeps."""
+    accepted it), its ``scopes``, the ``claims`` its auth keeps for the job's state, and
+    every claim of the token (``token_claims``: what rate limits may key on)."""
 
     subject: str
     scheme: str
     auth: str
     scopes: frozenset[str] = frozenset()
     claims: Mapping[str, Any] = field(default_factory=dict)
+    token_claims: Mapping[str, Any] = field(default_factory=dict)
 
     def state(self) -> dict[str, Any]:
         """The identity as a job's state holds it (under :data:`IDENTITY_STATE_KEY`)."""
@@ -108,12 +109,6 @@ class Identity:
             "scopes": sorted(self.scopes),
             "claims": dict(self.claims),
         }
-
-
-def identity_of(scope: Mapping[str, Any]) -> Identity | None:
-    """The identity an ASGI request's route accepted (None: the route checks none)."""
-    found = scope.get(IDENTITY_SCOPE_KEY)
-    return found if isinstance(found, Identity) else None
 
 
 class Refusal(Exception):
@@ -479,7 +474,7 @@ class JwtBearer:
         if not isinstance(subject, str) or not subject:
             raise Refusal(f"the token's {self.subject_claim!r} claim is not a non-empty string")
         kept = {name: claims[name] for name in self.claims if name in claims}
-        return Identity(subject, "jwt", self.name, _scopes(claims), kept)
+        return Identity(subject, "jwt", self.name, _scopes(claims), kept, claims)
 
     def challenge(
         self, error: str | None = None, description: str | None = None, scope: str | None = None
@@ -574,8 +569,10 @@ def _what(method: Authenticator) -> str:
 
 
 def put_identity(scope: MutableMapping[str, Any], identity: Identity) -> None:
-    """Keep ``identity`` in the request's ASGI scope, where later decisions read it."""
-    scope[IDENTITY_SCOPE_KEY] = identity
+    """Keep ``identity`` in the request's identity mapping, where later decisions (rate
+    limits keyed by ``identity`` or ``claim:NAME``) read it: the subject, and the token's
+    claims (none for an API key)."""
+    set_identity(scope, identity.subject, identity.token_claims)
 
 
 def env_key(variable: str) -> str | None:

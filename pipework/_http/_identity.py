@@ -34,9 +34,9 @@ def set_identity(
 def identity_of(scope: Mapping[str, Any]) -> str | None:
     """The request's identity (``"id"``), or None when nothing established one."""
     found = scope.get(IDENTITY)
-    if found is None:
+    if not isinstance(found, Mapping):
         return None
-    ident = found.get("id") if isinstance(found, Mapping) else getattr(found, "subject", None)
+    ident = found.get("id")
     return ident if isinstance(ident, str) and ident else None
 
 
@@ -44,9 +44,7 @@ def claim_of(scope: Mapping[str, Any], name: str) -> str | None:
     """The claim ``name`` as text (a string, or a number or boolean written as JSON
     would), or None: no identity, no such claim, or one that is a list or an object."""
     found = scope.get(IDENTITY)
-    if found is None:
-        return None
-    claims = found.get("claims") if isinstance(found, Mapping) else getattr(found, "claims", None)
+    claims = found.get("claims") if isinstance(found, Mapping) else None
     if not isinstance(claims, Mapping):
         return None
     value = claims.get(name)

@@ -29,7 +29,7 @@ from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError
-from .._http._auth import RouteAuth, identity_of, put_identity
+from .._http._auth import Identity, RouteAuth, put_identity
 from .._http._bodies import (
     JSON,
     choose_media_type,
@@ -282,8 +282,9 @@ class Submissions:
             return found
         route, params = found
         del found  # the pair would stay for as long as the request is parked
-        if route.auth is not None:  # 401/403 before anything else is read or started
-            await self._authenticate(route.auth)
+        # 401/403 before anything else is decided, read or started; the identity then keys
+        # the rate limits.
+        identity = None if route.auth is None else await self._authenticate(route.auth)
         limits = self.rate_limits
         if limits is not None:
             # Before the body is read and any job exists: a refusal costs one decision.
@@ -296,7 +297,8 @@ class Submissions:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
-        ticket, prefs = await self._accept(route, params)
+        ticket, prefs = await self._accept(route, params, identity)
+        del identity
         if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
         if route.mode == "stream":
@@ -413,13 +415,17 @@ class Submissions:
             raise shutting_down()
         raise deadline_passed(job_id)
 
-    async def _authenticate(self, auth: RouteAuth) -> None:
+    async def _authenticate(self, auth: RouteAuth) -> Identity:
         ctx = incoming()
         headers = _NO_HEADERS if ctx is None else ctx.headers
+        identity = await auth.authenticate(headers)
         scope: Any = current_request().scope  # the ASGI scope, a dict (typed as a TypedDict)
-        put_identity(scope, await auth.authenticate(headers))
+        put_identity(scope, identity)
+        return identity
 
-    async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
+    async def _accept(
+        self, route: Route, params: Mapping[str, str], identity: Identity | None
+    ) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
         # answered 4xx has started nothing.
         req = current_request()
@@ -441,7 +447,6 @@ class Submissions:
             kept, body = None, decode_object(data, headers.get("content-type"))
         query = req.args if req.scope.get("query_string") else _NO_QUERY
         state = build_state(body, query, params)
-        identity = identity_of(req.scope) if route.auth is not None else None
         if identity is not None:
             add_identity(state, identity.state())
         use = self.engine.registry.get_chain(route.chain).request_use

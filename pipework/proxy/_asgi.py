@@ -344,10 +344,8 @@ class ProxyLayer:
         send: ASGISend,
     ) -> None:
         route = ex.route
-        client = proxies.clients[route.service]
-        deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         auth = proxies.auth.get(route.name)
-        if auth is not None:  # before the body, the chain, the service and a slot
+        if auth is not None:  # first: its identity keys the limits
             try:
                 await self._authenticate(auth, scope)
             except Problem as refused:
@@ -355,14 +353,15 @@ class ProxyLayer:
                 return
         limits = self.rate_limits
         if limits is not None:
-            # After authentication (a limit may key on its identity), before the body,
-            # the chain, the service and a slot.
+            # Before the body, the chain, the service and a slot.
             met = limits.routes.get(route.name)
             if met:
                 too_many = await limits.check(met, scope)
                 if too_many is not None:
                     await self._refuse(ex, send, too_many)
                     return
+        client = proxies.clients[route.service]
+        deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         incoming: list[tuple[bytes, bytes]] = scope["headers"]
         length, has_body = _body_framing(incoming, ex.method)
         if route.max_body is not None and length is not None and length > route.max_body:

@@ -75,9 +75,9 @@ SECTIONS: Final = (
     "pipes",
     "routes",
     "boards",
-    "rate_limits",
     "auth",
     "cors",
+    "rate_limits",
 )
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
@@ -100,6 +100,8 @@ class GatewayConfig:
     backplane: BackplaneSettings = field(default_factory=BackplaneSettings)
     #: The proxy routes (``[routes.NAME]`` with ``proxy``), in the file's order.
     proxies: Mapping[str, ProxyConfig] = field(default_factory=lambda: MappingProxyType({}))
+    #: Who may call each route and from which origins (``[auth]``, ``[cors]``).
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
     #: ``[rate_limits]``: the limits and their store.
     rate_limits: LimitSettings = field(default_factory=LimitSettings)
     #: The limits each route meets, by route name: its own, then its services' (a proxy
@@ -107,8 +109,6 @@ class GatewayConfig:
     limited_routes: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    #: Who may call each route and from which origins (``[auth]``, ``[cors]``).
-    edge: EdgeConfig = field(default_factory=EdgeConfig)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -228,10 +228,10 @@ def config_from_dict(
     _check_proxied_schemes(c, proxies, services)
     _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
-    rate_limits = read_rate_limits(c, data.get("rate_limits"))
-    limited = _limited_routes(c, data, rate_limits, pipes, routes, proxies)
     edge = read_edge(c, data, source)
     routes = {name: _with_edge(rc, edge) for name, rc in routes.items()}
+    rate_limits = read_rate_limits(c, data.get("rate_limits"))
+    limited = _limited_routes(c, data, rate_limits, pipes, routes, proxies)
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,
@@ -244,9 +244,9 @@ def config_from_dict(
         store=store,
         backplane=backplane,
         proxies=MappingProxyType(proxies),
+        edge=edge,
         rate_limits=rate_limits,
         limited_routes=MappingProxyType(limited),
-        edge=edge,
     )
     if not c.has_errors:
         try:
@@ -256,6 +256,14 @@ def config_from_dict(
     if c.has_errors:
         raise ConfigError(c.problems(), source)
     return replace(config, warnings=c.problems())
+
+
+def _with_edge(rc: RouteConfig, edge: EdgeConfig) -> RouteConfig:
+    """The route with its authentication and CORS policy on it (what the container reads)."""
+    auth, cors = edge.auth.get(rc.route.name), edge.cors.get(rc.route.name)
+    if auth is None and cors is None:
+        return rc
+    return replace(rc, route=replace(rc.route, auth=auth, cors=cors))
 
 
 def _limited_routes(
@@ -301,14 +309,6 @@ def _limits_of(
     for service in dict.fromkeys(services):
         found.extend(named.get(("services", service), ()))
     return tuple(dict.fromkeys(found))
-
-
-def _with_edge(rc: RouteConfig, edge: EdgeConfig) -> RouteConfig:
-    """The route with its authentication and CORS policy on it (what the container reads)."""
-    auth, cors = edge.auth.get(rc.route.name), edge.cors.get(rc.route.name)
-    if auth is None and cors is None:
-        return rc
-    return replace(rc, route=replace(rc.route, auth=auth, cors=cors))
 
 
 def _check_reserves(c: Collector, settings: PoolSettings) -> None:

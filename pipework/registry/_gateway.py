@@ -254,13 +254,13 @@ class Gateway:
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
+            container.middleware.cors = config.edge.server_cors
             live_limits = container.admin.live_limits if container.admin is not None else None
             limits_dropped = live_limits.rebase(limits) if live_limits is not None else []
             container.set_rate_limits(limits)
             self._rate_limits = limits
             if old_limits is not None and (limits is None or limits.store is not old_limits.store):
                 retiring.start_soon(old_limits.store.aclose)
-            container.middleware.cors = config.edge.server_cors
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
