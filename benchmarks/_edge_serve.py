@@ -1,7 +1,7 @@
 """Serve bench_edge's gateway in its own process.
 
 ``python -m benchmarks._edge_serve pipework --backend URL --jwks PATH`` writes the gateway
-file :func:`gateway_text` declares (its service at ``URL``, its JWTs verified with the
+file :func:`gateway_text` declares (its service at ``URL``, its JWT auth verifying with the
 JWKS file at ``PATH``), serves it with
 :class:`pipework.Gateway` on 127.0.0.1 (a free port, no access log, logging at WARNING),
 prints its base URL on stdout once it listens, and serves until terminated.
@@ -19,32 +19,37 @@ import trio
 from ._serve import raise_open_files_limit
 from .peers.serve import _announce
 
-#: Route pairs: the same proxy route, bare and behind each edge policy. ``/plain`` has
-#: none; ``/limited`` meets a per-client rate limit so large it is never reached (the cost
-#: of deciding it is what is measured); ``/limited-jwt`` meets the same limit, keyed by the
-#: identity a JWT check (RS256, a JWKS file) establishes first.
-ROUTES = ("plain", "limited", "limited-jwt")
-ISSUER = "https://bench.invalid"
+#: The same proxy route, bare and behind the edge's policies. ``/plain`` has none;
+#: ``/limited`` meets a per-client rate limit so large it is never reached (the cost of
+#: deciding it is what is measured); ``/limited-jwt`` the same limit after a JWT check.
+ROUTES: dict[str, str] = {
+    "plain": "",
+    "limited": 'rate_limits = ["never-reached"]',
+    "limited-jwt": 'rate_limits = ["never-reached"]\nauth = "bench"',
+}
+ISSUER = "https://issuer.bench.example"
 AUDIENCE = "bench"
 
 
 def gateway_text(backend: str, jwks: str) -> str:
-    extra = {
-        "plain": "",
-        "limited": 'rate_limits = ["never-reached"]',
-        "limited-jwt": 'rate_limits = ["never-reached-by-identity"]\nauth = "bench"',
-    }
     routes = "".join(
         f"""
 [routes.{name}]
 proxy = "backend"
 prefix = "/{name}"
 strip_prefix = true
-{extra[name]}
+{policy}
 """
-        for name in ROUTES
+        for name, policy in ROUTES.items()
     )
     return f"""
+[auth.bench]
+type = "jwt"
+jwks_file = "{jwks}"
+algorithms = ["ES256"]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+
 [services.backend]
 base_url = "{backend}"
 timeout = 5
@@ -54,18 +59,6 @@ reserve = 32
 rate = 1000000
 burst = 1000000000
 key = "client"
-
-[rate_limits.never-reached-by-identity]
-rate = 1000000
-burst = 1000000000
-key = "identity"
-
-[auth.bench]
-type = "jwt"
-jwks_file = "{jwks}"
-algorithms = ["RS256"]
-issuer = "{ISSUER}"
-audience = "{AUDIENCE}"
 {routes}
 """
 

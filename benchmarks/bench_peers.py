@@ -223,11 +223,8 @@ def parse_wrk(stdout: str) -> ARun:
     )
 
 
-async def wrk_a(
-    url: str, seconds: float, connections: int = A_CONNECTIONS, headers: Sequence[str] = ()
-) -> ARun:
-    """``wrk -t2 -cC -dSs --timeout 10s --latency`` GETting ``url`` (C: 64 unless said),
-    with ``headers`` (``"Name: value"`` each) on every request."""
+async def wrk_a(url: str, seconds: float, connections: int = A_CONNECTIONS) -> ARun:
+    """``wrk -t2 -cC -dSs --timeout 10s --latency`` GETting ``url`` (C: 64 unless said)."""
     executable = _load.wrk_path()
     if executable is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
@@ -236,8 +233,6 @@ async def wrk_a(
         script.flush()
         command = [executable, "-t2", f"-c{connections}", f"-d{seconds:g}s"]
         command += ["--timeout", "10s", "--latency", "-s", script.name, url]
-        for header in headers:
-            command += ["-H", header]
         began = time.time()
         with trio.fail_after(seconds + 60):
             done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)

@@ -236,6 +236,14 @@ def _supervise(args: argparse.Namespace) -> int:
         if boards is not None:
             print(boards, file=sys.stderr)
             return 1
+        if gateway.config.rate_limits.limits and gateway.config.rate_limits.store == "memory":
+            _log.warning(
+                "%d workers with the memory rate-limit store: each worker counts its own "
+                "requests, so a limit lets through up to %d times its rate and burst; "
+                '[rate_limits] store = "redis" makes every worker count together',
+                args.workers,
+                args.workers,
+            )
     else:
         engine = load_engine(args.target)
         host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port

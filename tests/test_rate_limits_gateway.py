@@ -346,3 +346,63 @@ fail_open = {"true" if fail_open else "false"}
                 'pipework_rate_limit_decisions_total{decision="error",limit="per-client"} 1.0'
                 in (metrics)
             )
+
+
+async def test_limits_keyed_by_a_jwt_subject_and_claim(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Route authentication puts the identity where the limits read it: a limit keyed by
+    ``identity`` counts each token subject apart, one keyed by ``claim:tenant`` each
+    tenant; authentication refuses first (a 401 takes nothing from the limit)."""
+    from ._edge_keys import AUDIENCE, ISSUER, Signer, claims, jwks
+
+    signer = Signer.make("ES256", "es-1")
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(signer)))
+    edge = f"""
+[auth.partners]
+type = "jwt"
+jwks_file = "jwks.json"
+algorithms = ["ES256"]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+claims = ["tenant"]
+
+[rate_limits.per-user]
+rate = 1
+period = 3600
+burst = 2
+key = "identity"
+
+[rate_limits.per-tenant]
+rate = 1
+period = 3600
+burst = 3
+key = "claim:tenant"
+
+[routes.api]
+proxy = "echo"
+prefix = "/api"
+strip_prefix = true
+auth = "partners"
+rate_limits = ["per-user", "per-tenant"]
+"""
+
+    def token(sub: str, tenant: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {signer.sign(claims(sub=sub, tenant=tenant))}"}
+
+    async with (
+        running_backend() as backend,
+        gateway(tmp_path, gateway_file(backend, edge)) as (_, address),
+        httpx.AsyncClient(base_url=address.url) as client,
+    ):
+        assert (await client.get("/api/echo/x")).status_code == 401
+        alice, bob, carol = token("alice", "acme"), token("bob", "acme"), token("carol", "zeta")
+        codes = [
+            (await client.get("/api/echo/x", headers=who)).status_code
+            for who in (alice, alice, alice, bob, bob, carol)
+        ]
+        # alice: her 2; bob: one, then acme's 3 are spent; carol: zeta's own.
+        assert codes == [200, 200, 429, 200, 429, 200]
+        refused = await client.get("/api/echo/x", headers=bob)
+        assert refused.json()["limit"] == "per-tenant"
+        assert len(backend.requests) == 4

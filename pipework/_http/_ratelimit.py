@@ -140,7 +140,13 @@ class Limit:
         return self.spec.name
 
     def count(self, decision: str) -> None:
-        child = {"allowed": self._allowed, "limited": self._limited, "error": self._error}[decision]
+        child = (
+            self._allowed
+            if decision == "allowed"
+            else self._limited
+            if decision == "limited"
+            else self._error
+        )
         if child is not None:
             child.inc()
 
@@ -237,14 +243,14 @@ class RateLimits:
             allowed, now, tats = await self.store.take(met, keys)
         except LimitStoreUnavailable as exc:
             return self._unavailable(met, exc)
-        decisions = [
-            describe(limit.rate, tat, now, allowed=allowed)
-            for limit, tat in zip(met, tats, strict=True)
-        ]
         if allowed:
             for limit in met:
                 limit.count("allowed")
             return None
+        decisions = [
+            describe(limit.rate, tat, now, allowed=False)
+            for limit, tat in zip(met, tats, strict=True)
+        ]
         return self._refusal(met, decisions)
 
     def _refusal(self, met: list[Limit], decisions: list[Decision]) -> Problem:

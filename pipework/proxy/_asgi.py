@@ -356,7 +356,7 @@ class ProxyLayer:
                 return
         limits = self.rate_limits
         if limits is not None:
-            # Before anything else: no chain runs, no slot is waited for, no body read.
+            # Before the body, the chain, the service and a slot.
             met = limits.routes.get(route.name)
             if met:
                 too_many = await limits.check(met, scope)
