@@ -46,6 +46,7 @@ from ._config_read import Table, report_unknown
 from ._config_routes import RouteConfig, is_proxy, read_routes
 from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server, read_services
 from ._config_store import StoreSettings, read_store
+from ._config_tracing import TracingSettings, read_tracing
 from ._registry import Registry
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "RouteConfig",
     "ServerConfig",
     "StoreSettings",
+    "TracingSettings",
     "build_registry",
     "config_from_dict",
     "load_config",
@@ -78,6 +80,7 @@ SECTIONS: Final = (
     "auth",
     "cors",
     "rate_limits",
+    "tracing",
 )
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
@@ -109,6 +112,8 @@ class GatewayConfig:
     limited_routes: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    #: ``[tracing]``: OpenTelemetry spans, read at start-up (docs/tracing.md).
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -200,6 +205,7 @@ def config_from_dict(
     server = read_server(c, data.get("server"))
     settings, pool_keys = read_pool(c, data.get("pool"))
     store = read_store(c, data.get("store"))
+    tracing = read_tracing(c, data.get("tracing"))
     services, service_weights = read_services(c, data.get("services"), settings)
     declared_services = _names(data.get("services"))
     for key in list(pool_keys):
@@ -247,6 +253,7 @@ def config_from_dict(
         edge=edge,
         rate_limits=rate_limits,
         limited_routes=MappingProxyType(limited),
+        tracing=tracing,
     )
     if not c.has_errors:
         try:
