@@ -57,7 +57,13 @@ into one of the errors above, or into an HTTP answer, at its edge:
 - ``pipework.dispatcher``: ``PipeTimeout`` (``_outcomes.py``), a pipe's time running out
   inside its step, which becomes ``DeadlineExceeded`` naming the limit that fired;
 - ``pipework._http``: ``Problem`` (``_problems.py``), an HTTP error *answer* raised inside
-  a request handler and rendered there.
+  a request handler and rendered there; a route's authentication (``_auth.py``):
+  ``Refusal`` (a credential that is not good: a 401 problem with ``WWW-Authenticate``),
+  ``JwksUnavailable`` (no keys to verify a token with: a 503 problem) and ``JwksError``
+  (a JWKS document that is not one: a configuration problem, or a failed fetch logged and
+  the known keys kept); ``PreflightRefused`` (``_cors.py``: a CORS preflight the policy
+  does not allow, a 403 problem); ``LimitStoreUnavailable`` (``_ratelimit.py``: a rate
+  limit's store that could not be asked, decided by the limit's ``fail_open``).
 
 One more is not an error at all: a pipe's ``Suspend`` (``pipework.pipes._pipe``), a
 ``BaseException`` the dispatcher catches to park a job, as trio's ``Cancelled`` is. Classes

@@ -29,6 +29,7 @@ from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
 from .._errors import JobNotFound, PipeworkError, StoreUnavailable
+from .._http._auth import Identity, RouteAuth, put_identity
 from .._http._bodies import (
     JSON,
     choose_media_type,
@@ -40,6 +41,7 @@ from .._http._bodies import (
 )
 from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
+from .._http._ratelimit import RateLimits
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state, raw_value
@@ -50,6 +52,7 @@ from ._modes_core import (
     KeyStep,
     Preferences,
     RanOut,
+    add_identity,
     add_request,
     admits_now,
     build_state,
@@ -277,6 +280,8 @@ class Submissions:
         #: The request's route and path parameters (raises werkzeug's NotFound or
         #: MethodNotAllowed), or the answer itself.
         self.match: Callable[[Request], tuple[Route, Mapping[str, str]] | Response] = _unset
+        #: The rate limits in force (set by the container; None: none).
+        self.rate_limits: RateLimits | None = None
 
     async def serve(self, _rest: str = "") -> Response:
         """The routes' view: the route :attr:`match` finds for the request (set by the
@@ -288,11 +293,23 @@ class Submissions:
             return found
         route, params = found
         del found  # the pair would stay for as long as the request is parked
+        # 401/403 before anything else is decided, read or started; the identity then keys
+        # the rate limits.
+        identity = None if route.auth is None else await self._authenticate(route.auth)
+        limits = self.rate_limits
+        if limits is not None:
+            # Before the body is read and any job exists: a refusal costs one decision.
+            met = limits.routes.get(route.name)
+            if met:
+                too_many = await limits.check(met, current_request().scope)
+                if too_many is not None:
+                    raise too_many
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
-        ticket, prefs = await self._accept(route, params)
+        ticket, prefs = await self._accept(route, params, identity)
+        del identity
         if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
         if route.mode == "stream":
@@ -414,7 +431,17 @@ class Submissions:
             raise shutting_down()
         raise deadline_passed(job_id)
 
-    async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
+    async def _authenticate(self, auth: RouteAuth) -> Identity:
+        ctx = incoming()
+        headers = _NO_HEADERS if ctx is None else ctx.headers
+        identity = await auth.authenticate(headers)
+        scope: Any = current_request().scope  # the ASGI scope, a dict (typed as a TypedDict)
+        put_identity(scope, identity)
+        return identity
+
+    async def _accept(
+        self, route: Route, params: Mapping[str, str], identity: Identity | None
+    ) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
         # answered 4xx has started nothing.
         req = current_request()
@@ -436,6 +463,8 @@ class Submissions:
             kept, body = None, decode_object(data, headers.get("content-type"))
         query = req.args if req.scope.get("query_string") else _NO_QUERY
         state = build_state(body, query, params)
+        if identity is not None:
+            add_identity(state, identity.state())
         use = self.engine.registry.get_chain(route.chain).request_use
         if use is not None or kept is not None:
             add_request(state, request_record(use, req.scope["headers"], kept))

@@ -42,6 +42,7 @@ from enum import Enum
 from typing import Any, Final, Protocol
 
 from .._headers import passed
+from .._http._auth import IDENTITY_STATE_KEY
 from .._http._problems import Problem
 from ..dispatcher._status import Status
 from ..pipes._pipe import REQUEST_KEY, RequestUse
@@ -183,6 +184,21 @@ def add_request(state: dict[str, Any], record: dict[str, Any]) -> None:
             key=REQUEST_KEY,
         )
     state[REQUEST_KEY] = record
+
+
+def add_identity(state: dict[str, Any], identity: dict[str, Any]) -> None:
+    """Put the identity the route's auth accepted in ``state``, under a key the request
+    itself may not set (a body naming its own identity would pass for a proven one)."""
+    if IDENTITY_STATE_KEY in state:
+        raise Problem(
+            400,
+            "Conflicting input",
+            f"{IDENTITY_STATE_KEY!r} holds who this route's authentication says the caller is; "
+            "the body, query and path may not set it",
+            slug="conflicting-input",
+            key=IDENTITY_STATE_KEY,
+        )
+    state[IDENTITY_STATE_KEY] = identity
 
 
 def check_unencoded(content_encoding: str | None) -> None:

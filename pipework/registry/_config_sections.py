@@ -43,6 +43,8 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
+    "cors",
 )
 POOL_KEYS: Final = (
     "max_workers",
@@ -64,6 +66,7 @@ SERVICE_KEYS: Final = (
     "headers",
     "max_response_bytes",
     "request_id_header",
+    "rate_limits",
     *RESILIENCE_KEYS,
     *WEIGHT_KEYS,
 )

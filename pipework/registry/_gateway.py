@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from .. import _tracing
+from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
 from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
@@ -52,6 +53,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        cors=config.edge.server_cors,
     )
 
 
@@ -59,7 +61,13 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
     """The file's proxy routes and their services, streaming through the lean clients of
     ``backends`` (open)."""
     routes = [p.route for p in config.proxies.values()]
-    return ProxySet(ProxyTable(routes), {r.service: _upstream(backends, r.service) for r in routes})
+    names = {r.name for r in routes}
+    return ProxySet(
+        ProxyTable(routes),
+        {r.service: _upstream(backends, r.service) for r in routes},
+        auth={n: a for n, a in config.edge.auth.items() if n in names},
+        cors={n: p for n, p in config.edge.cors.items() if n in names},
+    )
 
 
 def _upstream(backends: Backends, name: str) -> Upstream:
@@ -100,6 +108,35 @@ class _ServiceRefusals:
         return all(backends.refusing(name) for name in services)
 
 
+def _rate_limits(
+    config: GatewayConfig,
+    metrics: Metrics,
+    old: RateLimits | None,
+    old_config: GatewayConfig | None,
+) -> RateLimits | None:
+    """The plan's rate limits (None: it declares none), with the state of ``old``'s limits
+    that stay the same, and ``old``'s store when the file still names the same one."""
+    settings = config.rate_limits
+    if not settings.limits:
+        return None
+    same = (
+        old is not None and old_config is not None and settings.same_store(old_config.rate_limits)
+    )
+    store = old.store if old is not None and same else settings.build_store(os.environ)
+    limits = RateLimits.build(
+        settings.limits.values(),
+        config.limited_routes,
+        store=store,
+        metrics=metrics,
+        trusted=config.server.trusted_proxies,
+        fail_open=settings.fail_open,
+    )
+    kept = limits.adopt(old)
+    if old is not None:
+        _log.info("rate limits: kept the state of %s", ", ".join(kept) or "none")
+    return limits
+
+
 async def _stop_tracing(tracing: _tracing.Tracing, previous: _tracing.Tracing) -> None:
     """The spans still batched exported (the SDK's thread, with its own timeout), and the
     process's tracing as it was."""
@@ -123,6 +160,7 @@ class Gateway:
         self._retiring: trio.Nursery | None = None
         self._backends: Backends | None = None  # the current plan's
         self._refusals = _ServiceRefusals()
+        self._rate_limits: RateLimits | None = None
         self._lock = trio.Lock()
 
     async def run(
@@ -161,6 +199,8 @@ class Gateway:
             )
             self._refusals.follow(config, backends)
             backends.metrics = engine.metrics
+            limits = self._rate_limits = _rate_limits(config, engine.metrics, None, None)
+            stack.push_async_callback(self._close_limit_store)
             async with engine, trio.open_nursery() as retiring:
                 self._retiring = retiring
                 await retiring.start(backends.check_health)
@@ -172,6 +212,7 @@ class Gateway:
                     backplane=config.backplane.build(os.environ),
                     proxies=_proxies(config, backends),
                     upstreams=backends,
+                    rate_limits=limits,
                 )
                 await container.serve(
                     host=host or config.server.host,
@@ -181,6 +222,10 @@ class Gateway:
                     task_status=task_status,
                 )
                 retiring.cancel_scope.cancel()  # the stack closes what is still open
+
+    async def _close_limit_store(self) -> None:
+        if self._rate_limits is not None:
+            await self._rate_limits.store.aclose()
 
     @staticmethod
     async def _retire(
@@ -212,6 +257,8 @@ class Gateway:
             registry = build_registry(config, backends)
             boards = [b.spec(os.environ) for b in config.boards.values()]
             proxies = _proxies(config, backends)
+            old_limits = self._rate_limits
+            limits = _rate_limits(config, engine.metrics, old_limits, self.config)
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
             # Hosts that stay keep their health, ejections and breaker; the checks go on.
@@ -222,6 +269,13 @@ class Gateway:
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
+            container.middleware.cors = config.edge.server_cors
+            live_limits = container.admin.live_limits if container.admin is not None else None
+            limits_dropped = live_limits.rebase(limits) if live_limits is not None else []
+            container.set_rate_limits(limits)
+            self._rate_limits = limits
+            if old_limits is not None and (limits is None or limits.store is not old_limits.store):
+                retiring.start_soon(old_limits.store.aclose)
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
@@ -241,6 +295,8 @@ class Gateway:
             _log.warning("%s", warning.format(config.source))
         for sentence in dropped:
             _log.warning("reload: live weight %s", sentence)
+        for sentence in limits_dropped:
+            _log.warning("reload: live rate limit %s", sentence)
         for change, names in board_changes.items():
             if names:
                 _log.info("reload: boards %s: %s", change, ", ".join(names))
@@ -252,5 +308,6 @@ class Gateway:
             "config_generation": weights,
             "overrides": overrides,
             "overrides_dropped": dropped,
+            "rate_limit_overrides_dropped": limits_dropped,
             "boards_changed": board_changes,
         }
