@@ -10,7 +10,9 @@ from typing import Any, Final
 
 from .._errors import RegistrationError
 from ..backends._http_spec import Service, check_base_url, check_header_name
+from ..backends._tls import TlsFileError
 from ..container._collector import SERVING_GC_THRESHOLD
+from ..container._tls import CLIENT_AUTH, ServerTls, server_context
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
@@ -25,6 +27,8 @@ __all__ = [
     "read_server",
     "read_services",
 ]
+
+TLS_KEYS: Final = ("tls_cert", "tls_key", "tls_client_ca", "tls_client_auth")
 
 #: Connection pool size for a service with no limit: httpx slows down with big pools.
 DEFAULT_MAX_CONNECTIONS: Final = 32
@@ -43,6 +47,7 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    *TLS_KEYS,
 )
 POOL_KEYS: Final = (
     "max_workers",
@@ -91,6 +96,9 @@ class ServerConfig:
     #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
     #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
     gc_threshold: int = SERVING_GC_THRESHOLD
+    #: HTTPS (and mutual TLS) when set: ``tls_cert``, ``tls_key``, ``tls_client_ca``,
+    #: ``tls_client_auth``; its files are read again on a reload.
+    tls: ServerTls | None = None
 
     def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin bearer token (from the file or the environment); None: no admin API."""
@@ -167,7 +175,39 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
+        tls=_server_tls(t),
     )
+
+
+def _server_tls(t: Table) -> ServerTls | None:
+    """``tls_*``: both files or neither, the client CA only with them; the files are loaded
+    into a context here, so that ``check`` finds what serving would."""
+    cert, key = t.string("tls_cert", None), t.string("tls_key", None)
+    client_ca = t.string("tls_client_ca", None)
+    chosen = t.string("tls_client_auth", "required", choices=CLIENT_AUTH)
+    client_auth = "optional" if chosen == "optional" else "required"
+    if cert is None and key is None:
+        for name in ("tls_client_ca", "tls_client_auth"):
+            if name in t:
+                t.c.error(t.at(name), f"{name} needs tls_cert and tls_key: the server's own")
+        return None
+    if cert is None or key is None:
+        missing, given = ("tls_cert", "tls_key") if cert is None else ("tls_key", "tls_cert")
+        t.c.error(t.at(given), f"{given} needs {missing}: set both, or neither for plain HTTP")
+        return None
+    if "tls_client_auth" in t and client_ca is None:
+        t.c.warn(
+            t.at("tls_client_auth"),
+            "tls_client_auth does nothing without tls_client_ca: no client certificate is "
+            "asked for",
+        )
+    tls = ServerTls(cert, key, client_ca, client_auth)
+    try:
+        server_context(tls)
+    except TlsFileError as exc:
+        t.c.error(t.at(exc.key), exc.message)
+        return None
+    return tls
 
 
 def _trusted_proxies(t: Table) -> tuple[Network, ...]:
