@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 TLS_KEYS: Final = ("tls_cert", "tls_key", "tls_client_ca", "tls_client_auth")
+SERVICE_TLS_KEYS: Final = ("ca_bundle", "client_cert", "client_key", "server_name", "verify")
 
 #: Connection pool size for a service with no limit: httpx slows down with big pools.
 DEFAULT_MAX_CONNECTIONS: Final = 32
@@ -69,6 +70,7 @@ SERVICE_KEYS: Final = (
     "headers",
     "max_response_bytes",
     "request_id_header",
+    *SERVICE_TLS_KEYS,
     *RESILIENCE_KEYS,
     *WEIGHT_KEYS,
 )
@@ -395,11 +397,51 @@ def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
         "request_id_header": None
         if t.data.get("request_id_header") is False
         else t.string("request_id_header", "X-Request-ID"),
+        **_service_tls(t, fields),
     }
     if c.failed(t.path):
         return None
     try:
-        return Service(name, headers=headers, **fields)
+        service = Service(name, headers=headers, **fields)
     except RegistrationError as exc:  # every check above should have caught it first
         c.error(t.path, str(exc))
         return None
+    try:
+        service.ssl_context()  # the files are read here, so that check finds what serving would
+    except TlsFileError as exc:
+        c.error(t.at(exc.key), exc.message)
+        return None
+    return service
+
+
+def _service_tls(t: Table, fields: dict[str, Any]) -> dict[str, Any]:
+    """``ca_bundle``, ``client_cert``/``client_key``, ``server_name``, ``verify``: for an
+    ``https://`` service only (its files are checked once it is whole)."""
+    tls = {
+        "ca_bundle": t.string("ca_bundle", None),
+        "client_cert": t.string("client_cert", None),
+        "client_key": t.string("client_key", None),
+        "server_name": t.string("server_name", None),
+        "verify": t.boolean("verify", True),
+    }
+    given = [key for key in SERVICE_TLS_KEYS if key in t]
+    if not given:
+        return tls
+    hosts = fields["hosts"]
+    urls = [fields["base_url"]] if fields["base_url"] else [h.url for h in hosts]
+    if urls and not any(url.lower().startswith("https://") for url in urls):
+        for key in given:
+            t.c.error(t.at(key), f"{key} applies to an https:// service only")
+        return tls
+    for key, other in (("client_cert", "client_key"), ("client_key", "client_cert")):
+        if key in t and other not in t:
+            t.c.error(t.at(key), f"{key} needs {other}: set both for a client certificate")
+    if not tls["verify"]:
+        t.c.warn(
+            t.at("verify"),
+            "verify = false accepts any certificate, so anyone between the gateway and the "
+            "service can read and change its calls; prefer ca_bundle with the service's CA",
+        )
+        if tls["ca_bundle"] is not None:
+            t.c.warn(t.at("ca_bundle"), "ca_bundle does nothing with verify = false")
+    return tls
