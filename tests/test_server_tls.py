@@ -310,3 +310,48 @@ async def test_a_reload_with_a_key_that_is_not_the_certificates_changes_nothing(
                 held = await Held.open(address.port, certs.client_context())
                 assert held.peer_certificate() == der(second)
                 await held.stream.aclose()
+
+
+def test_check_loads_the_servers_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipework.__main__ import main
+
+    certs = Certs(tmp_path)
+    other = tmp_path / "other.key"
+    certs.ca.issue_cert("127.0.0.1").private_key_pem.write_to_path(str(other))
+    path = tmp_path / "gateway.toml"
+
+    def check(server: str) -> tuple[int, str]:
+        path.write_text(f"[server]\n{server}\n")
+        code = main(["check", str(path)])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    pair = f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"'
+    assert check(pair)[0] == 0
+    assert check(f'{pair}\ntls_client_ca = "{certs.ca_file}"\ntls_client_auth = "optional"')[0] == 0
+    code, said = check(f'tls_cert = "{certs.cert}"\ntls_key = "{other}"')
+    assert code == 1
+    assert "server.tls_key: the key in" in said
+    assert "is not the key of the certificate in" in said
+    code, said = check(f'tls_cert = "{tmp_path / "gone.pem"}"\ntls_key = "{certs.key}"')
+    assert code == 1
+    assert "server.tls_cert: cannot read" in said
+    code, said = check(f'tls_cert = "{certs.key}"\ntls_key = "{certs.key}"')
+    assert code == 1
+    assert "server.tls_cert:" in said
+    assert "holds no PEM certificate" in said
+    code, said = check(f'tls_cert = "{certs.cert}"')
+    assert code == 1
+    assert "server.tls_cert: tls_cert needs tls_key" in said
+    code, said = check(f'tls_client_ca = "{certs.ca_file}"')
+    assert code == 1
+    assert "server.tls_client_ca: tls_client_ca needs tls_cert and tls_key" in said
+    code, said = check(f'{pair}\ntls_client_ca = "{tmp_path / "gone.pem"}"')
+    assert code == 1
+    assert "server.tls_client_ca: cannot read" in said
+    code, said = check(f'{pair}\ntls_client_auth = "sometimes"')
+    assert code == 1
+    assert "server.tls_client_auth" in said
+    code, said = check(f'{pair}\ntls_client_auth = "optional"')
+    assert code == 0
+    assert "tls_client_auth does nothing without tls_client_ca" in said
