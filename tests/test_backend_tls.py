@@ -19,6 +19,7 @@ import httpx
 import pytest
 import trio
 import trustme
+from wsproto.events import TextMessage
 
 import pipework as pw
 from pipework import ConfigError, Gateway, HttpCall, Service, loads_config
@@ -27,7 +28,9 @@ from pipework.backends._failures import ConnectFailed, TransportFailure
 from pipework.backends._resilience_spec import HealthSpec, OutlierSpec
 from pipework.container import BoundAddress
 
+from ._proxy_backend import running_backend
 from .test_backend_pool import Plan, RawBackend, echo
+from .test_proxy_websocket import Client
 
 HANG_GUARD = 30.0
 
@@ -272,3 +275,52 @@ def test_the_files_are_checked_where_they_are_named(tmp_path: Path) -> None:
     )
     (warning,) = [w for w in config.warnings if w.path == "services.api.verify"]
     assert "accepts any certificate" in warning.message
+
+
+async def test_a_proxy_route_streams_and_relays_websockets_to_an_https_service(
+    tmp_path: Path,
+) -> None:
+    pki = Pki(tmp_path)
+    context = pki.server_context()
+    text = f"""
+[services.api]
+hosts = ["{{one}}", "{{two}}"]
+balance = "round_robin"
+ca_bundle = "{pki.ca_file}"
+timeout = 10
+
+[routes.api]
+proxy = "api"
+prefix = "/api"
+strip_prefix = true
+"""
+    with trio.fail_after(HANG_GUARD):
+        async with (
+            running_backend(context) as one,
+            running_backend(context) as two,
+        ):
+            assert one.url.startswith("https://")
+            path = tmp_path / "gateway.toml"
+            path.write_text(text.replace("{one}", one.url).replace("{two}", two.url))
+            gateway = Gateway(str(path))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                address: BoundAddress = await nursery.start(
+                    functools.partial(gateway.run, port=0, stop=stop)
+                )
+                async with httpx.AsyncClient(base_url=address.url) as http:
+                    for n in range(2):
+                        answer = await http.get(f"/api/echo/{n}")
+                        assert answer.status_code == 200, answer.text
+                        assert answer.json()["raw_path"] == f"/echo/{n}"
+                async with Client.opening(address, "/api/chat") as ws:
+                    await ws.accepted()
+                    await ws.say(TextMessage("over tls"))
+                    assert await ws.message() == "over tls"
+                    await ws.say(TextMessage("close 4002"))
+                    assert (await ws.closed()).code == 4002
+                assert gateway._backends is not None
+                stats = gateway._backends.lean("api").core.statistics(trio.current_time())
+                assert [h.requests for h in stats.hosts] == [2, 1]  # round robin, all three
+                assert [h.failures for h in stats.hosts] == [0, 0]
+                stop.set()
