@@ -142,13 +142,14 @@ async def _serve_bare() -> None:
 async def _serve_raw(cert: str | None = None, key: str | None = None) -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
     host, port = listeners[0].socket.getsockname()[:2]
-    served: list[trio.SocketListener] | list[trio.SSLListener[trio.SocketStream]] = listeners
-    if cert is not None and key is not None:  # raw-tls: the same responder behind TLS
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(cert, key)
-        served = [trio.SSLListener(listener, context) for listener in listeners]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, raw_responder(), served)
+        if cert is not None and key is not None:  # raw-tls: the same responder behind TLS
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(cert, key)
+            secure = [trio.SSLListener(listener, context) for listener in listeners]
+            nursery.start_soon(trio.serve_listeners, raw_responder(), secure)
+        else:
+            nursery.start_soon(trio.serve_listeners, raw_responder(), listeners)
         _announce(BoundAddress(host, port))
 
 

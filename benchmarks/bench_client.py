@@ -147,9 +147,7 @@ async def _measure(host: str, port: int, n: int, reps: int) -> dict[str, tuple[f
     return {name: (statistics.median(values), base) for name, values in samples.items()}
 
 
-async def _measure_https(
-    host: str, port: int, ca: str, n: int, reps: int
-) -> tuple[float, float]:
+async def _measure_https(host: str, port: int, ca: str, n: int, reps: int) -> tuple[float, float]:
     """``Backends.call`` over https: (lean pool µs, httpx µs), medians of the same run."""
     url = f"https://{host}:{port}"
     service = Service("users", url, max_connections=4, ca_bundle=ca)

@@ -13,7 +13,7 @@ import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -79,7 +79,11 @@ async def tls_hosts(
             backend = RawBackend(plan)
             listeners = await nursery.start(
                 functools.partial(
-                    trio.serve_ssl_over_tcp, backend.handle, 0, context, host="127.0.0.1"
+                    trio.serve_ssl_over_tcp,
+                    cast(Any, backend.handle),  # it reads and writes; TLS or not
+                    0,
+                    context,
+                    host="127.0.0.1",
                 )
             )
             port = listeners[0].transport_listener.socket.getsockname()[1]

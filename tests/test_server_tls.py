@@ -153,7 +153,8 @@ class Held:
         return cls(stream)
 
     def peer_certificate(self) -> bytes | None:
-        return self.stream.getpeercert(binary_form=True)
+        der: bytes | None = self.stream.getpeercert(binary_form=True)
+        return der
 
     async def send(self, target: str) -> None:
         h = self.h11
@@ -167,7 +168,7 @@ class Held:
         while True:
             event = self.h11.next_event()
             if event is h11.NEED_DATA:
-                self.h11.receive_data(await self.stream.receive_some())
+                self.h11.receive_data(bytes(await self.stream.receive_some()))
             elif isinstance(event, h11.Response):
                 status = event.status_code
             elif isinstance(event, h11.Data):

@@ -229,7 +229,7 @@ class Connection:
                 if not chunk and not got_bytes:
                     raise StaleConnection("the peer closed the connection before answering")
                 got_bytes = True
-                h.receive_data(chunk)
+                h.receive_data(bytes(chunk))  # typed bytes | bytearray over TLS; bytes here
                 continue
             if isinstance(event, h11.Response):
                 return event
@@ -247,7 +247,7 @@ class Connection:
         while True:
             event = h.next_event()
             if event is h11.NEED_DATA:
-                h.receive_data(await self._stream.receive_some(_READ_SIZE))
+                h.receive_data(bytes(await self._stream.receive_some(_READ_SIZE)))
                 continue
             if isinstance(event, h11.Data | h11.EndOfMessage):
                 return event

@@ -24,7 +24,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from ..backends._tls import load_cas, load_chain
+from .._tls import load_cas, load_chain
 
 __all__ = ["ALPN", "CLIENT_AUTH", "CertificateSwitch", "ClientAuth", "ServerTls", "server_context"]
 
@@ -54,7 +54,7 @@ class ServerTls:
 
 def server_context(tls: ServerTls) -> ssl.SSLContext:
     """A server context of ``tls``'s files, checked: raises
-    :class:`~pipework.backends._tls.TlsFileError` for a file that cannot be read, does not
+    :class:`~pipework._tls.TlsFileError` for a file that cannot be read, does not
     parse, or holds a key that is not the certificate's. TLS 1.2 at least, no compression,
     ALPN ``h2`` then ``http/1.1`` (as hypercorn's own context)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -9,10 +9,10 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from .._errors import RegistrationError
+from .._tls import TlsFileError
 from ..backends._http_spec import Service, check_base_url, check_header_name
-from ..backends._tls import TlsFileError
 from ..container._collector import SERVING_GC_THRESHOLD
-from ..container._tls import CLIENT_AUTH, ServerTls, server_context
+from ..container._tls import CLIENT_AUTH, ClientAuth, ServerTls, server_context
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
@@ -187,7 +187,7 @@ def _server_tls(t: Table) -> ServerTls | None:
     cert, key = t.string("tls_cert", None), t.string("tls_key", None)
     client_ca = t.string("tls_client_ca", None)
     chosen = t.string("tls_client_auth", "required", choices=CLIENT_AUTH)
-    client_auth = "optional" if chosen == "optional" else "required"
+    client_auth: ClientAuth = "optional" if chosen == "optional" else "required"
     if cert is None and key is None:
         for name in ("tls_client_ca", "tls_client_auth"):
             if name in t:

@@ -26,8 +26,8 @@ import trio
 
 from .._errors import ConfigError, ConfigProblem
 from .._metrics import Metrics
+from .._tls import TlsFileError
 from ..backends._http import Backends
-from ..backends._tls import TlsFileError
 from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
 from ..container._tls import CertificateSwitch, ServerTls, server_context
