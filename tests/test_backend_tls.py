@@ -18,6 +18,7 @@ from typing import Any, cast
 import httpx
 import pytest
 import trio
+import trio.testing
 import trustme
 from wsproto.events import TextMessage
 
@@ -328,3 +329,32 @@ strip_prefix = true
                 assert [h.requests for h in stats.hosts] == [2, 1]  # round robin, all three
                 assert [h.failures for h in stats.hosts] == [0, 0]
                 stop.set()
+
+
+async def test_a_handshake_that_never_ends_times_out_as_a_connect_and_is_retried(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    pki = Pki(tmp_path)
+    hung_up = trio.Event()
+
+    async def silent(stream: trio.SocketStream) -> None:
+        """Accepts, and never says a word of TLS; notes when the client gives up."""
+        while await stream.receive_some():
+            pass  # the client's hello, unanswered
+        hung_up.set()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1")
+        )
+        silent_url = f"https://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        async with tls_hosts((echo, pki.server_context())) as [(good, good_url)]:
+            svc = service([silent_url, good_url], ca_bundle=str(pki.ca_file), connect_timeout=1.0)
+            async with client(svc) as c:
+                assert (await get(c))["index"] == 0  # answered by the second host
+                stats = {h.url: h for h in c.core.statistics(trio.current_time()).hosts}
+                assert stats[silent_url].failures == 1
+                assert stats[silent_url].requests == 1
+                assert len(good.seen) == 1
+            await hung_up.wait()  # the half-made connection was closed
+        nursery.cancel_scope.cancel()
