@@ -57,7 +57,10 @@ def server_context(tls: ServerTls) -> ssl.SSLContext:
     :class:`~pipework._tls.TlsFileError` for a file that cannot be read, does not
     parse, or holds a key that is not the certificate's. TLS 1.2 at least, no compression,
     ALPN ``h2`` then ``http/1.1`` (as hypercorn's own context)."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    # Not ssl.create_default_context(CLIENT_AUTH): it would trust the system's CAs for
+    # client certificates, so any publicly issued one would pass mutual TLS. The bare
+    # context's defaults are as safe otherwise (no compression, server cipher preference).
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2  # RFC 7540 §9.2
     context.options |= ssl.OP_NO_COMPRESSION  # RFC 7540 §9.2.1
     context.set_alpn_protocols(list(ALPN))

@@ -407,7 +407,8 @@ def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
         c.error(t.path, str(exc))
         return None
     try:
-        service.ssl_context()  # the files are read here, so that check finds what serving would
+        if service.ca_bundle is not None or service.client_cert is not None:
+            service.ssl_context()  # its files are read here: check finds what serving would
     except TlsFileError as exc:
         c.error(t.at(exc.key), exc.message)
         return None
