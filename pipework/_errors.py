@@ -57,7 +57,10 @@ into one of the errors above, or into an HTTP answer, at its edge:
 - ``pipework.dispatcher``: ``PipeTimeout`` (``_outcomes.py``), a pipe's time running out
   inside its step, which becomes ``DeadlineExceeded`` naming the limit that fired;
 - ``pipework._http``: ``Problem`` (``_problems.py``), an HTTP error *answer* raised inside
-  a request handler and rendered there.
+  a request handler and rendered there;
+- ``pipework._tls``: ``TlsFileError``, a certificate, key or CA file that cannot be used,
+  naming its setting: the gateway file's reader reports it as a ``ConfigError`` problem at
+  that key (``pipework check``, a start, a reload refused).
 
 One more is not an error at all: a pipe's ``Suspend`` (``pipework.pipes._pipe``), a
 ``BaseException`` the dispatcher catches to park a job, as trio's ``Cancelled`` is. Classes
