@@ -230,6 +230,8 @@ def _supervise(args: argparse.Namespace) -> int:
         server = gateway.config.server
         host, port = args.host or server.host, server.port if args.port is None else args.port
         grace = gateway.overrides.get("shutdown_grace", server.shutdown_grace)
+        # Each worker reads the file's TLS settings itself (and again on SIGHUP).
+        scheme = "http" if server.tls is None else "https"
         local = _file_store_is_local(gateway.config)
         served = [rc.route for rc in gateway.config.routes.values()]
         boards = _local_boards_problem(gateway.config, args.workers)
@@ -247,6 +249,7 @@ def _supervise(args: argparse.Namespace) -> int:
     else:
         engine = load_engine(args.target)
         host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
+        scheme = "http"
         grace = _overrides(args).get("shutdown_grace", _DEFAULTS.shutdown_grace)
         local = isinstance(engine.store, MemoryJobStore)
         served = list(routes_of(engine.registry))
@@ -269,9 +272,9 @@ def _supervise(args: argparse.Namespace) -> int:
     with sock:
         bound_host, bound_port = sock.getsockname()[:2]
         url = (
-            f"http://[{bound_host}]:{bound_port}"
+            f"{scheme}://[{bound_host}]:{bound_port}"
             if ":" in bound_host
-            else (f"http://{bound_host}:{bound_port}")
+            else (f"{scheme}://{bound_host}:{bound_port}")
         )
         supervisor = Supervisor(
             functools.partial(_worker_command, args),

@@ -64,6 +64,9 @@ into one of the errors above, or into an HTTP answer, at its edge:
   the known keys kept); ``PreflightRefused`` (``_cors.py``: a CORS preflight the policy
   does not allow, a 403 problem); ``LimitStoreUnavailable`` (``_ratelimit.py``: a rate
   limit's store that could not be asked, decided by the limit's ``fail_open``).
+- ``pipework._tls``: ``TlsFileError``, a certificate, key or CA file that cannot be used,
+  naming its setting: the gateway file's reader reports it as a ``ConfigError`` problem at
+  that key (``pipework check``, a start, a reload refused).
 
 One more is not an error at all: a pipe's ``Suspend`` (``pipework.pipes._pipe``), a
 ``BaseException`` the dispatcher catches to park a job, as trio's ``Cancelled`` is. Classes

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -234,11 +235,13 @@ class Container:
         fd: int | None = None,
         shutdown_trigger: trio.Event | None = None,
         hypercorn_options: Mapping[str, object] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until ``shutdown_trigger`` is set (then shut down gracefully) or until
         cancelled; ``task_status.started()`` reports the bound address. ``fd``: serve on
-        this inherited listening socket instead of binding ``host:port``."""
+        this inherited listening socket instead of binding ``host:port``. ``ssl_context``:
+        serve HTTPS with it (:func:`~._server.serve`)."""
         options: dict[str, object] = {
             "h11_max_incomplete_size": self.config.max_header_bytes,
             "h2_max_header_list_size": self.config.max_header_bytes,
@@ -253,7 +256,9 @@ class Container:
                 "process sharing it ([server] callback_secret_env chooses one instead)"
             )
         with tuned_collector(self.config.gc_threshold):
-            await self._serve(host, port, fd, stop, shutdown_trigger, options, task_status)
+            await self._serve(
+                host, port, fd, stop, shutdown_trigger, options, ssl_context, task_status
+            )
 
     async def _serve(
         self,
@@ -263,6 +268,7 @@ class Container:
         stop: trio.Event,
         shutdown_trigger: trio.Event | None,
         options: dict[str, object],
+        ssl_context: ssl.SSLContext | None,
         task_status: trio.TaskStatus[BoundAddress],
     ) -> None:
         async with trio.open_nursery() as nursery:
@@ -276,6 +282,7 @@ class Container:
                     shutdown_trigger=stop,
                     graceful_timeout=self.config.shutdown_grace + _FLUSH_MARGIN,
                     hypercorn_options=options,
+                    ssl_context=ssl_context,
                 )
             )
             if not self.signer.base_url:

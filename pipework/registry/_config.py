@@ -231,7 +231,6 @@ def config_from_dict(
     used |= proxy_used
     # A pipe named as a used pipe's fallback is used too.
     used |= {p.fallback for n, p in pipes.items() if n in used and isinstance(p.fallback, str)}
-    _check_proxied_schemes(c, proxies, services)
     _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
     edge = read_edge(c, data, source)
@@ -329,21 +328,6 @@ def _check_reserves(c: Collector, settings: PoolSettings) -> None:
             f"reserves add up to {total} ({parts}) but max_workers is {settings.max_workers}; "
             "lower a reserve or raise max_workers",
         )
-
-
-def _check_proxied_schemes(
-    c: Collector, proxies: Mapping[str, ProxyConfig], services: Mapping[str, Service]
-) -> None:
-    """A proxy route streams through the lean client, which speaks plain ``http://``."""
-    for name, proxy in proxies.items():
-        service = services.get(proxy.route.service)
-        if service is not None and service.url.scheme != "http":
-            c.error(
-                ("routes", name, "proxy"),
-                f"service {service.name!r} is {service.url.scheme}://: proxy routes reach "
-                "http:// services only (put a TLS-terminating sidecar in front, or call it "
-                "from an HTTP pipe)",
-            )
 
 
 def _check_request_use(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import replace
@@ -24,11 +25,14 @@ from typing import Any
 import trio
 
 from .. import _tracing
+from .._errors import ConfigError, ConfigProblem
 from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
+from .._tls import TlsFileError
 from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
+from ..container._tls import CertificateSwitch, ServerTls, server_context
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..proxy import ProxySet, ProxyTable, Upstream
@@ -162,6 +166,8 @@ class Gateway:
         self._refusals = _ServiceRefusals()
         self._rate_limits: RateLimits | None = None
         self._lock = trio.Lock()
+        #: The server's certificates, swapped by a reload (None: plain HTTP).
+        self.tls: CertificateSwitch | None = None
 
     async def run(
         self,
@@ -176,6 +182,8 @@ class Gateway:
         for warning in config.warnings:
             _log.warning("%s", warning.format(config.source))
         pool = self._pool = WeightedPool.from_config(config.pool_config())
+        tls = config.server.tls
+        self.tls = None if tls is None else CertificateSwitch(tls)
         async with AsyncExitStack() as stack:
             self._stack = stack
             # Before the container is built: its ASGI layer is chosen with it. Off, the
@@ -219,6 +227,7 @@ class Gateway:
                     port=config.server.port if port is None else port,
                     fd=fd,
                     shutdown_trigger=stop,
+                    ssl_context=None if self.tls is None else self.tls.context,
                     task_status=task_status,
                 )
                 retiring.cancel_scope.cancel()  # the stack closes what is still open
@@ -243,6 +252,27 @@ class Gateway:
             await backends.__aexit__(None, None, None)  # the stack's own exit is then a no-op
             _log.info("closed the backends of plan %d", generation)
 
+    def _certificates(self, config: GatewayConfig) -> tuple[ServerTls, ssl.SSLContext] | None:
+        """The server's TLS files of ``config``, read again into a context for the swap;
+        None when nothing can change without a restart (logged). A file that cannot be
+        used refuses the reload (ConfigError), as ``check`` would."""
+        switch, tls = self.tls, config.server.tls
+        if switch is None or tls is None:
+            if (switch is None) != (tls is None):
+                _log.warning("reload: [server] TLS is turned on or off only at a restart")
+            return None
+        problem = switch.restart_needed(tls)
+        if problem is not None:
+            _log.warning("reload: [server] %s; the certificates stay as they were", problem)
+            return None
+        try:
+            context = server_context(tls)
+        except TlsFileError as exc:
+            raise ConfigError(
+                [ConfigProblem(f"server.{exc.key}", exc.message)], config.source
+            ) from None
+        return tls, context
+
     async def reload(self) -> dict[str, Any]:
         """Check the file again and swap it in; raises ConfigError (changing nothing)."""
         engine, container, pool, stack = self.engine, self.container, self._pool, self._stack
@@ -252,6 +282,7 @@ class Gateway:
         async with self._lock:  # one reload at a time: each builds on the plan in force
             config = await trio.to_thread.run_sync(load_config, self.path)
             pool_config = config.pool_config()  # validated before anything changes
+            certificates = self._certificates(config)  # read before anything changes
             backends = await stack.enter_async_context(config.backends())
             backends.metrics = engine.metrics
             registry = build_registry(config, backends)
@@ -261,6 +292,8 @@ class Gateway:
             limits = _rate_limits(config, engine.metrics, old_limits, self.config)
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
+            if certificates is not None and self.tls is not None:
+                self.tls.use(*certificates)  # new connections only: open ones keep theirs
             # Hosts that stay keep their health, ejections and breaker; the checks go on.
             backends.adopt(self._backends)
             container.set_upstreams(backends)  # drains now reach the cores via the new plan
