@@ -99,6 +99,7 @@ class Forked:
             traceparent=parent.traceparent,
             tracestate=parent.tracestate,
             baggage=parent.baggage,
+            pool_key=parent.pool_key,
             deadline=record.deadline,
             root=(*record.path, index),
             parent=parent.id,
