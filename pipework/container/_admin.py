@@ -407,6 +407,7 @@ def pool_document(stats: PoolStatistics) -> dict[str, Any]:
         "rejected": dict(stats.rejected),
         "debt": stats.debt,
         "config_generation": stats.config_generation,
+        "keys_forgotten": stats.keys_forgotten,
         "keys": {
             name: {
                 "configured": k.configured,
