@@ -129,6 +129,40 @@ async def test_one_tenants_held_slot_does_not_block_another(tmp_path: Path) -> N
     assert keys()["tenant:acme"].admitted == 2
 
 
+async def test_an_auth_requiring_the_claim_refuses_a_token_without_it(tmp_path: Path) -> None:
+    """What docs/edge-policy.md offers for tokens lacking the pool key's claim: the auth's
+    ``require`` makes them a 401, before any job, instead of the chain's key."""
+    signer = Signer.make("ES256", "es-1")
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(signer)))
+    text = TEXT.replace('claims = ["tenant"]', 'claims = ["tenant"]\nrequire = ["exp", "tenant"]')
+    RELEASE["acme"] = trio.Event()
+    RELEASE["acme"].set()
+    ENTERED["ok"] = trio.Event()
+    async with (
+        gateway(tmp_path, text) as (gw, address),
+        httpx.AsyncClient(base_url=address.url, timeout=30) as client,
+    ):
+        missing = claims()
+        del missing["tenant"]
+        answer = await client.post(
+            "/work",
+            json={"name": "no"},
+            headers={"Authorization": f"Bearer {signer.sign(missing)}"},
+        )
+        assert answer.status_code == 401, answer.text
+        assert "tenant" in answer.json()["detail"]
+        answer = await client.post(
+            "/work",
+            json={"name": "ok"},
+            headers={"Authorization": f"Bearer {signer.sign(claims())}"},
+        )
+        assert answer.status_code == 200, answer.text
+        assert gw.engine is not None
+        pool: Any = gw.engine.pool
+        assert "tenant:acme" in pool.statistics().keys
+        assert "default" not in pool.statistics().keys
+
+
 def problems_of(text: str) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
         loads_config(text)
