@@ -43,6 +43,9 @@ claims = ["tenant"]
 """
 
 TEXT = f"""
+[server]
+admin_token = "edge-admin"
+
 [pool]
 max_workers = 8
 
@@ -161,6 +164,26 @@ async def test_an_auth_requiring_the_claim_refuses_a_token_without_it(tmp_path: 
         pool: Any = gw.engine.pool
         assert "tenant:acme" in pool.statistics().keys
         assert "default" not in pool.statistics().keys
+
+
+async def test_a_tenants_weights_change_live_through_the_admin_api(tmp_path: Path) -> None:
+    signer = Signer.make("ES256", "es-1")
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(signer)))
+    async with (
+        gateway(tmp_path, TEXT) as (gw, address),
+        httpx.AsyncClient(base_url=address.url, timeout=30) as client,
+    ):
+        admin = {"Authorization": "Bearer edge-admin"}
+        changed = await client.put("/admin/pool/keys/tenant:acme", json={"limit": 3}, headers=admin)
+        unknown = await client.put(
+            "/admin/pool/keys/tenant:nobody", json={"limit": 3}, headers=admin
+        )
+        assert gw.engine is not None
+        pool: Any = gw.engine.pool
+        assert pool.config.keys["tenant:acme"].limit == 3
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["key"]["limit"] == 3
+    assert unknown.status_code == 404, unknown.text  # only keys the file names
 
 
 def problems_of(text: str) -> dict[str, str]:
