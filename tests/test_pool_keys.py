@@ -3,8 +3,6 @@ the chain's key, kept with the job through hand-offs, branches and the store."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import trio
 
@@ -71,24 +69,22 @@ async def test_the_pool_key_survives_hand_offs_and_branches(
         return {k: s.in_use for k, s in pool.statistics().keys.items() if s.in_use}
 
     @engine.pipe()
-    async def first(ctx: pw.Context) -> dict[str, Any]:
+    async def first(ctx: pw.Context) -> None:
         seen.append(("first", held()))
-        return {}
 
     @engine.pipe(key="svc")  # a service's key: it bounds the backend, whoever calls
-    async def service(ctx: pw.Context) -> dict[str, Any]:
+    async def service(ctx: pw.Context) -> None:
         seen.append(("service", held()))
-        return {}
 
     @engine.pipe()
-    async def left(ctx: pw.Context) -> dict[str, Any]:
+    async def left(ctx: pw.Context) -> None:
         await gate.wait()
-        return {"left": 1}
+        ctx.state["left"] = 1
 
     @engine.pipe()
-    async def right(ctx: pw.Context) -> dict[str, Any]:
+    async def right(ctx: pw.Context) -> None:
         seen.append(("right", held()))
-        return {"right": 1}
+        ctx.state["right"] = 1
 
     engine.chain("mixed", first, service, pw.all_of(left, right))
     async with engine:
