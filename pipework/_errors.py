@@ -150,10 +150,17 @@ class Rejected(Overloaded):
 
 class StoreUnavailable(Overloaded):
     """The shared job store (Redis) cannot be reached, or did not answer in time: the work
-    is refused (HTTP 503), not lost; retry once it is back."""
+    is refused (HTTP 503), not lost; retry once it is back.
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    ``maybe_done``: what was sent may have reached the store and been done (its connection
+    was lost, or no answer came, after it was sent); False only when it provably was not
+    (no connection could be made, or the store refused it). ``job_id``: a job a submission
+    may have created so (its client is told to follow it, not to submit it again)."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, maybe_done: bool = True) -> None:
         super().__init__(message, reason="store_unavailable", retry_after=retry_after)
+        self.maybe_done = maybe_done
+        self.job_id: str | None = None
 
 
 class DeadlineExceeded(PipeworkError, TimeoutError):
