@@ -85,7 +85,7 @@ class Profile:
     pause_seconds: float = 1.5
 
 
-SHORT = Profile(jobs=96, clients=12, strikes=8)
+SHORT = Profile(jobs=48, clients=12, strikes=4)
 LONG = Profile(jobs=2_000, clients=32, strikes=40)
 
 
@@ -456,6 +456,8 @@ async def harness(profile: Profile, directory: Path) -> AsyncIterator[Run]:
                 with trio.CancelScope(shield=True):
                     for gateway in gateways:
                         await gateway.stop()
+                        # What each process logged, for whoever reads a failure.
+                        (directory / f"gateway{gateway.index}.log").write_bytes(gateway.log)
                 nursery.cancel_scope.cancel()
     finally:
         redis.stop()
@@ -491,6 +493,9 @@ class Findings:
         counts = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
         return counts + "".join(f"\n  BROKEN: {b}" for b in self.broken)
 
+    def __str__(self) -> str:
+        return self.summary()
+
 
 async def check(run: Run) -> Findings:
     ran: dict[str, set[str]] = {}
@@ -510,8 +515,11 @@ async def check(run: Run) -> Findings:
     store = RedisJobStore(run.redis.url, prefix=run.prefix)
     async with store:
         records = {job.id: job for job in await store.list()}
+        unanswered = {a.token for a in run.attempts if a.answer == "no-answer"}
         for job in records.values():
             count(f"record {job.status}")
+            if job.chain == "approve" and job.state.get("token") in unanswered:
+                continue  # its client never learned of it: no signal came, it timed out
             if job.status not in (pw.Status.DONE,):
                 error = job.error.type + ": " + job.error.message if job.error else ""
                 broken.append(f"job {job.id} ({job.chain}) ended {job.status} {error}")
@@ -530,10 +538,16 @@ async def check(run: Run) -> Findings:
                 if "second" not in ran.get(a.token, set()):
                     broken.append(f"{a.token}: told 200, its last pipe never ran")
             elif a.answer == "follow":
+                never_made = a.status == 503 and a.final == "404"  # the create had no answer
                 if a.final == "done" or (a.final == "404" and not survived):
                     pass
+                elif never_made and a.token not in ran and a.token not in tokens:
+                    count(f"{a.kind} follow: never made")
                 else:
-                    broken.append(f"{a.token}: followed job {a.job_id}, which ended {a.final}")
+                    broken.append(
+                        f"{a.token}: told {a.status} to follow job {a.job_id}, which ended "
+                        f"{a.final}" + (f" (ran: {sorted(ran[a.token])})" if a.token in ran else "")
+                    )
                 if record is not None and a.kind == "signal":
                     approval = record.state.get("approval")
                     if approval != {"by": a.token}:
@@ -561,10 +575,12 @@ async def check(run: Run) -> Findings:
     return Findings(counts, broken)
 
 
-async def _main(profile: Profile) -> int:
+async def _main(profile: Profile, keep: Path | None) -> int:
     with tempfile.TemporaryDirectory(prefix="pipework-chaos-") as directory:
+        where = Path(directory) if keep is None else keep
+        where.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        async with harness(profile, Path(directory)) as run:
+        async with harness(profile, where) as run:
             await play(run)
             findings = await check(run)
         print(json.dumps(profile.__dict__))
@@ -581,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-persist", action="store_true", help="Redis without AOF: a restart loses its data"
     )
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="a directory to keep the logs and ledger in"
+    )
     args = parser.parse_args(argv)
     profile = LONG if args.long else SHORT
     changes: dict[str, Any] = {"persist": not args.no_persist}
@@ -589,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.strikes is not None:
         changes["strikes"] = args.strikes
     profile = Profile(**{**profile.__dict__, **changes})
-    return trio.run(functools.partial(_main, profile))
+    return trio.run(functools.partial(_main, profile, args.keep))
 
 
 if __name__ == "__main__":

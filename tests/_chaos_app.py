@@ -41,7 +41,12 @@ async def second(ctx: pw.Context) -> None:
     ctx.state["answer"] = {"token": ctx.state["token"], "approval": ctx.state.get("approval")}
 
 
+#: How long :func:`hold` waits for its signal: a job whose client got no answer (its process
+#: was killed) never learns the job's id, sends no signal, and the job ends at this timeout.
+HOLD_SECONDS = 15
+
+
 async def hold(ctx: pw.Context) -> None:
     """Waits for the signal ``go`` (a signal sent before it suspends is kept for it)."""
     _record("hold", ctx.state["token"])
-    await ctx.suspend("go", into="approval", timeout=600)
+    await ctx.suspend("go", into="approval", timeout=HOLD_SECONDS)

@@ -45,6 +45,8 @@ class RedisServer:
     directory: Path
     #: AOF persistence (``appendonly yes``, ``appendfsync everysec``): a restart keeps the data.
     persist: bool = False
+    #: More arguments for redis-server (``--replicaof HOST PORT``, say).
+    extra: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -64,7 +66,7 @@ class RedisServer:
         """Stop the server (SIGTERM: with AOF it writes what it holds first) and start it
         again on the same port: what it held is lost, unless it persists."""
         self.stop()
-        self.process = _launch(self.port, self.directory, self.persist)
+        self.process = _launch(self.port, self.directory, self.persist, self.extra)
         _wait_ready(self.port, self.process, self.directory)
 
     def pause(self) -> None:
@@ -82,7 +84,9 @@ def _free_port() -> int:
         return port
 
 
-def _launch(port: int, directory: Path, persist: bool = False) -> subprocess.Popen[bytes]:
+def _launch(
+    port: int, directory: Path, persist: bool = False, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail(
@@ -100,6 +104,7 @@ def _launch(port: int, directory: Path, persist: bool = False) -> subprocess.Pop
         "--appendfsync", "everysec",
         "--daemonize", "no",
         "--logfile", str(directory / "redis.log"),
+        *extra,
     ]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -123,11 +128,36 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], directory: Path) ->
     pytest.fail(f"redis-server did not answer on port {port} within 15s", pytrace=False)
 
 
-def start_redis(directory: Path, *, persist: bool = False, port: int | None = None) -> RedisServer:
-    port = _free_port() if port is None else port
-    process = _launch(port, directory, persist)
+def start_redis(
+    directory: Path, *, persist: bool = False, extra: tuple[str, ...] = ()
+) -> RedisServer:
+    """A server in ``directory`` (made if need be) on a free port."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    process = _launch(port, directory, persist, extra)
     _wait_ready(port, process, directory)
-    return RedisServer(port, process, directory, persist)
+    return RedisServer(port, process, directory, persist, extra)
+
+
+def start_sentinel(directory: Path, master: str, primary: RedisServer) -> RedisServer:
+    """A Sentinel (``redis-server FILE --sentinel``) on a free port, monitoring ``primary``
+    as ``master`` with a quorum of one, quick to call it down and to fail over."""
+    directory.mkdir(parents=True, exist_ok=True)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: run scripts/ensure-tools", pytrace=False)
+    port = _free_port()
+    conf = directory / "sentinel.conf"  # Sentinel rewrites it: a file of its own
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {directory}\nlogfile {directory / 'redis.log'}\n"
+        f"sentinel monitor {master} 127.0.0.1 {primary.port} 1\n"
+        f"sentinel down-after-milliseconds {master} 1000\n"
+        f"sentinel failover-timeout {master} 10000\n"
+    )
+    args = [binary, str(conf), "--sentinel"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_ready(port, process, directory)
+    return RedisServer(port, process, directory)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ async def test_every_answer_is_honest_through_kills_pauses_and_restarts(tmp_path
     async with harness(SHORT, tmp_path) as run:
         await play(run)
         findings = await check(run)
-    assert not findings.broken, findings.summary()
+    assert not findings.broken, f"{findings}\n(the gateways' logs: {tmp_path})"
     assert set(run.struck) == set(STRIKES)
     assert findings.counts["sync done"]
     assert findings.counts["async follow"]
@@ -37,5 +37,5 @@ async def test_without_persistence_a_restart_loses_what_redis_held_and_nothing_e
     async with harness(profile, tmp_path) as run:
         await play(run)
         findings = await check(run)
-    assert not findings.broken, findings.summary()
+    assert not findings.broken, f"{findings}\n(the gateways' logs: {tmp_path})"
     assert run.restarts_done == 1
