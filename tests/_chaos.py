@@ -509,6 +509,12 @@ async def check(run: Run) -> Findings:
     def count(what: str) -> None:
         counts[what] = counts.get(what, 0) + 1
 
+    for gateway in run.gateways:  # none may have died but those the harness killed
+        process = gateway.process
+        if process is not None and process.returncode is not None:
+            tail = gateway.log.decode(errors="replace")[-2000:]
+            code = process.returncode
+            broken.append(f"gateway {gateway.index} exited by itself ({code}):\n{tail}")
     for job_id, status in run.stuck:
         broken.append(f"job {job_id} ({status}) never ended: {SETTLE:g} s after the last strike")
 
@@ -529,6 +535,8 @@ async def check(run: Run) -> Findings:
             survived = not lossy or a.epoch[0] == run.restarts_done
             record = records.get(a.job_id or "")
             if a.answer == "done":
+                if record is None and not survived:
+                    count(f"{a.kind} done, then lost with Redis's data")
                 if record is None and survived:
                     broken.append(f"{a.token}: told 200, and no record of job {a.job_id}")
                 elif record is not None and record.status != pw.Status.DONE:
@@ -538,6 +546,7 @@ async def check(run: Run) -> Findings:
                 if "second" not in ran.get(a.token, set()):
                     broken.append(f"{a.token}: told 200, its last pipe never ran")
             elif a.answer == "follow":
+                count(f"{a.kind} followed to {a.final}")
                 never_made = a.status == 503 and a.final == "404"  # the create had no answer
                 if a.final == "done" or (a.final == "404" and not survived):
                     pass
@@ -557,8 +566,12 @@ async def check(run: Run) -> Findings:
                         f"{a.token}: its signal was answered 503 nothing was done, "
                         "and a repeat found it taken"
                     )
-                elif a.kind == "signal" and str(a.signal).startswith("404") and not survived:
-                    pass  # lost with Redis's data before its signal came
+                elif (
+                    a.kind == "signal"
+                    and str(a.signal).startswith("404")
+                    and (not survived or never_made)
+                ):
+                    pass  # lost with Redis's data before its signal came, or never made
                 elif a.kind == "signal" and a.signal not in ("delivered", "delivered (a repeat)"):
                     broken.append(f"{a.token}: its signal {a.signal}")
             elif a.answer == "nothing-done":
@@ -597,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-persist", action="store_true", help="Redis without AOF: a restart loses its data"
     )
+    parser.add_argument("--pause", type=float, default=None, help="seconds Redis is paused")
     parser.add_argument(
         "--keep", type=Path, default=None, help="a directory to keep the logs and ledger in"
     )
@@ -607,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         changes["jobs"] = args.jobs
     if args.strikes is not None:
         changes["strikes"] = args.strikes
+    if args.pause is not None:
+        changes["pause_seconds"] = args.pause
     profile = Profile(**{**profile.__dict__, **changes})
     return trio.run(functools.partial(_main, profile, args.keep))
 
