@@ -39,6 +39,7 @@ import trio
 
 __all__ = [
     "C_READER",
+    "NOT_NOW",
     "UNREACHABLE",
     "Arg",
     "Command",
@@ -71,6 +72,11 @@ class ConnectionLost(OSError):
 
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+#: Error replies of a server that cannot take the command now, whatever it is: loading its
+#: data after a restart, a replica (after a failover), a script running too long, out of
+#: memory, unable to persist. Retried as a server away is.
+NOT_NOW: Final = frozenset({"LOADING", "MASTERDOWN", "READONLY", "BUSY", "OOM", "MISCONF"})
 
 SENTINEL_SCHEME: Final = "redis+sentinel"
 #: How long one Sentinel may take to connect and answer before the next is asked.
