@@ -219,12 +219,8 @@ def test_a_job_whose_outcome_cannot_be_read_is_named_never_said_undone() -> None
     problem = outcome_unknown("j1", "tok")
     assert (problem.status, problem.slug) == (503, "store-unavailable")
     assert "nothing was done" not in problem.detail
-    assert problem.headers == {
-        "Location": "/jobs/j1",
-        "Retry-After": "1",
-        "X-Job-Id": "j1",
-        "X-Job-Token": "tok",
-    }
+    # No Retry-After: the request is not to be sent again (its job is followed instead).
+    assert problem.headers == {"Location": "/jobs/j1", "X-Job-Id": "j1", "X-Job-Token": "tok"}
     document = problem.document(correlation_id="c", instance="/held")
     assert (document["job_id"], document["token"]) == ("j1", "tok")
     assert "X-Job-Token" not in outcome_unknown("j1", None).headers

@@ -387,7 +387,9 @@ def outcome_unknown(job_id: str, token: str | None) -> Problem:
         "job may have run or may still run; follow its status at Location (with its "
         "token) rather than submitting it again"
     )
-    headers = {"Location": f"/jobs/{job_id}", "Retry-After": "1", "X-Job-Id": job_id}
+    # No Retry-After: the request is not to be sent again (a client that retries a 503 on
+    # its own would run the job twice); its job is followed at Location.
+    headers = {"Location": f"/jobs/{job_id}", "X-Job-Id": job_id}
     if token is not None:
         headers["X-Job-Token"] = token
     return Problem(
@@ -398,7 +400,6 @@ def outcome_unknown(job_id: str, token: str | None) -> Problem:
         headers=headers,
         job_id=job_id,
         token=token,
-        retry_after=1,
         reason="store_unavailable",
     )
 
