@@ -581,6 +581,8 @@ async def check(run: Run) -> Findings:
                         f"{a.token}: told 503 nothing was done ({a.kind}), "
                         f"yet its job ran {what or 'a record'}"
                     )
+            elif a.answer == "error" and a.status == 404 and not survived:
+                count(f"{a.kind} parked, its job lost with Redis's data (404)")
             elif a.answer == "error":
                 broken.append(f"{a.token}: answered {a.status} {a.body!r}")
     counts["strikes"] = len(run.struck)

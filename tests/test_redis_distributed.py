@@ -705,7 +705,8 @@ async def test_a_delivered_signal_and_its_resume_reach_redis_in_one_write(
                 status = (await store.get(job_id)).status
             lost: list[Event] = []
             real_put = queue.put_nowait
-            queue.put_nowait = lost.append  # type: ignore[method-assign]  # the outbox dies
+            # What the outbox holds from now on dies with it, never written.
+            queue.put_nowait = lost.append  # type: ignore[method-assign,assignment]
             try:
                 await engine.signal(job_id, "go", {"amount": 3})
             finally:
