@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -329,8 +330,9 @@ def _read_answer(attempt: Attempt, response: httpx.Response) -> None:
 async def _send_signal(run: Run, client: httpx.AsyncClient, i: int, attempt: Attempt) -> None:
     """Deliver ``go`` through the other process; retried as a client would."""
     headers = {"X-Job-Token": attempt.job_token or ""}
-    refused_nothing_done = False
-    repeat = False  # an earlier try may have delivered it
+    refused_nothing_done = False  # every try so far was answered "nothing was done"
+    repeat = False  # a try before this one
+    maybe = False  # a try before may have delivered it (no answer, or a 503 saying so)
     while trio.current_time() < run.give_up:
         response = await _request(
             run,
@@ -343,7 +345,7 @@ async def _send_signal(run: Run, client: httpx.AsyncClient, i: int, attempt: Att
         )
         if response is None:
             refused_nothing_done = False  # no answer: a repeat may find it taken, rightly
-            repeat = True
+            repeat = maybe = True
             await trio.sleep(0.2)
             continue
         if response.status_code in (202, 204):
@@ -355,7 +357,9 @@ async def _send_signal(run: Run, client: httpx.AsyncClient, i: int, attempt: Att
             )
             return
         if response.status_code == 503:
-            refused_nothing_done = "nothing was done" in response.text
+            nothing = "nothing was done" in response.text
+            refused_nothing_done = nothing and not maybe
+            maybe = maybe or not nothing
             repeat = True
             await trio.sleep(_retry_after(response))
             continue
@@ -469,6 +473,8 @@ async def play(run: Run) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_chaos, run)
         await _clients(run)
+    gc.collect()  # what killed requests left of httpx's bodies is reported now, in this run
+    await _call_back_unanswered(run)
     active = f"{run.prefix}:active"
     while await _redis_command(run.redis, "SCARD", active):
         if trio.current_time() > run.give_up:
@@ -480,6 +486,25 @@ async def play(run: Run) -> None:
                         run.stuck.append((job.id, f"{job.chain} {job.status}"))
             return
         await trio.sleep(0.2)
+
+
+async def _call_back_unanswered(run: Run) -> None:
+    """A signal job whose client got no answer (its process killed) never learned its id:
+    its callback URL, which its pipe wrote in the ledger, is POSTed as its backend would."""
+    unanswered = {a.token for a in run.attempts if a.kind == "signal" and a.answer == "no-answer"}
+    urls = {}
+    for line in run.ledger.read_text().splitlines():
+        fields = line.split()
+        if fields[0] == "hold" and fields[1] in unanswered:
+            urls[fields[1]] = fields[3]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(90.0, connect=5.0)) as client:
+        for token, url in urls.items():
+            path = httpx.URL(url).raw_path.decode()
+            while trio.current_time() < run.give_up:
+                response = await _request(run, client, 0, "POST", path, json={"by": token})
+                if response is not None and response.status_code in (202, 204, 409):
+                    break
+                await trio.sleep(0.2)
 
 
 @dataclass
@@ -500,7 +525,7 @@ class Findings:
 async def check(run: Run) -> Findings:
     ran: dict[str, set[str]] = {}
     for line in run.ledger.read_text().splitlines():
-        pipe, token, _ = line.split()
+        pipe, token = line.split()[:2]
         ran.setdefault(token, set()).add(pipe)
     broken: list[str] = []
     counts: dict[str, int] = {}
@@ -521,11 +546,8 @@ async def check(run: Run) -> Findings:
     store = RedisJobStore(run.redis.url, prefix=run.prefix)
     async with store:
         records = {job.id: job for job in await store.list()}
-        unanswered = {a.token for a in run.attempts if a.answer == "no-answer"}
         for job in records.values():
             count(f"record {job.status}")
-            if job.chain == "approve" and job.state.get("token") in unanswered:
-                continue  # its client never learned of it: no signal came, it timed out
             if job.status not in (pw.Status.DONE,):
                 error = job.error.type + ": " + job.error.message if job.error else ""
                 broken.append(f"job {job.id} ({job.chain}) ended {job.status} {error}")

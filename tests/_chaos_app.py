@@ -3,9 +3,9 @@ effect in a ledger outside Redis, as a backend call would, so the harness can te
 that never ran from one that did, whatever Redis kept.
 
 The ledger is the file named by ``PIPEWORK_CHAOS_LEDGER``: one line per pipe run,
-``PIPE TOKEN PID``, appended with one ``write`` on a descriptor opened with ``O_APPEND``
-(lines from several processes never mix, and a process killed with SIGKILL loses none it
-wrote).
+``PIPE TOKEN PID [CALLBACK-URL]``, appended with one ``write`` on a descriptor opened with
+``O_APPEND`` (lines from several processes never mix, and a process killed with SIGKILL
+loses none it wrote).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import pipework as pw
 PIPE_SECONDS = 0.05
 
 
-def _record(pipe: str, token: str) -> None:
+def _record(pipe: str, token: str, *more: str) -> None:
     fd = os.open(os.environ["PIPEWORK_CHAOS_LEDGER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, f"{pipe} {token} {os.getpid()}\n".encode())
+        os.write(fd, " ".join((pipe, token, str(os.getpid()), *more)).encode() + b"\n")
     finally:
         os.close(fd)
 
@@ -41,12 +41,13 @@ async def second(ctx: pw.Context) -> None:
     ctx.state["answer"] = {"token": ctx.state["token"], "approval": ctx.state.get("approval")}
 
 
-#: How long :func:`hold` waits for its signal: a job whose client got no answer (its process
-#: was killed) never learns the job's id, sends no signal, and the job ends at this timeout.
-HOLD_SECONDS = 15
+#: How long :func:`hold` waits for its signal: long enough for one sent through strikes.
+HOLD_SECONDS = 45
 
 
 async def hold(ctx: pw.Context) -> None:
-    """Waits for the signal ``go`` (a signal sent before it suspends is kept for it)."""
-    _record("hold", ctx.state["token"])
+    """Waits for the signal ``go`` (a signal sent before it suspends is kept for it). Its
+    callback URL goes in the ledger too: a job whose client got no answer (its process was
+    killed) is called back by the harness, as its backend would."""
+    _record("hold", ctx.state["token"], ctx.callback_url("go", ttl=600))
     await ctx.suspend("go", into="approval", timeout=HOLD_SECONDS)
