@@ -74,6 +74,8 @@ FINAL = frozenset({"done", "failed", "cancelled", "expired"})
 STRIKES = ("client-kill", "pause", "restart-redis", "kill-gateway")
 #: Seconds after the last strike and first answer by when every job should have ended.
 SETTLE = 60.0
+#: How long an unanswered signal job's callback URL is looked for in the ledger.
+CALL_BACK_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,8 @@ class Run:
     #: When the followers stop looking (trio time): SETTLE seconds after the last strike
     #: and the last first answer, by when every job should have ended.
     give_up: float = math.inf
+    #: Tokens of unanswered signal jobs called back (from the ledger's URL).
+    called_back: set[str] = field(default_factory=set)
     #: Jobs still active when the harness gave up waiting: (id, status).
     stuck: list[tuple[str, str]] = field(default_factory=list)
 
@@ -292,6 +296,8 @@ async def _client_job(run: Run, client: httpx.AsyncClient, i: int) -> None:
             first = False
         if response is None:
             attempt.answer = "no-answer"
+            if kind == "signal":
+                await _call_back(run, client, attempt.token)
             return
         _read_answer(attempt, response)
         if attempt.answer == "nothing-done":
@@ -488,23 +494,41 @@ async def play(run: Run) -> None:
         await trio.sleep(0.2)
 
 
-async def _call_back_unanswered(run: Run) -> None:
-    """A signal job whose client got no answer (its process killed) never learned its id:
-    its callback URL, which its pipe wrote in the ledger, is POSTed as its backend would."""
-    unanswered = {a.token for a in run.attempts if a.kind == "signal" and a.answer == "no-answer"}
-    urls = {}
+def _callback_url(run: Run, token: str) -> str | None:
+    """The callback URL the job of ``token`` wrote in the ledger, if it ran so far."""
     for line in run.ledger.read_text().splitlines():
         fields = line.split()
-        if fields[0] == "hold" and fields[1] in unanswered:
-            urls[fields[1]] = fields[3]
+        if fields[0] == "hold" and fields[1] == token:
+            return fields[3]
+    return None
+
+
+async def _call_back(run: Run, client: httpx.AsyncClient, token: str) -> None:
+    """A signal job whose client got no answer (its process killed) never learned its id:
+    its callback URL, which its pipe writes in the ledger, is POSTed as its backend would,
+    once it is there (a job never made writes none: looked for until CALL_BACK_SECONDS)."""
+    if token in run.called_back:
+        return
+    give_up = min(run.give_up, trio.current_time() + CALL_BACK_SECONDS)
+    while (url := _callback_url(run, token)) is None:
+        if trio.current_time() > give_up:
+            return
+        await trio.sleep(0.2)
+    run.called_back.add(token)
+    path = httpx.URL(url).raw_path.decode()
+    while trio.current_time() < run.give_up:
+        response = await _request(run, client, 0, "POST", path, json={"by": token})
+        if response is not None and response.status_code in (202, 204, 409):
+            return
+        await trio.sleep(0.2)
+
+
+async def _call_back_unanswered(run: Run) -> None:
+    """:func:`_call_back` for every unanswered signal job not called back yet."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(90.0, connect=5.0)) as client:
-        for token, url in urls.items():
-            path = httpx.URL(url).raw_path.decode()
-            while trio.current_time() < run.give_up:
-                response = await _request(run, client, 0, "POST", path, json={"by": token})
-                if response is not None and response.status_code in (202, 204, 409):
-                    break
-                await trio.sleep(0.2)
+        for a in run.attempts:
+            if a.kind == "signal" and a.answer == "no-answer" and _callback_url(run, a.token):
+                await _call_back(run, client, a.token)
 
 
 @dataclass
