@@ -7,7 +7,9 @@ on stdout once it listens, and serves until killed. KIND is:
   route ``POST /echo`` and a sync route ``POST /park`` whose first pipe suspends for signal
   ``go`` (the request parks holding no worker) and whose second answers; with
   ``--backend URL`` also a sync route ``POST /call`` whose one pipe is the built-in HTTP
-  pipe calling ``GET URL/x`` (the answer is the route's);
+  pipe calling ``GET URL/x`` (the answer is the route's); with ``--trace-to URL``, tracing
+  on (the SDK, every trace sampled, spans batched and exported over OTLP/HTTP to
+  ``URL/v1/traces``);
 - ``bare``: the bare quart-trio app of :mod:`benchmarks._bare_app` on the same server
   function with the same options and the same garbage-collector threshold a container
   serves with (``ContainerConfig.gc_threshold``), so the two differ only in their code;
@@ -30,6 +32,7 @@ import trio
 from quart import Response
 
 import pipework as pw
+from pipework import _tracing
 from pipework.backends._http_template import Template
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import BoundAddress, serve
@@ -115,7 +118,11 @@ def _announce(address: BoundAddress) -> None:
     print(address.url, flush=True)
 
 
-async def _serve_pipework(parked_capacity: int, backend: str | None) -> None:
+async def _serve_pipework(parked_capacity: int, backend: str | None, trace_to: str | None) -> None:
+    if trace_to is not None:  # before the container is built: its ASGI layer comes with it
+        from pipework._tracing_otel import build
+
+        _tracing.install(build(endpoint=f"{trace_to}/v1/traces", sample_ratio=1.0))
     container, backends = _pipework_container(parked_capacity, backend)
     async with AsyncExitStack() as stack:
         if backends is not None:
@@ -150,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kind", choices=["pipework", "bare", "raw"])
     parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
     parser.add_argument("--backend", help="pipework: serve POST /call, calling GET BACKEND/x")
+    parser.add_argument("--trace-to", help="pipework: tracing on, exported to this OTLP URL")
     args = parser.parse_args(argv)
     raise_open_files_limit()
     if args.kind == "pipework":
-        trio.run(_serve_pipework, args.parked, args.backend)
+        trio.run(_serve_pipework, args.parked, args.backend, args.trace_to)
     elif args.kind == "bare":
         trio.run(_serve_bare)
     else:

@@ -45,6 +45,7 @@ from urllib.parse import urlencode
 import httpx
 import trio
 
+from .. import _tracing
 from .._errors import BackendError, Overloaded
 from ..pipes._state import raw_value
 from ._balance_core import Host
@@ -612,9 +613,13 @@ class ServiceClient:
             if call.hedge_at() is None:
                 done = await self._try(attempt, request)
                 verdict = call.finish(attempt, trio.current_time(), done.outcome)
+                if _tracing.ACTIVE.on:
+                    _traced_try(attempt, done.outcome, verdict)
             else:
                 verdict, done = await self._hedged(call, attempt, request)
             if verdict.action == "answer":
+                if _tracing.ACTIVE.on and done.outcome.status is not None:
+                    _tracing.ACTIVE.annotate("http.response.status_code", done.outcome.status)
                 return done
             # "retry" (a "drop" leaves no try out here: only a try still out drops one)
             assert verdict.action == "retry", verdict
@@ -636,9 +641,13 @@ class ServiceClient:
                 done = await self._try(attempt, request)
             except BaseException:
                 if not attempt.done:  # cancelled: another try answered, or the call ended
-                    call.finish(attempt, trio.current_time(), Outcome.cancel())
+                    verdict = call.finish(attempt, trio.current_time(), Outcome.cancel())
+                    if _tracing.ACTIVE.on:
+                        _traced_try(attempt, Outcome.cancel(), verdict)
                 raise
             verdict = call.finish(attempt, trio.current_time(), done.outcome)
+            if _tracing.ACTIVE.on:
+                _traced_try(attempt, done.outcome, verdict)
             if verdict.action != "drop":
                 decided.append((verdict, done))
                 scope.cancel()
@@ -771,6 +780,27 @@ class WebsocketCall:
         else:
             outcome = Outcome.failed(Failure.BROKEN)
         self._call.finish(attempt, trio.current_time(), outcome, hold=True)
+
+
+def _traced_try(attempt: Attempt, outcome: Outcome, verdict: Verdict) -> None:
+    """A try's end as an event on the call's span (the current one; a hedge's task has a
+    copy of its context): its kind (first, retry, hedge), host, outcome and what the call
+    does next."""
+    attributes: dict[str, _tracing.Attribute] = {
+        "pipework.try": attempt.kind,
+        "server.address": attempt.host.url,
+        "pipework.verdict": verdict.action,
+        "pipework.reason": verdict.reason,
+    }
+    if outcome.status is not None:
+        attributes["http.response.status_code"] = outcome.status
+    elif outcome.failure is not None:
+        attributes["error.type"] = outcome.failure.value
+    else:
+        attributes["pipework.cancelled"] = True
+    if verdict.action == "retry":
+        attributes["pipework.retry_delay"] = verdict.delay
+    _tracing.ACTIVE.event("try", attributes)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:

@@ -40,6 +40,7 @@ from typing import Any, Final
 import httpx
 import trio
 
+from .. import _tracing
 from .._errors import BackendError, BackendUnreachable, DeadlineExceeded, RegistrationError
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
@@ -257,11 +258,21 @@ class Backends:
             )
         return self._clients[name]
 
-    async def call(self, call: HttpCall, ctx: Context) -> Any:
-        """Make ``call`` for the job behind ``ctx``; return the answer's body."""
+    async def call(
+        self,
+        call: HttpCall,
+        ctx: Context,
+        *,
+        trace: tuple[str | None, str | None] | None = None,
+    ) -> Any:
+        """Make ``call`` for the job behind ``ctx``; return the answer's body. ``trace``:
+        the ``traceparent`` and ``tracestate`` to send instead of the job's (with tracing
+        on, the call's own span's: see :meth:`_traced`)."""
+        if trace is None and _tracing.ACTIVE.on:
+            return await self._traced(call, ctx)
         started = trio.current_time()
         try:
-            answer = await self._call(call, ctx)
+            answer = await self._call(call, ctx, trace)
         except BackendError as exc:
             if exc.status is not None:
                 kind = "status"
@@ -286,6 +297,33 @@ class Backends:
         self._observe(call.service, started, None)
         return answer
 
+    async def _traced(self, call: HttpCall, ctx: Context) -> Any:
+        """:meth:`call` in a client span of its own (the pipe's child): the backend gets
+        its ``traceparent``; each try is an event on it (``_client.py``)."""
+        service = self.services[call.service]
+        span = _tracing.ACTIVE.start(
+            f"{call.method} {call.service}",
+            "client",
+            {
+                "http.request.method": call.method,
+                "server.address": service.url.host,
+                "url.template": call.path.text,
+                "pipework.service": call.service,
+                "pipework.job_id": ctx.job_id,
+                "pipework.pipe": ctx.pipe.name,
+            },
+        )
+        error: BaseException | None = None
+        try:
+            return await self.call(call, ctx, trace=span.headers())
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else None  # a cancel is no failure
+            if isinstance(exc, BackendError) and exc.status is not None:
+                span.set("http.response.status_code", exc.status)
+            raise
+        finally:
+            span.end(error)
+
     def _observe(self, service: str, started: float, error: str | None) -> None:
         metrics = self.metrics
         if metrics is None:
@@ -301,7 +339,11 @@ class Backends:
         if outcome not in ("ok", "cancelled"):
             metrics.backend_errors.labels(service, error).inc()
 
-    async def _call(self, call: HttpCall, ctx: Context) -> Any:
+    async def _call(
+        self, call: HttpCall, ctx: Context, trace: tuple[str | None, str | None] | None
+    ) -> Any:
+        """``trace``: the call's span's ``traceparent`` and ``tracestate``, sent in place of
+        the job's (None: tracing off, the job's are sent)."""
         service = self.services[call.service]
         lean = self._lean.get(call.service)
         client = self.client(call.service) if lean is None else None
@@ -314,12 +356,14 @@ class Backends:
         if lean is not None:
             # The pool's one deadline covers the whole call, and its timeout names the phase.
             try:
-                return await lean.call(call, ctx.state, deadline, _trace_headers(service, ctx))
+                return await lean.call(
+                    call, ctx.state, deadline, _trace_headers(service, ctx, trace)
+                )
             except TransportFailure as exc:
                 raise _failure(service, ctx, budget, deadline, exc) from exc
         assert client is not None
         timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
-        request = _build_request(client, service, call, ctx, timeout)
+        request = _build_request(client, service, call, ctx, timeout, trace)
         # httpx's timeouts are per operation, so this scope bounds the whole call: a little
         # after the deadline, so that an operation that ran out says so itself (the
         # outermost of two scopes cancelled at once is the one that catches it).
@@ -396,15 +440,20 @@ def _connect(service: Service) -> float:
     return service.timeout if service.connect_timeout is None else service.connect_timeout
 
 
-def _trace_headers(service: Service, ctx: Context) -> dict[str, str]:
-    """One id finds the request in the backends' logs too; a client's trace goes on."""
+def _trace_headers(
+    service: Service, ctx: Context, trace: tuple[str | None, str | None] | None = None
+) -> dict[str, str]:
+    """One id finds the request in the backends' logs too; a client's trace goes on: the
+    job's ``traceparent`` and ``tracestate``, or with tracing on the call's span's
+    (``trace``), so the backend's span is its child. ``baggage`` as the request sent it."""
     headers = {}
     if service.request_id_header is not None:
         headers[service.request_id_header] = ctx.correlation_id
-    if ctx.traceparent is not None:
-        headers["traceparent"] = ctx.traceparent
-        if ctx.tracestate is not None:
-            headers["tracestate"] = ctx.tracestate
+    traceparent, tracestate = (ctx.traceparent, ctx.tracestate) if trace is None else trace
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
+        if tracestate is not None:
+            headers["tracestate"] = tracestate
     if ctx.baggage is not None:
         headers["baggage"] = ctx.baggage
     return headers
@@ -416,6 +465,7 @@ def _build_request(
     call: HttpCall,
     ctx: Context,
     timeout: httpx.Timeout,
+    trace: tuple[str | None, str | None] | None = None,
 ) -> httpx.Request:
     state = ctx.state
     base = service.url
@@ -451,7 +501,7 @@ def _build_request(
         if content_type is not None:
             headers.setdefault("Content-Type", content_type)
     # Last, over the call's own headers, as the lean client puts them.
-    headers.update(_trace_headers(service, ctx))
+    headers.update(_trace_headers(service, ctx, trace))
     request = client.build_request(
         call.method, url, params=params, headers=headers, content=content, timeout=timeout
     )

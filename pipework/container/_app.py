@@ -32,6 +32,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
+from .. import _tracing
 from .._metrics import Metrics
 from ..board import Backplane, Boards, BoardSpec
 from ..board._api import BoardApi, add_board_rules
@@ -287,6 +288,8 @@ class Container:
         )
         app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam
         self.middleware.install(app)
+        # In front of everything, when tracing is on: a server span per request.
+        app.asgi_app = _tracing.ACTIVE.wrap_asgi(app.asgi_app)  # type: ignore[method-assign]  # Quart's documented middleware seam
         # Routes are matched by our own map, behind one catch-all rule, so that a reload can
         # swap them in one step; the container's own paths are Quart rules and win.
         # OPTIONS is answered from the routes' own map, with the Allow a 405 would have.
@@ -434,7 +437,13 @@ class Container:
         ctx = incoming()
         if ctx is not None:
             ctx.route = name
-        return self._by_name[name], params
+        route = self._by_name[name]
+        tracing = _tracing.ACTIVE
+        if tracing.on:  # the request's server span, named by its route
+            tracing.rename(f"{req.method} {route.rule}")
+            tracing.annotate("http.route", route.rule)
+            tracing.annotate("pipework.route", name)
+        return route, params
 
 
 #: With several processes, how often each writes its state families for the others' scrapes.

@@ -14,6 +14,7 @@ from typing import Any, Final, Protocol, overload
 
 import trio
 
+from .. import _tracing
 from .._errors import (
     DeadlineExceeded,
     JobCancelled,
@@ -385,6 +386,13 @@ class Engine:
         deadline = math.inf if limit is None else now + limit
         wall = time.time()
         job_id, new_correlation = new_ids()
+        tracing = _tracing.ACTIVE
+        if tracing.on:
+            # The job carries the span it was submitted under (a request's server span):
+            # its steps, run by the engine's tasks or another process, are its children.
+            current, current_state = tracing.headers()
+            if current is not None:
+                traceparent, tracestate = current, current_state
         job = Job.accepted(
             job_id,
             chain,
@@ -401,6 +409,9 @@ class Engine:
             baggage,
         )
         start_frames(job, plan, now)
+        if tracing.on:
+            tracing.annotate("pipework.job_id", job_id)
+            tracing.event("job queued", {"pipework.job_id": job_id, "pipework.key": job.key})
         if admit and self._checked is not None:
             self._checked.check_admission(job.key, deadline=deadline)
         # Counted on its plan before the first await, so a swap cannot retire it meanwhile.

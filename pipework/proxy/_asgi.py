@@ -42,6 +42,7 @@ from typing import Any, Final, Protocol
 
 import trio
 
+from .. import _tracing
 from .._errors import DeadlineExceeded, PipeworkError
 from .._http._problems import Problem, problem_for_exception
 from .._http._request_ids import request_id
@@ -257,6 +258,12 @@ class ProxyLayer:
             await send_problem(send, problem, correlation_id=correlation_id, instance=path)
             return
         exchange = _Exchange(hit, correlation_id, scope["method"], path, time.perf_counter())
+        tracing = _tracing.ACTIVE
+        if tracing.on:  # the request's server span, named by its route
+            tracing.rename(f"{scope['method']} {hit.prefix}")
+            tracing.annotate("http.route", hit.prefix)
+            tracing.annotate("pipework.route", hit.name)
+            tracing.annotate("pipework.service", hit.service)
         try:
             with self._using(proxies):
                 await self._exchange(exchange, proxies, scope, receive, send)
@@ -373,21 +380,88 @@ class ProxyLayer:
     ) -> None:
         route = ex.route
         key = route.pool_key
+        tracing = _tracing.ACTIVE
+        if tracing.on:
+            tracing.event("slot wait", {"pipework.key": key})
         # The wait for a slot ends at the deadline or the key's own wait timeout.
         async with self.pool.slot(key, deadline=deadline):
-            asked = trio.current_time()
-            stream = client.client.stream(
-                ex.method.encode(), target, forwarded, upload, length=length, timeouts=timeouts
-            )
-            try:
-                async with stream as answer:
-                    ex.upstream = answer.status
-                    latency = trio.current_time() - asked
-                    self.pool.record(key, ok=answer.status < 500, latency=latency)
-                    await self._answer(ex, answer, send)
-            except TransportFailure:
-                self.pool.record(key, ok=False, latency=trio.current_time() - asked)
-                raise
+            if tracing.on:
+                tracing.event("slot granted", {"pipework.key": key})
+                await self._traced(ex, client, target, forwarded, upload, length, timeouts, send)
+            else:
+                await self._stream(ex, client, target, forwarded, upload, length, timeouts, send)
+
+    async def _stream(
+        self,
+        ex: _Exchange,
+        client: Upstream,
+        target: bytes,
+        forwarded: list[tuple[bytes, bytes]],
+        upload: Upload | None,
+        length: int | None,
+        timeouts: StreamTimeouts,
+        send: ASGISend,
+    ) -> None:
+        """The exchange with the service, under the key's slot: its answer relayed."""
+        key = ex.route.pool_key
+        asked = trio.current_time()
+        stream = client.client.stream(
+            ex.method.encode(), target, forwarded, upload, length=length, timeouts=timeouts
+        )
+        try:
+            async with stream as answer:
+                ex.upstream = answer.status
+                latency = trio.current_time() - asked
+                self.pool.record(key, ok=answer.status < 500, latency=latency)
+                await self._answer(ex, answer, send)
+        except TransportFailure:
+            self.pool.record(key, ok=False, latency=trio.current_time() - asked)
+            raise
+
+    async def _traced(
+        self,
+        ex: _Exchange,
+        client: Upstream,
+        target: bytes,
+        forwarded: list[tuple[bytes, bytes]],
+        upload: Upload | None,
+        length: int | None,
+        timeouts: StreamTimeouts,
+        send: ASGISend,
+    ) -> None:
+        """The exchange under its slot, with tracing on: in a client span (the server
+        span's child) whose ``traceparent`` and ``tracestate`` the service gets in place
+        of the client's."""
+        route = ex.route
+        span = _tracing.ACTIVE.start(
+            f"{ex.method} {route.service}",
+            "client",
+            {
+                "http.request.method": ex.method,
+                "pipework.service": route.service,
+                "pipework.route": route.name,
+            },
+        )
+        error: BaseException | None = None
+        try:
+            traceparent, tracestate = span.headers()
+            forwarded = [
+                (name, value)
+                for name, value in forwarded
+                if name.lower() not in (b"traceparent", b"tracestate")
+            ]
+            if traceparent is not None:
+                forwarded.append((b"traceparent", traceparent.encode()))
+                if tracestate is not None:
+                    forwarded.append((b"tracestate", tracestate.encode()))
+            await self._stream(ex, client, target, forwarded, upload, length, timeouts, send)
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else None  # a cancel is no failure
+            raise
+        finally:
+            if ex.upstream is not None:
+                span.set("http.response.status_code", ex.upstream)
+            span.end(error)
 
     async def _answer(self, ex: _Exchange, answer: UpstreamAnswer, send: ASGISend) -> None:
         status, headers = answer.status, response_headers(answer.headers)

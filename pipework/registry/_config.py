@@ -44,6 +44,7 @@ from ._config_read import report_unknown
 from ._config_routes import RouteConfig, is_proxy, read_routes
 from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server, read_services
 from ._config_store import StoreSettings, read_store
+from ._config_tracing import TracingSettings, read_tracing
 from ._registry import Registry
 
 __all__ = [
@@ -59,13 +60,23 @@ __all__ = [
     "RouteConfig",
     "ServerConfig",
     "StoreSettings",
+    "TracingSettings",
     "build_registry",
     "config_from_dict",
     "load_config",
     "loads_config",
 ]
 
-SECTIONS: Final = ("server", "pool", "store", "services", "pipes", "routes", "boards")
+SECTIONS: Final = (
+    "server",
+    "pool",
+    "store",
+    "services",
+    "pipes",
+    "routes",
+    "boards",
+    "tracing",
+)
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 
 
@@ -87,6 +98,8 @@ class GatewayConfig:
     backplane: BackplaneSettings = field(default_factory=BackplaneSettings)
     #: The proxy routes (``[routes.NAME]`` with ``proxy``), in the file's order.
     proxies: Mapping[str, ProxyConfig] = field(default_factory=lambda: MappingProxyType({}))
+    #: ``[tracing]``: OpenTelemetry spans, read at start-up (docs/tracing.md).
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     def pool_config(self) -> PoolConfig:
         """The weighted pool's configuration: ``WeightedPool.from_config(...)``."""
@@ -177,6 +190,7 @@ def config_from_dict(
     server = read_server(c, data.get("server"))
     settings, pool_keys = read_pool(c, data.get("pool"))
     store = read_store(c, data.get("store"))
+    tracing = read_tracing(c, data.get("tracing"))
     services, service_weights = read_services(c, data.get("services"), settings)
     declared_services = _names(data.get("services"))
     for key in list(pool_keys):
@@ -217,6 +231,7 @@ def config_from_dict(
         store=store,
         backplane=backplane,
         proxies=MappingProxyType(proxies),
+        tracing=tracing,
     )
     if not c.has_errors:
         try:

@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from .. import _tracing
 from .._metrics import Metrics
 from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
@@ -99,6 +100,14 @@ class _ServiceRefusals:
         return all(backends.refusing(name) for name in services)
 
 
+async def _stop_tracing(tracing: _tracing.Tracing, previous: _tracing.Tracing) -> None:
+    """The spans still batched exported (the SDK's thread, with its own timeout), and the
+    process's tracing as it was."""
+    _tracing.install(previous)
+    with trio.CancelScope(shield=True):  # cleanup: the last spans are the shutdown's
+        await trio.to_thread.run_sync(tracing.shutdown)
+
+
 class Gateway:
     """Serves the gateway the file at ``path`` declares, until ``stop`` is set."""
 
@@ -131,6 +140,12 @@ class Gateway:
         pool = self._pool = WeightedPool.from_config(config.pool_config())
         async with AsyncExitStack() as stack:
             self._stack = stack
+            # Before the container is built: its ASGI layer is chosen with it. Off, the
+            # process's tracing is left as it is (none, unless the program set its own).
+            if config.tracing.is_on(os.environ):
+                tracing = config.tracing.build(os.environ)
+                previous = _tracing.install(tracing)
+                stack.push_async_callback(_stop_tracing, tracing, previous)
             backends = self._backends = await stack.enter_async_context(config.backends())
             store, queue = config.store.build(queue_capacity=config.pool.queue_capacity)
             engine = self.engine = Engine(
@@ -215,6 +230,8 @@ class Gateway:
             if config.backplane != self.config.backplane:
                 # Followers hold this backplane's positions: it changes with a restart only.
                 _log.warning("reload: [boards] backplane settings change only at a restart")
+            if config.tracing != self.config.tracing:
+                _log.warning("reload: [tracing] settings change only at a restart")
             self.config = config
             retiring.start_soon(
                 self._retire, engine, generation - 1, self._backends, container, replaced
