@@ -297,20 +297,28 @@ def read_services(
         c.error(path, "expected a table of services, one [services.NAME] each")
         return {}, {}
     drafts: dict[str, _ServiceDraft] = {}
+    broken: list[tuple[str, Table]] = []
     for name, spec in value.items():
         where = (*path, name)
         t = open_table(c, where, spec, SERVICE_KEYS)
-        if t is None or not check_name(c, where, name, "service"):
+        if t is None:
             continue
+        named = check_name(c, where, name, "service")
         weights = _weights(t, settings.max_waiting)
-        if weights is not None:
+        if weights is not None and named:
             drafts[name] = _ServiceDraft(t, weights)
+        else:
+            broken.append((name, t))
     shared = settings.max_workers - sum(d.weights.reserve for d in drafts.values())
     services = {}
     for name, draft in drafts.items():
         service = _service(name, draft, settings.max_workers if shared < 0 else shared)
         if service is not None:
             services[name] = service
+    for name, t in broken:
+        # A bad name or bad weights are not the service's only problems: its other keys
+        # are checked too (with default weights), so one check reports them all.
+        _service(name, _ServiceDraft(t, Weights()), settings.max_workers)
     return services, {name: d.weights for name, d in drafts.items()}
 
 

@@ -14,6 +14,7 @@ closes at shutdown.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -106,7 +107,8 @@ class Gateway:
         self.path = path
         #: Container settings that win over the file's (the command line's).
         self.overrides = dict(overrides or {})
-        self.config = load_config(path)  # ConfigError, before anything starts
+        # ConfigError before anything starts, unset variables the file names included.
+        self.config = load_config(path, environ=os.environ)
         self.engine: Engine | None = None
         self.container: Container | None = None
         self._pool: WeightedPool | None = None
@@ -190,7 +192,9 @@ class Gateway:
         if engine is None or container is None or pool is None or stack is None or not retiring:
             raise RuntimeError("the gateway is not serving yet")
         async with self._lock:  # one reload at a time: each builds on the plan in force
-            config = await trio.to_thread.run_sync(load_config, self.path)
+            config = await trio.to_thread.run_sync(
+                functools.partial(load_config, self.path, environ=os.environ)
+            )
             pool_config = config.pool_config()  # validated before anything changes
             backends = await stack.enter_async_context(config.backends())
             backends.metrics = engine.metrics
