@@ -30,6 +30,7 @@ import trio
 from quart import Response
 
 import pipework as pw
+from pipework.__main__ import configure_logging
 from pipework.backends._http_template import Template
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import BoundAddress, serve
@@ -150,8 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kind", choices=["pipework", "bare", "raw"])
     parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
     parser.add_argument("--backend", help="pipework: serve POST /call, calling GET BACKEND/x")
+    parser.add_argument(
+        "--log",
+        choices=["text", "json"],
+        help="pipework: log as `pipework serve` does by default (INFO, the access log on) "
+        "to stderr, in this format; without it nothing is logged",
+    )
     args = parser.parse_args(argv)
     raise_open_files_limit()
+    if args.log is not None:
+        configure_logging(args.log, "INFO")
     if args.kind == "pipework":
         trio.run(_serve_pipework, args.parked, args.backend)
     elif args.kind == "bare":

@@ -43,7 +43,7 @@ from .dispatcher._store import MemoryJobStore
 from .registry._config_problems import ConfigError
 from .registry._gateway import Gateway
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "configure_logging", "main"]
 
 _log = logging.getLogger("pipework")
 _DEFAULTS: Final = ContainerConfig()
@@ -517,18 +517,24 @@ _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
 }
 
 
+def configure_logging(log_format: str = "text", level: str = "INFO") -> None:
+    """What ``pipework serve`` logs and how: every logger at ``level`` and above on stderr,
+    one line per record (``json``: one JSON object per line)."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path and "" not in sys.path:
         # As `python -m` does: a gateway file's `python = "pkg.mod:fn"` pipes and a
         # MODULE:FACTORY resolve from the directory the command runs in.
         sys.path.insert(0, os.getcwd())
-    handler = logging.StreamHandler()
-    if getattr(args, "log_format", "text") == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), handlers=[handler])
+    configure_logging(getattr(args, "log_format", "text"), getattr(args, "log_level", "INFO"))
     try:
         status = _COMMANDS[args.command](args)
         sys.stdout.flush()

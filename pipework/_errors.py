@@ -152,8 +152,12 @@ class StoreUnavailable(Overloaded):
     """The shared job store (Redis) cannot be reached, or did not answer in time: the work
     is refused (HTTP 503), not lost; retry once it is back."""
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float = 1.0, dependency: str | None = None
+    ) -> None:
         super().__init__(message, reason="store_unavailable", retry_after=retry_after)
+        #: What could not be reached, as its outage is named in the log (``Redis at URL``).
+        self.dependency = dependency
 
 
 class DeadlineExceeded(PipeworkError, TimeoutError):

@@ -413,6 +413,8 @@ class Submissions:
         if raw:
             check_unencoded(headers.get("content-encoding"))  # before the body is read
         data = await read_body(req, limit=limit, time_limit=self.body_time_limit, headers=headers)
+        if ctx is not None:
+            ctx.body_bytes = len(data)
         if raw:  # kept as it came, its members no part of the state
             kept: dict[str, Any] | None = raw_value(headers.get("content-type"), data)
             body = None

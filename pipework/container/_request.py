@@ -25,6 +25,7 @@ class Incoming:
 
     __slots__ = (
         "baggage",
+        "body_bytes",
         "header_bytes",
         "headers",
         "route",
@@ -42,6 +43,7 @@ class Incoming:
         self.tracestate: str | None = None
         self.baggage: str | None = None
         self.route = ""  # the route's name, once matched
+        self.body_bytes: int | None = None  # the body's size once read (the access log)
 
 
 def incoming() -> Incoming | None:

@@ -13,6 +13,7 @@ once: a repeat is refused (:func:`check_early_signal`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,7 @@ class Suspensions:
             self._timers.expire_at(job.suspend_deadline, job.id, job.version)
         log_job(
             "job suspended",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,
@@ -201,6 +203,7 @@ class Suspensions:
         self._abilities.queue.put_nowait(Resume(job.id, signal))
         log_job(
             "job resumed",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,

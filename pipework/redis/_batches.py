@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import StoreUnavailable
-from ._wire import UNREACHABLE, Command, Connection, ReplyError, public_url
+from ._wire import UNREACHABLE, Command, Connection, ReplyError, public_url, redis_outage
 
 __all__ = ["Batches"]
 
@@ -136,7 +136,7 @@ def _no_abort(_: Any) -> trio.lowlevel.Abort:
 def _copy(exc: Exception) -> Exception:
     """The batch's error, an object of its own for each caller that raises it."""
     if isinstance(exc, StoreUnavailable):
-        copy = StoreUnavailable(str(exc))
+        copy = StoreUnavailable(str(exc), dependency=exc.dependency)
         copy.__cause__ = exc.__cause__
         return copy
     return exc
@@ -165,8 +165,11 @@ class Batches:
         self._orphaned = False  # calls nobody waits for are left to the last sender
 
     def _unavailable(self, exc: BaseException) -> StoreUnavailable:
+        outage = redis_outage(self.url)
+        outage.failed(exc, "job store calls")
         return StoreUnavailable(
-            f"the job store at {public_url(self.url)} cannot be reached ({exc}); retry later"
+            f"the job store at {public_url(self.url)} cannot be reached ({exc}); retry later",
+            dependency=outage.name,
         )
 
     async def _run(self, command: Command, script: str | None = None) -> Any:
@@ -258,7 +261,8 @@ class Batches:
 
     def _no_answer(self) -> StoreUnavailable:
         return StoreUnavailable(
-            f"the job store at {public_url(self.url)} did not answer within {self.io_timeout:g}s"
+            f"the job store at {public_url(self.url)} did not answer within {self.io_timeout:g}s",
+            dependency=redis_outage(self.url).name,
         )
 
     async def _fly(self) -> None:

@@ -27,6 +27,8 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from .._logging import Outage, outage
+
 __all__ = [
     "C_READER",
     "UNREACHABLE",
@@ -39,6 +41,7 @@ __all__ = [
     "encode_args",
     "new_reader",
     "public_url",
+    "redis_outage",
 ]
 
 _CRLF: Final = b"\r\n"
@@ -59,6 +62,11 @@ class ConnectionLost(OSError):
 
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def redis_outage(url: str) -> Outage:
+    """The outage record of the Redis at ``url`` (one per server, whatever uses it)."""
+    return outage(f"Redis at {public_url(url)}", "pipework.redis")
 
 
 def public_url(url: str) -> str:
@@ -198,7 +206,19 @@ class Connection:
     @classmethod
     async def open(cls, url: str) -> Connection:
         """Connect to ``url`` (``redis://[user:password@]host[:port][/db]``, ``rediss://``
-        for TLS, ``unix:///path?db=N``), authenticate and select the database."""
+        for TLS, ``unix:///path?db=N``), authenticate and select the database. A failure
+        to connect starts the server's outage (if it was reached before); a connection
+        made ends it (:func:`redis_outage`)."""
+        try:
+            connection = await cls._open(url)
+        except UNREACHABLE as exc:
+            redis_outage(url).failed(exc, "connections")
+            raise
+        redis_outage(url).recovered()
+        return connection
+
+    @classmethod
+    async def _open(cls, url: str) -> Connection:
         parts = urlsplit(url)
         query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
         db = query.get("db", "")

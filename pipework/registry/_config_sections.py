@@ -12,6 +12,7 @@ from .._errors import RegistrationError
 from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..container._collector import SERVING_GC_THRESHOLD
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
+from ..proxy._access import DEFAULT_REDACTED
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
 from ._config_read import Table, check_name, open_table
@@ -43,6 +44,7 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    "access_log_redact",
 )
 POOL_KEYS: Final = (
     "max_workers",
@@ -91,6 +93,8 @@ class ServerConfig:
     #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
     #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
     gc_threshold: int = SERVING_GC_THRESHOLD
+    #: The query parameters whose values the access log hides.
+    access_log_redact: tuple[str, ...] = DEFAULT_REDACTED
 
     def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin bearer token (from the file or the environment); None: no admin API."""
@@ -167,7 +171,25 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
+        access_log_redact=_names(t, "access_log_redact", d.access_log_redact),
     )
+
+
+def _names(t: Table, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """An array of non-empty strings (query parameter names), each problem at its index."""
+    if key not in t:
+        return default
+    value = t.data[key]
+    if not isinstance(value, list):
+        t.c.error(t.at(key), f"expected an array of names, got {describe_value(value)}")
+        return default
+    found: list[str] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            t.c.error((*t.at(key), i), f"expected a name, got {describe_value(item)}")
+        else:
+            found.append(item)
+    return tuple(found)
 
 
 def _trusted_proxies(t: Table) -> tuple[Network, ...]:

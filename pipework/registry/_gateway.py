@@ -52,6 +52,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        access_log_redact=s.access_log_redact,
     )
 
 
