@@ -25,6 +25,8 @@ from pipework.container import BoundAddress
 
 from ._proxy_backend import Backend, running_backend
 from ._proxy_gateway import API, gateway, gateway_file
+from .test_board_http import open_websocket
+from .test_board_http import serving as serving_boards
 from .test_proxy_websocket import Client
 
 HANG_GUARD = 30.0
@@ -273,3 +275,18 @@ async def test_forwarding_headers_from_an_untrusted_peer_are_ignored(
         assert the_line(caplog, request_id)["client"] == "127.0.0.1"
     # The default redaction list holds `token`.
     assert the_line(caplog, "req-pipe")["query"] == "token=REDACTED"
+
+
+async def test_a_board_websocket(caplog: pytest.LogCaptureFixture) -> None:
+    """The container's own websockets (a board's follow) have their line too: a refused
+    one with its refusal's status."""
+    caplog.set_level(logging.INFO, logger="pipework.access")
+    with trio.fail_after(HANG_GUARD):
+        async with serving_boards() as board:
+            stream, _, _ = await open_websocket(board, "/boards/news/nope?token=t")
+            await stream.aclose()
+    (line,) = [fields(r) for r in access_lines(caplog) if r.__dict__.get("endpoint") == "board_ws"]
+    common(line)
+    assert (line["method"], line["path"], line["status"]) == ("GET", "/boards/news/nope", 404)
+    assert line["query"] == "token=REDACTED"
+    assert line["client"] == "127.0.0.1"

@@ -46,6 +46,7 @@ from ..proxy._access import (
     header,
     log_access,
     redacted_query,
+    trace_id,
     upstreams,
 )
 from ..proxy._forwarding import Network
@@ -109,6 +110,9 @@ class Middleware:
         app.asgi_app = RequestGuard(app.asgi_app)  # type: ignore[method-assign]  # Quart's documented middleware seam
         app.before_request(self.before_request)
         app.after_request(self.after_request)
+        # The container's own websockets (a board's follow): their access line too.
+        app.before_websocket(self.before_websocket)
+        app.after_websocket(self.after_websocket)
         app.register_error_handler(Problem, self.on_problem)
         app.register_error_handler(HTTPException, self.on_http_error)
         app.register_error_handler(Exception, self.on_error)
@@ -142,6 +146,38 @@ class Middleware:
         counter.inc()
         if self.access_log and access_logger.isEnabledFor(logging.INFO):
             self._log_access(req, ctx, route, response)
+
+    async def before_websocket(self) -> None:
+        current_g().websocket_started = time.perf_counter()
+
+    async def after_websocket(self, response: Response | None) -> Response | None:
+        """A websocket's access line, once it ends: 101 when it was accepted, else its
+        refusal's status."""
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            scope = websocket.scope
+            headers = scope["headers"]
+            peer = scope.get("client")
+            started = current_g().get("websocket_started")
+            rule = websocket.url_rule
+            log_access(
+                {
+                    "client": client_address(
+                        None if peer is None else peer[0], headers, self.trusted
+                    ),
+                    "method": "GET",
+                    "path": websocket.path,
+                    "query": redacted_query(scope.get("query_string", b""), self.redact),
+                    "status": 101 if response is None else response.status_code,
+                    "duration": None
+                    if started is None
+                    else round(time.perf_counter() - started, 6),
+                    "user_agent": header(headers, b"user-agent"),
+                    "endpoint": None if rule is None else rule.endpoint,
+                    "correlation_id": correlation_id(),
+                    "trace_id": trace_id(headers),
+                }
+            )
+        return response
 
     def _log_access(
         self, req: Request, ctx: Incoming | None, route: str, response: Response
