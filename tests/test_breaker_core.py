@@ -84,6 +84,17 @@ def test_after_the_wait_half_open_lets_its_probes_through_and_no_more() -> None:
     assert b.statistics(5.2).window_calls == 0  # it starts afresh
 
 
+def test_its_statistics_read_half_open_once_the_wait_is_over_without_a_call() -> None:
+    # A quiet service makes no call to move the breaker on: what it reports must not stay
+    # "open" (an operator would read a refusal that no call would meet).
+    b = opened(0.0)
+    assert b.statistics(4.9).state == "open"
+    after = b.statistics(5.0)
+    assert (after.state, after.retry_after, after.probes_in_flight) == ("half_open", 0.0, 0)
+    assert state(b) is BreakerState.OPEN  # reading changed nothing
+    assert b.admit(5.0).probe
+
+
 def test_a_failed_probe_opens_it_again_for_a_whole_wait() -> None:
     b = opened(0.0)
     probe = b.admit(6.0)

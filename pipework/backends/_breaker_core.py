@@ -5,6 +5,7 @@ The states and what moves between them (the table is :data:`TRANSITIONS`)::
     closed ──(failure rate ≥ failure_percent over the window, ≥ minimum_calls)──▶ open
     closed ──(no host left to serve: every one ejected or unhealthy)───────────▶ open
     open ────(wait seconds passed, noticed on the next call)───────────────────▶ half_open
+    (its statistics read half_open as soon as the wait has passed, call or not)
     half_open ──(a probe failed)───────────────────────────────────────────────▶ open
     half_open ──(half_open_calls probes succeeded)─────────────────────────────▶ closed
 
@@ -169,8 +170,13 @@ class Breaker:
 
     def statistics(self, now: float) -> BreakerStatistics:
         calls, failures = self._totals(now)
+        state = self.state
+        if state is BreakerState.OPEN and now >= self._until:
+            # Over its wait, the next call is a probe: report that, not a refusal nobody
+            # would meet (a quiet service makes no call to move it on).
+            state = BreakerState.HALF_OPEN
         return BreakerStatistics(
-            state=self.state.value,
+            state=state.value,
             reason=self.reason,
             opened=self.opened,
             retry_after=self.retry_after(now),

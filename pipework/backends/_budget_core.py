@@ -17,15 +17,18 @@ backoff, and the latency window hedging reads its p95 from. Randomness comes onl
   ``minRetriesPerSec`` over the ``ttl``, tokens living ``ttl``). The bound in flight alone
   does not bound the volume: failures that come back in a millisecond free their places so
   fast that three places let nearly every call retry. Here each call that goes out deposits
-  ``budget_percent`` of a token when it begins, each retry granted withdraws one, and the
-  floor is ``min_retries_per_second * budget_window`` tokens. Finagle's bucket lets a
-  deposit pay for a retry until it expires, so the calls of a healthy minute pay for a burst
-  of retries when everything fails: a retry at t may spend what calls deposited before
-  t - ttl. This bound holds in **every** window instead: a retry is granted only while no
-  window of ``budget_window`` seconds ending now has spent more than its calls deposited
-  plus the floor. So in any window of that length, retries granted are at most
-  ``budget_percent`` of the calls begun in it, plus the floor, plus one (the retry that
-  found the budget not yet spent, and may spend the last part of a token).
+  ``budget_percent`` of a token when it begins and each retry granted withdraws one.
+  Finagle's bucket lets a deposit pay for a retry until it expires, so the calls of a
+  healthy minute pay for a burst of retries when everything fails: a retry at t may spend
+  what calls deposited before t - ttl. This bound holds in **every** window instead: a
+  retry is granted while no window of ``budget_window`` seconds ending now has spent more
+  than its calls deposited -- or while the whole window ending now holds fewer retries than
+  the floor, ``min_retries_per_second * budget_window``. So in any window of that length,
+  retries granted are at most the larger of ``budget_percent`` of the calls begun in it and
+  the floor, plus one (the retry that found the budget not yet spent, and may spend the last
+  part of a token). The floor is Envoy's kind of minimum, the larger of the two, not
+  Finagle's reserve added to the share: a quiet service can still retry its rare failures,
+  and a busy one that fails entirely sees a fifth more load, not a fifth and the floor.
 
   How it is checked in constant time (amortised): with ``S(t)`` the deposits minus the
   withdrawals up to t, a window (a, t] has spent ``S(a) - S(t)`` more than it deposited; the
@@ -135,6 +138,8 @@ class RetryBudget:
         self._before = 0.0
         #: (time of a withdrawal, S just before it), S decreasing from the left.
         self._peaks: deque[tuple[float, float]] = deque()
+        #: When each retry in the window ending now was granted, for the floor.
+        self._granted: deque[float] = deque()
 
     def begin(self, now: float) -> None:
         """A call goes out: it is in progress, and deposits its share of a token."""
@@ -153,14 +158,15 @@ class RetryBudget:
         return max(self.spec.min_concurrency, share)
 
     def volume_left(self, now: float) -> float:
-        """Tokens left in the window that has spent the most (of those ending now): a
-        retry is granted while this is 0 or more."""
+        """Retries left: the larger of the tokens left in the window that has spent the
+        most (of those ending now) and the floor less the retries of the window ending now.
+        A retry is granted while this is 0 or more."""
         self._advance(now)
         highest = self._before
         if self._peaks:
             highest = max(highest, self._peaks[0][1])
-        floor = self.spec.min_retries_per_second * self.spec.budget_window * _TOKEN
-        return (self._level + floor - highest) / _TOKEN
+        floor = self.spec.min_retries_per_second * self.spec.budget_window
+        return max((self._level - highest) / _TOKEN, floor - len(self._granted))
 
     def acquire(self, now: float, *, hedge: bool = False) -> bool:
         """Take a place for one retry (or hedge) and its token; False (counted) when either
@@ -172,6 +178,7 @@ class RetryBudget:
         while self._peaks and self._peaks[-1][1] <= peak:
             self._peaks.pop()
         self._peaks.append((self._at, peak))
+        self._granted.append(self._at)
         self._level -= _TOKEN
         self.in_flight += 1
         if hedge:
@@ -207,6 +214,9 @@ class RetryBudget:
         peaks = self._peaks
         while peaks and peaks[0][0] <= horizon:
             peaks.popleft()  # a window starting before it would be longer than the window
+        granted = self._granted
+        while granted and granted[0] <= horizon:
+            granted.popleft()
         if not peaks and self._before:
             # Nothing kept refers to an earlier S: count from 0 again, so S stays small.
             self._level -= self._before

@@ -193,10 +193,10 @@ class RetrySpec:
     opt-in), after a reset before any byte of the answer, a ``per_try_timeout``, or an answer
     whose status is in ``statuses``. Retries (hedges included) stay within the budget, which
     bounds them twice: in flight, at most ``budget_percent`` of the calls in progress, but
-    always ``min_concurrency``; in volume, in any ``budget_window`` seconds at most
-    ``budget_percent`` of the calls begun in them plus ``min_retries_per_second`` per second
-    (and the one retry that finds the budget not yet spent). Before each retry a pause drawn
-    from [0, min(backoff_max, backoff_base * 2^n)] (full jitter).
+    always ``min_concurrency``; in volume, in any ``budget_window`` seconds at most the
+    larger of ``budget_percent`` of the calls begun in them and ``min_retries_per_second``
+    per second (and the one retry that finds the budget not yet spent). Before each retry a
+    pause drawn from [0, min(backoff_max, backoff_base * 2^n)] (full jitter).
 
     ``connect_only``: only a failed connection is retried -- what a service without a
     ``retry`` table does (:data:`CONNECT_RETRY`), as nginx and HAProxy retry by default."""
