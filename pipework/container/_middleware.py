@@ -27,6 +27,7 @@ from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 from quart import Request, Response, has_websocket_context, request, websocket
+from quart.typing import ResponseTypes
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -150,7 +151,7 @@ class Middleware:
     async def before_websocket(self) -> None:
         current_g().websocket_started = time.perf_counter()
 
-    async def after_websocket(self, response: Response | None) -> Response | None:
+    async def after_websocket(self, response: ResponseTypes | None) -> ResponseTypes | None:
         """A websocket's access line, once it ends: 101 when it was accepted, else its
         refusal's status."""
         if self.access_log and access_logger.isEnabledFor(logging.INFO):
