@@ -14,6 +14,7 @@ import trio
 
 import pipework as pw
 from pipework import Backends, HttpCall, Service, http_pipe
+from pipework._logging import Outage
 
 from .test_container_harness import HANG_GUARD, serving
 
@@ -153,3 +154,34 @@ async def test_a_job_that_runs_out_of_time_says_so_once(
     warned = [(r.levelname, getattr(r, "event", None)) for r in caplog.records]
     # The job's end says it; the pipe's and the branch's ends, cut by it, are DEBUG.
     assert warned == [("WARNING", "job finished")]
+
+
+def test_an_outage_is_two_lines_with_what_failed_between(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="pipework.tests")
+    outage = Outage("Redis at redis://db:6379/0", logging.getLogger("pipework.tests"))
+    # Never reached: a failure is the start-up's to report, not an outage.
+    assert outage.failed("refused", "connections") is False
+    assert not outage.on
+    assert outage.count("requests refused") is False
+    outage.recovered()  # reached
+    assert caplog.records == []
+    assert outage.failed(ConnectionError("reset"), "reading events") is True
+    assert outage.failed("refused", "connections") is True
+    assert outage.count("requests refused") is True
+    assert outage.count("requests refused") is True
+    outage.recovered()
+    outage.recovered()  # nothing more: it was over
+    started, ended = caplog.records
+    assert (started.levelname, ended.levelname) == ("ERROR", "INFO")
+    assert started.getMessage().startswith("Redis at redis://db:6379/0 cannot be reached (")
+    assert ended.getMessage().startswith("Redis at redis://db:6379/0 is reachable again after ")
+    assert "(reset)" in started.getMessage()
+    assert ended.failed == {"requests refused": 2, "reading events": 1, "connections": 1}  # type: ignore[attr-defined]  # set through `extra`
+    assert ended.getMessage().endswith(
+        "failed meanwhile: requests refused 2, reading events 1, connections 1"
+    )
+    # A failure after it is a new outage, with its own count.
+    assert outage.failed("refused", "connections") is True
+    assert outage.failures == {"connections": 1}
