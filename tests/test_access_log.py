@@ -290,3 +290,26 @@ async def test_a_board_websocket(caplog: pytest.LogCaptureFixture) -> None:
     assert (line["method"], line["path"], line["status"]) == ("GET", "/boards/news/nope", 404)
     assert line["query"] == "token=REDACTED"
     assert line["client"] == "127.0.0.1"
+
+
+async def test_a_method_a_proxy_prefix_does_not_take(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pipework.access")
+    routes = '[routes.api]\nproxy = "echo"\nprefix = "/api"\nmethods = ["GET"]\n'
+    with trio.fail_after(HANG_GUARD):
+        async with (
+            running_backend() as backend,
+            gateway(tmp_path, gateway_file(backend, routes)) as (_, address),
+            httpx.AsyncClient(base_url=address.url) as http,
+        ):
+            refused = await http.delete("/api/x?q=1", headers={"X-Request-ID": "req-405"})
+            assert refused.status_code == 405
+    data = the_line(caplog, "req-405")
+    common(data)
+    assert (data["method"], data["path"], data["query"], data["status"]) == (
+        "DELETE",
+        "/api/x",
+        "q=1",
+        405,
+    )

@@ -288,7 +288,19 @@ class ProxyLayer:
                 f"{scope['method']} is not proxied on {path}; allowed: {allow}",
                 headers={"Allow": allow},
             )
+            started = time.perf_counter()
             await send_problem(send, problem, correlation_id=correlation_id, instance=path)
+            if self.access_log and access_logger.isEnabledFor(logging.INFO):
+                log_access(
+                    {
+                        **self._who(scope),
+                        "method": scope["method"],
+                        "path": path,
+                        "status": 405,
+                        "duration": round(time.perf_counter() - started, 6),
+                        "correlation_id": correlation_id,
+                    }
+                )
             return
         exchange = _Exchange(hit, correlation_id, scope["method"], path, time.perf_counter(), scope)
         try:
