@@ -544,7 +544,7 @@ class ProxyLayer:
                     "host": ex.host,
                     "retries": ex.retries,
                     "upstream_status": ex.upstream,
-                    "client_gone": ex.client_gone or None,
+                    "client_gone": ex.client_gone,
                 }
             )
 
