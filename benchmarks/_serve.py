@@ -7,11 +7,14 @@ on stdout once it listens, and serves until killed. KIND is:
   route ``POST /echo`` and a sync route ``POST /park`` whose first pipe suspends for signal
   ``go`` (the request parks holding no worker) and whose second answers; with
   ``--backend URL`` also a sync route ``POST /call`` whose one pipe is the built-in HTTP
-  pipe calling ``GET URL/x`` (the answer is the route's);
+  pipe calling ``GET URL/x`` (the answer is the route's); with ``--trace-to URL``, tracing
+  on (the SDK, every trace sampled, spans batched and exported over OTLP/HTTP to
+  ``URL/v1/traces``);
 - ``bare``: the bare quart-trio app of :mod:`benchmarks._bare_app` on the same server
   function with the same options and the same garbage-collector threshold a container
   serves with (``ContainerConfig.gc_threshold``), so the two differ only in their code;
 - ``raw``: a raw trio-socket HTTP responder (the load generator's ceiling).
+- ``raw-tls``: the same behind TLS (``--cert``, ``--key``), for the clients' https cost.
 
 Every kind answers ``n * 2`` to a body ``{"n": n}``. The pipework and bare servers also
 serve ``GET /_bench/parked`` and ``POST /_bench/release`` for the parking scenario.
@@ -23,6 +26,7 @@ import argparse
 import functools
 import json
 import resource
+import ssl
 import sys
 from contextlib import AsyncExitStack
 
@@ -30,6 +34,7 @@ import trio
 from quart import Response
 
 import pipework as pw
+from pipework import _tracing
 from pipework.__main__ import configure_logging
 from pipework.backends._http_template import Template
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
@@ -116,7 +121,11 @@ def _announce(address: BoundAddress) -> None:
     print(address.url, flush=True)
 
 
-async def _serve_pipework(parked_capacity: int, backend: str | None) -> None:
+async def _serve_pipework(parked_capacity: int, backend: str | None, trace_to: str | None) -> None:
+    if trace_to is not None:  # before the container is built: its ASGI layer comes with it
+        from pipework._tracing_otel import build
+
+        _tracing.install(build(endpoint=f"{trace_to}/v1/traces", sample_ratio=1.0))
     container, backends = _pipework_container(parked_capacity, backend)
     async with AsyncExitStack() as stack:
         if backends is not None:
@@ -138,17 +147,25 @@ async def _serve_bare() -> None:
             _announce(address)
 
 
-async def _serve_raw() -> None:
+async def _serve_raw(cert: str | None = None, key: str | None = None) -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
     host, port = listeners[0].socket.getsockname()[:2]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, raw_responder(), listeners)
+        if cert is not None and key is not None:  # raw-tls: the same responder behind TLS
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(cert, key)
+            secure = [trio.SSLListener(listener, context) for listener in listeners]
+            nursery.start_soon(trio.serve_listeners, raw_responder(), secure)
+        else:
+            nursery.start_soon(trio.serve_listeners, raw_responder(), listeners)
         _announce(BoundAddress(host, port))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._serve", description=__doc__)
-    parser.add_argument("kind", choices=["pipework", "bare", "raw"])
+    parser.add_argument("kind", choices=["pipework", "bare", "raw", "raw-tls"])
+    parser.add_argument("--cert", help="raw-tls: the server's certificate (PEM)")
+    parser.add_argument("--key", help="raw-tls: its key (PEM)")
     parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
     parser.add_argument("--backend", help="pipework: serve POST /call, calling GET BACKEND/x")
     parser.add_argument(
@@ -157,14 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         help="pipework: log as `pipework serve` does by default (INFO, the access log on) "
         "to stderr, in this format; without it nothing is logged",
     )
+    parser.add_argument("--trace-to", help="pipework: tracing on, exported to this OTLP URL")
     args = parser.parse_args(argv)
     raise_open_files_limit()
     if args.log is not None:
         configure_logging(args.log, "INFO")
     if args.kind == "pipework":
-        trio.run(_serve_pipework, args.parked, args.backend)
+        trio.run(_serve_pipework, args.parked, args.backend, args.trace_to)
     elif args.kind == "bare":
         trio.run(_serve_bare)
+    elif args.kind == "raw-tls":
+        trio.run(_serve_raw, args.cert, args.key)
     else:
         trio.run(_serve_raw)
     return 0

@@ -1,8 +1,8 @@
 """The built-in HTTP backend pipe.
 
 :class:`Backends` owns one client per service — a keep-alive pool over h11
-(:mod:`._client`, :mod:`._pool`) for ``http://``, an ``httpx.AsyncClient`` for ``https://``
-— opened and closed around the code that runs the pipes::
+(:mod:`._client`, :mod:`._pool`), over TLS for ``https://`` — opened and closed around the
+code that runs the pipes::
 
     backends = Backends([Service("users", "http://users:8080", max_connections=16)])
     engine.registry.add_pipe(http_pipe("get_user", HttpCall.of("users", "/users/{id}",
@@ -21,7 +21,7 @@ an unaccepted status, an answer that cannot be read or a broken connection is a
 :class:`~pipework.BackendUnreachable`, running out of time a
 :class:`~pipework.DeadlineExceeded` (504) — each saying what failed, where and what to do,
 with the client's own exception as ``__cause__``. Neither client's exceptions go further.
-A call to an ``http://`` service goes through its resilience core (several hosts,
+A call to a service goes through its resilience core (several hosts,
 balancing, ejection, the breaker, retries, hedging: docs/resilience.md); a call the core
 refuses (the breaker open, every host drained) is :class:`~pipework.Overloaded` (503 with
 ``Retry-After``), nothing sent.
@@ -40,6 +40,7 @@ from typing import Any, Final
 import httpx
 import trio
 
+from .. import _tracing
 from .._errors import BackendError, BackendUnreachable, DeadlineExceeded, RegistrationError
 from .._logging import job_logger, log_job, mark_reported, note_upstream
 from .._metrics import Metrics
@@ -79,9 +80,10 @@ class Backends:
     service (connection limits and timeouts from its :class:`Service`) and closes them all
     on the way out. Pipes made by :func:`http_pipe` call through it while it is open.
 
-    An ``http://`` service is called through pipework's own keep-alive pool over h11
-    (:mod:`._pool`, several times cheaper per call than httpx); an ``https://`` one through
-    httpx. ``transport`` replaces the network for every service with an httpx transport
+    Every service is called through pipework's own keep-alive pool over h11
+    (:mod:`._pool`, several times cheaper per call than httpx), over TLS for an
+    ``https://`` one (its ``ca_bundle``, client certificate, ``server_name``, ``verify``).
+    ``transport`` replaces the network for every service with an httpx transport
     (``httpx.MockTransport(handler)`` in tests): all calls then go through httpx and the
     services' connection limits do not apply, everything else does.
     """
@@ -109,7 +111,7 @@ class Backends:
     @property
     def metrics(self) -> Metrics | None:
         """Where calls are counted (the engine's metrics); set before serving. The
-        resilience state of each ``http://`` service is read from it at every scrape
+        resilience state of each service is read from it at every scrape
         while these backends are open."""
         return self._metrics
 
@@ -141,7 +143,7 @@ class Backends:
         lean: dict[str, ServiceClient] = {}
         async with stack:
             for name, service in self.services.items():
-                if self.transport is None and service.url.scheme == "http":
+                if self.transport is None:
                     lean[name] = ServiceClient(service, _USER_AGENT)
                     stack.push_async_callback(lean[name].aclose)
                     continue
@@ -163,7 +165,7 @@ class Backends:
     async def check_health(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Run the active health checks of every ``http://`` service with a ``health``
+        """Run the active health checks of every service with a ``health``
         table, and the re-resolution of the host names of those with ``resolve`` (one task
         each), until these backends close or :meth:`adopt` hands their services on. Start
         it in a nursery that outlives them (the gateway's, the test's): the backends own no
@@ -217,8 +219,7 @@ class Backends:
 
     def resilience(self) -> dict[str, ServiceStatistics | None]:
         """Every service's resilience state now, by name; None for a service whose calls
-        do not go through a resilience core (an ``https://`` one, or every service with a
-        ``transport``)."""
+        do not go through a resilience core (every service, with a ``transport``)."""
         now = trio.current_time()
         return {
             name: None if (lean := self._lean.get(name)) is None else lean.core.statistics(now)
@@ -241,12 +242,12 @@ class Backends:
         return self.lean(service).restore(url)
 
     def lean(self, name: str) -> ServiceClient:
-        """The lean client of ``http://`` service ``name`` (proxy routes stream through
-        it); RuntimeError while the backends are closed or when the service has none (an
-        ``https://`` one, or every service with a ``transport``)."""
+        """The lean client of service ``name`` (proxy routes stream through it);
+        RuntimeError while the backends are closed or when the service has none (every
+        service, with a ``transport``)."""
         client = self._lean.get(name)
         if client is None:
-            why = "they are not open" if self._stack is None else "it is not a plain http:// one"
+            why = "they are not open" if self._stack is None else "the backends use a transport"
             raise RuntimeError(f"service {name!r} has no lean client: {why}")
         return client
 
@@ -257,12 +258,22 @@ class Backends:
             )
         return self._clients[name]
 
-    async def call(self, call: HttpCall, ctx: Context) -> Any:
-        """Make ``call`` for the job behind ``ctx``; return the answer's body."""
+    async def call(
+        self,
+        call: HttpCall,
+        ctx: Context,
+        *,
+        trace: tuple[str | None, str | None] | None = None,
+    ) -> Any:
+        """Make ``call`` for the job behind ``ctx``; return the answer's body. ``trace``:
+        the ``traceparent`` and ``tracestate`` to send instead of the job's (with tracing
+        on, the call's own span's: see :meth:`_traced`)."""
+        if trace is None and _tracing.ACTIVE.on:
+            return await self._traced(call, ctx)
         started = trio.current_time()
         note = CallNote()
         try:
-            answer = await self._call(call, ctx, note)
+            answer = await self._call(call, ctx, trace, note)
         except BackendError as exc:
             if exc.status is not None:
                 kind = "status"
@@ -288,6 +299,33 @@ class Backends:
         note_upstream(ctx.correlation_id, call.service, note.host, note.retries)
         return answer
 
+    async def _traced(self, call: HttpCall, ctx: Context) -> Any:
+        """:meth:`call` in a client span of its own (the pipe's child): the backend gets
+        its ``traceparent``; each try is an event on it (``_client.py``)."""
+        service = self.services[call.service]
+        span = _tracing.ACTIVE.start(
+            f"{call.method} {call.service}",
+            "client",
+            {
+                "http.request.method": call.method,
+                "server.address": service.url.host,
+                "url.template": call.path.text,
+                "pipework.service": call.service,
+                "pipework.job_id": ctx.job_id,
+                "pipework.pipe": ctx.pipe.name,
+            },
+        )
+        error: BaseException | None = None
+        try:
+            return await self.call(call, ctx, trace=span.headers())
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else None  # a cancel is no failure
+            if isinstance(exc, BackendError) and exc.status is not None:
+                span.set("http.response.status_code", exc.status)
+            raise
+        finally:
+            span.end(error)
+
     def _observe(self, service: str, started: float, error: str | None) -> None:
         metrics = self.metrics
         if metrics is None:
@@ -303,7 +341,15 @@ class Backends:
         if outcome not in ("ok", "cancelled"):
             metrics.backend_errors.labels(service, error).inc()
 
-    async def _call(self, call: HttpCall, ctx: Context, note: CallNote) -> Any:
+    async def _call(
+        self,
+        call: HttpCall,
+        ctx: Context,
+        trace: tuple[str | None, str | None] | None,
+        note: CallNote,
+    ) -> Any:
+        """``trace``: the call's span's ``traceparent`` and ``tracestate``, sent in place of
+        the job's (None: tracing off, the job's are sent); ``note`` is told where it went."""
         service = self.services[call.service]
         lean = self._lean.get(call.service)
         client = self.client(call.service) if lean is None else None
@@ -317,13 +363,13 @@ class Backends:
             # The pool's one deadline covers the whole call, and its timeout names the phase.
             try:
                 return await lean.call(
-                    call, ctx.state, deadline, _trace_headers(service, ctx), note
+                    call, ctx.state, deadline, _trace_headers(service, ctx, trace), note
                 )
             except TransportFailure as exc:
                 raise _failure(service, ctx, budget, deadline, exc) from exc
         assert client is not None
         timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
-        request = _build_request(client, service, call, ctx, timeout)
+        request = _build_request(client, service, call, ctx, timeout, trace)
         note.host = request.url.netloc.decode("ascii")
         # httpx's timeouts are per operation, so this scope bounds the whole call: a little
         # after the deadline, so that an operation that ran out says so itself (the
@@ -411,15 +457,20 @@ def _connect(service: Service) -> float:
     return service.timeout if service.connect_timeout is None else service.connect_timeout
 
 
-def _trace_headers(service: Service, ctx: Context) -> dict[str, str]:
-    """One id finds the request in the backends' logs too; a client's trace goes on."""
+def _trace_headers(
+    service: Service, ctx: Context, trace: tuple[str | None, str | None] | None = None
+) -> dict[str, str]:
+    """One id finds the request in the backends' logs too; a client's trace goes on: the
+    job's ``traceparent`` and ``tracestate``, or with tracing on the call's span's
+    (``trace``), so the backend's span is its child. ``baggage`` as the request sent it."""
     headers = {}
     if service.request_id_header is not None:
         headers[service.request_id_header] = ctx.correlation_id
-    if ctx.traceparent is not None:
-        headers["traceparent"] = ctx.traceparent
-        if ctx.tracestate is not None:
-            headers["tracestate"] = ctx.tracestate
+    traceparent, tracestate = (ctx.traceparent, ctx.tracestate) if trace is None else trace
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
+        if tracestate is not None:
+            headers["tracestate"] = tracestate
     if ctx.baggage is not None:
         headers["baggage"] = ctx.baggage
     return headers
@@ -431,6 +482,7 @@ def _build_request(
     call: HttpCall,
     ctx: Context,
     timeout: httpx.Timeout,
+    trace: tuple[str | None, str | None] | None = None,
 ) -> httpx.Request:
     state = ctx.state
     base = service.url
@@ -466,7 +518,7 @@ def _build_request(
         if content_type is not None:
             headers.setdefault("Content-Type", content_type)
     # Last, over the call's own headers, as the lean client puts them.
-    headers.update(_trace_headers(service, ctx))
+    headers.update(_trace_headers(service, ctx, trace))
     request = client.build_request(
         call.method, url, params=params, headers=headers, content=content, timeout=timeout
     )

@@ -15,6 +15,8 @@ from typing import Any, cast
 
 from quart import Request, g, request
 
+from .._http._cors import CorsPolicy
+
 __all__ = ["Incoming", "current_g", "current_request", "incoming", "read_headers"]
 
 
@@ -26,8 +28,10 @@ class Incoming:
     __slots__ = (
         "baggage",
         "body_bytes",
+        "cors",
         "header_bytes",
         "headers",
+        "origin",
         "route",
         "started",
         "traceparent",
@@ -44,6 +48,9 @@ class Incoming:
         self.baggage: str | None = None
         self.route = ""  # the route's name, once matched
         self.body_bytes: int | None = None  # the body's size once read (the access log)
+        self.origin = headers.get("origin")  # read before the headers are let go
+        #: The CORS policy of the matched route (its answer's Access-Control-* headers).
+        self.cors: CorsPolicy | None = None
 
 
 def incoming() -> Incoming | None:

@@ -14,6 +14,7 @@ from typing import Any, Final, Protocol, overload
 
 import trio
 
+from .. import _tracing
 from .._errors import (
     DeadlineExceeded,
     JobCancelled,
@@ -21,6 +22,7 @@ from .._errors import (
     JobNotFound,
     Overloaded,
     SignalError,
+    StoreUnavailable,
 )
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
@@ -160,6 +162,12 @@ class Engine:
         shared_queue = abilities.shared_queue
         self._relay: Any = None if shared_queue is None else shared_queue.relay
         self._relayed: set[str] = set()  # streamed jobs whose chunks come through it
+
+    @property
+    def shares_store(self) -> bool:
+        """Whether other processes share the job store (Redis): a read of it may fail
+        while the job goes on."""
+        return self._abilities.shared_store is not None
 
     @property
     def plan_generation(self) -> int:
@@ -378,6 +386,13 @@ class Engine:
         deadline = math.inf if limit is None else now + limit
         wall = time.time()
         job_id, new_correlation = new_ids()
+        tracing = _tracing.ACTIVE
+        if tracing.on:
+            # The job carries the span it was submitted under (a request's server span):
+            # its steps, run by the engine's tasks or another process, are its children.
+            current, current_state = tracing.headers()
+            if current is not None:
+                traceparent, tracestate = current, current_state
         job = Job.accepted(
             job_id,
             chain,
@@ -394,6 +409,9 @@ class Engine:
             baggage,
         )
         start_frames(job, plan, now)
+        if tracing.on:
+            tracing.annotate("pipework.job_id", job_id)
+            tracing.event("job queued", {"pipework.job_id": job_id, "pipework.key": job.key})
         if admit and self._checked is not None:
             self._checked.check_admission(job.key, deadline=deadline)
         # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
@@ -426,7 +444,9 @@ class Engine:
                     await self.store.delete(job.id)
                     raise
                 await self._abilities.flush()  # a shared queue: the first event is there first
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, StoreUnavailable) and exc.maybe_done:
+                exc.job_id = job.id  # it may exist and run: its client is told to follow it
             if relayed:
                 self._relay.close_stream(job.id)
             self._not_accepted(job)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import trio
 
+from .. import _tracing
 from .._errors import BackendError, DeadlineExceeded, StateError
 from .._logging import job_logger, log_job, mark_reported, reported
 from .._metrics import Metrics
@@ -78,6 +79,9 @@ class PipeRunner:
         #: What runs the pipes a job can do without (set once it is made: it runs their
         #: fallbacks through this runner).
         self.degrader: DegradingRunner | None = None
+        #: With tracing on, the span of the pipe each job runs now (from :meth:`context`
+        #: to :meth:`ended`, which every run passes through), by job id.
+        self._spans: dict[str, _tracing.Span] = {}
 
     async def run(
         self, job: Job, chain: Chain, pipe: Pipe, now: float, top: Frame, *, learn: bool = True
@@ -104,6 +108,8 @@ class PipeRunner:
         """The pipe's context: its deadline the earlier of its own and its frame's."""
         pipe_deadline = math.inf if pipe.timeout is None else now + pipe.timeout
         deadline = top.deadline if pipe_deadline > top.deadline else pipe_deadline
+        if _tracing.ACTIVE.on and job.plan != INTERNAL_PLAN:
+            self._start_span(job, chain, pipe)
         # A thread cannot be stopped: a blocking pipe works on a copy of the state that is
         # adopted only if it ends in time and uncancelled. Positional arguments: no keyword
         # matching per pipe.
@@ -212,6 +218,26 @@ class PipeRunner:
         status = Status.EXPIRED if is_job_timeout(exc) else Status.FAILED
         await self._ends.finish(job, status, exc=exc, where=where)
 
+    def _start_span(self, job: Job, chain: Chain, pipe: Pipe) -> None:
+        """The pipe's span, current while it runs: the step's child (or, in a branch run
+        in its parent's step, the parent's step's), its backend calls' parent."""
+        self._spans[job.id] = _tracing.ACTIVE.start(
+            f"pipe {pipe.name}",
+            "internal",
+            {
+                "pipework.pipe": pipe.name,
+                "pipework.job_id": job.id,
+                "pipework.chain": chain.name,
+                "pipework.key": job.key,
+            },
+        )
+
+    def _end_span(self, job: Job, outcome: str, exc: BaseException | None) -> None:
+        span = self._spans.pop(job.id, None)
+        if span is not None:
+            span.set("pipework.outcome", outcome)
+            span.end(exc if outcome in ("error", "timeout") else None)
+
     def ended(
         self,
         job: Job,
@@ -226,6 +252,8 @@ class PipeRunner:
         now = self._flight.clock()
         if job.plan == INTERNAL_PLAN:
             return now  # the engine's own probe: no user pipe to measure, nothing to learn
+        if self._spans:
+            self._end_span(job, outcome, exc)
         duration = now - started
         metrics = self._metrics
         if outcome == "ok":

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import trio
 
+from .. import _tracing
 from .._errors import JobNotFound, PipeworkError, Rejected
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
@@ -38,7 +39,7 @@ from ._branch_runners import BranchRunners
 from ._cursor import advance
 from ._degrade import Degrader
 from ._degrade_core import Reason
-from ._ends import Ends
+from ._ends import INTERNAL_PLAN, Ends
 from ._events import Resume, RunJob
 from ._flight import Claim, Flight, Hooks
 from ._forked import Forked
@@ -189,6 +190,9 @@ class Steps:
             settled = False  # the job was left waiting on purpose (hand-off, suspend, join)
             escaped: BaseException | None = None
             now = flight.clock()
+            span = None
+            if _tracing.ACTIVE.on and job.plan != INTERNAL_PLAN:
+                span = _step_span(job)
             try:
                 # The uncontended grant: no schedule point (the step's task has just been
                 # scheduled) and no context manager; a step that would wait or be
@@ -225,15 +229,24 @@ class Steps:
                     slot = abilities.pool.slot(
                         job.key, deadline=job.deadline, continuing=continuing
                     )
+                    if span is not None:
+                        span.event("slot wait", {"pipework.key": job.key})
                     try:
                         async with slot:
                             self._queue.ack(event)
                             acked = True
                             granted = flight.clock()
                             self.waited(job.key, granted - now)
+                            if span is not None:
+                                span.event(
+                                    "slot granted",
+                                    {"pipework.key": job.key, "pipework.waited": granted - now},
+                                )
                             await self.run_held(job, granted, as_read=True, own=own is job)
                             settled = True
                     except Rejected as exc:
+                        if span is not None:
+                            span.event("slot refused", {"pipework.key": job.key})
                         self.waited(job.key, flight.clock() - now)
                         note(exc, job, f"admission key {job.key!r}")
                         await self._ends.finish(job, Status.FAILED, exc=exc)
@@ -244,6 +257,9 @@ class Steps:
                     del flight.scopes[job.id]
                 if flight.running.get(job.id) is job:
                     del flight.running[job.id]
+                if span is not None:
+                    span.set("pipework.status", job.status.value)
+                    span.end(escaped)
             if flight.left_to_join and job.id in flight.left_to_join:
                 # Its in-step stage turned durable: the record is the join's now, so a step
                 # ended early reads it afresh before ending the job.
@@ -508,6 +524,26 @@ class Steps:
             self._hooks.changed(job)
         _log_hand_off(job)
         return True
+
+
+def _step_span(job: Job) -> _tracing.Span:
+    """The step's span, current while it runs: a child of the span the job carries (its
+    request's server span), with the key it waits under and the job's id."""
+    attributes: dict[str, _tracing.Attribute] = {
+        "pipework.job_id": job.id,
+        "pipework.chain": job.chain,
+        "pipework.key": job.key,
+    }
+    if job.parent is not None:
+        attributes["pipework.parent_job_id"] = job.parent
+    return _tracing.ACTIVE.start(
+        f"step {job.chain}",
+        "internal",
+        attributes,
+        traceparent=job.traceparent,
+        tracestate=job.tracestate,
+        new_trace=True,  # a job submitted outside any span: the task's context is not its
+    )
 
 
 def _result(job: Job, chain: Chain) -> Any:
