@@ -273,7 +273,7 @@ prefix = "/nowhere"
 """
 
 
-def _access_records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, Any, Any]]:
+def _access_records(caplog: pytest.LogCaptureFixture) -> list[tuple[Any, Any, Any]]:
     return [
         (getattr(r, "path", None), getattr(r, "status", None), getattr(r, "client_gone", None))
         for r in caplog.records

@@ -42,6 +42,7 @@ from .._http._bodies import (
 from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
 from .._http._ratelimit import RateLimits
+from .._logging import outage
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state, raw_value
@@ -565,8 +566,16 @@ class Submissions:
             if exc.job_id is None:  # nothing reached the store: nothing was done
                 raise
             # Its record may have been written (the connection was lost after it was sent):
-            # the job may run. Its client follows it rather than submitting it again.
-            _log.warning("pipework: job %s may or may not have been accepted: %s", exc.job_id, exc)
+            # the job may run. Its client follows it rather than submitting it again. While
+            # the store's outage is on, its own two lines say it, with the count of these.
+            dependency = exc.dependency
+            out = dependency is not None and outage(dependency).count("submissions in doubt")
+            _log.log(
+                logging.DEBUG if out else logging.WARNING,
+                "pipework: job %s may or may not have been accepted: %s",
+                exc.job_id,
+                exc,
+            )
             raise _MaybeAccepted(exc.job_id, deadline) from None
         return deadline, job_id
 
