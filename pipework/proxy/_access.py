@@ -16,7 +16,8 @@ Fields (each a record attribute, set through ``extra``; None ones are left out):
 - ``route`` (a route's or proxy route's name), ``endpoint`` (the container's own: ``jobs``,
   ``admin``...), ``service``, ``host`` and ``retries`` (the backend calls it made: the
   services, their hosts, the retries in all), ``upstream_status``;
-- ``correlation_id`` (the request id), ``trace_id`` (the W3C ``traceparent``'s), ``pid``.
+- ``correlation_id`` (the request id), ``trace_id`` (with tracing on, the server span's;
+  else a well-formed W3C ``traceparent``'s), ``pid``.
 
 The text form is the message: ``CLIENT METHOD TARGET STATUS DURATION name=value...
 request_id=ID``, values with a space or a quote JSON-quoted.
@@ -32,6 +33,7 @@ from ipaddress import ip_address
 from typing import Any, Final
 from urllib.parse import unquote_plus
 
+from .. import _tracing
 from .._http._trace import traceparent
 from .._logging import take_upstreams
 from ._forwarding import Network, is_trusted
@@ -175,6 +177,10 @@ def upstreams(correlation_id: str) -> dict[str, Any]:
 def log_access(fields: Mapping[str, Any]) -> None:
     """Write the access line of ``fields`` (see the module), adding ``pid``."""
     extra = {name: value for name, value in fields.items() if value is not None}
+    # With tracing on, the server span's trace (the incoming traceparent's, or a new one).
+    traced = _tracing.current_trace_id()
+    if traced is not None:
+        extra["trace_id"] = traced
     extra["event"] = "request"
     extra["pid"] = os.getpid()
     status = extra.get("status")
