@@ -121,8 +121,17 @@ def test_the_url_may_come_from_the_environment() -> None:
     store, _ = config.store.build(queue_capacity=1, environ={"SHOP_REDIS": "redis://x:1/0"})
     assert isinstance(store, RedisJobStore)
     assert store.url == "redis://x:1/0"
-    with pytest.raises(RuntimeError, match="'SHOP_REDIS', which is not set"):
+    with pytest.raises(
+        ConfigError, match=r"store\.url_env: names .*'SHOP_REDIS', which is not set"
+    ):
         config.store.build(queue_capacity=1, environ={})
+    # Checked with the file, when an environment is given: an error before anything starts.
+    with pytest.raises(
+        ConfigError, match=r"store\.url_env: names .*'SHOP_REDIS', which is not set"
+    ):
+        config_from_dict(
+            {**ROUTES, "store": {"backend": "redis", "url_env": "SHOP_REDIS"}}, environ={}
+        )
 
 
 @pytest.mark.parametrize(

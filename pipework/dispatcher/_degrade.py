@@ -173,9 +173,12 @@ class Degrader:
         a fallback pipe ended the job's step (it failed or suspended)."""
         mark(job.state, pipe.name, reason)
         self._metrics.degraded.labels(job.chain, pipe.name, reason).inc()
-        if job_logger.isEnabledFor(logging.INFO):
+        # DEBUG: the failure behind it was its own line (or the breaker's change was), the
+        # answer says it (Pipework-Degraded) and pipework_degraded_total counts it.
+        if job_logger.isEnabledFor(logging.DEBUG):
             log_job(
                 "pipe degraded",
+                logging.DEBUG,
                 correlation_id=job.correlation_id,
                 job_id=job.id,
                 route=job.chain,

@@ -558,9 +558,10 @@ def _result(job: Job, chain: Chain) -> Any:
 def _log_hand_off(job: Job) -> None:
     """The log line of a hand-off, through the queue or run on in its step (job.key is the
     new key)."""
-    if job_logger.isEnabledFor(logging.INFO):
+    if job_logger.isEnabledFor(logging.DEBUG):
         log_job(
             "job handed off",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,

@@ -13,6 +13,7 @@ once: a repeat is refused (:func:`check_early_signal`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,7 @@ class Suspensions:
             self._timers.expire_at(job.suspend_deadline, job.id, job.version)
         log_job(
             "job suspended",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,
@@ -213,6 +215,7 @@ class Suspensions:
         self._hooks.changed(job)
         log_job(
             "job resumed",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,

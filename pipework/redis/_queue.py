@@ -65,6 +65,7 @@ from ._wire import (
     ReplyError,
     encode_args,
     public_url,
+    redis_outage,
 )
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
@@ -707,7 +708,10 @@ class RedisEventQueue:
             try:
                 return await fn(*args)
             except (*UNREACHABLE, StoreUnavailable) as exc:
-                _log.warning(
+                # While Redis is away its outage says so, once: each retry is DEBUG.
+                out = redis_outage(self.url).failed(exc, what)
+                _log.log(
+                    logging.DEBUG if out else logging.WARNING,
                     "pipework: %s on %s failed (%s); retrying in %gs",
                     what,
                     public_url(self.url),
@@ -733,7 +737,12 @@ class RedisEventQueue:
                     raise
                 # Redis came back without its data (no persistence): the stream and its
                 # group are new, and what was in them is lost (docs/scaling.md).
-                _log.error("pipework: the event stream %s was lost; recreating it", self.stream)
+                # Handled here; the outage before it was the ERROR.
+                _log.warning(
+                    "pipework: Redis came back without the event stream %s (what it held "
+                    "is lost); recreating it",
+                    self.stream,
+                )
                 await self._create_group()
                 continue
             await trio.sleep(delay)

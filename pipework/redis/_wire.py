@@ -37,6 +37,8 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from .._logging import Outage, outage
+
 __all__ = [
     "C_READER",
     "NOT_NOW",
@@ -51,6 +53,7 @@ __all__ = [
     "encode_args",
     "new_reader",
     "public_url",
+    "redis_outage",
     "sentinel_target",
 ]
 
@@ -118,6 +121,11 @@ def sentinel_target(url: str) -> SentinelTarget:
     if db and not db.isdigit():
         raise ValueError(f"the database after the primary's name must be a number, got {db!r}")
     return SentinelTarget(sentinels, unquote(master), db, userinfo + at)
+
+
+def redis_outage(url: str) -> Outage:
+    """The outage record of the Redis at ``url`` (one per server, whatever uses it)."""
+    return outage(f"Redis at {public_url(url)}", "pipework.redis")
 
 
 def public_url(url: str) -> str:
@@ -258,7 +266,20 @@ class Connection:
     @classmethod
     async def open(cls, url: str) -> Connection:
         """Connect to ``url`` (``redis://[user:password@]host[:port][/db]``, ``rediss://``
-        for TLS, ``unix:///path?db=N``), authenticate and select the database."""
+        for TLS, ``unix:///path?db=N``, or ``redis+sentinel://`` for the primary Sentinel
+        names), authenticate and select the database. A failure to connect starts the
+        server's outage (if it was reached before); a connection made ends it
+        (:func:`redis_outage`)."""
+        try:
+            connection = await cls._open(url)
+        except UNREACHABLE as exc:
+            redis_outage(url).failed(exc, "connections")
+            raise
+        redis_outage(url).recovered()
+        return connection
+
+    @classmethod
+    async def _open(cls, url: str) -> Connection:
         if url.startswith(SENTINEL_SCHEME + "://"):
             return await cls._open_primary(url)
         parts = urlsplit(url)

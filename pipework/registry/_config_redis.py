@@ -15,7 +15,7 @@ from typing import Final
 from urllib.parse import quote
 
 from ..redis._wire import sentinel_target
-from ._config_problems import Collector
+from ._config_problems import Collector, ConfigError, Problem
 from ._config_read import Table
 
 _SCHEMES: Final = ("redis://", "rediss://", "unix://", "redis+sentinel://")
@@ -128,8 +128,7 @@ def redis_url(
         return url
     assert url_env is not None
     found = (os.environ if environ is None else environ).get(url_env)
-    if not found:
-        raise RuntimeError(
-            f"[{section}] url_env names {url_env!r}, which is not set in the environment"
-        )
+    if not found:  # checked with the file when it is loaded for serving: a late change
+        message = f"names the environment variable {url_env!r}, which is not set"
+        raise ConfigError([Problem(f"{section}.url_env", message)])
     return found
