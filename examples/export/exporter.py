@@ -1,12 +1,14 @@
-"""Exports orders from a SQLite database to CSV files, as async jobs (seed 001).
+"""Exports orders from a SQLite database to CSV files or xlsx workbooks, as async jobs
+(seed 001).
 
 ``POST /exports`` answers 202 at once with the job's id and token (the container's async
 mode). The job then:
 
 1. records the export as ``running`` in the download centre (records.py), committed at once;
 2. opens one read transaction on the source, counts the rows it will write, and reads them
-   through a cursor, ``batch`` rows at a time, writing each batch to the CSV file as it
-   comes: memory holds one batch, however many rows there are;
+   through a cursor, ``batch`` rows at a time, writing each batch to the file as it comes
+   (CSV, or xlsx when the request says ``"format": "xlsx"``: :class:`_XlsxSink`): memory
+   holds one batch, however many rows there are;
 3. every ``progress_every`` rows, reports progress on the job (``GET /jobs/{id}``, the jobs
    board and the jobs page show it at once) and in its record;
 4. renames the finished file into place and records the export ``done``; on any failure
