@@ -45,6 +45,8 @@ from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
+from .container._downloads import FileResults as FileResults
+from .container._downloads import ResultFile as ResultFile
 from .container._routes import Route as Route
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._degrade import Refusals as Refusals
@@ -112,6 +114,7 @@ __all__ = [
     "DeadlineExceeded",
     "Engine",
     "ErrorInfo",
+    "FileResults",
     "Gateway",
     "GatewayConfig",
     "GraphNode",
@@ -154,6 +157,7 @@ __all__ = [
     "ResourcePoolError",
     "ResourcePoolStatistics",
     "ResourceStartupError",
+    "ResultFile",
     "RetrySpec",
     "Route",
     "Serial",

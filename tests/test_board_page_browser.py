@@ -68,7 +68,7 @@ def drive(url: str, tickets: list[str], export_id: str, release: Any, shot: Path
             executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
         )
         try:
-            page = browser.new_page(viewport={"width": 1000, "height": 420})
+            page = browser.new_page(viewport={"width": 1500, "height": 420})
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

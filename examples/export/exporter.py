@@ -177,7 +177,9 @@ class Exporter:
         return self._epoch + trio.current_time()
 
     def add_routes(self, container: pw.Container) -> None:
-        """Serve ``GET /exports/{id}`` (the record) and ``GET /exports/{id}/file``."""
+        """Serve ``GET /exports/{id}`` (the record) and ``GET /exports/{id}/file``, and put
+        the exports in the container's download centre (the jobs page)."""
+        container.add_file_results(self)
         app = container.app
         app.add_url_rule("/exports/<export_id>", "export_record", self.record, methods=["GET"])
         app.add_url_rule("/exports/<export_id>/file", "export_file", self.download, methods=["GET"])
@@ -353,6 +355,40 @@ class Exporter:
 
     def _partial(self, export_id: str, form: str) -> Path:
         return self.config.directory / f"{export_id}.{form}.part"
+
+    # -- the download centre: pipework's jobs page lists and serves the files ----------------
+
+    async def result_file(self, job_id: str) -> pw.ResultFile | None:
+        """The export's file as pipework's download centre lists it, from its record: the
+        record outlives the process (and the job store's memory), so the list does too."""
+        record = await self._blocking(functools.partial(self.records.get, job_id))
+        if record is None:
+            return None
+        path = None if record.file is None else self.config.directory / record.file
+        size = None
+        if path is not None and record.status == "done":
+            size = await self._blocking(functools.partial(_size, path))
+            path = None if size is None else path
+        kept = None if record.finished is None else record.finished + self.config.retention
+        return pw.ResultFile(
+            job_id=record.id,
+            name=f"orders-{record.id}.csv",
+            owner=record.owner,
+            state=record.status,
+            path=path,
+            chain=CHAIN,
+            media_type="text/csv; charset=utf-8",
+            rows=record.rows,
+            size=size,
+            created=record.created,
+            finished=record.finished,
+            keep_until=kept if record.status == "done" else None,
+            error=record.error,
+            downloaded=record.downloaded,
+        )
+
+    async def mark_downloaded(self, job_id: str, when: float) -> None:
+        await self._blocking(functools.partial(self.records.mark_downloaded, job_id, when))
 
     # -- the download centre over HTTP ----------------------------------------------------------
 
@@ -679,6 +715,13 @@ def _datetime(value: object) -> datetime | None:
     try:
         return datetime.fromisoformat(value)
     except ValueError:
+        return None
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
         return None
 
 

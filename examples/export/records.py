@@ -8,6 +8,7 @@
     created   when the export started (Unix seconds)
     finished  when it ended
     error     why it failed
+    downloaded  when its file was last downloaded whole (the download centre's mark)
 
 Every write is a transaction of its own, committed at once, so a reader sees an export's
 progress while it runs, not when it ends. Every update names the status it expects
@@ -50,10 +51,11 @@ CREATE TABLE IF NOT EXISTS exports (
     file TEXT,
     created REAL NOT NULL,
     finished REAL,
-    error TEXT
+    error TEXT,
+    downloaded REAL
 )
 """
-_COLUMNS: Final = "id, owner, status, rows, file, created, finished, error"
+_COLUMNS: Final = "id, owner, status, rows, file, created, finished, error, downloaded"
 
 
 class RecordError(Exception):
@@ -70,6 +72,7 @@ class Record:
     created: float
     finished: float | None
     error: str | None
+    downloaded: float | None = None
 
 
 def check_transition(old: RecordStatus, new: RecordStatus) -> None:
@@ -102,6 +105,9 @@ class Records:
                 db.execute("PRAGMA journal_mode = WAL")
                 db.execute("PRAGMA synchronous = FULL")  # every commit is on disk
                 db.execute(_SCHEMA)
+                columns = {row[1] for row in db.execute("PRAGMA table_info(exports)")}
+                if "downloaded" not in columns:  # a table an older version made
+                    db.execute("ALTER TABLE exports ADD COLUMN downloaded REAL")
             except BaseException:
                 db.close()
                 raise
@@ -152,6 +158,20 @@ class Records:
     def expire(self, export_id: str) -> None:
         """The file was deleted after its retention: say so, and forget its name."""
         self._update(export_id, "done", "expired", file=None)
+
+    def mark_downloaded(self, export_id: str, when: float) -> None:
+        """Its file was downloaded whole: the mark, set by the export's id. Not a change of
+        state, so any finished record takes it (an expiry may come between)."""
+        with self._connect() as db:
+            changed = db.execute(
+                "UPDATE exports SET downloaded = ? WHERE id = ? AND status IN ('done', 'expired')",
+                (when, export_id),
+            ).rowcount
+        if changed != 1:
+            raise RecordError(
+                f"export {export_id}: expected a finished record to mark downloaded, "
+                f"but the update changed {changed} rows"
+            )
 
     def _update(
         self,

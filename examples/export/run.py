@@ -86,7 +86,7 @@ def instructions(url: str, config: ExportConfig) -> str:
             "# 2. its progress (every 5,000 rows), then its result with the file's link",
             f"curl -s {url}/jobs/JOB_ID {auth}",
             f"curl -s {url}/jobs/JOB_ID/result {auth}",
-            "# 3. the jobs page, live: open it in a browser",
+            "# 3. the download centre (the jobs page), live: open it in a browser",
             f"{url}/ui/jobs#JOB_ID:JOB_TOKEN",
             "# 4. the download centre's record, and the file (only with the job's token)",
             f"curl -s {url}/exports/JOB_ID {auth}",

@@ -1,12 +1,23 @@
-"""The jobs page (``GET /ui/jobs``): the caller's jobs, live, in one HTML file.
+"""The jobs page (``GET /ui/jobs``): the download centre. The caller's jobs and their files,
+live, in one HTML file.
 
 The browser keeps the caller's job tickets (``id:token``, as a 202 answer hands them out) in
 ``localStorage``; a ticket is added in the form or in the address's fragment
-(``/ui/jobs#ID:TOKEN,ID:TOKEN``, which never reaches the server). The page follows all of
-them in one SSE stream, ``GET /jobs/events`` with the tickets in ``X-Job-Tickets`` (read
-with ``fetch``, since EventSource cannot send headers), and redraws a row on every event:
-status in colour, a progress bar, the error on hover, a link to the result. No build step,
-no third-party script; the Content-Security-Policy allows only this page's own script.
+(``/ui/jobs#ID:TOKEN,ID:TOKEN``, which never reaches the server), also when only the
+fragment changes (``hashchange``). The server is the source of truth: the page lists the
+jobs with ``GET /jobs`` (the tickets in ``X-Job-Tickets``; the search by name, state and
+date goes with it as ``q``, ``status``, ``from`` and ``to``) every few seconds, and follows
+them live in one SSE stream, ``GET /jobs/events`` (read with ``fetch``, since EventSource
+cannot send headers). A ticket the server does not know is shown as unknown and kept until
+the user forgets it: a restart must not make the page drop what the server may still have.
+
+Each row: the state in the seed's colours (running blue, done green, failed red with the
+reason on hover, expired grey), progress, rows, size, created, finished, expiry, the
+download (a short-lived signed link from the listing: the token never goes in a URL) and
+the "downloaded" mark. Ticked rows download as one zip (``POST /jobs/downloads`` signs its
+link). When a followed job ends while the page is in the background, a desktop
+notification says so (the Notification API, once the user allowed it). No build step, no
+third-party script; the Content-Security-Policy allows only this page's own script.
 """
 
 from __future__ import annotations
@@ -22,9 +33,14 @@ __all__ = ["jobs_page"]
 _SCRIPT: Final = r"""
 "use strict";
 const KEY = "pipework.jobs";
+const TERMINAL = new Set(["done", "failed", "cancelled", "expired"]);
 const rows = new Map();
+const ended = new Set();
+const latest = new Map();
 let controller = null;
+let listing = null;
 
+const $ = (q) => document.querySelector(q);
 function tickets() {
   try { return JSON.parse(localStorage.getItem(KEY) || "[]"); } catch { return []; }
 }
@@ -35,7 +51,30 @@ function tokenOf(id) {
 }
 function addTickets(text) {
   const found = text.split(/[\s,]+/).filter((t) => /^[\w-]+:[\w-]+$/.test(t));
-  if (found.length) { save([...tickets(), ...found]); follow(); }
+  if (found.length) { save([...tickets(), ...found]); follow(); relist(); }
+}
+function forget(id) {
+  save(tickets().filter((t) => !t.startsWith(id + ":")));
+  drop(id); follow(); relist();
+}
+function drop(id) {
+  const tr = rows.get(id);
+  if (tr) { tr.remove(); rows.delete(id); }
+}
+
+function when(iso) {
+  if (!iso) return "";
+  const d = new Date(iso);
+  const p = (n) => String(n).padStart(2, "0");
+  return `${d.getFullYear()}-${p(d.getMonth() + 1)}-${p(d.getDate())} ` +
+    `${p(d.getHours())}:${p(d.getMinutes())}`;
+}
+function bytes(n) {
+  if (n === null || n === undefined) return "";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
 }
 
 function row(id) {
@@ -43,24 +82,30 @@ function row(id) {
   if (!tr) {
     tr = document.createElement("tr");
     tr.id = "job-" + id;
-    tr.innerHTML = '<td class="id"></td><td class="chain"></td><td class="status"></td>' +
+    tr.innerHTML = '<td><input type="checkbox" class="pick" disabled></td>' +
+      '<td class="name"></td><td class="id"></td><td class="status"></td>' +
       '<td><progress max="1" value="0"></progress> <span class="pct"></span></td>' +
-      '<td class="result"></td>';
+      '<td class="rows num"></td><td class="size num"></td><td class="created"></td>' +
+      '<td class="finished"></td><td class="expires"></td>' +
+      '<td class="result"></td><td class="mark"></td>';
     tr.querySelector(".id").textContent = id;
-    document.querySelector("#jobs tbody").prepend(tr);
+    tr.querySelector(".pick").setAttribute("aria-label", "pick " + id);
+    tr.querySelector(".pick").addEventListener("change", picked);
+    $("#jobs tbody").append(tr);
     rows.set(id, tr);
   }
   return tr;
 }
 
-function show(job) {
-  const tr = row(job.id);
-  const status = tr.querySelector(".status");
-  status.textContent = job.status;
-  status.className = "status " + job.status;
-  status.title = job.error ? (job.error.detail || job.error.title) : "";
-  tr.dataset.status = job.status;
-  tr.querySelector(".chain").textContent = job.chain;
+function setState(tr, state, error) {
+  const cell = tr.querySelector(".status");
+  cell.textContent = state;
+  cell.className = "status " + state;
+  cell.title = error ? (error.detail || error.title || "") : "";
+  tr.dataset.status = state;
+}
+
+function setProgress(tr, job) {
   const bar = tr.querySelector("progress");
   const pct = tr.querySelector(".pct");
   const p = job.progress;
@@ -69,20 +114,179 @@ function show(job) {
     bar.value = Math.min(p.done / p.total, 1);
     pct.textContent = Math.round(100 * bar.value) + "%" + (p.message ? " " + p.message : "");
   } else if (p) { bar.removeAttribute("value"); pct.textContent = String(p.done); }
+}
+
+// A job's document from the stream: its state and progress, live.
+function update(job) {
+  const tr = rows.get(job.id);
+  if (!tr) return;  // not listed (filtered out, or not yet): the next listing decides
+  const before = tr.dataset.status;
+  setState(tr, before === "expired" ? "expired" : job.status, job.error);
+  setProgress(tr, job);
+  if (!TERMINAL.has(before) && TERMINAL.has(job.status)) finished(job.id, job.status);
+}
+
+// A followed job ended: list again (its file and link), and tell a user who looks away.
+function finished(id, status) {
+  if (ended.has(id)) return;
+  ended.add(id);
+  relist();
+  if (document.visibilityState === "visible") return;
+  if (!("Notification" in window) || Notification.permission !== "granted") return;
+  const tr = rows.get(id);
+  const name = (tr && tr.querySelector(".name").textContent) || id;
+  const note = new Notification(`${name}: ${status}`, {
+    body: status === "done" ? "Ready in the download centre." : `The job ended: ${status}.`,
+    tag: "pipework-" + id,
+  });
+  note.onclick = () => { window.focus(); note.close(); };
+}
+
+// A job as the listing has it: everything, its file and the file's signed link included.
+function show(entry) {
+  const tr = row(entry.id);
+  const file = entry.file;
+  latest.set(entry.id, entry);
+  const before = tr.dataset.status;
+  tr.querySelector(".name").textContent = file ? file.name : entry.chain;
+  setState(tr, entry.state, entry.error);
+  setProgress(tr, entry);
+  const followed = before && before !== "unknown" && !TERMINAL.has(before);
+  if (followed && TERMINAL.has(entry.state)) {
+    finished(entry.id, entry.state);
+  }
+  if (TERMINAL.has(entry.state)) ended.add(entry.id);
+  const count = file && file.rows !== null ? file.rows
+    : entry.progress ? entry.progress.done : null;
+  tr.querySelector(".rows").textContent = count === null ? "" : count.toLocaleString("en");
+  tr.querySelector(".size").textContent = file ? bytes(file.size) : "";
+  tr.querySelector(".created").textContent = when(entry.created_at);
+  tr.querySelector(".finished").textContent = when(entry.finished_at);
+  const until = file && file.keep_until ? file.keep_until : entry.retain_until;
+  tr.querySelector(".expires").textContent = entry.state === "expired" ? "expired" : when(until);
   const cell = tr.querySelector(".result");
-  if (job.links && job.links.result && !cell.firstChild) {
+  cell.replaceChildren();
+  const pick = tr.querySelector(".pick");
+  pick.disabled = !(file && file.href);
+  if (pick.disabled) pick.checked = false;
+  if (file && file.href) {
     const a = document.createElement("a");
-    a.href = job.links.result;
-    a.textContent = job.status === "done" ? "result" : "error";
-    a.addEventListener("click", (e) => { e.preventDefault(); openResult(job.id, a.href); });
+    a.className = "download";
+    a.href = file.href;
+    a.download = file.name;
+    a.textContent = "download";
+    a.addEventListener("click", (e) => downloading(e, entry.id));
+    cell.append(a);
+  } else if (file && entry.state === "expired") {
+    cell.textContent = "file deleted";
+  } else if (!file && entry.links && entry.links.result) {
+    const a = document.createElement("a");
+    a.href = entry.links.result;
+    a.textContent = entry.state === "done" ? "result" : "error";
+    a.addEventListener("click", (e) => { e.preventDefault(); openResult(entry.id, a.href); });
     cell.append(a);
   }
+  const mark = tr.querySelector(".mark");
+  const downloaded = file && file.downloaded_at;
+  mark.textContent = downloaded ? "\u2713 downloaded" : "";
+  mark.title = downloaded ? "downloaded " + when(file.downloaded_at) : "";
+  tr.classList.toggle("downloaded", Boolean(downloaded));
+}
+
+function showMissing(id) {
+  const tr = row(id);
+  latest.delete(id);
+  setState(tr, "unknown", { detail: "the server knows no job with this id and token" });
+  const cell = tr.querySelector(".result");
+  cell.replaceChildren();
+  const b = document.createElement("button");
+  b.textContent = "forget";
+  b.className = "forget";
+  b.addEventListener("click", () => forget(id));
+  cell.append(b);
+}
+
+function downloading(e, id) {
+  const entry = latest.get(id);
+  const expires = entry && entry.file ? Date.parse(entry.file.href_expires_at) : 0;
+  if (!(expires - Date.now() > 20000)) {  // about to expire: a fresh link first
+    e.preventDefault();
+    relist().then(() => {
+      const fresh = rows.has(id) && rows.get(id).querySelector("a.download");
+      if (fresh) fresh.click();
+    });
+    return;
+  }
+  setTimeout(relist, 1500);  // the mark, once the file is through
 }
 
 async function openResult(id, href) {
   const answer = await fetch(href, { headers: { "X-Job-Token": tokenOf(id) } });
   const blob = await answer.blob();
   window.open(URL.createObjectURL(blob), "_blank");
+}
+
+function picked() {
+  const n = document.querySelectorAll(".pick:checked").length;
+  $("#batch").disabled = n === 0;
+  $("#batch").textContent = n ? `Download ${n} as zip` : "Download selected as zip";
+}
+
+async function batch() {
+  const ids = [...document.querySelectorAll(".pick:checked")]
+    .map((c) => c.closest("tr").id.slice(4));
+  if (!ids.length) return;
+  const answer = await fetch("/jobs/downloads", {
+    method: "POST",
+    headers: { "X-Job-Tickets": tickets().join(","), "Content-Type": "application/json" },
+    body: JSON.stringify({ ids }),
+  });
+  const body = await answer.json();
+  if (!answer.ok) { say(body.detail || body.title); return; }
+  const a = document.createElement("a");
+  a.href = body.href;
+  a.download = "";
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(relist, 1500);
+}
+
+function say(text) { $("#note").textContent = text || ""; }
+
+function filters() {
+  const params = new URLSearchParams();
+  const fields = [["q", "#q"], ["status", "#state"], ["from", "#from"], ["to", "#to"]];
+  for (const [name, field] of fields) {
+    const value = $(field).value.trim();
+    if (value) params.set(name, value);
+  }
+  return params;
+}
+
+async function relist() {
+  const list = tickets();
+  $("#empty").hidden = list.length > 0;
+  if (!list.length) { for (const id of [...rows.keys()]) drop(id); return; }
+  if (listing) listing.abort();
+  const mine = listing = new AbortController();
+  try {
+    const answer = await fetch("/jobs?" + filters(), {
+      headers: { "X-Job-Tickets": list.join(",") }, signal: mine.signal,
+    });
+    const body = await answer.json();
+    if (!answer.ok) { say(body.detail || body.title); return; }
+    say("");
+    const listed = [];
+    for (const entry of body.jobs) { show(entry); listed.push(entry.id); }
+    for (const id of body.missing) { showMissing(id); listed.push(id); }
+    for (const id of [...rows.keys()]) if (!listed.includes(id)) drop(id);
+    const tbody = $("#jobs tbody");
+    for (const id of listed) tbody.append(rows.get(id));  // in the listing's order
+    picked();
+  } catch (e) {
+    if (e.name !== "AbortError") say("the server cannot be reached; trying again");
+  }
 }
 
 function dispatch(block) {
@@ -93,27 +297,20 @@ function dispatch(block) {
   }
   if (!data) return;
   const body = JSON.parse(data);
-  if (event === "missing") {
-    save(tickets().filter((t) => !t.startsWith(body.id + ":")));
-  } else if (event === "delete") {
-    const tr = rows.get(body.id);
-    if (tr) { tr.remove(); rows.delete(body.id); }
-  } else if (body.data) {
-    show(body.data);
-  }
+  // "missing" and "delete": what the server still has of the job is the listing's to say.
+  if (event !== "missing" && event !== "delete" && body.data) update(body.data);
 }
 
 async function follow() {
   if (controller) controller.abort();
   const list = tickets();
-  document.querySelector("#empty").hidden = list.length > 0;
   if (!list.length) return;
-  controller = new AbortController();
-  const state = document.querySelector("#live");
+  const mine = controller = new AbortController();
+  const state = $("#live");
   try {
     const answer = await fetch("/jobs/events", {
       headers: { "X-Job-Tickets": list.join(","), "Accept": "text/event-stream" },
-      signal: controller.signal,
+      signal: mine.signal,
     });
     state.textContent = "live";
     const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -131,21 +328,51 @@ async function follow() {
   } catch (e) {
     if (e.name === "AbortError") return;
   }
+  if (mine !== controller) return;
   state.textContent = "reconnecting";
-  setTimeout(follow, 2000);
+  setTimeout(() => { if (mine === controller) { follow(); relist(); } }, 2000);
 }
 
-document.querySelector("#add").addEventListener("submit", (e) => {
+function askToNotify() {
+  if ("Notification" in window && Notification.permission === "default") {
+    Notification.requestPermission().then(notifyState);
+  }
+}
+function notifyState() {
+  const b = $("#notify");
+  const can = "Notification" in window;
+  b.textContent = can && Notification.permission === "granted" ? "Notifications on" : "Notify me";
+  b.disabled = !can || Notification.permission !== "default";
+}
+
+function takeHash() {
+  if (location.hash.length > 1) {
+    const text = decodeURIComponent(location.hash.slice(1));
+    history.replaceState(null, "", location.pathname + location.search);
+    addTickets(text);
+  }
+}
+
+$("#add").addEventListener("submit", (e) => {
   e.preventDefault();
-  const input = document.querySelector("#ticket");
+  const input = $("#ticket");
   addTickets(input.value);
   input.value = "";
+  askToNotify();
 });
-if (location.hash.length > 1) {
-  addTickets(decodeURIComponent(location.hash.slice(1)));
-  history.replaceState(null, "", location.pathname);
-}
-follow();
+$("#search").addEventListener("submit", (e) => { e.preventDefault(); relist(); });
+for (const field of ["#state", "#from", "#to"]) $(field).addEventListener("change", relist);
+let typing = null;
+$("#q").addEventListener("input", () => {
+  clearTimeout(typing);
+  typing = setTimeout(relist, 250);
+});
+$("#batch").addEventListener("click", batch);
+$("#notify").addEventListener("click", askToNotify);
+window.addEventListener("hashchange", takeHash);
+notifyState();
+if (location.hash.length > 1) takeHash(); else { follow(); relist(); }
+setInterval(relist, 8000);
 """
 
 _PAGE: Final = """<!doctype html>
@@ -153,33 +380,49 @@ _PAGE: Final = """<!doctype html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Jobs - pipework</title>
+<title>Downloads - pipework</title>
 <link rel="icon" href="data:,">
 <style>
   body { font: 15px/1.4 system-ui, sans-serif; margin: 2rem; color: #222; }
   h1 { font-size: 1.4rem; margin: 0 0 1rem; }
-  table { border-collapse: collapse; min-width: 48rem; }
-  th, td { text-align: left; padding: .45rem .8rem; border-bottom: 1px solid #ddd; }
-  td.id { font-family: ui-monospace, monospace; font-size: .85rem; }
-  .status { font-weight: 600; border-radius: .3rem; }
+  table { border-collapse: collapse; min-width: 60rem; }
+  th, td { text-align: left; padding: .4rem .6rem; border-bottom: 1px solid #ddd; }
+  td { white-space: nowrap; }
+  td.id { font-family: ui-monospace, monospace; font-size: .75rem; color: #666; }
+  td.num { text-align: right; font-variant-numeric: tabular-nums; }
+  .status { font-weight: 600; }
   .queued, .suspended { color: #555; }
   .running { color: #0b62c4; }
   .done { color: #137a2e; }
-  .failed, .expired { color: #b3261e; cursor: help; }
-  .cancelled { color: #888; }
-  progress { width: 10rem; vertical-align: middle; }
+  .failed { color: #b3261e; cursor: help; }
+  .expired, .cancelled, .unknown { color: #888; }
+  tr[data-status="expired"] td, tr[data-status="unknown"] td { color: #888; }
+  .mark { color: #137a2e; font-size: .85rem; }
+  progress { width: 8rem; vertical-align: middle; }
   #live { font-size: .8rem; color: #666; margin-left: .5rem; }
-  form { margin: 1rem 0; }
-  #ticket { width: 32rem; font-family: ui-monospace, monospace; }
+  form { margin: .6rem 0; }
+  #ticket { width: 28rem; font-family: ui-monospace, monospace; }
+  #note { color: #b3261e; min-height: 1.2em; margin: .3rem 0; }
 </style>
 </head>
 <body>
-<h1>Your jobs <span id="live">connecting</span></h1>
+<h1>Your jobs and downloads <span id="live">connecting</span></h1>
 <form id="add"><input id="ticket" placeholder="job id:token" aria-label="job ticket">
-<button>Follow</button></form>
+<button>Follow</button> <button type="button" id="notify">Notify me</button></form>
+<form id="search">
+<input id="q" type="search" placeholder="name or id" aria-label="search by name or id">
+<select id="state" aria-label="state"><option value="">any state</option>
+<option value="queued,running,suspended">running</option><option>done</option>
+<option>failed</option><option>expired</option><option>cancelled</option></select>
+<label>from <input id="from" type="date"></label> <label>to <input id="to" type="date"></label>
+<button>Search</button>
+<button type="button" id="batch" disabled>Download selected as zip</button>
+</form>
+<p id="note" role="status"></p>
 <p id="empty">No jobs yet: add a ticket (the job's id and token, as id:token).</p>
 <table id="jobs">
-<thead><tr><th>Job</th><th>Route</th><th>Status</th><th>Progress</th><th></th></tr></thead>
+<thead><tr><th></th><th>Name</th><th>Job</th><th>State</th><th>Progress</th><th>Rows</th>
+<th>Size</th><th>Created</th><th>Finished</th><th>Expires</th><th></th><th></th></tr></thead>
 <tbody></tbody>
 </table>
 <script>SCRIPT</script>
@@ -187,7 +430,7 @@ _PAGE: Final = """<!doctype html>
 </html>
 """
 
-_HTML: Final = _PAGE.replace("SCRIPT", _SCRIPT).encode()
+_HTML: Final = _PAGE.replace("<script>SCRIPT</script>", f"<script>{_SCRIPT}</script>").encode()
 _SCRIPT_HASH: Final = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
 _CSP: Final = (
     "default-src 'none'; connect-src 'self'; style-src 'unsafe-inline'; "

@@ -127,6 +127,17 @@ class CallbackSigner:
         if int(exp) <= self._clock():
             raise _refused("the callback URL has expired; ask the job for a new one")
 
+    def now(self) -> float:
+        """Unix time as this signer reads it (its ``clock``)."""
+        return self._clock()
+
+    def signature(self, method: str, target: str, expires: int) -> str:
+        """The signature of ``method`` on ``target`` (a path, with what else it names)
+        until ``expires``: the key and the HMAC of callback URLs, for the container's other
+        signed links (the download centre's). A callback is always ``POST`` on
+        ``/callbacks/...``, so no other link's signature can pass for one."""
+        return self._sign(method, target, expires)
+
     def _sign(self, method: str, path: str, expires: int) -> str:
         message = f"{method}\n{path}\n{expires}".encode()
         digest = hmac.new(self._key, message, hashlib.sha256).digest()

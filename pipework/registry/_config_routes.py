@@ -28,6 +28,7 @@ from ..pipes._stages import (
     quorum,
     serial,
 )
+from ._config_edge import EDGE_ROUTE_KEYS
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table, report_unknown
 
@@ -45,6 +46,8 @@ ROUTE_KEYS: Final = (
     "result",
     "max_body",
     "body",
+    *EDGE_ROUTE_KEYS,
+    "rate_limits",
 )
 #: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
 PROXY_KEYS: Final = (
@@ -63,6 +66,8 @@ PROXY_KEYS: Final = (
     "chain",
     "after",
     "websocket",
+    *EDGE_ROUTE_KEYS,
+    "rate_limits",
 )
 _PROXY_ONLY: Final = tuple(k for k in PROXY_KEYS if k not in ROUTE_KEYS and k != "proxy")
 _ROUTE_HINT: Final = "expected one of: " + ", ".join(sorted(ROUTE_KEYS))
