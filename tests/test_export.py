@@ -268,7 +268,7 @@ async def test_a_record_left_running_is_failed_at_start_up(orders: Path, tmp_pat
     (tmp_path / "killed.csv.part").write_text("id\n1\n")
     records = Records(tmp_path / "exports.sqlite3")
     records.open()
-    records.create("killed-xlsx", owner, now - 60.0)
+    records.create("killed-xlsx", owner, now - 60.0, "xlsx")
     records.close()
     (tmp_path / "killed-xlsx.xlsx.part").write_bytes(b"PK")
     (tmp_path / "killed-xlsx.xlsx.tmp").mkdir()
@@ -598,6 +598,8 @@ async def test_an_xlsx_export_has_typed_cells_and_a_sheet_every_rows_per_sheet(
             result = await example.client.get(f"/jobs/{job_id}/result", headers=bearer(token))
             assert result.status_code == 200, result.text
             download = await example.client.get(result.json()["file"], headers=bearer(token))
+            # The download centre (pipework's) names and serves it as an xlsx file too.
+            centre = await example.client.get(f"/jobs/{job_id}/file", headers=bearer(token))
     expected = typed_rows(orders, "WHERE status = ?", ("shipped",))
     assert 3_000 < len(expected) < 4_500  # so three sheets: 1,500, 1,500 and the rest
     assert result.json()["format"] == "xlsx"
@@ -608,6 +610,10 @@ async def test_an_xlsx_export_has_typed_cells_and_a_sheet_every_rows_per_sheet(
     )
     assert int(download.headers["content-length"]) == len(download.content)
     assert f"orders-{job_id}.xlsx" in download.headers["content-disposition"]
+    assert centre.status_code == 200, centre.text
+    assert centre.headers["content-type"] == download.headers["content-type"]
+    assert f"orders-{job_id}.xlsx" in centre.headers["content-disposition"]
+    assert centre.content == download.content
     sheets = await trio.to_thread.run_sync(xlsx_sheets, download.content)
     assert list(sheets) == ["orders 1", "orders 2", "orders 3"]
     assert [len(rows) - 1 for rows in sheets.values()] == [1_500, 1_500, len(expected) - 3_000]
@@ -647,7 +653,10 @@ async def test_an_xlsx_export_starts_its_second_sheet_after_100_000_rows(tmp_pat
         async with serving(
             ExportConfig(source=source, directory=out, progress_every=50_000)
         ) as example:
-            job_id, token = await example.submit({"format": "xlsx"})
+            # The format as a query parameter: the container puts it in the job's state.
+            accepted = await example.client.post("/exports?format=xlsx", json={})
+            assert accepted.status_code == 202, accepted.text
+            job_id, token = accepted.json()["id"], accepted.json()["token"]
             await example.wait(job_id)
             download = await example.client.get(f"/exports/{job_id}/file", headers=bearer(token))
     assert download.status_code == 200, download.text

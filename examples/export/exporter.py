@@ -233,10 +233,9 @@ class Exporter:
     def _recover(self, reason: str, now: float) -> list[Record]:
         stale = self.records.fail_running(reason, now)
         for record in stale:
-            for form in FORMATS:  # a running record does not say which it was writing
-                partial = self._partial(record.id, form)
-                partial.unlink(missing_ok=True)
-                shutil.rmtree(scratch_directory(partial), ignore_errors=True)
+            partial = self._partial(record.id, record.format)
+            partial.unlink(missing_ok=True)
+            shutil.rmtree(scratch_directory(partial), ignore_errors=True)
         return stale
 
     async def cleanup(self, now: float | None = None) -> list[Record]:
@@ -268,7 +267,7 @@ class Exporter:
         copy: _Copy | None = None
         rows = 0
         try:
-            create = functools.partial(self.records.create, export_id, owner, self.now())
+            create = functools.partial(self.records.create, export_id, owner, self.now(), form)
             await self._blocking(create)
             _log.info("export %s started (correlation id %s)", export_id, ctx.correlation_id)
             copy = await self._blocking(
@@ -372,12 +371,12 @@ class Exporter:
         kept = None if record.finished is None else record.finished + self.config.retention
         return pw.ResultFile(
             job_id=record.id,
-            name=f"orders-{record.id}.csv",
+            name=f"orders-{record.id}.{record.format}",
             owner=record.owner,
             state=record.status,
             path=path,
             chain=CHAIN,
-            media_type="text/csv; charset=utf-8",
+            media_type=_MEDIA_TYPES.get(record.format, _MEDIA_TYPES["csv"]),
             rows=record.rows,
             size=size,
             created=record.created,
@@ -459,7 +458,7 @@ class Exporter:
         # Opened before answering: a cleanup that deletes the file now cannot cut the
         # download short (the open file lives on until it is closed).
         size = os.fstat(file.fileno()).st_size
-        form = _form_of(found.file)
+        form = found.format
         response = Response(self._chunks(file), content_type=_MEDIA_TYPES[form])
         response.headers["Content-Length"] = str(size)
         response.headers["Content-Disposition"] = (
@@ -746,12 +745,6 @@ def _request(state: Mapping[str, Any]) -> tuple[str | None, str]:
     if form not in FORMATS:
         raise Refused(f"'format' must be one of {', '.join(FORMATS)}, got {form!r}")
     return status, str(form)
-
-
-def _form_of(file: str) -> str:
-    """The format of a finished export's file, from its name (``{id}.csv``, ``{id}.xlsx``)."""
-    suffix = file.rsplit(".", 1)[-1]
-    return suffix if suffix in FORMATS else "csv"
 
 
 def _reason(ctx: pw.Context, rows: int, exc: BaseException) -> str:
