@@ -225,3 +225,56 @@ async def test_no_slot_free_for_its_first_pipe_skips_it_without_waiting(
     assert calls == []
     assert result == {"product": "lamp", "recs": [], "degraded": {"fetch+rank": "no_slot"}}
     assert degraded_total(engine, "page", "fetch+rank", "no_slot") == 1
+
+
+def test_a_marked_branch_outside_a_parallel_stage_is_refused() -> None:
+    marked = recs_branch([], optional=True)
+    with pytest.raises(pw.RegistrationError, match="only a branch of all_of"):
+        pw.serial(load, marked)
+    engine = pw.Engine()
+    with pytest.raises(pw.RegistrationError, match=r"chain 'page': item 0 is branch 'fetch\+rank'"):
+        engine.chain("page", marked)
+    graph = pw.graph(pw.node("a", load), pw.node("recs", marked, after=["a"]))
+    assert graph.names == ("a", "recs")  # a graph names its nodes: the record says "recs"
+
+
+async def test_a_graph_nodes_chain_is_degraded_under_the_nodes_name(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = pw.Engine()
+
+    async def show(ctx: pw.Context) -> None:
+        ctx.state["shown"] = ctx.state.get("recs", "none")
+
+    recs = recs_branch([], fail=True, fallback={"recs": "fallback"})
+    engine.chain(
+        "page",
+        pw.graph(
+            pw.node("load", load),
+            pw.node("recs", recs, after=["load"]),
+            pw.node("show", show, after=["recs"]),
+        ),
+    )
+    async with engine:
+        result = await engine.run("page")
+    assert result == {
+        "product": "lamp",
+        "recs": "fallback",
+        "shown": "fallback",  # a node after it starts from what its fallback set
+        "degraded": {"recs": "error"},
+    }
+
+
+async def test_in_an_any_of_a_degraded_branch_may_answer(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine()
+
+    async def slow(ctx: pw.Context) -> None:
+        await trio.sleep(5)
+        ctx.state["recs"] = "slow"
+
+    engine.chain("page", pw.any_of(slow, recs_branch([], fail=True, fallback={"recs": []})))
+    async with engine:
+        start = trio.current_time()
+        result = await engine.run("page")
+        assert trio.current_time() == start
+    assert result == {"recs": [], "degraded": {"fetch+rank": "error"}}

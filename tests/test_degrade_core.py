@@ -212,6 +212,7 @@ _states = st.dictionaries(st.sampled_from(["a", "b", "c", "recs"]), _values, max
 @given(
     parent=_states,
     marks=st.dictionaries(st.sampled_from(["x", "y", "recs"]), st.sampled_from(REASONS)),
+    ancestors=_states,
     fallback=_states,
     name=st.sampled_from(["x", "recs", "fetch+rank"]),
     reason=st.sampled_from(REASONS),
@@ -219,21 +220,23 @@ _states = st.dictionaries(st.sampled_from(["a", "b", "c", "recs"]), _values, max
 def test_a_degraded_branch_hands_its_stage_its_fallback_and_its_mark_only(
     parent: dict[str, Any],
     marks: dict[str, str],
+    ancestors: dict[str, Any],
     fallback: dict[str, Any],
     name: str,
     reason: Any,
 ) -> None:
     if marks:
         parent = {**parent, "degraded": marks}
-    change = degraded_delta(parent, fallback, name, reason)
-    # Nothing but the fallback's keys and the record; nothing of the parent's removed.
-    assert set(change.touched) <= {*fallback, "degraded"}
+    start = {**parent, **ancestors}  # a graph node starts from its ancestors' results too
+    change = degraded_delta(parent, start, fallback, name, reason)
+    # Nothing but what it started from, its fallback's keys and the record; nothing removed.
+    assert set(change.touched) <= {*ancestors, *fallback, "degraded"}
     assert change.removed == ()
     # Merged as a stage merges it, the parent's state holds the fallback and every mark.
     merged = merge(dict(parent), [(name, change)], pw.all_of(noop).merge_rules, where="test")
     assert merged["degraded"] == {**marks, name: reason}
     for key, value in fallback.items():
         assert merged[key] == value
-    for key in parent.keys() - fallback.keys() - {"degraded"}:
-        assert merged[key] == parent[key]
+    for key in start.keys() - fallback.keys() - {"degraded"}:
+        assert merged[key] == start[key]
     assert parent.get("degraded", {}) == marks  # the parent's record is not changed in place

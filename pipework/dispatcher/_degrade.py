@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
@@ -268,15 +268,15 @@ class Degrader:
         stage: Parallel,
         index: int,
         reason: Reason,
-        parent_state: dict[str, object],
+        start: dict[str, Any],
     ) -> Delta:
         """Degrade branch ``index``: recorded, counted and logged; what it hands its stage
-        instead (its fallback and its mark: nothing it wrote)."""
+        instead, against ``parent``'s state: ``start`` (the state it started, or would have
+        started, from), its fallback and its mark: nothing it wrote."""
         name = stage.names[index]
         self._note(parent, chain, stage, index, reason)
-        return degraded_delta(
-            dict(parent_state), stage.branches[index].fallback_state(), name, reason
-        )
+        fallback = stage.branches[index].fallback_state()
+        return degraded_delta(parent.state, start, fallback, name, reason)
 
     def _note(self, job: Job, chain: Chain, stage: Parallel, index: int, reason: Reason) -> None:
         name = stage.names[index]

@@ -111,12 +111,17 @@ def reason_after(failed: bool, timed_out: bool) -> Reason | None:
 
 
 def degraded_delta(
-    parent: dict[str, Any], fallback: dict[str, Any], name: str, reason: Reason
+    parent: dict[str, Any],
+    start: dict[str, Any],
+    fallback: dict[str, Any],
+    name: str,
+    reason: Reason,
 ) -> Delta:
     """What a branch ``name`` degraded for ``reason`` hands its stage instead of what it
-    did: its ``fallback`` (may be empty) and its mark in ``parent``'s record, nothing else
-    (whatever the branch wrote is dropped whole)."""
-    after = dict(parent)
+    did, against ``parent``'s state: the state it started from (``start``: the parent's,
+    with what a graph node's ancestors produced), its ``fallback`` (may be empty) and its
+    mark, nothing else (whatever the branch wrote is dropped whole)."""
+    after = dict(start)
     after.update(fallback)
     mark(after, name, reason)
     return delta(parent, after)

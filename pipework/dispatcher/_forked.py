@@ -127,9 +127,8 @@ class Forked:
             )
             if reason is not None:
                 record.children[index] = f"{record.id}.{index}"  # no job: nothing to cancel
-                return degrader.branch_instead(
-                    parent, run.chain, stage, index, reason, parent.state
-                )
+                start = run.start_state(index, snapshot(parent.state))
+                return degrader.branch_instead(parent, run.chain, stage, index, reason, start)
         child = Job(
             id=new_job_id(),
             chain=parent.chain,
@@ -181,8 +180,14 @@ class Forked:
             # Its job can do without it: what it wrote is dropped, its fallback answers.
             assert self.degrader is not None
             outcome, error = "ok", None
+            record = parent.join
+            start = parent_state
+            if record is not None and record.id == branch.join_id:  # else it is heard late
+                start = StageRun(stage, chain, record).start_state(
+                    branch.branch, snapshot(parent_state)
+                )
             change = self.degrader.branch_instead(
-                parent, chain, stage, branch.branch, reason, parent_state
+                parent, chain, stage, branch.branch, reason, start
             )
         elif branch.exception is not None:
             self._flight.branch_errors[branch.id] = branch.exception

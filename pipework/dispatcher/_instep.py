@@ -253,9 +253,8 @@ class InStepStage:
                 chain, self.stage, index, record.deadline, trio.current_time()
             )
             if reason is not None:
-                return degrader.branch_instead(
-                    parent, chain, self.stage, index, reason, parent.state
-                )
+                start = self.run_of.start_state(index, self._snapshot())
+                return degrader.branch_instead(parent, chain, self.stage, index, reason, start)
         root = self.stage.branches[index]
         flat = root.flat
         branch = Job(
@@ -350,9 +349,8 @@ class InStepStage:
         if reason is not None:
             # Its job can do without it: what it wrote is dropped, its fallback answers.
             outcome, error = "ok", None
-            change = degrader.branch_instead(
-                self.parent, chain, stage, index, reason, self.parent.state
-            )
+            start = self.run_of.start_state(index, self._snapshot())
+            change = degrader.branch_instead(self.parent, chain, stage, index, reason, start)
         elif branch.exception is not None:  # in the process-local side table, as any branch's
             self.parts.flight.branch_errors[branch.id] = branch.exception
         call = graph_callback(self.stage, self.parent.id, index, outcome, branch.exception)

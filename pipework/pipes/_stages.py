@@ -37,6 +37,7 @@ __all__ = [
     "all_of",
     "any_of",
     "branch",
+    "check_unmarked",
     "graph",
     "node",
     "quorum",
@@ -192,6 +193,7 @@ def serial(*items: StageItem, timeout: float | None = None) -> Serial:
         raise RegistrationError("serial() needs at least one pipe or stage")
     for index, item in enumerate(items):
         _check_item("serial", f"item {index}", item)
+        check_unmarked("serial()", f"item {index}", item)
     _check_timeout("serial", timeout)
     return Serial(tuple(items), timeout)
 
@@ -243,6 +245,16 @@ def _derived_name(items: Sequence[StageItem]) -> str:
         else:
             names.append(getattr(item, "__name__", "pipe"))
     return "+".join(names)
+
+
+def check_unmarked(where: str, what: str, item: object) -> None:
+    """A :func:`branch` is a parallel stage's: in a sequence its marks would mean nothing."""
+    if isinstance(item, Serial) and item.degradable:
+        raise RegistrationError(
+            f"{where}: {what} is branch {item.name!r}, marked optional or with a fallback; only "
+            "a branch of all_of, any_of, quorum or a graph node can be: put it in one, or "
+            "mark the pipes it can do without"
+        )
 
 
 def _check_timeout(kind: str, timeout: float | None) -> None:
