@@ -280,10 +280,11 @@ def _branches(kind: str, items: Sequence[StageItem]) -> tuple[tuple[Serial, ...]
         branches.append(item if isinstance(item, Serial) else Serial((item,)))
         if isinstance(item, str):
             names.append(item)
-        elif isinstance(item, Pipe) or (isinstance(item, Serial) and item.name is not None):
+        elif isinstance(item, Pipe):
             names.append(item.name)
         elif isinstance(item, Serial | Parallel):
-            names.append(f"branch[{index}]")
+            named = item.name if isinstance(item, Serial) else None
+            names.append(named if named is not None else f"branch[{index}]")
         else:
             names.append(getattr(item, "__name__", f"branch[{index}]"))
     return tuple(branches), tuple(names)
