@@ -278,3 +278,14 @@ async def test_in_an_any_of_a_degraded_branch_may_answer(autojump_clock: trio.ab
         result = await engine.run("page")
         assert trio.current_time() == start
     assert result == {"recs": [], "degraded": {"fetch+rank": "error"}}
+
+
+async def test_a_branch_run_as_a_child_job_is_measured_too(autojump_clock: trio.abc.Clock) -> None:
+    engine = pw.Engine(pool=recs_pool())
+    calls: list[str] = []
+    engine.chain("page", load, pw.all_of(recs_branch(calls, seconds=2, key="recs", optional=True)))
+    async with engine:
+        await engine.run("page", timeout=10)  # it ran, as a child job: it takes 2 s
+        result = await engine.run("page", timeout=1.5)
+    assert calls == ["fetch", "rank"]
+    assert result == {"product": "lamp", "degraded": {"fetch+rank": "deadline"}}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import trio
 
@@ -50,6 +50,9 @@ from ._pipe_run import PipeRunner
 from ._status import RUNNING, Status
 
 __all__ = ["NEVER_REFUSING", "Degrader", "Refusals"]
+
+#: Start times of branches run as child jobs kept at most (see ``Degrader.branch_starts``).
+_STARTS_MAX: Final = 4096
 
 
 @runtime_checkable
@@ -95,6 +98,9 @@ class Degrader:
         self.estimates = Estimates()
         #: What each branch its job can do without usually takes, by chain and branch name.
         self.branch_estimates = Estimates()
+        #: When this process started each such branch run as a child job, by its id: its
+        #: end may be heard in another process, whose clock is not comparable.
+        self.branch_starts: dict[str, float] = {}
 
     def before(self, pipe: Pipe, key: str, deadline: float, now: float) -> Reason | None:
         """Why ``pipe``, about to run under ``key`` with ``deadline`` (its stage's), is
@@ -235,13 +241,27 @@ class Degrader:
             estimates.skipped(name)
         return reason
 
+    def branch_started(self, branch_id: str, now: float) -> None:
+        """A branch its job can do without was started as a child job at ``now``."""
+        starts = self.branch_starts
+        if len(starts) >= _STARTS_MAX:  # ends heard by other processes: forget the oldest
+            del starts[next(iter(starts))]
+        starts[branch_id] = now
+
     def branch_ended(
-        self, chain: Chain, stage: Parallel, index: int, branch: Job, now: float
+        self,
+        chain: Chain,
+        stage: Parallel,
+        index: int,
+        branch: Job,
+        started: float | None,
+        now: float,
     ) -> Reason | None:
         """Why an ended branch its job can do without is degraded now (``error``, or
         ``timeout`` of its own), None when it is not (it ended well, was cancelled, ran out
         of its stage's or its job's time, or is not such a branch). Its duration, when it
-        ran to its end or its own timeout, is what it usually takes."""
+        ran to its end or its own timeout, is what it usually takes (``started``: when this
+        process started it; None: it does not know)."""
         root = stage.branches[index]
         if not root.degradable:
             return None
@@ -255,10 +275,9 @@ class Degrader:
         name = stage.names[index]
         marks = branch.state.get(DEGRADED_KEY)
         skipped = isinstance(marks, dict) and name in marks  # degraded at its start
-        took = now - branch.accepted_at
         ran = (branch.status is Status.DONE and not skipped) or reason == "timeout"
-        if ran and 0 <= took < math.inf:  # a clock of another process is not comparable
-            self.branch_estimates.observe(f"{chain.name}/{name}", took)
+        if ran and started is not None and started <= now:
+            self.branch_estimates.observe(f"{chain.name}/{name}", now - started)
         return reason
 
     def branch_instead(

@@ -147,6 +147,8 @@ class Forked:
             admitted=parent.admitted,
         )
         start_frames(child, run.chain, self._flight.clock())
+        if self.degrader is not None and stage.branches[index].degradable:
+            self.degrader.branch_started(child.id, child.accepted_at)
         record.children[index] = child.id
         await self._store.create(child)
         if go:
@@ -170,7 +172,8 @@ class Forked:
         if stage.branches[branch.branch].degradable:
             assert self.degrader is not None, "the degrader is wired in with the dispatcher"
             now = trio.current_time()
-            reason = self.degrader.branch_ended(chain, stage, branch.branch, branch, now)
+            started = self.degrader.branch_starts.pop(branch.id, None)
+            reason = self.degrader.branch_ended(chain, stage, branch.branch, branch, started, now)
         parent_state = {}
         if outcome == "ok" or reason is not None:  # its delta is against the parent's state
             parent = await self._store.get(branch.parent)

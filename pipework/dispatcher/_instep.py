@@ -342,7 +342,9 @@ class InStepStage:
         stage, chain = self.stage, self.run_of.chain
         degrader = self.parts.degrader
         reason = (
-            degrader.branch_ended(chain, stage, index, branch, trio.current_time())
+            degrader.branch_ended(
+                chain, stage, index, branch, branch.accepted_at, trio.current_time()
+            )
             if stage.branches[index].degradable
             else None
         )
