@@ -63,9 +63,10 @@ class Serial:
 
     kind = "serial"
 
-    @property
+    @cached_property
     def degradable(self) -> bool:
-        """Whether the job can do without this sequence as a branch (docs/degradation.md)."""
+        """Whether the job can do without this sequence as a branch (docs/degradation.md):
+        read at each start and end of a branch, so computed once."""
         return self.optional or self.fallback is not None
 
     def fallback_state(self) -> dict[str, Any]:
