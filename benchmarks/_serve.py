@@ -14,6 +14,7 @@ on stdout once it listens, and serves until killed. KIND is:
   function with the same options and the same garbage-collector threshold a container
   serves with (``ContainerConfig.gc_threshold``), so the two differ only in their code;
 - ``raw``: a raw trio-socket HTTP responder (the load generator's ceiling).
+- ``raw-tls``: the same behind TLS (``--cert``, ``--key``), for the clients' https cost.
 
 Every kind answers ``n * 2`` to a body ``{"n": n}``. The pipework and bare servers also
 serve ``GET /_bench/parked`` and ``POST /_bench/release`` for the parking scenario.
@@ -25,6 +26,7 @@ import argparse
 import functools
 import json
 import resource
+import ssl
 import sys
 from contextlib import AsyncExitStack
 
@@ -144,17 +146,25 @@ async def _serve_bare() -> None:
             _announce(address)
 
 
-async def _serve_raw() -> None:
+async def _serve_raw(cert: str | None = None, key: str | None = None) -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=4096)
     host, port = listeners[0].socket.getsockname()[:2]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, raw_responder(), listeners)
+        if cert is not None and key is not None:  # raw-tls: the same responder behind TLS
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(cert, key)
+            secure = [trio.SSLListener(listener, context) for listener in listeners]
+            nursery.start_soon(trio.serve_listeners, raw_responder(), secure)
+        else:
+            nursery.start_soon(trio.serve_listeners, raw_responder(), listeners)
         _announce(BoundAddress(host, port))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._serve", description=__doc__)
-    parser.add_argument("kind", choices=["pipework", "bare", "raw"])
+    parser.add_argument("kind", choices=["pipework", "bare", "raw", "raw-tls"])
+    parser.add_argument("--cert", help="raw-tls: the server's certificate (PEM)")
+    parser.add_argument("--key", help="raw-tls: its key (PEM)")
     parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
     parser.add_argument("--backend", help="pipework: serve POST /call, calling GET BACKEND/x")
     parser.add_argument("--trace-to", help="pipework: tracing on, exported to this OTLP URL")
@@ -164,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(_serve_pipework, args.parked, args.backend, args.trace_to)
     elif args.kind == "bare":
         trio.run(_serve_bare)
+    elif args.kind == "raw-tls":
+        trio.run(_serve_raw, args.cert, args.key)
     else:
         trio.run(_serve_raw)
     return 0

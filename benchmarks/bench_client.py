@@ -11,14 +11,21 @@ pipe's ``Backends.call`` (the request rendered from a call template, the answer 
 parsed) on the lean pool and on httpx (``transport=`` forces httpx). Rows are µs per call,
 the median of the repetitions; the ratio is that over the bare exchange's median.
 
+Over https (the same responder behind TLS, ``_serve raw-tls``, a certificate made here with
+trustme): ``Backends.call`` on the lean pool (TLS under its connection) against the same
+call through httpx with the same TLS context, in the same run; the ratio is lean over
+httpx.
+
     .venv/bin/python -m benchmarks --quick --only bench_client
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -48,6 +55,8 @@ class _Ctx:
         self.path = "bench"
         self.correlation_id = "bench-0123456789abcdef"  # sent as the service's request id
         self.traceparent: str | None = None
+        self.tracestate: str | None = None
+        self.baggage: str | None = None
 
 
 class _BareH11:
@@ -138,12 +147,57 @@ async def _measure(host: str, port: int, n: int, reps: int) -> dict[str, tuple[f
     return {name: (statistics.median(values), base) for name, values in samples.items()}
 
 
+async def _measure_https(host: str, port: int, ca: str, n: int, reps: int) -> tuple[float, float]:
+    """``Backends.call`` over https: (lean pool µs, httpx µs), medians of the same run."""
+    url = f"https://{host}:{port}"
+    service = Service("users", url, max_connections=4, ca_bundle=ca)
+    context = service.ssl_context()
+    assert context is not None
+    call = HttpCall.of("users", "/users/{id}")
+    ctx = cast(Context, _Ctx())
+    transport = httpx.AsyncHTTPTransport(verify=context)
+    async with (
+        Backends([service]) as lean,
+        Backends([service], transport=transport) as through_httpx,
+    ):
+
+        async def via_lean() -> object:
+            return await lean.call(call, ctx)
+
+        async def via_httpx() -> object:
+            return await through_httpx.call(call, ctx)
+
+        for subject in (via_lean, via_httpx):  # warm-up: the handshakes are done here
+            await _per_call(subject, max(n // 10, 10))
+        lean_us: list[float] = []
+        httpx_us: list[float] = []
+        for _ in range(reps):
+            lean_us.append(await _per_call(via_lean, n))
+            httpx_us.append(await _per_call(via_httpx, n))
+    return statistics.median(lean_us), statistics.median(httpx_us)
+
+
+def _https(n: int, reps: int) -> tuple[float, float]:
+    import trustme  # a test dependency: only this row needs it
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    with tempfile.TemporaryDirectory() as directory:
+        cert, key, ca_file = (os.path.join(directory, n) for n in ("c.pem", "k.pem", "ca.pem"))
+        leaf.cert_chain_pems[0].write_to_path(cert)
+        leaf.private_key_pem.write_to_path(key)
+        ca.cert_pem.write_to_path(ca_file)
+        with server("raw-tls", "--cert", cert, "--key", key) as backend:
+            return trio.run(_measure_https, backend.host, backend.port, ca_file, n, reps)
+
+
 def run(quick: bool) -> list[dict[str, object]]:
     n, reps = (500, 5) if quick else (2_000, 7)
     gc.disable()  # as timeit does: a collection landing in one side's loop is noise
     try:
         with server("raw") as backend:
             results = trio.run(_measure, backend.host, backend.port, n, reps)
+        lean_https, httpx_https = _https(n, reps)
     finally:
         gc.enable()
     goals = {"pipework lean pool (h11)": "≤ 1.5×", "Backends.call, lean pool": "report only"}
@@ -161,6 +215,19 @@ def run(quick: bool) -> list[dict[str, object]]:
                 "calls; server in its own process",
             }
         )
+    rows.append(
+        {
+            "scenario": "client: Backends.call over https, lean pool (TLS), one kept-alive "
+            "connection, GET",
+            "subject_us": round(lean_https, 1),
+            "baseline": "Backends.call over https through httpx (transport=, same TLS context)",
+            "baseline_us": round(httpx_https, 1),
+            "ratio": round(lean_https / httpx_https, 2),
+            "goal": "report only",
+            "note": f"{'quick run: ' if quick else ''}median of {reps} × {n:,} sequential "
+            "calls; TLS server in its own process",
+        }
+    )
     return rows
 
 

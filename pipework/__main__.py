@@ -1,7 +1,8 @@
 """The ``pipework`` command line.
 
     pipework serve FILE.toml | MODULE:FACTORY [--host HOST] [--port PORT] [--workers N] ...
-    pipework check FILE [--format text|json]   validate a gateway file: every problem
+    pipework check FILE [--format text|json] [--fetch]   validate a gateway file: every
+                                 problem (--fetch: fetch its JWKS URLs too)
     pipework routes FILE         the routes and their resolved chains
     pipework graph FILE [--out DIR]   each route's chain as a Mermaid diagram
     pipework --version
@@ -136,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                 choices=["text", "json"],
                 help="json: one JSON document on stdout (valid, errors, warnings), for CI",
             )
+            command.add_argument(
+                "--fetch",
+                action="store_true",
+                help="also fetch every jwks_url the file names and check the keys it serves",
+            )
     return parser
 
 
@@ -224,15 +230,26 @@ def _supervise(args: argparse.Namespace) -> int:
         server = gateway.config.server
         host, port = args.host or server.host, server.port if args.port is None else args.port
         grace = gateway.overrides.get("shutdown_grace", server.shutdown_grace)
+        # Each worker reads the file's TLS settings itself (and again on SIGHUP).
+        scheme = "http" if server.tls is None else "https"
         local = _file_store_is_local(gateway.config)
         served = [rc.route for rc in gateway.config.routes.values()]
         boards = _local_boards_problem(gateway.config, args.workers)
         if boards is not None:
             print(boards, file=sys.stderr)
             return 1
+        if gateway.config.rate_limits.limits and gateway.config.rate_limits.store == "memory":
+            _log.warning(
+                "%d workers with the memory rate-limit store: each worker counts its own "
+                "requests, so a limit lets through up to %d times its rate and burst; "
+                '[rate_limits] store = "redis" makes every worker count together',
+                args.workers,
+                args.workers,
+            )
     else:
         engine = load_engine(args.target)
         host, port = args.host or "127.0.0.1", 8000 if args.port is None else args.port
+        scheme = "http"
         grace = _overrides(args).get("shutdown_grace", _DEFAULTS.shutdown_grace)
         local = isinstance(engine.store, MemoryJobStore)
         served = list(routes_of(engine.registry))
@@ -255,9 +272,9 @@ def _supervise(args: argparse.Namespace) -> int:
     with sock:
         bound_host, bound_port = sock.getsockname()[:2]
         url = (
-            f"http://[{bound_host}]:{bound_port}"
+            f"{scheme}://[{bound_host}]:{bound_port}"
             if ":" in bound_host
-            else (f"http://{bound_host}:{bound_port}")
+            else (f"{scheme}://{bound_host}:{bound_port}")
         )
         supervisor = Supervisor(
             functools.partial(_worker_command, args),
@@ -456,7 +473,7 @@ async def _reload(reload: Callable[[], Awaitable[Any]] | None) -> None:
 
 _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "serve": _serve,
-    "check": lambda args: check(args.file, format=args.format),
+    "check": lambda args: check(args.file, format=args.format, fetch=args.fetch),
     "routes": lambda args: routes(args.file),
     "graph": lambda args: graph(args.file, args.out),
 }

@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from ._errors import ConfigProblem
+from ._http._auth import fetch_url, jwks_keys
 from .pipes._pipe import Pipe
 from .registry._config import GatewayConfig, ProxyConfig, build_registry, load_config
 from .registry._config_draw import chain_text, mermaid
@@ -20,6 +23,9 @@ from .registry._config_problems import ConfigError
 from .registry._registry import Registry
 
 __all__ = ["check", "graph", "routes"]
+
+#: Seconds ``check --fetch`` gives each JWKS URL.
+_FETCH_TIMEOUT = 10.0
 
 
 def _load(
@@ -37,19 +43,29 @@ def _load(
     return config, build_registry(config, config.backends())
 
 
-def check(path: str | os.PathLike[str], *, format: str = "text") -> int:
+def check(path: str | os.PathLike[str], *, format: str = "text", fetch: bool = False) -> int:
     """Validate the file: a one-line summary (and any warnings) when it is valid, every
     problem otherwise. ``format="json"`` prints one JSON document on stdout instead (for
     CI pipelines): ``valid``, ``source``, ``errors`` and ``warnings`` (each with ``path``,
-    ``line``, ``message``), and the summary's counts when the file is valid."""
+    ``line``, ``message``), and the summary's counts when the file is valid. ``fetch``:
+    also fetch every ``jwks_url`` the file names (never fetched otherwise: a check runs
+    where the identity provider may be out of reach) and report one that fails or serves
+    no usable key as an error."""
     if format == "json":
-        return _check_json(path)
+        return _check_json(path, fetch)
     loaded = _load(path)
     if loaded is None:
+        return 1
+    fetched = _fetch_jwks(loaded[0]) if fetch else []
+    for problem in fetched:
+        print(problem.format(loaded[0].source), file=sys.stderr)
+    if fetched:
         return 1
     s = loaded[0].summary()
     warned = len(s["warnings"])
     proxies = f", {_count(s['proxy_routes'], 'proxy route')}" if s["proxy_routes"] else ""
+    if s["rate_limits"]:
+        proxies += f", {_count(s['rate_limits'], 'rate limit')}"
     print(
         f"{s['source']}: valid: {_count(s['services'], 'service')}, "
         f"{_count(s['pipes'], 'pipe')}, {_count(s['routes'], 'route')}{proxies}; "
@@ -59,7 +75,24 @@ def check(path: str | os.PathLike[str], *, format: str = "text") -> int:
     return 0
 
 
-def _check_json(path: str | os.PathLike[str]) -> int:
+def _fetch_jwks(config: GatewayConfig) -> list[ConfigProblem]:
+    """Fetch every JWKS URL of the file, each once; the problems, as errors at its key."""
+    found: list[ConfigProblem] = []
+
+    async def fetch_all() -> None:
+        for name, source in config.edge.jwks_urls.items():
+            try:
+                with trio.fail_after(_FETCH_TIMEOUT):
+                    jwks_keys(await fetch_url(source.url), source.url)
+            except (OSError, ValueError, trio.TooSlowError) as exc:
+                why = str(exc) or type(exc).__name__
+                found.append(ConfigProblem(f"auth.{name}.jwks_url", f"cannot use the JWKS: {why}"))
+
+    trio.run(fetch_all)
+    return found
+
+
+def _check_json(path: str | os.PathLike[str], fetch: bool = False) -> int:
     source = os.fspath(path)
     try:
         config = load_config(path)
@@ -67,10 +100,11 @@ def _check_json(path: str | os.PathLike[str]) -> int:
         problems: tuple[ConfigProblem, ...] = exc.problems
         document: dict[str, Any] = {"source": exc.source or source, "valid": False}
     else:
-        problems = config.warnings
+        fetched = tuple(_fetch_jwks(config)) if fetch else ()
+        problems = (*fetched, *config.warnings)
         summary = config.summary()
         del summary["warnings"]
-        document = {**summary, "valid": True}
+        document = {**summary, "valid": not fetched}
     document["errors"] = [_problem(p) for p in problems if p.severity == "error"]
     document["warnings"] = [_problem(p) for p in problems if p.severity == "warning"]
     print(json.dumps(document, indent=2))

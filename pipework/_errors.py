@@ -57,7 +57,16 @@ into one of the errors above, or into an HTTP answer, at its edge:
 - ``pipework.dispatcher``: ``PipeTimeout`` (``_outcomes.py``), a pipe's time running out
   inside its step, which becomes ``DeadlineExceeded`` naming the limit that fired;
 - ``pipework._http``: ``Problem`` (``_problems.py``), an HTTP error *answer* raised inside
-  a request handler and rendered there.
+  a request handler and rendered there; a route's authentication (``_auth.py``):
+  ``Refusal`` (a credential that is not good: a 401 problem with ``WWW-Authenticate``),
+  ``JwksUnavailable`` (no keys to verify a token with: a 503 problem) and ``JwksError``
+  (a JWKS document that is not one: a configuration problem, or a failed fetch logged and
+  the known keys kept); ``PreflightRefused`` (``_cors.py``: a CORS preflight the policy
+  does not allow, a 403 problem); ``LimitStoreUnavailable`` (``_ratelimit.py``: a rate
+  limit's store that could not be asked, decided by the limit's ``fail_open``).
+- ``pipework._tls``: ``TlsFileError``, a certificate, key or CA file that cannot be used,
+  naming its setting: the gateway file's reader reports it as a ``ConfigError`` problem at
+  that key (``pipework check``, a start, a reload refused).
 
 One more is not an error at all: a pipe's ``Suspend`` (``pipework.pipes._pipe``), a
 ``BaseException`` the dispatcher catches to park a job, as trio's ``Cancelled`` is. Classes
@@ -150,10 +159,17 @@ class Rejected(Overloaded):
 
 class StoreUnavailable(Overloaded):
     """The shared job store (Redis) cannot be reached, or did not answer in time: the work
-    is refused (HTTP 503), not lost; retry once it is back."""
+    is refused (HTTP 503), not lost; retry once it is back.
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    ``maybe_done``: what was sent may have reached the store and been done (its connection
+    was lost, or no answer came, after it was sent); False only when it provably was not
+    (no connection could be made, or the store refused it). ``job_id``: a job a submission
+    may have created so (its client is told to follow it, not to submit it again)."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, maybe_done: bool = True) -> None:
         super().__init__(message, reason="store_unavailable", retry_after=retry_after)
+        self.maybe_done = maybe_done
+        self.job_id: str | None = None
 
 
 class DeadlineExceeded(PipeworkError, TimeoutError):

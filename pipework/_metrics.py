@@ -273,6 +273,13 @@ class Metrics:
             ["route", "direction"],
             registry=r,
         )
+        self.rate_limit_decisions = Counter(
+            "pipework_rate_limit_decisions",
+            "Requests a rate limit decided on, by limit and decision (allowed, limited; "
+            "error: its store could not be asked, and the limit's failure policy decided).",
+            ["limit", "decision"],
+            registry=r,
+        )
         self.detached_failures = Counter(
             "pipework_detached_failures_total",
             "Detached (fire-and-forget) graph nodes that failed, by route (chain).",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import ssl
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -181,11 +182,14 @@ async def _echo_websocket(receive: Any, send: Any) -> None:
 
 
 @asynccontextmanager
-async def running_backend() -> AsyncIterator[Backend]:
+async def running_backend(ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Backend]:
+    """The backend on a free port; over TLS with ``ssl_context`` (its URL then https://)."""
     backend = Backend()
     async with trio.open_nursery() as nursery:
         address = await nursery.start(
-            functools.partial(serve, cast(Any, backend.app), host="127.0.0.1", port=0)
+            functools.partial(
+                serve, cast(Any, backend.app), host="127.0.0.1", port=0, ssl_context=ssl_context
+            )
         )
         backend.url, backend.port = address.url, address.port
         try:

@@ -256,7 +256,7 @@ async def test_with_every_host_drained_calls_are_refused_until_one_is_restored(
 
 
 async def test_hosts_answers_need_the_token_and_name_what_is_unknown(tmp_path: Path) -> None:
-    # An https:// service is called through httpx: no core, nothing to drain.
+    # An https:// service goes through its core as an http:// one: its host drains.
     extra = '\n[services.vault]\nbase_url = "https://vault.invalid"\n'
     with trio.fail_after(HANG_GUARD):
         async with hosts(echo, echo) as found:
@@ -270,7 +270,8 @@ async def test_hosts_answers_need_the_token_and_name_what_is_unknown(tmp_path: P
                 assert_problem(wrong, 401, "admin-unauthorized")
 
                 listed = await gw.services()
-                assert listed["vault"] == {"balanced": False, "hosts": []}
+                assert listed["vault"]["balanced"] is True
+                assert [h["url"] for h in listed["vault"]["hosts"]] == ["https://vault.invalid"]
                 unknown = await gw.admin(
                     "POST", f"/admin/services/user/hosts/{address(urls[0])}/drain"
                 )
@@ -286,9 +287,8 @@ async def test_hosts_answers_need_the_token_and_name_what_is_unknown(tmp_path: P
                 for url in urls:
                     assert address(url) in problem["detail"]  # the hosts it has
 
-                https = await gw.admin("POST", "/admin/services/vault/hosts/vault.invalid/drain")
-                problem = assert_problem(https, 409, "admin-service-not-balanced")
-                assert "https://" in problem["detail"]
+                vault = await gw.admin("POST", "/admin/services/vault/hosts/vault.invalid/drain")
+                assert vault.status_code == 200, vault.text
                 assert (await gw.admin("GET", drain)).status_code == 404  # a drain is a POST
                 # Nothing was drained by any of these.
                 assert {h["state"] for h in (await gw.services())["users"]["hosts"]} == {

@@ -1,6 +1,6 @@
 """The backends layer owns its errors: every way a call can fail on the wire surfaces from an
-HTTP pipe as pipework's error, the same for both clients (the lean pool for ``http://``,
-httpx for ``https://``, here over plain TCP), with the client's own exception as
+HTTP pipe as pipework's error, the same for both clients (the lean pool, and httpx for an
+injected transport, here over plain TCP), with the client's own exception as
 ``__cause__`` — and counts as the backend's trouble, which lowers an adaptive limit.
 Also the dispatcher's classification of backend trouble, which knows pipework's errors and
 the standard library's only.

@@ -161,7 +161,7 @@ def proxy(body: str) -> str:
             proxy("flavour = 1"),
             "error: routes.p.flavour: unknown key; a proxy route takes proxy, prefix, methods, "
             "strip_prefix, rewrite, host, key, timeout, connect_timeout, first_byte_timeout, "
-            "idle_timeout, max_body, chain, after, websocket",
+            "idle_timeout, max_body, chain, after, websocket, auth, scopes, cors, rate_limits",
             id="unknown-key",
         ),
         pytest.param(
@@ -346,8 +346,9 @@ def proxy(body: str) -> str:
         ),
         pytest.param(
             SERVICE + PIPE + '[routes.c]\npath = "/c"\nchain = ["auth"]\nflavour = 1',
-            "error: routes.c.flavour: unknown key; expected one of: body, chain, key, max_body, "
-            "method, mode, on_disconnect, path, result, sync_wait, timeout",
+            "error: routes.c.flavour: unknown key; expected one of: auth, body, chain, cors, key, "
+            "max_body, method, mode, on_disconnect, path, rate_limits, result, scopes, sync_wait, "
+            "timeout",
             id="chain-route-hint-unchanged",
         ),
     ],

@@ -43,11 +43,13 @@ def test_the_redis_store_and_queue_are_built_from_the_file() -> None:
                 "prefix": "shop",
                 "retain_seconds": 60,
                 "claim_idle": 5,
+                "resend_seconds": 12,
             },
         }
     )
     store, queue = config.store.build(queue_capacity=7)
     assert isinstance(store, RedisJobStore)
+    assert store.resend_seconds == 12
     assert (store.url, store.prefix, store.retain_seconds) == (
         "redis://redis.internal:6379/2",
         "shop",
@@ -119,6 +121,7 @@ def test_the_url_may_come_from_the_environment() -> None:
         ({"remember_gone_count": 2.5}, "store.remember_gone_count", "an integer"),
         ({"remember_gone_seconds": -1}, "store.remember_gone_seconds", "0 or more, got -1"),
         ({"remember_gone_seconds": "1d"}, "store.remember_gone_seconds", "a number"),
+        ({"resend_seconds": -1}, "store.resend_seconds", "0 or more, got -1"),
         ({"urls": "redis://x"}, "store.urls", "did you mean 'url'?"),
     ],
 )

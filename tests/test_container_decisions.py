@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework import Status
-from pipework._http._problems import Problem
+from pipework import Status, StoreUnavailable
+from pipework._http._problems import Problem, problem_for_exception
 from pipework.container._modes_core import (
     NO_PREFERENCES,
     SLACK,
@@ -26,6 +26,7 @@ from pipework.container._modes_core import (
     key_busy,
     key_step,
     needs_token,
+    outcome_unknown,
     parse_prefer,
     preference_applied,
     ran_out,
@@ -86,6 +87,9 @@ def test_only_answers_that_hand_out_a_token_make_one_and_only_async_admits_first
 ) -> None:
     assert needs_token(mode) is token
     assert admits_now(mode) is admit
+    # On a shared store a sync job's outcome may be unreadable when its answer is due: it
+    # gets a token, handed out with its id in that answer (outcome_unknown).
+    assert needs_token(mode, shared_store=True) is (token or mode == "sync")
 
 
 # -- waiting -------------------------------------------------------------------------------
@@ -209,3 +213,23 @@ def test_refusals_are_problems_a_client_can_act_on() -> None:
         assert (problem.status, problem.slug, problem.headers) == (status, slug, headers)
         assert problem.detail
     assert deadline_passed("j1").extensions["job_id"] == "j1"
+
+
+def test_a_job_whose_outcome_cannot_be_read_is_named_never_said_undone() -> None:
+    problem = outcome_unknown("j1", "tok")
+    assert (problem.status, problem.slug) == (503, "store-unavailable")
+    assert "nothing was done" not in problem.detail
+    # No Retry-After: the request is not to be sent again (its job is followed instead).
+    assert problem.headers == {"Location": "/jobs/j1", "X-Job-Id": "j1", "X-Job-Token": "tok"}
+    document = problem.document(correlation_id="c", instance="/held")
+    assert (document["job_id"], document["token"]) == ("j1", "tok")
+    assert "X-Job-Token" not in outcome_unknown("j1", None).headers
+
+
+def test_the_store_away_says_nothing_was_done_only_when_nothing_reached_it() -> None:
+    never_sent = StoreUnavailable("no connection", maybe_done=False)
+    assert "nothing was done" in problem_for_exception(never_sent).detail
+    lost = StoreUnavailable("connection lost after the write was sent")
+    detail = problem_for_exception(lost).detail
+    assert "nothing was done" not in detail
+    assert "may or may not have been made" in detail

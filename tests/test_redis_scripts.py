@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from pipework.redis import _backplane, _relay, _store, _timers
+from pipework.redis import _backplane, _ratelimit, _relay, _store, _timers
 from pipework.redis._client import Client
 from pipework.redis._scripts import Script, load, terminal_statuses
 from pipework.redis._wire import Arg, Connection, ReplyError
@@ -31,6 +31,7 @@ SCRIPTS: dict[str, Script] = {
         _backplane._WRITE,
         _backplane._LOAD,
         _backplane._SEED,
+        _ratelimit._SCRIPT,
     ]
 }
 
@@ -403,6 +404,32 @@ async def test_board_load_answers_the_state_at_once_and_seed_writes_a_copy(redis
     (entry,) = await redis("XRANGE", f"{p}:log", "-", "+")
     _, offset, last, _ = await redis.run("board_load", keys, [])
     assert (offset, last) == (b"10", entry[0])
+
+
+async def test_ratelimit_decides_every_limit_at_once_and_keeps_each_key_until_full(
+    redis: Redis,
+) -> None:
+    """KEYS: a TAT per limit; ARGV: now (microseconds), then interval and tolerance per
+    limit. Passed: every TAT moves on by its interval, kept until its bucket is full again.
+    Refused by one: none moves."""
+    p = redis.p
+    keys = [f"{p}:a", f"{p}:b"]
+    now = 10**15
+    # a: one per second, burst 2 (tolerance 1 s); b: one a minute, burst 1.
+    args: list[Arg] = [now, 1_000_000, 1_000_000, 60_000_000, 0]
+    assert await redis.run("ratelimit", keys, args) == [1, now, now + 1_000_000, now + 60_000_000]
+    assert await redis("GET", keys[0]) == str(now + 1_000_000).encode()
+    assert 0 < await redis("PTTL", keys[0]) <= 1_000
+    assert 0 < await redis("PTTL", keys[1]) <= 60_000
+    # b is spent: refused, and a (which had room) does not move.
+    refused = await redis.run("ratelimit", keys, args)
+    assert refused == [0, now, now + 1_000_000, now + 60_000_000]
+    assert await redis("GET", keys[0]) == str(now + 1_000_000).encode()
+    # '' for now: Redis's own clock (TIME), which every process shares.
+    fresh = [f"{p}:c"]
+    allowed, clock, tat = await redis.run("ratelimit", fresh, ["", 5_000_000, 0])
+    assert allowed == 1
+    assert tat == clock + 5_000_000
 
 
 async def test_a_script_error_is_a_reply_error(redis: Redis) -> None:

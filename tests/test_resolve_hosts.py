@@ -178,9 +178,13 @@ def test_resolve_is_read_from_the_file_and_checked_where_it_is_written() -> None
         loads_config('[services.api]\nbase_url = "http://replicas.test"\nresolve = 0\n')
 
 
-def test_an_https_service_cannot_silently_lose_hosts_or_settings() -> None:
-    with pytest.raises(ConfigError, match=r"services\.api\.hosts: several hosts need http://"):
-        loads_config('[services.api]\nhosts = ["https://a.test", "https://b.test"]\n')
-    config = loads_config('[services.api]\nbase_url = "https://a.test"\n[services.api.breaker]\n')
-    (warning,) = [w for w in config.warnings if "breaker" in str(w.path)]
-    assert "does nothing for an https:// service" in warning.message
+def test_an_https_service_has_hosts_and_resilience_as_an_http_one() -> None:
+    config = loads_config(
+        '[services.api]\nhosts = ["https://a.test", "https://b.test"]\nresolve = 10\n'
+        "[services.api.breaker]\n[services.api.hedge]\ndelay = 0.1\n"
+    )
+    service = config.services["api"]
+    assert [h.url for h in service.endpoints] == ["https://a.test", "https://b.test"]
+    assert service.breaker is not None
+    assert service.hedge is not None
+    assert [w for w in config.warnings if w.path.startswith("services.api.")] == []

@@ -333,3 +333,42 @@ def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", f"{__name__}:build_engine", "--workers", "0"])
     assert "expected a whole number of at least 1" in capsys.readouterr().err
+
+
+async def test_workers_serve_tls_and_each_swaps_its_certificate_on_sighup(
+    tmp_path: Path,
+) -> None:
+    from tests.test_server_tls import Certs, Held, der
+
+    certs = Certs(tmp_path)
+    first = certs.issued
+    async with backend() as users:
+        path = tmp_path / "gateway.toml"
+        tls = f'[server]\ntls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n'
+        path.write_text(gateway_file(users.url).replace("[server]\n", tls, 1))
+        async with serving(str(path), "--workers", "2") as served:
+            assert served.url.startswith("https://")
+            port = int(served.url.rsplit(":", 1)[1])
+            context = certs.client_context()
+            async with httpx.AsyncClient(base_url=served.url, verify=context) as client:
+                answer = await client.get("/users/7")
+                assert answer.json()["id"] == "7"
+            before = await Held.open(port, context)
+            assert before.peer_certificate() == der(first)
+            await before.stream.aclose()
+            second = certs.issue("second")
+            served.process.send_signal(signal.SIGHUP)
+            with trio.fail_after(60):
+                while served.stderr.count(b"SIGHUP: reloaded (plan 2)") < 2:
+                    await served.more.wait()
+            for _ in range(8):  # fresh connections, whichever worker takes them
+                fresh = await Held.open(port, context)
+                assert fresh.peer_certificate() == der(second)
+                await fresh.send("/users/8")
+                status, body = await fresh.answer()
+                assert status == 200
+                assert b'"8"' in body
+                await fresh.stream.aclose()
+            served.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                assert await served.process.wait() == 0

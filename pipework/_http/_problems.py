@@ -64,8 +64,15 @@ _KINDS: Final[Mapping[str, tuple[str, str]]] = {
 _REFUSALS: Final = frozenset({"Overloaded", "Rejected", "StoreUnavailable"})
 
 
-def _refusal_detail(retry_after: float | None, error_type: str = "Overloaded") -> str:
+def _refusal_detail(
+    retry_after: float | None, error_type: str = "Overloaded", maybe_done: bool = False
+) -> str:
     when = f"after {max(1, math.ceil(retry_after))} s" if retry_after is not None else "later"
+    if maybe_done:  # the store was lost while it was being written: said only if not
+        return (
+            "the server lost its job store while writing this request's change, which may "
+            f"or may not have been made: look before you retry {when} (see Retry-After)"
+        )
     why = (
         "the server cannot reach its job store now"  # where it is: the operators' log
         if error_type == "StoreUnavailable"
@@ -181,6 +188,8 @@ def problem_for_exception(
     info = ErrorInfo(name, str(exc), where, status)
     retry_after = exc.retry_after if isinstance(exc, _errors.Overloaded) else None
     problem = problem_for_error(info, expose=expose, retry_after=retry_after, job_id=job_id)
+    if isinstance(exc, _errors.StoreUnavailable) and exc.maybe_done and not expose:
+        problem.detail = _refusal_detail(retry_after, name, maybe_done=True)
     if isinstance(exc, _errors.Overloaded):
         problem.extensions["reason"] = exc.reason
     if isinstance(exc, _errors.Rejected):

@@ -1,6 +1,7 @@
-"""The lean client of one ``http://`` service: an :class:`HttpCall` rendered straight to
-h11's request parts and sent through a keep-alive :class:`~._pool.Pool` per host, each try
-chosen, retried or hedged by the service's resilience core (:mod:`._hosts_core`).
+"""The lean client of one ``http://`` or ``https://`` service: an :class:`HttpCall`
+rendered straight to h11's request parts and sent through a keep-alive
+:class:`~._pool.Pool` per host (TLS under it for ``https://``), each try chosen, retried or
+hedged by the service's resilience core (:mod:`._hosts_core`).
 
 It builds the same request the httpx path builds (same target, query encoding, headers and
 JSON body; ``Accept-Encoding: gzip, deflate``) without httpx's request and URL models,
@@ -69,7 +70,8 @@ from ._http_spec import (
 )
 from ._http_template import TemplateError, render_body
 from ._outlier_core import Failure, Outcome
-from ._pool import Pool, ResponseTooLarge
+from ._pool import Pool, ResponseTooLarge, connect_failed
+from ._resilience_spec import HostSpec
 from ._resolve import resolved_hosts, same_names
 from ._stream import Handshake, StreamTimeouts, UpstreamAnswer, open_stream
 
@@ -136,7 +138,7 @@ class _Watched:
 
 
 class ServiceClient:
-    """Calls to one ``http://`` service: a pool per host, each sized by its
+    """Calls to one ``http://`` or ``https://`` service: a pool per host, each sized by its
     :class:`Service`, and the service's resilience core choosing the hosts. ``pool``
     replaces the pool of a one-host service (tests); ``core`` is one a reload carries over
     (:meth:`ServiceCore.reconfigure` is applied to it); ``rng`` seeds a new core."""
@@ -151,11 +153,13 @@ class ServiceClient:
         rng: random.Random | None = None,
     ) -> None:
         url = service.url
-        if url.scheme != "http":
-            raise ValueError(f"the lean client speaks plain http, not {url.scheme}")
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"the lean client speaks http and https, not {url.scheme}")
         if pool is not None and len(service.endpoints) > 1:
             raise ValueError("a pool may be given only for a service of one host")
         self.service = service
+        #: Every host's connections share it (None for http://); TlsFileError here.
+        self.ssl_context = service.ssl_context()
         if core is None:
             core = ServiceCore(service.name, service.resilience, rng=rng)
         else:
@@ -195,7 +199,7 @@ class ServiceClient:
             if pool is None:
                 pool = Pool(
                     url.host,
-                    url.port if url.port is not None else 80,
+                    _port(url),
                     max_connections=service.max_connections,
                     max_idle=service.max_keepalive,
                     idle_timeout=service.keepalive_expiry,
@@ -204,11 +208,23 @@ class ServiceClient:
                         if service.connect_timeout is None
                         else service.connect_timeout
                     ),
+                    ssl_context=self.ssl_context,
+                    server_name=self._server_name(host.spec),
                 )
             authority = host.spec.authority
             netloc = url.netloc if authority is None else authority.encode("ascii")
             link = self._links[host.url] = HostLink(host.url, pool, netloc)
         return link
+
+    def _server_name(self, spec: HostSpec) -> str:
+        """The name a host's certificate is checked against (and sent as SNI): the
+        service's ``server_name``, else the name the host was given by -- its address
+        found by ``resolve`` still goes by the name (``authority``)."""
+        if self.service.server_name is not None:
+            return self.service.server_name
+        if spec.authority is not None:
+            return httpx.URL(f"//{spec.authority}").host
+        return httpx.URL(spec.url).host
 
     def adopt(self, core: ServiceCore) -> None:
         """Take over ``core`` (the previous plan's, on a reload) with this client's settings:
@@ -317,9 +333,17 @@ class ServiceClient:
         parsed = httpx.URL(url)
         pool = self._checks.get(url)
         if pool is None:
-            port = parsed.port if parsed.port is not None else 80
+            try:
+                host = self.core.host(url).spec
+            except KeyError:  # removed by a reload before this check began
+                return
             pool = self._checks[url] = Pool(
-                parsed.host, port, max_connections=1, connect_timeout=spec.timeout
+                parsed.host,
+                _port(parsed),
+                max_connections=1,
+                connect_timeout=spec.timeout,
+                ssl_context=self.ssl_context,
+                server_name=self._server_name(host),
             )
         headers = [
             (b"Host", link.netloc if (link := self._links.get(url)) else parsed.netloc),
@@ -730,10 +754,11 @@ class WebsocketCall:
         self._attempt: Attempt | None = None  # the connected try, until its handshake ended
         self._link: HostLink | None = None
 
-    async def connect(self) -> trio.SocketStream:
-        """A new connection (never the keep-alive pool's: it becomes the websocket's).
-        Raises :class:`~._failures.ConnectFailed`, or ``trio.TooSlowError`` when the
-        connect timeout ran out, for the last try the core allowed."""
+    async def connect(self) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
+        """A new connection (never the keep-alive pool's: it becomes the websocket's), TLS
+        for an ``https://`` service (the handshake within the connect timeout). Raises
+        :class:`~._failures.ConnectFailed`, or ``trio.TooSlowError`` when the connect
+        timeout ran out, for the last try the core allowed."""
         call, client = self._call, self._client
         attempt = call.attempt(trio.current_time())
         while True:
@@ -741,11 +766,14 @@ class WebsocketCall:
                 raise ConnectFailed(f"service {client.service.name!r} has no host to call")
             link = client._link(attempt.host)
             pool = link.pool
-            failure: OSError | trio.TooSlowError
+            failure: OSError | trio.TooSlowError | trio.BrokenResourceError
+            stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
             try:
                 with trio.fail_after(self._timeout):
                     stream = await trio.open_tcp_stream(pool.host, pool.port)
-            except (OSError, trio.TooSlowError) as exc:
+                    if pool.ssl_context is not None:
+                        stream = await pool.handshake(stream, pool.ssl_context)
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 failure = exc
             else:
                 call.sent()  # the handshake goes out: it is not sent again
@@ -755,7 +783,7 @@ class WebsocketCall:
             if verdict.action != "retry":
                 if isinstance(failure, trio.TooSlowError):
                     raise failure
-                raise ConnectFailed(f"could not connect to {pool.where}: {failure}") from failure
+                raise connect_failed(pool.where, failure) from failure
             with trio.move_on_at(call.deadline):
                 await trio.sleep(verdict.delay)
             attempt = call.attempt(trio.current_time())
@@ -780,6 +808,12 @@ class WebsocketCall:
         else:
             outcome = Outcome.failed(Failure.BROKEN)
         self._call.finish(attempt, trio.current_time(), outcome, hold=True)
+
+
+def _port(url: httpx.URL) -> int:
+    if url.port is not None:
+        return url.port
+    return 443 if url.scheme == "https" else 80
 
 
 def _traced_try(attempt: Attempt, outcome: Outcome, verdict: Verdict) -> None:

@@ -1,7 +1,7 @@
 """What the lean client (:mod:`._pool` over :mod:`._h1`) raises when a call fails, as a set
 of its own: the trio, socket and h11 errors underneath are each kept as ``__cause__``.
-:class:`~._http.Backends` translates these, and httpx's exceptions on the ``https://``
-path, into pipework's errors; nothing above the backends layer sees either set.
+:class:`~._http.Backends` translates these, and httpx's exceptions on the path of an
+injected transport, into pipework's errors; nothing above the backends layer sees either set.
 
     TransportFailure        a call failed before its whole answer arrived
     ├── ConnectFailed       no connection could be made: nothing was sent

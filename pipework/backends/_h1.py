@@ -1,4 +1,5 @@
-"""One HTTP/1.1 client connection: an h11 state machine over a trio stream.
+"""One HTTP/1.1 client connection: an h11 state machine over a trio stream (a socket, or
+TLS over one for an ``https://`` backend).
 
 h11 does the protocol (framing, chunked bodies, keep-alive rules, ``Connection: close``);
 this module only moves bytes between it and the socket, and answers one question the pool
@@ -81,10 +82,13 @@ class Connection:
     """An HTTP/1.1 connection to one backend. ``exchange`` sends a request and reads its
     whole answer; afterwards ``reusable`` says whether another request may follow."""
 
-    __slots__ = ("_h11", "_stream", "exchanges", "idle_since")
+    __slots__ = ("_h11", "_socket", "_stream", "exchanges", "idle_since")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self._stream = stream
+        # The socket under it: an https backend's connection is TLS over it.
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        self._socket = transport.socket
         self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
         #: Exchanges completed on this connection.
         self.exchanges = 0
@@ -101,9 +105,11 @@ class Connection:
 
     def readable(self) -> bool:
         """Whether the idle connection has something to read: the peer closed it (EOF) or
-        sent bytes nobody asked for. Either way it must not carry another request."""
+        sent bytes nobody asked for. Either way it must not carry another request. Over
+        TLS, what a server sends once the handshake is done (TLS 1.3 session tickets) has
+        been read with the first answer, so an idle connection's bytes are these too."""
         try:
-            ready, _, _ = select.select([self._stream.socket.fileno()], [], [], 0)
+            ready, _, _ = select.select([self._socket.fileno()], [], [], 0)
         except (OSError, ValueError):
             return True  # already closed
         return bool(ready)
@@ -118,7 +124,7 @@ class Connection:
         """Close the socket now (no checkpoint): safe in cleanup and in cancelled code.
         The h11 state goes too, with whatever it buffered: a failed call's error may keep
         this object alive (a failed job keeps its error for its retention)."""
-        self._stream.socket.close()
+        self._socket.close()  # TLS too: no close_notify, as for a connection cut short
         self._h11 = h11.Connection(h11.CLIENT)  # empty, and never reusable
 
     async def exchange(
@@ -223,7 +229,7 @@ class Connection:
                 if not chunk and not got_bytes:
                     raise StaleConnection("the peer closed the connection before answering")
                 got_bytes = True
-                h.receive_data(chunk)
+                h.receive_data(bytes(chunk))  # typed bytes | bytearray over TLS; bytes here
                 continue
             if isinstance(event, h11.Response):
                 return event
@@ -241,7 +247,7 @@ class Connection:
         while True:
             event = h.next_event()
             if event is h11.NEED_DATA:
-                h.receive_data(await self._stream.receive_some(_READ_SIZE))
+                h.receive_data(bytes(await self._stream.receive_some(_READ_SIZE)))
                 continue
             if isinstance(event, h11.Data | h11.EndOfMessage):
                 return event

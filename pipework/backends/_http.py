@@ -1,8 +1,8 @@
 """The built-in HTTP backend pipe.
 
 :class:`Backends` owns one client per service — a keep-alive pool over h11
-(:mod:`._client`, :mod:`._pool`) for ``http://``, an ``httpx.AsyncClient`` for ``https://``
-— opened and closed around the code that runs the pipes::
+(:mod:`._client`, :mod:`._pool`), over TLS for ``https://`` — opened and closed around the
+code that runs the pipes::
 
     backends = Backends([Service("users", "http://users:8080", max_connections=16)])
     engine.registry.add_pipe(http_pipe("get_user", HttpCall.of("users", "/users/{id}",
@@ -21,7 +21,7 @@ an unaccepted status, an answer that cannot be read or a broken connection is a
 :class:`~pipework.BackendUnreachable`, running out of time a
 :class:`~pipework.DeadlineExceeded` (504) — each saying what failed, where and what to do,
 with the client's own exception as ``__cause__``. Neither client's exceptions go further.
-A call to an ``http://`` service goes through its resilience core (several hosts,
+A call to a service goes through its resilience core (several hosts,
 balancing, ejection, the breaker, retries, hedging: docs/resilience.md); a call the core
 refuses (the breaker open, every host drained) is :class:`~pipework.Overloaded` (503 with
 ``Retry-After``), nothing sent.
@@ -80,9 +80,10 @@ class Backends:
     service (connection limits and timeouts from its :class:`Service`) and closes them all
     on the way out. Pipes made by :func:`http_pipe` call through it while it is open.
 
-    An ``http://`` service is called through pipework's own keep-alive pool over h11
-    (:mod:`._pool`, several times cheaper per call than httpx); an ``https://`` one through
-    httpx. ``transport`` replaces the network for every service with an httpx transport
+    Every service is called through pipework's own keep-alive pool over h11
+    (:mod:`._pool`, several times cheaper per call than httpx), over TLS for an
+    ``https://`` one (its ``ca_bundle``, client certificate, ``server_name``, ``verify``).
+    ``transport`` replaces the network for every service with an httpx transport
     (``httpx.MockTransport(handler)`` in tests): all calls then go through httpx and the
     services' connection limits do not apply, everything else does.
     """
@@ -110,7 +111,7 @@ class Backends:
     @property
     def metrics(self) -> Metrics | None:
         """Where calls are counted (the engine's metrics); set before serving. The
-        resilience state of each ``http://`` service is read from it at every scrape
+        resilience state of each service is read from it at every scrape
         while these backends are open."""
         return self._metrics
 
@@ -142,7 +143,7 @@ class Backends:
         lean: dict[str, ServiceClient] = {}
         async with stack:
             for name, service in self.services.items():
-                if self.transport is None and service.url.scheme == "http":
+                if self.transport is None:
                     lean[name] = ServiceClient(service, _USER_AGENT)
                     stack.push_async_callback(lean[name].aclose)
                     continue
@@ -164,7 +165,7 @@ class Backends:
     async def check_health(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Run the active health checks of every ``http://`` service with a ``health``
+        """Run the active health checks of every service with a ``health``
         table, and the re-resolution of the host names of those with ``resolve`` (one task
         each), until these backends close or :meth:`adopt` hands their services on. Start
         it in a nursery that outlives them (the gateway's, the test's): the backends own no
@@ -218,8 +219,7 @@ class Backends:
 
     def resilience(self) -> dict[str, ServiceStatistics | None]:
         """Every service's resilience state now, by name; None for a service whose calls
-        do not go through a resilience core (an ``https://`` one, or every service with a
-        ``transport``)."""
+        do not go through a resilience core (every service, with a ``transport``)."""
         now = trio.current_time()
         return {
             name: None if (lean := self._lean.get(name)) is None else lean.core.statistics(now)
@@ -242,12 +242,12 @@ class Backends:
         return self.lean(service).restore(url)
 
     def lean(self, name: str) -> ServiceClient:
-        """The lean client of ``http://`` service ``name`` (proxy routes stream through
-        it); RuntimeError while the backends are closed or when the service has none (an
-        ``https://`` one, or every service with a ``transport``)."""
+        """The lean client of service ``name`` (proxy routes stream through it);
+        RuntimeError while the backends are closed or when the service has none (every
+        service, with a ``transport``)."""
         client = self._lean.get(name)
         if client is None:
-            why = "they are not open" if self._stack is None else "it is not a plain http:// one"
+            why = "they are not open" if self._stack is None else "the backends use a transport"
             raise RuntimeError(f"service {name!r} has no lean client: {why}")
         return client
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,6 +33,7 @@ from ._resilience_spec import (
     Resilience,
     RetrySpec,
 )
+from ._tls import client_context
 
 __all__ = [
     "DEFAULT_ACCEPT",
@@ -141,6 +143,12 @@ class Service:
     ``request_id_header`` carries the job's correlation id (the request's ``X-Request-ID``)
     on every call (``None``: not sent); a W3C ``traceparent`` the request came with goes
     along too.
+
+    An ``https://`` service's connections are TLS (:mod:`._tls`): its certificate checked
+    against ``ca_bundle`` (a PEM file; the system's CAs without one) and against
+    ``server_name`` (each host's own name without one), unless ``verify`` is false;
+    ``client_cert`` and ``client_key`` (PEM files, together) are presented to a backend
+    that asks for one (mutual TLS).
     """
 
     name: str
@@ -161,6 +169,11 @@ class Service:
     retry: RetrySpec | None = None
     hedge: HedgeSpec | None = None
     resolve: float | None = None
+    ca_bundle: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    server_name: str | None = None
+    verify: bool = True
 
     def __post_init__(self) -> None:
         where = f"service {self.name!r}"
@@ -198,6 +211,12 @@ class Service:
             raise RegistrationError(f"{where}: max_keepalive must be 0 or more")
         if not (math.isfinite(self.keepalive_expiry) and self.keepalive_expiry >= 0):
             raise RegistrationError(f"{where}: keepalive_expiry must be 0 or more")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise RegistrationError(f"{where}: set client_cert and client_key together")
+        if self.url.scheme != "https" and self.tls_settings():
+            raise RegistrationError(
+                f"{where}: {', '.join(self.tls_settings())} apply to an https:// service only"
+            )
         if self.max_response_bytes < 0:
             raise RegistrationError(f"{where}: max_response_bytes must be 0 or more")
         extra = () if self.request_id_header is None else (self.request_id_header,)
@@ -227,6 +246,27 @@ class Service:
             BREAKER_OFF if self.breaker is None else self.breaker,
             CONNECT_RETRY if self.retry is None else self.retry,
             self.hedge,
+        )
+
+    def tls_settings(self) -> tuple[str, ...]:
+        """The names of the TLS settings given (not left as their defaults)."""
+        given = [
+            name
+            for name in ("ca_bundle", "client_cert", "client_key", "server_name")
+            if getattr(self, name) is not None
+        ]
+        return (*given, *(() if self.verify else ("verify",)))
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of an ``https://`` service's connections (None for ``http://``),
+        from its files; raises :class:`~._tls.TlsFileError` for one that cannot be used."""
+        if self.url.scheme != "https":
+            return None
+        return client_context(
+            ca_bundle=self.ca_bundle,
+            client_cert=self.client_cert,
+            client_key=self.client_key,
+            verify=self.verify,
         )
 
     @property

@@ -1,4 +1,5 @@
-"""A keep-alive pool of HTTP/1.1 connections to one backend, on h11 (see :mod:`._h1`).
+"""A keep-alive pool of HTTP/1.1 connections to one backend, on h11 (see :mod:`._h1`),
+over TLS for an ``https://`` one (``ssl_context``).
 
 What it promises:
 
@@ -15,9 +16,9 @@ What it promises:
   runs no task of its own. One the peer closed while idle is noticed on checkout (its
   socket reads EOF) and replaced.
 - **Timeouts.** One deadline, given with the call, covers waiting for a connection,
-  connecting and the exchange; connecting is also bounded by ``connect_timeout``. Running
-  out raises :class:`~._failures.CallTimeout` naming the phase it hit (``pool``,
-  ``connect`` or ``answer``).
+  connecting (with the TLS handshake) and the exchange; connecting is also bounded by
+  ``connect_timeout``. Running out raises :class:`~._failures.CallTimeout` naming the
+  phase it hit (``pool``, ``connect`` or ``answer``).
 - **Clean cancellation.** A connection in use when its call is cancelled, times out or
   fails in any way is closed, never reused; a waiter that is cancelled after being handed
   a connection or a place passes it on.
@@ -33,7 +34,9 @@ What it promises:
   own): neither the error's frames nor the closed connection hold the body read so far.
 
 Failures are raised as the lean client's own exceptions (:mod:`._failures`), each with
-what it came from as ``__cause__``: :class:`~._failures.ConnectFailed` (nothing was sent),
+what it came from as ``__cause__``: :class:`~._failures.ConnectFailed` (nothing was sent:
+no connection, or a TLS handshake that failed -- a certificate not trusted, a name that
+does not match, a client certificate refused),
 :class:`~._failures.ConnectionBroken` (reset, or closed before the answer's end),
 :class:`~._failures.BadAnswer` (not valid HTTP/1.1; :class:`~._h1.BadEncoding` for a body
 that does not decode), :class:`~._failures.CallTimeout`. ``Backends`` translates them into
@@ -42,6 +45,7 @@ pipework's errors. :class:`~._h1.ResponseTooLarge` passes through.
 
 from __future__ import annotations
 
+import ssl
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -69,6 +73,7 @@ __all__ = [
     "PoolStatistics",
     "Progress",
     "ResponseTooLarge",
+    "connect_failed",
     "failure",
 ]
 
@@ -141,6 +146,8 @@ class Pool:
         idle_timeout: float = 5.0,
         connect_timeout: float = 10.0,
         connect: Connect | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
@@ -151,6 +158,10 @@ class Pool:
         self.idle_timeout = idle_timeout
         self.connect_timeout = connect_timeout
         self._connect_to: Connect = connect if connect is not None else _open_tcp
+        #: TLS over each connection (an ``https://`` backend), checking ``server_name``
+        #: (the host's, unless given) in its certificate.
+        self.ssl_context = ssl_context
+        self.server_name = host if server_name is None else server_name
         self._open = 0  # connections open, being opened, or places handed to a waiter
         self._idle: deque[Connection] = deque()  # oldest put-back on the left
         self._waiters: deque[_Waiter] = deque()
@@ -274,14 +285,17 @@ class Pool:
 
     async def _new_connection(self, within: float | None) -> Connection:
         within = self.connect_timeout if within is None else within
+        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
         try:
             with trio.move_on_after(within) as scope:
                 stream = await self._connect_to(self.host, self.port)
+                if self.ssl_context is not None:  # the handshake is part of connecting
+                    stream = await self.handshake(stream, self.ssl_context)
         except BaseException as exc:
             self._open -= 1
             self._hand_on()
-            if isinstance(exc, OSError):
-                raise ConnectFailed(f"could not connect to {self.where}: {exc}") from exc
+            if isinstance(exc, OSError | trio.BrokenResourceError):
+                raise connect_failed(self.where, exc) from exc
             raise
         if scope.cancelled_caught:
             self._open -= 1
@@ -291,6 +305,21 @@ class Pool:
                 phase="connect",
             )
         return Connection(stream)
+
+    async def handshake(
+        self, stream: trio.SocketStream, context: ssl.SSLContext
+    ) -> trio.SSLStream[trio.SocketStream]:
+        """TLS over ``stream``; closed if the handshake fails or is cancelled. A failed
+        handshake raises ``trio.BrokenResourceError`` (the ``ssl`` error as its cause)."""
+        tls = trio.SSLStream(
+            stream, context, server_hostname=self.server_name, https_compatible=True
+        )
+        try:
+            await tls.do_handshake()
+        except BaseException:
+            stream.socket.close()
+            raise
+        return tls
 
     def _checkin(self, connection: Connection, *, reusable: bool) -> None:
         """Put a connection back after a call: to the longest waiter, idle, or closed."""
@@ -347,6 +376,17 @@ def failure(exc: BaseException, where: str, connection: Connection) -> Transport
     if isinstance(exc, h11.LocalProtocolError):  # unreachable: requests are checked first
         return TransportFailure(f"the request could not be sent: {exc}")
     return ConnectionBroken(f"the connection to {where} broke mid-answer: {exc!r}")
+
+
+def connect_failed(where: str, exc: OSError | trio.BrokenResourceError) -> ConnectFailed:
+    """The failure of a connection not made to ``where`` (raise it ``from`` ``exc``): no
+    socket (``OSError``), or a TLS handshake that failed (``trio.BrokenResourceError``
+    from the ``ssl`` error; an ``ssl.SSLError`` is an ``OSError`` too). Nothing was sent
+    either way: the core may try another host."""
+    if isinstance(exc, trio.BrokenResourceError | ssl.SSLError):
+        cause = exc if isinstance(exc, ssl.SSLError) else (exc.__cause__ or exc)
+        return ConnectFailed(f"could not connect to {where}: the TLS handshake failed: {cause}")
+    return ConnectFailed(f"could not connect to {where}: {exc}")
 
 
 async def _open_tcp(host: str, port: int) -> trio.SocketStream:

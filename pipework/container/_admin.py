@@ -17,6 +17,8 @@ default. Every call needs ``Authorization: Bearer <token>``; a missing or wrong 
 - ``POST /admin/services/{name}/hosts/{host}/drain`` and ``.../restore``: take a host out
   of rotation (no new tries; those out finish) and put it back. A drain lasts across
   reloads that keep the host (:mod:`._admin_services`).
+- ``GET /admin/rate_limits``, ``PUT`` and ``DELETE /admin/rate_limits/{name}``: the rate
+  limits, their rates set live and cleared (:mod:`._admin_limits`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ from .._errors import PipeworkError
 from .._http._bodies import JSON, decode_object, dumps_json, read_body
 from .._http._credentials import bearer_token, same_secret
 from .._http._problems import Problem
+from .._http._ratelimit import RateLimits
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError, PoolStatistics, Weights
+from ._admin_limits import (
+    LiveLimits,
+    check_limit_fields,
+    find_limit,
+    limit_document,
+    limits_document,
+)
 from ._admin_services import (
     Upstreams,
     find_host,
@@ -87,6 +97,9 @@ class AdminApi:
         pool = engine.pool
         #: The weights set live, kept across reloads (None: the pool has no weights).
         self.live = LiveWeights(pool.config) if isinstance(pool, WeightedPool) else None
+        #: The rate limits in force (the container sets them) and their live rates.
+        self.rate_limits: RateLimits | None = None
+        self.live_limits = LiveLimits()
 
     def _authorize(self) -> None:
         # Any credential that is not the token, however malformed, is the same 401.
@@ -223,6 +236,33 @@ class AdminApi:
                 **service_document(after),
             }
         )
+
+    async def rate_limits_view(self) -> Response:
+        self._authorize()
+        return _json(limits_document(self.rate_limits, self.live_limits))
+
+    async def set_rate_limit(self, name: str) -> Response:
+        self._authorize()
+        limit = find_limit(self.rate_limits, name)
+        data = await read_body(request, limit=self._max_body, time_limit=self._time_limit)
+        fields = check_limit_fields(decode_object(data, request.headers.get("Content-Type")))
+        try:
+            self.live_limits.set(limit, fields)
+        except ValueError as exc:
+            raise Problem(400, "Bad Request", str(exc), slug="admin-bad-limit") from None
+        return self._limit_answer(name)
+
+    async def clear_rate_limit(self, name: str) -> Response:
+        self._authorize()
+        cleared = self.live_limits.clear(find_limit(self.rate_limits, name))
+        return self._limit_answer(name, cleared=cleared)
+
+    def _limit_answer(self, name: str, **extra: Any) -> Response:
+        limits = self.rate_limits
+        assert limits is not None  # find_limit found the limit there
+        overrides = self.live_limits.overrides().get(name, {})
+        document = limit_document(limits, limits.limits[name], overrides)
+        return _json({"name": name, "limit": document, **extra})
 
 
 def _bad_weights(detail: str) -> Problem:

@@ -129,9 +129,8 @@ def find_service(upstreams: Upstreams | None, name: str) -> ServiceView:
         raise Problem(
             409,
             "Conflict",
-            f"service {name!r} is not called through pipework's own client (an https:// "
-            "service goes through httpx, to its first host only): it has no hosts to drain "
-            "or restore",
+            f"service {name!r} is not called through pipework's own client (the backends "
+            "were given an httpx transport): it has no hosts to drain or restore",
             slug="admin-service-not-balanced",
         )
     return found

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -29,10 +30,12 @@ from typing import Final
 import trio
 from quart import Request, Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import NotFound
+from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
 from .. import _tracing
+from .._http._cors import CorsPolicy, is_preflight
+from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
 from ..board import Backplane, Boards, BoardSpec
 from ..board._api import BoardApi, add_board_rules
@@ -48,7 +51,7 @@ from ._collector import tuned_collector
 from ._downloads import DownloadsApi, FileResults, add_download_rules
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
-from ._middleware import CATCH_ALL, Middleware
+from ._middleware import CATCH_ALL, CORS_ENDPOINTS, Middleware, preflight_answer
 from ._modes import Parking, Submissions
 from ._readiness import CANARY_CHAIN, Probes, healthz
 from ._request import incoming
@@ -92,6 +95,8 @@ class ContainerConfig:
     - ``trusted_proxies``: addresses and networks (``"10.0.0.0/8"``) whose
       ``X-Forwarded-*`` and ``Forwarded`` headers proxy routes pass on, appending to them;
       from any other client those headers are replaced.
+    - ``cors``: which other origins' pages may call the job, board and jobs-page endpoints
+      from a browser (None: none; each route has its own policy).
     """
 
     max_body: int = 1024 * 1024
@@ -109,6 +114,7 @@ class ContainerConfig:
     access_log: bool = True
     gc_threshold: int | None = None
     trusted_proxies: tuple[str, ...] = ()
+    cors: CorsPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -142,8 +148,10 @@ class Container:
         backplane: Backplane | None = None,
         proxies: ProxySet | None = None,
         upstreams: Upstreams | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.rate_limits = rate_limits
         self._proxies = proxies or ProxySet(ProxyTable(()))
         self.config = config = config or ContainerConfig()
         self.set_routes(routes_of(engine.registry) if routes is None else routes)
@@ -156,6 +164,7 @@ class Container:
             engine.metrics,
             max_header_bytes=config.max_header_bytes,
             access_log=config.access_log,
+            cors=config.cors,
         )
         self.probes = Probes(engine, self.parking, readiness_timeout=config.readiness_timeout)
         self.submissions = Submissions(
@@ -169,6 +178,7 @@ class Container:
             retain_seconds=float(getattr(engine.store, "retain_seconds", 3600.0)),
             expose_errors=config.expose_errors,
         )
+        self.submissions.rate_limits = rate_limits
         self.jobs = JobsApi(
             engine,
             self.signer,
@@ -206,6 +216,8 @@ class Container:
                 upstreams=upstreams,
             )
         )
+        if self.admin is not None:
+            self.admin.rate_limits = rate_limits
         self.app = self._build_app()
 
     def add_file_results(self, results: FileResults) -> None:
@@ -223,11 +235,13 @@ class Container:
         fd: int | None = None,
         shutdown_trigger: trio.Event | None = None,
         hypercorn_options: Mapping[str, object] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until ``shutdown_trigger`` is set (then shut down gracefully) or until
         cancelled; ``task_status.started()`` reports the bound address. ``fd``: serve on
-        this inherited listening socket instead of binding ``host:port``."""
+        this inherited listening socket instead of binding ``host:port``. ``ssl_context``:
+        serve HTTPS with it (:func:`~._server.serve`)."""
         options: dict[str, object] = {
             "h11_max_incomplete_size": self.config.max_header_bytes,
             "h2_max_header_list_size": self.config.max_header_bytes,
@@ -242,7 +256,9 @@ class Container:
                 "process sharing it ([server] callback_secret_env chooses one instead)"
             )
         with tuned_collector(self.config.gc_threshold):
-            await self._serve(host, port, fd, stop, shutdown_trigger, options, task_status)
+            await self._serve(
+                host, port, fd, stop, shutdown_trigger, options, ssl_context, task_status
+            )
 
     async def _serve(
         self,
@@ -252,6 +268,7 @@ class Container:
         stop: trio.Event,
         shutdown_trigger: trio.Event | None,
         options: dict[str, object],
+        ssl_context: ssl.SSLContext | None,
         task_status: trio.TaskStatus[BoundAddress],
     ) -> None:
         async with trio.open_nursery() as nursery:
@@ -265,6 +282,7 @@ class Container:
                     shutdown_trigger=stop,
                     graceful_timeout=self.config.shutdown_grace + _FLUSH_MARGIN,
                     hypercorn_options=options,
+                    ssl_context=ssl_context,
                 )
             )
             if not self.signer.base_url:
@@ -298,6 +316,7 @@ class Container:
             metrics=self.engine.metrics,
             trusted=trusted_networks(self.config.trusted_proxies),
             access_log=self.config.access_log,
+            rate_limits=self.rate_limits,
         )
         app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam
         self.middleware.install(app)
@@ -339,6 +358,18 @@ class Container:
                 "/admin/pool/keys/<key>", "admin_key_clear", admin.clear_key, methods=["DELETE"]
             )
             app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=["POST"])
+            app.add_url_rule(
+                "/admin/rate_limits", "admin_limits", admin.rate_limits_view, methods=["GET"]
+            )
+            app.add_url_rule(
+                "/admin/rate_limits/<name>", "admin_limit", admin.set_rate_limit, methods=["PUT"]
+            )
+            app.add_url_rule(
+                "/admin/rate_limits/<name>",
+                "admin_limit_clear",
+                admin.clear_rate_limit,
+                methods=["DELETE"],
+            )
             app.add_url_rule("/admin/services", "admin_services", admin.services, methods=["GET"])
             app.add_url_rule(
                 "/admin/services/<name>", "admin_service", admin.service, methods=["GET"]
@@ -417,6 +448,14 @@ class Container:
         """Swap the proxy routes and their clients in (a reload)."""
         self.proxy_layer.set_proxies(proxies)
 
+    def set_rate_limits(self, limits: RateLimits | None) -> None:
+        """The rate limits in force from the next request on (a reload), in one step."""
+        self.rate_limits = limits
+        self.submissions.rate_limits = limits
+        self.proxy_layer.rate_limits = limits
+        if self.admin is not None:
+            self.admin.rate_limits = limits
+
     def set_upstreams(self, upstreams: Upstreams | None) -> None:
         """The backend services the admin API drains hosts of, from now on (a reload)."""
         if self.admin is not None:
@@ -431,33 +470,61 @@ class Container:
     def _largest_body(self) -> int:
         return max([self.config.max_body, *(r.max_body or 0 for r in self.routes)])
 
-    async def _own_options(self) -> Response:
-        path = request.path
-        allowed = {*self._own_paths.allowed_methods(path), *self._matcher.allowed_methods(path)}
-        allowed.discard("OPTIONS")  # as on a route's path: the methods a 405 would list
-        return Response("", status=204, headers={"Allow": ", ".join(sorted(allowed))})
-
     def _match(self, req: Request) -> tuple[Route, Mapping[str, str]] | Response:
         # Raises werkzeug's NotFound / MethodNotAllowed, rendered as problem+json.
         if req.method == "OPTIONS":
             allowed = self._matcher.allowed_methods(req.path)
             if not allowed:
                 raise NotFound()
+            ctx = incoming()
+            if ctx is not None and is_preflight("OPTIONS", ctx.headers):
+                return self._route_preflight(req.path, ctx.headers)
             return Response("", status=204, headers={"Allow": ", ".join(allowed)})
         name = self._static.get((req.method, req.path))
         params: Mapping[str, str] = _NO_PARAMS
         if name is None:
             name, params = self._matcher.match(req.path, method=req.method)
+        route = self._by_name[name]
         ctx = incoming()
         if ctx is not None:
             ctx.route = name
-        route = self._by_name[name]
+            ctx.cors = route.cors
         tracing = _tracing.ACTIVE
         if tracing.on:  # the request's server span, named by its route
             tracing.rename(f"{req.method} {route.rule}")
             tracing.annotate("http.route", route.rule)
             tracing.annotate("pipework.route", name)
         return route, params
+
+    def _route_preflight(self, path: str, headers: Mapping[str, str]) -> Response:
+        """A CORS preflight on a route's path, answered by the policy of the route it asks
+        about; no job, no authentication (a preflight carries no credentials)."""
+        method = headers["access-control-request-method"].strip()
+        try:
+            name, _ = self._matcher.match(path, method=method)
+        except HTTPException:
+            name = None
+        cors = None if name is None else self._by_name[name].cors
+        if name is not None:
+            ctx = incoming()
+            if ctx is not None:
+                ctx.route = name
+        return preflight_answer(cors, headers)
+
+    async def _own_options(self) -> Response:
+        path = request.path
+        ctx = incoming()
+        cors = self.middleware.cors  # the file's, as of the last reload
+        if ctx is not None and is_preflight("OPTIONS", ctx.headers):
+            method = ctx.headers["access-control-request-method"].strip()
+            try:
+                endpoint, _ = self._own_paths.match(path, method=method)
+            except HTTPException:
+                endpoint = None
+            return preflight_answer(cors if endpoint in CORS_ENDPOINTS else None, ctx.headers)
+        allowed = {*self._own_paths.allowed_methods(path), *self._matcher.allowed_methods(path)}
+        allowed.discard("OPTIONS")  # as on a route's path: the methods a 405 would list
+        return Response("", status=204, headers={"Allow": ", ".join(sorted(allowed))})
 
 
 #: With several processes, how often each writes its state families for the others' scrapes.

@@ -32,6 +32,7 @@ from werkzeug.exceptions import HTTPException
 
 from .._errors import Overloaded, PipeworkError
 from .._http._bodies import dumps_json
+from .._http._cors import CorsPolicy, PreflightRefused
 from .._http._problems import PROBLEM_JSON, Problem, encode_problem, problem_for_exception
 from .._http._request_ids import request_id
 from .._http._trace import baggage, traceparent, tracestate
@@ -40,9 +41,11 @@ from ..dispatcher._job import new_correlation_id
 from ._request import Incoming, current_g, current_request, incoming, read_headers
 
 __all__ = [
+    "CORS_ENDPOINTS",
     "Middleware",
     "RequestGuard",
     "correlation_id",
+    "preflight_answer",
     "problem_for_http",
     "render_problem",
 ]
@@ -64,9 +67,29 @@ _ENDPOINTS: Final = {
     "admin_key": "admin",
     "admin_key_clear": "admin",
     "admin_reload": "admin",
+    "admin_limits": "admin",
+    "admin_limit": "admin",
+    "admin_limit_clear": "admin",
 }
 #: The endpoints of the rules that hand every other path to the routes' own map.
 CATCH_ALL: Final = ("routes_root", "routes")
+#: The container's own endpoints that ``ContainerConfig.cors`` opens to other origins: the
+#: job, board and jobs-page ones (not the admin API, the probes or the metrics).
+CORS_ENDPOINTS: Final = frozenset(
+    {
+        "job",
+        "cancel_job",
+        "job_result",
+        "job_signal",
+        "jobs_events",
+        "job_events",
+        "jobs_page",
+        "board_create",
+        "board_read",
+        "board_update",
+        "board_delete",
+    }
+)
 
 # W3C Trace Context: version-trace_id-parent_id-flags; all-zero ids are invalid.
 #: Answers that carry no content (RFC 9110 §15.3.5, §15.4.5): nothing to label.
@@ -77,8 +100,16 @@ class Middleware:
     """The hooks and error handlers for every request; :meth:`install` puts them (and the
     :class:`RequestGuard`) on the app."""
 
-    def __init__(self, metrics: Metrics, *, max_header_bytes: int, access_log: bool) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        max_header_bytes: int,
+        access_log: bool,
+        cors: CorsPolicy | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.cors = cors  # the container's own endpoints' (CORS_ENDPOINTS)
         self.max_header_bytes = max_header_bytes
         self.access_log = access_log
         # The counters' children, found once per label pair (a labels() call takes a lock).
@@ -102,6 +133,14 @@ class Middleware:
     async def after_request(self, response: Response) -> Response:
         self._count_response(response)
         response.headers["X-Request-ID"] = correlation_id()
+        ctx = incoming()
+        cors = None if ctx is None else ctx.cors
+        if cors is None and self.cors is not None:
+            rule = current_request().url_rule
+            if rule is not None and rule.endpoint in CORS_ENDPOINTS:
+                cors = self.cors
+        if cors is not None and current_request().method != "OPTIONS":
+            add_cors_headers(response, cors, None if ctx is None else ctx.origin)
         if response.status_code in _NO_CONTENT:
             # Quart labels every response (text/html, length 0); one without content has
             # nothing to describe, and a 204 may not carry a length (RFC 9110 §8.6).
@@ -205,6 +244,41 @@ class Middleware:
         )
         detail = "the server failed; its log has the details under this correlation id"
         return await self.on_problem(Problem(500, "Internal Server Error", detail))
+
+
+def add_cors_headers(response: Response, cors: CorsPolicy, origin: str | None) -> None:
+    """The real answer's CORS headers (``Vary: Origin`` joined to any ``Vary`` there)."""
+    for name, value in cors.response_headers(origin):
+        if name == "Vary":
+            response.vary.add(value)
+        else:
+            response.headers[name] = value
+
+
+def preflight_answer(cors: CorsPolicy | None, headers: Mapping[str, str]) -> Response:
+    """The answer to a CORS preflight (a 204 with the policy's headers), or a 403 problem
+    saying what the policy (None: no cross-origin calls at all) does not allow."""
+    origin = headers["origin"]
+    method = headers["access-control-request-method"]
+    if cors is None:
+        raise Problem(
+            403,
+            "Forbidden",
+            f"{method.strip()} on this path may not be called from another origin (no CORS "
+            "policy covers it)",
+            slug="cors-refused",
+            headers={"Vary": "Origin"},
+        )
+    try:
+        found = cors.preflight(origin, method, headers.get("access-control-request-headers"))
+    except PreflightRefused as exc:
+        raise Problem(
+            403, "Forbidden", str(exc), slug="cors-refused", headers={"Vary": "Origin"}
+        ) from None
+    response = Response("", status=204)
+    for name, value in found:
+        response.headers[name] = value
+    return response
 
 
 def render_problem(problem: Problem, *, correlation_id: str, instance: str) -> Response:

@@ -28,7 +28,8 @@ from prometheus_client import Gauge
 from quart import Request, Response, g, request
 from werkzeug.datastructures import MultiDict
 
-from .._errors import JobNotFound, PipeworkError
+from .._errors import JobNotFound, PipeworkError, StoreUnavailable
+from .._http._auth import Identity, RouteAuth, put_identity
 from .._http._bodies import (
     JSON,
     choose_media_type,
@@ -40,6 +41,7 @@ from .._http._bodies import (
 )
 from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
+from .._http._ratelimit import RateLimits
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state, raw_value
@@ -50,6 +52,7 @@ from ._modes_core import (
     KeyStep,
     Preferences,
     RanOut,
+    add_identity,
     add_request,
     admits_now,
     build_state,
@@ -61,6 +64,7 @@ from ._modes_core import (
     key_busy,
     key_step,
     needs_token,
+    outcome_unknown,
     parse_prefer,
     preference_applied,
     ran_out,
@@ -232,6 +236,16 @@ class _Ticket:
     deadline: float  # the job's (trio time)
 
 
+class _MaybeAccepted(Exception):
+    """A submission whose create was sent to a shared store and not answered: job
+    ``job_id`` may exist, with this ``deadline`` (answered by :func:`outcome_unknown`)."""
+
+    def __init__(self, job_id: str, deadline: float) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+        self.deadline = deadline
+
+
 _NO_HEADERS: Final[Mapping[str, str]] = MappingProxyType({})
 _NO_QUERY: Final[MultiDict[str, str]] = MultiDict()
 
@@ -266,6 +280,8 @@ class Submissions:
         #: The request's route and path parameters (raises werkzeug's NotFound or
         #: MethodNotAllowed), or the answer itself.
         self.match: Callable[[Request], tuple[Route, Mapping[str, str]] | Response] = _unset
+        #: The rate limits in force (set by the container; None: none).
+        self.rate_limits: RateLimits | None = None
 
     async def serve(self, _rest: str = "") -> Response:
         """The routes' view: the route :attr:`match` finds for the request (set by the
@@ -277,11 +293,23 @@ class Submissions:
             return found
         route, params = found
         del found  # the pair would stay for as long as the request is parked
+        # 401/403 before anything else is decided, read or started; the identity then keys
+        # the rate limits.
+        identity = None if route.auth is None else await self._authenticate(route.auth)
+        limits = self.rate_limits
+        if limits is not None:
+            # Before the body is read and any job exists: a refusal costs one decision.
+            met = limits.routes.get(route.name)
+            if met:
+                too_many = await limits.check(met, current_request().scope)
+                if too_many is not None:
+                    raise too_many
         if self.parking.draining:
             raise shutting_down()
         # The request's body and its decoded forms live only in _accept's frame: a parked
         # request keeps none of them (its job's state is the engine's).
-        ticket, prefs = await self._accept(route, params)
+        ticket, prefs = await self._accept(route, params, identity)
+        del identity
         if route.mode == "async":
             return await self._accepted(ticket, respond_async=prefs.respond_async)
         if route.mode == "stream":
@@ -348,6 +376,11 @@ class Submissions:
             with scope:
                 try:
                     result, degraded = await self.engine.wait_answer(job_id)
+                except StoreUnavailable as exc:
+                    # Its record could not be read (the store sent the read again on a new
+                    # connection first): the job goes on, its outcome unknown here.
+                    _log.warning("pipework: the outcome of job %s cannot be read: %s", job_id, exc)
+                    raise outcome_unknown(job_id, ticket.token) from None
                 except Exception as exc:  # the job's own error, whatever a pipe raised
                     raise await self.failure(job_id, exc) from None
                 return self._answer(result, media_type, job_id, applied, degraded)
@@ -398,7 +431,17 @@ class Submissions:
             raise shutting_down()
         raise deadline_passed(job_id)
 
-    async def _accept(self, route: Route, params: Mapping[str, str]) -> tuple[_Ticket, Preferences]:
+    async def _authenticate(self, auth: RouteAuth) -> Identity:
+        ctx = incoming()
+        headers = _NO_HEADERS if ctx is None else ctx.headers
+        identity = await auth.authenticate(headers)
+        scope: Any = current_request().scope  # the ASGI scope, a dict (typed as a TypedDict)
+        put_identity(scope, identity)
+        return identity
+
+    async def _accept(
+        self, route: Route, params: Mapping[str, str], identity: Identity | None
+    ) -> tuple[_Ticket, Preferences]:
         # Everything the request says is read and checked before a job exists: a request
         # answered 4xx has started nothing.
         req = current_request()
@@ -420,6 +463,8 @@ class Submissions:
             kept, body = None, decode_object(data, headers.get("content-type"))
         query = req.args if req.scope.get("query_string") else _NO_QUERY
         state = build_state(body, query, params)
+        if identity is not None:
+            add_identity(state, identity.state())
         use = self.engine.registry.get_chain(route.chain).request_use
         if use is not None or kept is not None:
             add_request(state, request_record(use, req.scope["headers"], kept))
@@ -434,8 +479,12 @@ class Submissions:
         self, route: Route, state: dict[str, Any], key: str | None, *, admit: bool
     ) -> _Ticket:
         if key is None:
-            token = secrets.token_urlsafe(32) if needs_token(route.mode) else None
-            deadline, job_id = await self._new_job(route, state, token, admit=admit)
+            shared = self.engine.shares_store
+            token = secrets.token_urlsafe(32) if needs_token(route.mode, shared) else None
+            try:
+                deadline, job_id = await self._new_job(route, state, token, admit=admit)
+            except _MaybeAccepted as maybe:
+                raise outcome_unknown(maybe.job_id, token) from None
             return _Ticket(job_id, token, replayed=False, deadline=deadline)
         digest = fingerprint(route.method, request.path, state)
         with trio.move_on_after(_CLAIM_WAIT):
@@ -454,6 +503,8 @@ class Submissions:
                     view = await self.engine.status(claimed)
                 except JobNotFound:
                     view = None
+                except StoreUnavailable:  # the key's job exists: named, never said undone
+                    raise outcome_unknown(claimed, claim.token) from None
                 if view is None or frees_key(view.status):
                     self.idempotency.forget(key, claim)
                     continue
@@ -466,13 +517,17 @@ class Submissions:
         token = secrets.token_urlsafe(32)
         claim = self.idempotency.claim(key, digest, token)
         try:
-            _, job_id = await self._new_job(route, state, token, admit=admit)
-            view = await self.engine.status(job_id)
+            deadline, job_id = await self._new_job(route, state, token, admit=admit)
+        except _MaybeAccepted as maybe:
+            # The key keeps the job that may exist: a retry with it follows that job (or,
+            # not found, submits anew) rather than running it twice.
+            self.idempotency.bind(key, claim, maybe.job_id, maybe.deadline + self.retain_seconds)
+            raise outcome_unknown(maybe.job_id, token) from None
         except BaseException:
             self.idempotency.forget(key, claim)
             raise
-        self.idempotency.bind(key, claim, job_id, view.deadline + self.retain_seconds)
-        return _Ticket(job_id, token, replayed=False, deadline=view.deadline)
+        self.idempotency.bind(key, claim, job_id, deadline + self.retain_seconds)
+        return _Ticket(job_id, token, replayed=False, deadline=deadline)
 
     async def _new_job(
         self, route: Route, state: dict[str, Any], token: str | None, *, admit: bool
@@ -491,18 +546,26 @@ class Submissions:
         ctx: Incoming | None = namespace.get("pipework")
         # The engine sets the same deadline: it reads the clock before its first await.
         deadline = trio.current_time() + timeout
-        job_id = await self.engine.submit(
-            route.chain,
-            state,
-            timeout=timeout,
-            correlation_id=namespace.correlation_id,
-            token=token,
-            traceparent=None if ctx is None else ctx.traceparent,
-            tracestate=None if ctx is None else ctx.tracestate,
-            baggage=None if ctx is None else ctx.baggage,
-            stream=route.mode == "stream",
-            admit=admit,
-        )
+        try:
+            job_id = await self.engine.submit(
+                route.chain,
+                state,
+                timeout=timeout,
+                correlation_id=namespace.correlation_id,
+                token=token,
+                traceparent=None if ctx is None else ctx.traceparent,
+                tracestate=None if ctx is None else ctx.tracestate,
+                baggage=None if ctx is None else ctx.baggage,
+                stream=route.mode == "stream",
+                admit=admit,
+            )
+        except StoreUnavailable as exc:
+            if exc.job_id is None:  # nothing reached the store: nothing was done
+                raise
+            # Its record may have been written (the connection was lost after it was sent):
+            # the job may run. Its client follows it rather than submitting it again.
+            _log.warning("pipework: job %s may or may not have been accepted: %s", exc.job_id, exc)
+            raise _MaybeAccepted(exc.job_id, deadline) from None
         return deadline, job_id
 
     # -- answering -----------------------------------------------------------------------
@@ -510,7 +573,11 @@ class Submissions:
     async def _accepted(
         self, ticket: _Ticket, *, respond_async: bool, applied: Iterable[str] = ()
     ) -> Response:
-        view = await self.engine.status(ticket.job_id)
+        try:
+            view = await self.engine.status(ticket.job_id)
+        except StoreUnavailable as exc:  # accepted, its status unread: named all the same
+            _log.warning("pipework: the status of job %s cannot be read: %s", ticket.job_id, exc)
+            raise outcome_unknown(ticket.job_id, ticket.token) from None
         document = job_document(view, expose=self.expose_errors)
         document["token"] = ticket.token
         media_type = choose_media_type(request)
@@ -536,7 +603,7 @@ class Submissions:
         where = ""
         try:
             recorded = (await self.engine.status(job_id)).error
-        except JobNotFound:
+        except (JobNotFound, StoreUnavailable):  # (its stage path is then not said)
             recorded = None
         if recorded is not None:
             where = recorded.where

@@ -13,7 +13,8 @@ as h11 decides from events and hypercorn's protocol from values.
   headers they pass on, a raw route's body: :func:`request_record`, :func:`check_unencoded`)
   under ``request`` (:func:`add_request`); its time limit, the first set of the route's,
   the chain's, the engine's and the container's (:func:`job_timeout`); an owner token only
-  when the answer hands one out (:func:`needs_token`: never for sync and stream); and its
+  when the answer may hand one out (:func:`needs_token`: never for stream, nor for sync on
+  an in-process store); and its
   admission decided before the answer when the answer promises that it will run
   (:func:`admits_now`: async).
 - **How long a sync or auto request waits** (:func:`wait_terms`): sync until the job's
@@ -21,7 +22,9 @@ as h11 decides from events and hypercorn's protocol from values.
   the route's ``sync_wait``, shortened by ``wait=N`` (then applied) or to nothing by
   ``respond-async`` alone.
 - **What a wait that ran out answers** (:func:`ran_out`): 503 once a shutdown's grace is
-  over, 202 when the request's own wait ended before the job's deadline, else 504.
+  over, 202 when the request's own wait ended before the job's deadline, else 504. A job
+  whose outcome cannot be read (a shared store away) is named, never said undone
+  (:func:`outcome_unknown`).
 - **Idempotency-Key**: the key a request is remembered by, per route; a malformed one is a
   400 (:func:`idempotency_key`). A key already claimed (:func:`key_step`) by a different
   request is a 422; by a submission still in flight, the request waits for it; else the
@@ -39,6 +42,7 @@ from enum import Enum
 from typing import Any, Final, Protocol
 
 from .._headers import passed
+from .._http._auth import IDENTITY_STATE_KEY
 from .._http._problems import Problem
 from ..dispatcher._status import Status
 from ..pipes._pipe import REQUEST_KEY, RequestUse
@@ -62,6 +66,7 @@ __all__ = [
     "key_busy",
     "key_step",
     "needs_token",
+    "outcome_unknown",
     "parse_prefer",
     "preference_applied",
     "ran_out",
@@ -181,6 +186,21 @@ def add_request(state: dict[str, Any], record: dict[str, Any]) -> None:
     state[REQUEST_KEY] = record
 
 
+def add_identity(state: dict[str, Any], identity: dict[str, Any]) -> None:
+    """Put the identity the route's auth accepted in ``state``, under a key the request
+    itself may not set (a body naming its own identity would pass for a proven one)."""
+    if IDENTITY_STATE_KEY in state:
+        raise Problem(
+            400,
+            "Conflicting input",
+            f"{IDENTITY_STATE_KEY!r} holds who this route's authentication says the caller is; "
+            "the body, query and path may not set it",
+            slug="conflicting-input",
+            key=IDENTITY_STATE_KEY,
+        )
+    state[IDENTITY_STATE_KEY] = identity
+
+
 def check_unencoded(content_encoding: str | None) -> None:
     """A raw route's body must come unencoded: a content coding other than ``identity`` is
     a 415 (RFC 9110 §15.5.16), since the body is kept and passed on with its type alone,
@@ -208,10 +228,12 @@ def job_timeout(
     return container if engine is None else engine
 
 
-def needs_token(mode: Mode) -> bool:
-    """Whether the job gets an owner token: a sync or stream answer never hands one out,
-    so none is made for it."""
-    return mode not in ("sync", "stream")
+def needs_token(mode: Mode, shared_store: bool = False) -> bool:
+    """Whether the job gets an owner token: a stream answer never hands one out, so none is
+    made for it; nor a sync one on an in-process store. On a shared store (Redis) a sync
+    request whose job's outcome cannot be read is answered with the job's id and token
+    (:func:`outcome_unknown`), for its client to follow it rather than submit it again."""
+    return mode not in ("sync", "stream") or (mode == "sync" and shared_store)
 
 
 def admits_now(mode: Mode) -> bool:
@@ -367,6 +389,34 @@ def shutting_down() -> Problem:
         "the server is shutting down; try again (another instance may answer)",
         slug="shutting-down",
         headers={"Retry-After": "1"},
+    )
+
+
+def outcome_unknown(job_id: str, token: str | None) -> Problem:
+    """The job store could not be read (a shared store away) after the job was accepted:
+    the job may have run, may be running, or may run still. The answer names it — its
+    status's ``Location``, its id and, when it has one, its token — so the client follows
+    it rather than submitting it again (which could run it twice); never "nothing was
+    done"."""
+    detail = (
+        f"the server cannot reach its job store now, after it accepted job {job_id}: the "
+        "job may have run or may still run; follow its status at Location (with its "
+        "token) rather than submitting it again"
+    )
+    # No Retry-After: the request is not to be sent again (a client that retries a 503 on
+    # its own would run the job twice); its job is followed at Location.
+    headers = {"Location": f"/jobs/{job_id}", "X-Job-Id": job_id}
+    if token is not None:
+        headers["X-Job-Token"] = token
+    return Problem(
+        503,
+        "Job store unavailable",
+        detail,
+        slug="store-unavailable",
+        headers=headers,
+        job_id=job_id,
+        token=token,
+        reason="store_unavailable",
     )
 
 

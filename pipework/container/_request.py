@@ -15,6 +15,8 @@ from typing import Any, cast
 
 from quart import Request, g, request
 
+from .._http._cors import CorsPolicy
+
 __all__ = ["Incoming", "current_g", "current_request", "incoming", "read_headers"]
 
 
@@ -25,8 +27,10 @@ class Incoming:
 
     __slots__ = (
         "baggage",
+        "cors",
         "header_bytes",
         "headers",
+        "origin",
         "route",
         "started",
         "traceparent",
@@ -42,6 +46,9 @@ class Incoming:
         self.tracestate: str | None = None
         self.baggage: str | None = None
         self.route = ""  # the route's name, once matched
+        self.origin = headers.get("origin")  # read before the headers are let go
+        #: The CORS policy of the matched route (its answer's Access-Control-* headers).
+        self.cors: CorsPolicy | None = None
 
 
 def incoming() -> Incoming | None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol, get_args, runtime_checkable
 
 from .._errors import RegistrationError
+from .._http._auth import RouteAuth
+from .._http._cors import CorsPolicy
 from .._http._paths import RESERVED_PREFIXES as RESERVED_PREFIXES
 from .._http._paths import covering_prefix
 
@@ -58,6 +60,9 @@ class Route:
     - ``body``: ``object`` (a JSON object or msgpack map whose members join the state) or
       ``raw`` (any type, kept as it came: its bytes and content type in
       ``state["request"]["body"]``).
+    - ``auth``: who may call it (API keys, JWTs; None: anyone), checked before any job
+      exists; the identity joins the state under ``"identity"``. ``cors``: which other
+      origins' pages may call it from a browser (None: none).
     """
 
     name: str
@@ -70,6 +75,8 @@ class Route:
     on_disconnect: OnDisconnect = "cancel"
     max_body: int | None = None
     body: BodyKind = "object"
+    auth: RouteAuth | None = field(default=None, compare=False)
+    cors: CorsPolicy | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         where = f"route {self.name!r}"

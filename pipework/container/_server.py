@@ -28,6 +28,7 @@ websocket protocol error would end without its close frame.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Mapping
 from typing import Final, NamedTuple
 from urllib.parse import urlsplit
@@ -79,6 +80,7 @@ async def serve(
     keep_alive_timeout: float = 5.0,
     keep_alive_max_requests: int = 1000,
     hypercorn_options: Mapping[str, object] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown_trigger`` is set, then shut down.
@@ -96,6 +98,11 @@ async def serve(
     example ``h11_max_incomplete_size``, ``read_timeout``, ``accesslog``, ``certfile``).
     Hypercorn's error log goes to the ``hypercorn.error`` logger through the
     application's own logging configuration unless ``errorlog`` is given here.
+
+    ``ssl_context``: serve HTTPS with this context (and HTTP/2 to clients that ask for it
+    by ALPN), kept for the server's life: what it serves can change through it (the
+    gateway's :class:`~._tls.CertificateSwitch`), where hypercorn's own ``certfile`` and
+    ``keyfile`` are read once.
     """
     _hypercorn_fix.apply()
     _hypercorn_ws.apply()
@@ -108,6 +115,8 @@ async def serve(
         keep_alive_max_requests=keep_alive_max_requests,
         options=hypercorn_options or {},
     )
+    if ssl_context is not None:
+        _serve_tls(config, ssl_context)
     await hypercorn_serve(
         app,
         config,
@@ -151,6 +160,17 @@ def _build_config(
     config.keep_alive_timeout = keep_alive_timeout
     config.keep_alive_max_requests = keep_alive_max_requests
     return config
+
+
+def _serve_tls(config: Config, context: ssl.SSLContext) -> None:
+    """Make hypercorn serve TLS with ``context``: it does when ``certfile`` and ``keyfile``
+    are set (``ssl_enabled``), and takes its context from ``create_ssl_context`` once, at
+    start-up; the files are then never read by hypercorn."""
+    if config.certfile is not None or config.keyfile is not None:
+        raise ValueError("give ssl_context or the certfile and keyfile options, not both")
+    config.certfile = config.keyfile = "<ssl_context>"
+    # An instance attribute over the method: hypercorn calls config.create_ssl_context().
+    config.create_ssl_context = lambda: context  # type: ignore[method-assign]  # see above
 
 
 class _ReportBoundAddress(trio.TaskStatus[list[str]]):

@@ -5,7 +5,9 @@ branch's is not: it reports to its join instead), the job's duration and log lin
 and then whoever waits hears of it — ``Engine.wait``'s waiter, a stream's reader, the
 engine (which retires idle plans). A step's last write may be left to a shared store
 (``update_soon``): what follows the end then follows once the store says it is written,
-and a write that failed ends the job as an awaited one would have. A step that leaves its
+and a write that failed ends the job as an awaited one would have (one that failed for the
+store, its connection lost, is first written again, awaited: the store sends it again until
+the job's deadline, and only a store away past that fails the job). A step that leaves its
 job neither final nor waiting on purpose ends it here too: ``cancelled`` if it was
 cancelled, ``failed`` with an :class:`~pipework.InternalError` if the engine's own
 bookkeeping failed for it.
@@ -17,12 +19,12 @@ finished records are retained, for ``Engine.wait`` to raise as they were.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
 
 import trio
 
-from .._errors import InternalError, JobCancelled, JobGone, JobNotFound
+from .._errors import InternalError, JobCancelled, JobGone, JobNotFound, StoreUnavailable
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._state import storable_part
@@ -158,6 +160,9 @@ class Ends:
                 self.heard(job)
                 self.let_go(job)
                 return
+            if isinstance(error, StoreUnavailable):  # perhaps written: written again
+                self._spawn_again(job, error, "end", self._store.update, written, previous)
+                return
             job.status = previous  # not recorded: ending it may be tried again
             self.heard(job)
             self._spawn_unwritten(job, error, "end")
@@ -177,12 +182,61 @@ class Ends:
                 self._hooks.changed(job)
                 self.let_go(job)
                 return
+            if isinstance(error, StoreUnavailable):  # perhaps written: written again
+                self._spawn_again(job, error, "hand-off", again, written, None)
+                return
             self._spawn_unwritten(job, error, "hand-off")
+
+        async def again(job: Job) -> None:
+            queue = self._abilities.shared_queue
+            assert queue is not None, "a hand-off with no wait goes through a shared queue"
+            await queue.update_and_put(self._store, job, RunJob(job.id))
 
         if job.id in self.pending or not soon(self._store, job, RunJob(job.id), written):
             return False
         self.pending[job.id] = None
         return True
+
+    def _spawn_again(
+        self,
+        job: Job,
+        error: BaseException,
+        what: str,
+        write: Callable[[Job], Awaitable[object]],
+        written: Callable[[BaseException | None], None],
+        previous: Status | None,
+    ) -> None:
+        try:
+            self._flight.spawn(self._again, job, write, written, previous)
+        except RuntimeError:  # the dispatcher has stopped: the event stays pending
+            _log.error("pipework: the %s of job %s was not written", what, job.id, exc_info=error)
+
+    async def _again(
+        self,
+        job: Job,
+        write: Callable[[Job], Awaitable[object]],
+        written: Callable[[BaseException | None], None],
+        previous: Status | None,
+    ) -> None:
+        """A step's write left to the store (``update_soon``) whose round trip failed for
+        the store: written again, awaited (the store sends it again, marked so that a write
+        the first made is not made twice, until the job's deadline); ``written`` is told
+        once it is written; if it is not, the job ends as an awaited write's failure would
+        have ended it. ``previous``: the job's status before an end, put back then."""
+        failure: BaseException | None = None
+        try:
+            await write(job)
+        except* Exception as errors:  # (a cancellation travels on: the engine stops)
+            failure = errors.exceptions[0]
+            while isinstance(failure, BaseExceptionGroup):
+                failure = failure.exceptions[0]
+        if failure is None:
+            written(None)
+            return
+        if previous is not None:
+            job.status = previous  # not recorded: ending it may be tried again
+            self.heard(job)
+        await self._unwritten(job, failure)  # as if the awaited write had raised
 
     def _spawn_unwritten(self, job: Job, error: BaseException, what: str) -> None:
         try:

@@ -22,6 +22,7 @@ from .._errors import (
     JobNotFound,
     Overloaded,
     SignalError,
+    StoreUnavailable,
 )
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
@@ -161,6 +162,12 @@ class Engine:
         shared_queue = abilities.shared_queue
         self._relay: Any = None if shared_queue is None else shared_queue.relay
         self._relayed: set[str] = set()  # streamed jobs whose chunks come through it
+
+    @property
+    def shares_store(self) -> bool:
+        """Whether other processes share the job store (Redis): a read of it may fail
+        while the job goes on."""
+        return self._abilities.shared_store is not None
 
     @property
     def plan_generation(self) -> int:
@@ -437,7 +444,9 @@ class Engine:
                     await self.store.delete(job.id)
                     raise
                 await self._abilities.flush()  # a shared queue: the first event is there first
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, StoreUnavailable) and exc.maybe_done:
+                exc.job_id = job.id  # it may exist and run: its client is told to follow it
             if relayed:
                 self._relay.close_stream(job.id)
             self._not_accepted(job)

@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 from typing import Any, Final, Protocol
@@ -44,7 +44,10 @@ import trio
 
 from .. import _tracing
 from .._errors import DeadlineExceeded, PipeworkError
+from .._http._auth import IDENTITY_STATE_KEY, Identity, RouteAuth, put_identity
+from .._http._cors import CorsPolicy, PreflightRefused, header_pairs
 from .._http._problems import Problem, problem_for_exception
+from .._http._ratelimit import RateLimits
 from .._http._request_ids import request_id
 from .._metrics import Metrics
 from ..backends._failures import CallTimeout, ConnectFailed, TransportFailure
@@ -93,6 +96,11 @@ class ProxySet:
 
     table: ProxyTable
     clients: dict[str, Upstream] = field(default_factory=dict)
+    #: Who may call each route (by route name; absent: anyone), checked before a slot.
+    auth: Mapping[str, RouteAuth] = field(default_factory=dict)
+    #: Which other origins' pages may call each route (by route name; absent: the gateway
+    #: leaves CORS, preflights included, to the service).
+    cors: Mapping[str, CorsPolicy] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -111,6 +119,7 @@ class _Exchange:
     client_gone: bool = False
     # The answer's last message was handed to the server (the backend's, or a problem's).
     answered: bool = False
+    identity: Identity | None = None  # who the route's auth says the caller is
 
 
 class ProxyLayer:
@@ -126,8 +135,11 @@ class ProxyLayer:
         metrics: Metrics,
         trusted: tuple[IPv4Network | IPv6Network, ...] = (),
         access_log: bool = True,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self.app = app
+        #: The rate limits in force (None: none); the container swaps them at a reload.
+        self.rate_limits = rate_limits
         self.proxies = proxies
         self.pool = pool
         self.chains = chains
@@ -171,14 +183,60 @@ class ProxyLayer:
         kind = scope["type"]
         proxies = self.proxies
         if proxies.table and kind == "http":
-            hit = proxies.table.match(scope["path"], scope["method"])
+            method = scope["method"]
+            if method == "OPTIONS" and proxies.cors:
+                asked = _header(scope["headers"], b"access-control-request-method")
+                if asked is not None and _header(scope["headers"], b"origin") is not None:
+                    hit = proxies.table.match(scope["path"], asked.decode("latin-1").strip())
+                    if isinstance(hit, ProxyRoute) and hit.name in proxies.cors:
+                        return self._preflight(proxies.cors[hit.name], scope, send)
+            hit = proxies.table.match(scope["path"], method)
             if hit is not None:
+                if isinstance(hit, ProxyRoute) and hit.name in proxies.cors:
+                    send = _with_cors(send, proxies.cors[hit.name], scope)
                 return self._serve(hit, proxies, scope, receive, send)
         elif proxies.table and kind == "websocket":
             hit = proxies.table.match(scope["path"], "GET")
             if isinstance(hit, ProxyRoute) and hit.websocket:
                 return self._serve_websocket(hit, proxies, scope, receive, send)
         return self.app(scope, receive, send)
+
+    async def _preflight(
+        self, cors: CorsPolicy, scope: MutableMapping[str, Any], send: ASGISend
+    ) -> None:
+        """A CORS preflight on a route with a policy: answered here, without the service,
+        a slot or authentication (a preflight carries no credentials)."""
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name.lower() in _PREFLIGHT_HEADERS
+        }
+        try:
+            found = cors.preflight(
+                headers["origin"],
+                headers["access-control-request-method"],
+                headers.get("access-control-request-headers"),
+            )
+        except PreflightRefused as exc:
+            problem = Problem(
+                403, "Forbidden", str(exc), slug="cors-refused", headers={"Vary": "Origin"}
+            )
+            await send_problem(
+                send, problem, correlation_id=_correlation_id(scope), instance=scope["path"]
+            )
+            return
+        pairs = [*header_pairs(found), (b"x-request-id", _correlation_id(scope).encode())]
+        await send({"type": "http.response.start", "status": 204, "headers": pairs})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _authenticate(self, auth: RouteAuth, scope: MutableMapping[str, Any]) -> Identity:
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in reversed(scope["headers"])  # the first of a name wins
+        }
+        identity = await auth.authenticate(headers)
+        put_identity(scope, identity)
+        return identity
 
     async def _serve_websocket(
         self,
@@ -195,12 +253,29 @@ class ProxyLayer:
         started = time.perf_counter()
         outcome: WebsocketOutcome | None = None
         try:
+            auth = proxies.auth.get(route.name)
+            if auth is not None:
+                try:
+                    await self._authenticate(auth, scope)
+                except Problem as refused:  # refused before the handshake is accepted
+                    await send({"type": "websocket.close", "code": 1008})
+                    outcome = WebsocketOutcome(refused.status, detail=refused.detail)
+                    return
             try:
                 target = _target(route, scope)
             except BadTarget:
                 await send({"type": "websocket.close", "code": 1008})  # not proxied
                 outcome = WebsocketOutcome(403, detail="the path may not be proxied")
                 return
+            limits = self.rate_limits
+            met = None if limits is None else limits.routes.get(route.name)
+            if met:
+                assert limits is not None
+                too_many = await limits.check(met, scope)
+                if too_many is not None:  # before the slot, as for a request
+                    await send({"type": "websocket.close", "code": 1013})
+                    outcome = WebsocketOutcome(too_many.status, detail=too_many.detail)
+                    return
             host, forwarded = self._head_out(route, client, scope, correlation_id)
             timeouts = _timeouts(route, client)
             with self._using(proxies):
@@ -279,6 +354,22 @@ class ProxyLayer:
         send: ASGISend,
     ) -> None:
         route = ex.route
+        auth = proxies.auth.get(route.name)
+        if auth is not None:  # first: its identity keys the limits
+            try:
+                ex.identity = await self._authenticate(auth, scope)
+            except Problem as refused:
+                await self._refuse(ex, send, refused)
+                return
+        limits = self.rate_limits
+        if limits is not None:
+            # Before the body, the chain, the service and a slot.
+            met = limits.routes.get(route.name)
+            if met:
+                too_many = await limits.check(met, scope)
+                if too_many is not None:
+                    await self._refuse(ex, send, too_many)
+                    return
         client = proxies.clients[route.service]
         deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         incoming: list[tuple[bytes, bytes]] = scope["headers"]
@@ -499,7 +590,10 @@ class ProxyLayer:
             "headers": _pairs(headers),
             "client": None if scope.get("client") is None else scope["client"][0],
         }
-        state = await self._run(ex, chain, {"request": request}, send)
+        start: dict[str, Any] = {"request": request}
+        if ex.identity is not None:  # the route's chain sees who the caller is
+            start[IDENTITY_STATE_KEY] = ex.identity.state()
+        state = await self._run(ex, chain, start, send)
         if state is None:
             return None
         edited = state.get("request", request)
@@ -576,6 +670,31 @@ class ProxyLayer:
 
 
 # -- small rules -------------------------------------------------------------------------
+
+
+_PREFLIGHT_HEADERS: Final = frozenset(
+    {b"origin", b"access-control-request-method", b"access-control-request-headers"}
+)
+
+
+def _with_cors(send: ASGISend, cors: CorsPolicy, scope: MutableMapping[str, Any]) -> ASGISend:
+    """``send`` adding the route's CORS headers to the answer's head (the service's own
+    ``Access-Control-*`` headers are replaced: the route's policy decides)."""
+    origin = _header(scope["headers"], b"origin")
+    text = None if origin is None else origin.decode("latin-1")
+    added = header_pairs(cors.response_headers(text))
+
+    async def sending(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            kept = [
+                (name, value)
+                for name, value in message["headers"]
+                if not name.lower().startswith(b"access-control-")
+            ]
+            message = {**message, "headers": [*kept, *added]}
+        await send(message)
+
+    return sending
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:

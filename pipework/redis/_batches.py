@@ -136,7 +136,7 @@ def _no_abort(_: Any) -> trio.lowlevel.Abort:
 def _copy(exc: Exception) -> Exception:
     """The batch's error, an object of its own for each caller that raises it."""
     if isinstance(exc, StoreUnavailable):
-        copy = StoreUnavailable(str(exc))
+        copy = StoreUnavailable(str(exc), maybe_done=exc.maybe_done)
         copy.__cause__ = exc.__cause__
         return copy
     return exc
@@ -164,9 +164,11 @@ class Batches:
         self._flights: list[_Flight] = []  # batches sent, their replies not all read yet
         self._orphaned = False  # calls nobody waits for are left to the last sender
 
-    def _unavailable(self, exc: BaseException) -> StoreUnavailable:
+    def _unavailable(self, exc: BaseException, *, maybe_done: bool = True) -> StoreUnavailable:
+        """``maybe_done``: the commands may have reached Redis (False: none was sent)."""
         return StoreUnavailable(
-            f"the job store at {public_url(self.url)} cannot be reached ({exc}); retry later"
+            f"the job store at {public_url(self.url)} cannot be reached ({exc}); retry later",
+            maybe_done=maybe_done,
         )
 
     async def _run(self, command: Command, script: str | None = None) -> Any:
@@ -234,14 +236,14 @@ class Batches:
             self._lead = False
             self._gatherer = None
             self._hand_on()
-            call.error = self._no_answer()
+            call.error = self._no_answer(maybe_done=False)
         if self._orphaned:
             self._orphaned = False
             self._lead = False
             orphans, self._calls = self._calls, []
             self._outstanding -= len(orphans)
             for orphan in orphans:
-                orphan.error = self._no_answer()
+                orphan.error = self._no_answer(maybe_done=False)
                 self._tell(orphan)
 
     async def _gather(self) -> None:
@@ -256,9 +258,11 @@ class Batches:
             if self._gatherer is not gatherer:
                 return  # a later call sent the batch
 
-    def _no_answer(self) -> StoreUnavailable:
+    def _no_answer(self, *, maybe_done: bool = True) -> StoreUnavailable:
+        """``maybe_done``: the call was sent (False: its time ran out before it went)."""
         return StoreUnavailable(
-            f"the job store at {public_url(self.url)} did not answer within {self.io_timeout:g}s"
+            f"the job store at {public_url(self.url)} did not answer within {self.io_timeout:g}s",
+            maybe_done=maybe_done,
         )
 
     async def _fly(self) -> None:
@@ -273,7 +277,8 @@ class Batches:
             try:
                 replies = await self._wait(functools.partial(self._round_trip, flight))
             except UNREACHABLE as exc:
-                raise self._unavailable(exc) from exc
+                # Done perhaps, if it was sent; not if no connection could be made.
+                raise self._unavailable(exc, maybe_done=flight.sent) from exc
             self._take(batch, replies)
         except Exception as exc:
             for call in batch:
@@ -416,7 +421,8 @@ class Batches:
         if reply.code in ("LOADING", "MASTERDOWN", "READONLY", "BUSY", "OOM", "MISCONF"):
             where = public_url(self.url)
             return StoreUnavailable(
-                f"the job store at {where} refused the command ({reply}); retry later"
+                f"the job store at {where} refused the command ({reply}); retry later",
+                maybe_done=False,
             )
         return reply
 

@@ -39,6 +39,13 @@ commands (a join's record when two branches end at once) take :meth:`lock`. A re
 the event queue's writes and reads when it shares the store (:mod:`._batches`, and
 :class:`RedisEventQueue`).
 
+**Sent again.** A call whose round trip failed for the store (its connection lost, no
+answer in time, a server loading) is sent again on a new connection (:mod:`._resend` says
+when): a read at once; a step's write until its job's deadline (``resend_seconds`` at
+most), marked (:data:`_AGAIN`) so that its script answers as written when the record holds
+that very write already, and makes nothing twice. A write whose answer never came marks
+its job (``_unsure``): the job's next write goes marked too.
+
 **Ends.** An end is published on ``{p}:finished`` only when a process other than the one
 that records it may wait for it: the job was created elsewhere, or its record is marked
 ``w`` (:meth:`read_awaited`). The creating process's waiters are woken by its own
@@ -80,8 +87,9 @@ from ..dispatcher._store import REMEMBER_GONE_COUNT, REMEMBER_GONE_SECONDS, chec
 from ..dispatcher._wake import Waiting, Wake
 from ._batches import Batches, _Call
 from ._client import Subscription
+from ._resend import Resend
 from ._scripts import Script, load, terminal_statuses
-from ._wire import UNREACHABLE, Arg, Connection, ReplyError, encode_args
+from ._wire import UNREACHABLE, Arg, Command, Connection, ReplyError, encode_args
 
 __all__ = ["RedisJobStore", "StoreUnavailable"]
 
@@ -122,6 +130,14 @@ _SHAS: Final = {name: script.sha for name, script in _SCRIPTS.items()}
 
 #: The update script's last argument when the record may have any version.
 _ANY_VERSION: Final = encode_args([""])
+
+#: Before a version argument: the write is sent again after its round trip failed, and the
+#: script answers as if it wrote it if the record holds it already (lua/store_update.lua).
+_AGAIN: Final = "="
+
+#: How many jobs whose last write may or may not have been made are remembered (their next
+#: write is sent as one sent again).
+_UNSURE_KEPT: Final = 4096
 
 #: Arguments an update sends often, encoded once: a status, whether it is terminal.
 _STATUS_ARG: Final = {s: encode_args([s.value]) for s in Status}
@@ -179,7 +195,9 @@ class RedisJobStore(Batches):
     """Job records on Redis. ``url`` is where (``redis://[user:password@]host:port/db``,
     ``rediss://`` for TLS, ``unix:///path?db=N``). ``prefix`` keeps several deployments
     (or tests) apart on one server. Retention, and how many dropped ids are remembered
-    for how long, as for the memory store.
+    for how long, as for the memory store. ``resend_seconds``: how long a step's write
+    whose round trip failed is sent again, within its job's deadline (and a waiter's read;
+    see the module).
 
     Use it as an async context manager (an :class:`~pipework.Engine` given it does so): its
     connection closes on the last exit.
@@ -198,8 +216,11 @@ class RedisJobStore(Batches):
         remember_gone_seconds: float = REMEMBER_GONE_SECONDS,
         lock_seconds: float = 10.0,
         io_timeout: float = 10.0,
+        resend_seconds: float = 30.0,
     ) -> None:
         check_retention(retain_seconds, retain_count, remember_gone_count, remember_gone_seconds)
+        if not resend_seconds >= 0:
+            raise ValueError(f"resend_seconds must be 0 or more, got {resend_seconds!r}")
         if ":" in prefix or not prefix:
             raise ValueError(f"the Redis key prefix must be non-empty without ':', got {prefix!r}")
         self.url = url
@@ -210,6 +231,7 @@ class RedisJobStore(Batches):
         self.remember_gone_seconds = remember_gone_seconds
         self.lock_seconds = lock_seconds
         self.io_timeout = io_timeout
+        self.resend_seconds = resend_seconds
         self._connection: Connection | None = None
         self._entered = 0
         self._offset: float | None = None
@@ -235,6 +257,9 @@ class RedisJobStore(Batches):
         self._own: dict[str, tuple[bytes, int]] = {}
         #: Jobs created here whose first event this process claimed (see create).
         self._claimed: dict[str, Job] = {}
+        #: Jobs whose last write failed with no answer (it may have been made): their next
+        #: write is sent as one sent again (see _resend).
+        self._unsure: dict[str, None] = {}
         self.rider = None
         self._update_head = b"*%d\r\n%b" % (20, encode_args(["EVALSHA", _SHAS["update"], 3]))
         self._update_entry_head = b"*%d\r\n%b" % (
@@ -277,8 +302,69 @@ class RedisJobStore(Batches):
             connection, self._connection = self._connection, None
             await connection.aclose()
 
-    async def _script(self, name: str, keys: list[str], args: list[Arg]) -> Any:
-        return await self._run(["EVALSHA", _SHAS[name], len(keys), *keys, *args], name)
+    async def _script(
+        self,
+        name: str,
+        keys: list[str],
+        args: list[Arg],
+        *,
+        until: float | None = None,
+        reads: bool = False,
+    ) -> Any:
+        """One of the store's scripts that may run twice (a read, or a write of the same
+        outcome again): sent again on a new connection if its round trip failed, at once,
+        and until ``until`` (None: only at once). ``reads``: it changes nothing a client
+        asked for (its failure says nothing was done)."""
+        command: Command = ["EVALSHA", _SHAS[name], len(keys), *keys, *args]
+        try:
+            return await self._run(command, name)
+        except StoreUnavailable as exc:
+            now = trio.current_time()
+            until = now if until is None else until
+            return await self._resend(command, name, until, exc, reads=reads)
+
+    async def _resend(
+        self,
+        command: Command,
+        script: str | None,
+        until: float,
+        lost: StoreUnavailable,
+        read: Callable[[Any], None] | None = None,
+        *,
+        reads: bool = False,
+    ) -> Any:
+        """Send ``command`` again after its round trip failed with ``lost``: at once (on a
+        new connection), then with growing pauses while ``until`` has not passed
+        (:class:`Resend`); the last failure is raised if none goes through. ``command``
+        must be one that may run twice: a read, or a write marked as sent again (its script
+        then tells a write already made, see _AGAIN). ``read``: as ``_Call.read``.
+        ``reads``: ``command`` changes nothing a client asked for: its failure says
+        nothing was done (``StoreUnavailable.maybe_done``)."""
+        resend = Resend(until)
+        maybe_done = lost.maybe_done
+        while (pause := resend.pause(trio.current_time())) is not None:
+            if pause > 0:
+                await trio.sleep(pause)
+            call = _Call([command], script, many=False)
+            call.read = read
+            try:
+                return await self._call(call)
+            except StoreUnavailable as exc:
+                lost = exc
+                maybe_done = maybe_done or exc.maybe_done
+        lost.maybe_done = maybe_done and not reads  # (perhaps, if any of them may have been)
+        raise lost
+
+    def _resend_until(self, job: Job) -> float:
+        """Until when a write of ``job``'s is sent again: its deadline, and
+        ``resend_seconds`` from now at most."""
+        return min(job.deadline, trio.current_time() + self.resend_seconds)
+
+    def _unsure_of(self, job_id: str) -> None:
+        """The job's last write got no answer: its next one is sent as one sent again."""
+        self._unsure[job_id] = None
+        if len(self._unsure) > _UNSURE_KEPT:
+            del self._unsure[next(iter(self._unsure))]
 
     # -- time ----------------------------------------------------------------------------
 
@@ -369,7 +455,8 @@ class RedisJobStore(Batches):
         the entries of a read later in the batch are delivered."""
         job_id = job.id.encode()
         blob = self._encode(job)
-        version = b"%d" % job.version
+        again = job.id in self._unsure
+        version = b"%b%d" % (b"=" if again else b"", job.version)
         head = self._create_heads[0 if entry is None else 1 if claim is None else 2]
         tail = b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2])
         if claim is not None:
@@ -382,7 +469,7 @@ class RedisJobStore(Batches):
                 len(updated),
                 updated,
             )
-        command = _CREATE_FORMAT % (
+        parts = [
             head,
             len(self._job_prefix) + len(job_id),
             self._job_prefix,
@@ -398,11 +485,24 @@ class RedisJobStore(Batches):
             job_id,
             self._origin_arg,
             tail,
-        )
-        call = _Call([command], "create", many=False)
-        if claim is not None:
-            call.read = claim[2]
-        created = await self._call(call)
+        ]
+        call = _Call([_CREATE_FORMAT % tuple(parts)], "create", many=False)
+        read = None if claim is None else claim[2]
+        call.read = read
+        try:
+            try:
+                created = await self._call(call)
+            except StoreUnavailable as exc:
+                # Sent again marked (a record of this very blob is the one the first wrote),
+                # once at once: a submission is answered without waiting for Redis.
+                if not again:
+                    parts[9], parts[10] = len(version) + 1, b"=" + version
+                command = _CREATE_FORMAT % tuple(parts)
+                created = await self._resend(command, "create", trio.current_time(), exc, read)
+        except BaseException:
+            self._unsure_of(job.id)
+            raise
+        self._unsure.pop(job.id, None)
         if not created:
             raise ValueError(f"job {job.id} already exists")
         if claim is not None and created[0]:
@@ -419,9 +519,12 @@ class RedisJobStore(Batches):
     async def get(self, job_id: str) -> Job:
         # A plain read: one HMGET is atomic, and far cheaper than a script.
         key = self._job_prefix + job_id.encode()
-        blob, version, status, updated = await self._run(
-            b"*6\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
-        )
+        command = b"*6\r\n%b%b%b" % (self._get_head, _bulk(key), self._get_tail)
+        try:
+            reply = await self._run(command)
+        except StoreUnavailable as exc:  # sent again at once, on a new connection
+            reply = await self._resend(command, None, trio.current_time(), exc, reads=True)
+        blob, version, status, updated = reply
         return await self._found(job_id, blob, version, status, updated)
 
     async def read_awaited(self, job_id: str) -> Job:
@@ -437,7 +540,10 @@ class RedisJobStore(Batches):
         if job is not None and self._hearing():
             self._read_at[job_id] = generation  # for wait_end: read while hearing
             return job
-        reply = await self._script("awaited", [self._key(job_id)], [])
+        # A parked request waits: its read is sent again for resend_seconds (within the
+        # request's own time limit) before it is answered that the store is away.
+        until = trio.current_time() + self.resend_seconds
+        reply = await self._script("awaited", [self._key(job_id)], [], until=until, reads=True)
         if not reply:
             return await self._found(job_id, None, None)
         job = await self._found(job_id, reply[0], reply[1], reply[3], reply[4])
@@ -534,10 +640,28 @@ class RedisJobStore(Batches):
         if job.status in TERMINAL:
             await self._update(job, "")
             return True
+        try:
+            code = await self._run(self._status_command(job), "status")
+        except StoreUnavailable as exc:
+            # Sent again marked: a record with this status and time is the first's write.
+            again = self._status_command(job, again=True)
+            code = await self._resend(again, "status", self._resend_until(job), exc)
+        if code > 0:
+            job.version = code
+        elif code == -3:
+            if verify:
+                return False
+            await self._update(job, "")  # written since it was read: written whole
+        else:
+            raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
+        return True
+
+    def _status_command(self, job: Job, *, again: bool = False) -> bytes:
+        """The status script's command for ``job`` (``again``: marked as sent again)."""
         job_id = job.id.encode()
         updated = repr(job.updated_at).encode()
-        version = b"%d" % job.version
-        command = _STATUS_FORMAT % (
+        version = b"%b%d" % (b"=" if again else b"", job.version)
+        return _STATUS_FORMAT % (
             self._status_head,
             len(self._job_prefix) + len(job_id),
             self._job_prefix,
@@ -551,16 +675,6 @@ class RedisJobStore(Batches):
             len(version),
             version,
         )
-        code = await self._run(command, "status")
-        if code > 0:
-            job.version = code
-        elif code == -3:
-            if verify:
-                return False
-            await self._update(job, "")  # written since it was read: written whole
-        else:
-            raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
-        return True
 
     async def update_unless_changed(self, job: Job) -> bool:
         """``update``, only if nobody wrote the record since ``job`` was read from it (its
@@ -585,13 +699,19 @@ class RedisJobStore(Batches):
         if not (self._lead or self._flights) or not self._entered:
             return False
         status = job.status
-        command, blob = self._update_command(job, "", entry)
+        again = job.id in self._unsure
+        command, blob = self._update_command(job, _AGAIN if again else "", entry)
         call = _Call([command], "update", many=False)
 
         def told(call: _Call) -> None:
             if call.error is not None:
+                if isinstance(call.error, StoreUnavailable):
+                    # It may have been written: the job's next write (the caller's write of
+                    # it again) is sent as one sent again.
+                    self._unsure_of(job.id)
                 then(call.error)
                 return
+            self._unsure.pop(job.id, None)
             try:
                 self._updated(job, call.result, blob, status)
             except Exception as exc:
@@ -607,16 +727,31 @@ class RedisJobStore(Batches):
     async def _update(
         self, job: Job, expected: str, entry: tuple[str, bytes, bytes] | None = None
     ) -> bool:
+        """Write the record; a round trip that fails is sent again (marked: the script
+        tells a write the first made) until the job's deadline (:meth:`_resend_until`)."""
         status = job.status
-        command, blob = self._update_command(job, expected, entry)
-        return self._updated(job, await self._run(command, "update"), blob, status)
+        again = job.id in self._unsure
+        command, blob = self._update_command(job, _AGAIN + expected if again else expected, entry)
+        try:
+            try:
+                code = await self._run(command, "update")
+            except StoreUnavailable as exc:
+                if not again:
+                    command = _sent_again(command, expected, entry)
+                code = await self._resend(command, "update", self._resend_until(job), exc)
+        except BaseException:
+            self._unsure_of(job.id)
+            raise
+        self._unsure.pop(job.id, None)
+        return self._updated(job, code, blob, status)
 
     def _update_command(
         self, job: Job, expected: str, entry: tuple[str, bytes, bytes] | None
     ) -> tuple[bytes, bytes]:
         """The update script's command for ``job``, and the record's blob."""
         terminal = job.status in TERMINAL
-        if terminal:
+        # (A write sent again keeps the time of the first: the same blob.)
+        if terminal and not (expected.startswith(_AGAIN) and job.retain_until is not None):
             job.retain_until = trio.current_time() + self.retain_seconds
             # Written or not, its waiters read it from now on: a write that fails after
             # Redis applied it must not leave it known as active here.
@@ -651,8 +786,8 @@ class RedisJobStore(Batches):
             ),
             _NO_TOKEN_ARG if token is None else _bulk(token.encode()),
             self._tail(),
-            _ANY_VERSION if expected == "" else encode_args([expected]),
-            b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2]),
+            _version_arg(expected),
+            _entry_tail(entry),
         )
         return command, blob
 
@@ -696,7 +831,7 @@ class RedisJobStore(Batches):
         keys = [f"{self.prefix}:active"] if wanted & ACTIVE else []
         if wanted & TERMINAL:
             keys.append(f"{self.prefix}:finished")
-        reply = await self._script("list", keys, [self.prefix])
+        reply = await self._script("list", keys, [self.prefix], reads=True)
         jobs = [self._decode(*reply[i : i + 4]) for i in range(0, len(reply), 4)]
         return [job for job in jobs if job.status in wanted]
 
@@ -708,7 +843,8 @@ class RedisJobStore(Batches):
         p = self.prefix
         keys = [f"{p}:finished", f"{p}:gone", f"{p}:remembered"]
         args: list[Arg] = [repr(now), p, repr(self.remember_gone_seconds), self.remember_gone_count]
-        return await self._script("expire", keys, args if job_id is None else [*args, job_id])
+        args = args if job_id is None else [*args, job_id]
+        return await self._script("expire", keys, args, reads=True)
 
     def _tail(self) -> bytes:
         """The arguments every update sends alike, encoded once (see _UPDATE)."""
@@ -812,7 +948,7 @@ class RedisJobStore(Batches):
                 key = f"{self.prefix}:lock:{job_id}"
                 px = int(self.lock_seconds * 1000)
                 while True:
-                    if await self._run(["SET", key, token, "NX", "PX", px]):
+                    if await self._take_lock(key, token, px):
                         break
                     # Another process holds it, and no event can cross processes: poll
                     # briefly (a holder keeps it for one join's bookkeeping).
@@ -829,6 +965,21 @@ class RedisJobStore(Batches):
             else:
                 self._locks[job_id] = (local, users - 1)
 
+    async def _take_lock(self, key: str, token: str, px: int) -> bool:
+        """Whether the lock at ``key`` is taken for ``token`` (``SET NX``); a round trip that
+        failed is sent again for ``resend_seconds``, and an answer "held" then looks whether
+        the holder is this very call, whose first answer was lost."""
+        take: Command = ["SET", key, token, "NX", "PX", px]
+        try:
+            return bool(await self._run(take))
+        except StoreUnavailable as exc:
+            lost = exc
+        until = trio.current_time() + self.resend_seconds
+        if await self._resend(take, None, until, lost):
+            return True
+        held = await self._resend(["GET", key], None, until, lost)  # (at once, first)
+        return bool(held == token.encode())
+
 
 def _wire(value: object) -> Any:
     """The parts of a record msgpack does not know, as the arrays _decode reads back."""
@@ -841,6 +992,24 @@ def _wire(value: object) -> Any:
     if isinstance(value, JoinRecord):
         return value.to_wire()
     raise TypeError(f"a job record cannot hold a {type(value).__name__}")
+
+
+def _version_arg(expected: str) -> bytes:
+    """The update script's last argument: the version the record must have (see _AGAIN)."""
+    return _ANY_VERSION if expected == "" else encode_args([expected])
+
+
+def _entry_tail(entry: tuple[str, bytes, bytes] | None) -> bytes:
+    """The update script's arguments after the version: the entry's field and value."""
+    return b"" if entry is None else _bulk(entry[1]) + _bulk(entry[2])
+
+
+def _sent_again(command: bytes, expected: str, entry: tuple[str, bytes, bytes] | None) -> bytes:
+    """The update script's ``command`` marked as sent again (see _AGAIN): its version
+    argument, before the entry's, replaced."""
+    tail = _entry_tail(entry)
+    cut = len(command) - len(tail) - len(_version_arg(expected))
+    return command[:cut] + _version_arg(_AGAIN + expected) + tail
 
 
 def _moved(value: float | None, shift: float) -> float | None:

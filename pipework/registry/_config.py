@@ -30,6 +30,8 @@ from ..backends._http_spec import Service
 from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
 from ..pipes._pipe import REQUEST_KEY, Pipe
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
+from ._config_edge import EdgeConfig, read_edge
+from ._config_limits import LimitSettings, read_limit_names, read_rate_limits
 from ._config_lines import scan_lines
 from ._config_pipes import (
     HttpPipeConfig,
@@ -40,7 +42,7 @@ from ._config_pipes import (
 )
 from ._config_problems import Collector, ConfigError, KeyPath, Problem, describe_value
 from ._config_proxy import ProxyConfig, read_proxies
-from ._config_read import report_unknown
+from ._config_read import Table, report_unknown
 from ._config_routes import RouteConfig, is_proxy, read_routes
 from ._config_sections import PoolSettings, ServerConfig, read_pool, read_server, read_services
 from ._config_store import StoreSettings, read_store
@@ -75,6 +77,9 @@ SECTIONS: Final = (
     "pipes",
     "routes",
     "boards",
+    "auth",
+    "cors",
+    "rate_limits",
     "tracing",
 )
 _TOML_POSITION: Final = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
@@ -98,6 +103,15 @@ class GatewayConfig:
     backplane: BackplaneSettings = field(default_factory=BackplaneSettings)
     #: The proxy routes (``[routes.NAME]`` with ``proxy``), in the file's order.
     proxies: Mapping[str, ProxyConfig] = field(default_factory=lambda: MappingProxyType({}))
+    #: Who may call each route and from which origins (``[auth]``, ``[cors]``).
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
+    #: ``[rate_limits]``: the limits and their store.
+    rate_limits: LimitSettings = field(default_factory=LimitSettings)
+    #: The limits each route meets, by route name: its own, then its services' (a proxy
+    #: route's service; the services a chain route's HTTP pipes call).
+    limited_routes: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
     #: ``[tracing]``: OpenTelemetry spans, read at start-up (docs/tracing.md).
     tracing: TracingSettings = field(default_factory=TracingSettings)
 
@@ -129,6 +143,7 @@ class GatewayConfig:
             "routes": len(self.routes),
             "proxy_routes": len(self.proxies),
             "boards": len(self.boards),
+            "rate_limits": len(self.rate_limits.limits),
             "max_workers": self.pool.max_workers,
             "reserved": sum(w.reserve for w in self.pool.keys.values()),
             "warnings": [str(w) for w in self.warnings],
@@ -216,9 +231,12 @@ def config_from_dict(
     used |= proxy_used
     # A pipe named as a used pipe's fallback is used too.
     used |= {p.fallback for n, p in pipes.items() if n in used and isinstance(p.fallback, str)}
-    _check_proxied_schemes(c, proxies, services)
     _check_request_use(c, pipes, routes, proxies)
     boards, backplane = read_boards(c, data.get("boards"))
+    edge = read_edge(c, data, source)
+    routes = {name: _with_edge(rc, edge) for name, rc in routes.items()}
+    rate_limits = read_rate_limits(c, data.get("rate_limits"))
+    limited = _limited_routes(c, data, rate_limits, pipes, routes, proxies)
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,
@@ -231,6 +249,9 @@ def config_from_dict(
         store=store,
         backplane=backplane,
         proxies=MappingProxyType(proxies),
+        edge=edge,
+        rate_limits=rate_limits,
+        limited_routes=MappingProxyType(limited),
         tracing=tracing,
     )
     if not c.has_errors:
@@ -241,6 +262,59 @@ def config_from_dict(
     if c.has_errors:
         raise ConfigError(c.problems(), source)
     return replace(config, warnings=c.problems())
+
+
+def _with_edge(rc: RouteConfig, edge: EdgeConfig) -> RouteConfig:
+    """The route with its authentication and CORS policy on it (what the container reads)."""
+    auth, cors = edge.auth.get(rc.route.name), edge.cors.get(rc.route.name)
+    if auth is None and cors is None:
+        return rc
+    return replace(rc, route=replace(rc.route, auth=auth, cors=cors))
+
+
+def _limited_routes(
+    c: Collector,
+    data: Mapping[str, Any],
+    settings: LimitSettings,
+    pipes: Mapping[str, PipeConfig],
+    routes: Mapping[str, RouteConfig],
+    proxies: Mapping[str, ProxyConfig],
+) -> dict[str, tuple[str, ...]]:
+    """Read every route's and service's ``rate_limits`` and resolve them, by route: its own
+    limits, then those of the services it reaches. A limit nobody names is a warning."""
+    section = data.get("rate_limits")
+    declared = (
+        [k for k, v in section.items() if isinstance(v, dict)] if isinstance(section, dict) else []
+    )
+    known = settings.limits
+    named: dict[tuple[str, str], tuple[str, ...]] = {}
+    for section in ("routes", "services"):
+        tables = data.get(section)
+        for name, spec in tables.items() if isinstance(tables, dict) else ():
+            if isinstance(spec, dict) and "rate_limits" in spec:
+                t = Table(c, (section, name), spec)
+                named[(section, name)] = read_limit_names(c, t, known, declared)
+    limited: dict[str, tuple[str, ...]] = {}
+    for name, rc in routes.items():
+        run = [*rc.pipes, *_fallbacks(pipes, rc.pipes)]
+        services = [p.call.service for n in run if isinstance(p := pipes.get(n), HttpPipeConfig)]
+        limited[name] = _limits_of(named, name, services)
+    for name, pc in proxies.items():
+        limited[name] = _limits_of(named, name, [pc.route.service])
+    used = {limit for names in named.values() for limit in names}
+    for name in known:
+        if name not in used:
+            c.warn(("rate_limits", name), "no route or service names this limit")
+    return {route: names for route, names in limited.items() if names}
+
+
+def _limits_of(
+    named: Mapping[tuple[str, str], tuple[str, ...]], route: str, services: Iterable[str]
+) -> tuple[str, ...]:
+    found = list(named.get(("routes", route), ()))
+    for service in dict.fromkeys(services):
+        found.extend(named.get(("services", service), ()))
+    return tuple(dict.fromkeys(found))
 
 
 def _check_reserves(c: Collector, settings: PoolSettings) -> None:
@@ -254,21 +328,6 @@ def _check_reserves(c: Collector, settings: PoolSettings) -> None:
             f"reserves add up to {total} ({parts}) but max_workers is {settings.max_workers}; "
             "lower a reserve or raise max_workers",
         )
-
-
-def _check_proxied_schemes(
-    c: Collector, proxies: Mapping[str, ProxyConfig], services: Mapping[str, Service]
-) -> None:
-    """A proxy route streams through the lean client, which speaks plain ``http://``."""
-    for name, proxy in proxies.items():
-        service = services.get(proxy.route.service)
-        if service is not None and service.url.scheme != "http":
-            c.error(
-                ("routes", name, "proxy"),
-                f"service {service.name!r} is {service.url.scheme}://: proxy routes reach "
-                "http:// services only (put a TLS-terminating sidecar in front, or call it "
-                "from an HTTP pipe)",
-            )
 
 
 def _check_request_use(

@@ -115,36 +115,12 @@ def read_resilience(t: Table, timeout: float) -> dict[str, Any]:
     fields["breaker"] = _breaker(t)
     fields["retry"] = _retry(t, timeout)
     hedge = fields["hedge"] = _hedge(t)
-    _https_limits(t, base_url, fields["hosts"])
     if hedge is not None and len(fields["hosts"]) < 2:
         t.c.warn(
             t.at("hedge"),
             "a hedge goes to another host, and this service has one: its calls never hedge",
         )
     return fields
-
-
-def _https_limits(t: Table, base_url: str | None, hosts: tuple[HostSpec, ...]) -> None:
-    """An ``https://`` service is called through httpx, one host, without the resilience
-    core (docs/resilience.md): several hosts would silently be one, so that is an error;
-    the resilience settings would do nothing, so each is a warning."""
-    urls = [base_url] if base_url else [h.url for h in hosts]
-    if not any(url.lower().startswith("https://") for url in urls):
-        return
-    if len(hosts) > 1:
-        t.c.error(
-            t.at("hosts"),
-            "several hosts need http:// services: an https:// service is called on its "
-            "first host only (its client has no balancing yet); list one host, or put the "
-            "hosts behind one https:// address",
-        )
-    for key in ("resolve", "health", "outlier", "breaker", "retry", "hedge"):
-        if key in t:
-            t.c.warn(
-                t.at(key),
-                f"{key} does nothing for an https:// service yet: its calls do not go "
-                "through the resilience core (docs/resilience.md, what is wired)",
-            )
 
 
 def _hosts(t: Table) -> tuple[HostSpec, ...]:

@@ -31,6 +31,7 @@ from ..pipes._stages import (
     serial,
 )
 from ..pipes._state import check_value
+from ._config_edge import EDGE_ROUTE_KEYS
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table, report_unknown
 
@@ -48,6 +49,8 @@ ROUTE_KEYS: Final = (
     "result",
     "max_body",
     "body",
+    *EDGE_ROUTE_KEYS,
+    "rate_limits",
 )
 #: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
 PROXY_KEYS: Final = (
@@ -66,6 +69,8 @@ PROXY_KEYS: Final = (
     "chain",
     "after",
     "websocket",
+    *EDGE_ROUTE_KEYS,
+    "rate_limits",
 )
 _PROXY_ONLY: Final = tuple(k for k in PROXY_KEYS if k not in ROUTE_KEYS and k != "proxy")
 _ROUTE_HINT: Final = "expected one of: " + ", ".join(sorted(ROUTE_KEYS))

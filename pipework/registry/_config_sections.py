@@ -9,8 +9,10 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from .._errors import RegistrationError
+from .._tls import TlsFileError
 from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..container._collector import SERVING_GC_THRESHOLD
+from ..container._tls import CLIENT_AUTH, ClientAuth, ServerTls, server_context
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
@@ -25,6 +27,9 @@ __all__ = [
     "read_server",
     "read_services",
 ]
+
+TLS_KEYS: Final = ("tls_cert", "tls_key", "tls_client_ca", "tls_client_auth")
+SERVICE_TLS_KEYS: Final = ("ca_bundle", "client_cert", "client_key", "server_name", "verify")
 
 #: Connection pool size for a service with no limit: httpx slows down with big pools.
 DEFAULT_MAX_CONNECTIONS: Final = 32
@@ -43,6 +48,9 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
+    "cors",
+    *TLS_KEYS,
 )
 POOL_KEYS: Final = (
     "max_workers",
@@ -64,6 +72,8 @@ SERVICE_KEYS: Final = (
     "headers",
     "max_response_bytes",
     "request_id_header",
+    "rate_limits",
+    *SERVICE_TLS_KEYS,
     *RESILIENCE_KEYS,
     *WEIGHT_KEYS,
 )
@@ -91,6 +101,9 @@ class ServerConfig:
     #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
     #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
     gc_threshold: int = SERVING_GC_THRESHOLD
+    #: HTTPS (and mutual TLS) when set: ``tls_cert``, ``tls_key``, ``tls_client_ca``,
+    #: ``tls_client_auth``; its files are read again on a reload.
+    tls: ServerTls | None = None
 
     def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin bearer token (from the file or the environment); None: no admin API."""
@@ -167,7 +180,39 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
+        tls=_server_tls(t),
     )
+
+
+def _server_tls(t: Table) -> ServerTls | None:
+    """``tls_*``: both files or neither, the client CA only with them; the files are loaded
+    into a context here, so that ``check`` finds what serving would."""
+    cert, key = t.string("tls_cert", None), t.string("tls_key", None)
+    client_ca = t.string("tls_client_ca", None)
+    chosen = t.string("tls_client_auth", "required", choices=CLIENT_AUTH)
+    client_auth: ClientAuth = "optional" if chosen == "optional" else "required"
+    if cert is None and key is None:
+        for name in ("tls_client_ca", "tls_client_auth"):
+            if name in t:
+                t.c.error(t.at(name), f"{name} needs tls_cert and tls_key: the server's own")
+        return None
+    if cert is None or key is None:
+        missing, given = ("tls_cert", "tls_key") if cert is None else ("tls_key", "tls_cert")
+        t.c.error(t.at(given), f"{given} needs {missing}: set both, or neither for plain HTTP")
+        return None
+    if "tls_client_auth" in t and client_ca is None:
+        t.c.warn(
+            t.at("tls_client_auth"),
+            "tls_client_auth does nothing without tls_client_ca: no client certificate is "
+            "asked for",
+        )
+    tls = ServerTls(cert, key, client_ca, client_auth)
+    try:
+        server_context(tls)
+    except TlsFileError as exc:
+        t.c.error(t.at(exc.key), exc.message)
+        return None
+    return tls
 
 
 def _trusted_proxies(t: Table) -> tuple[Network, ...]:
@@ -355,11 +400,52 @@ def _service(name: str, draft: _ServiceDraft, shared: int) -> Service | None:
         "request_id_header": None
         if t.data.get("request_id_header") is False
         else t.string("request_id_header", "X-Request-ID"),
+        **_service_tls(t, fields),
     }
     if c.failed(t.path):
         return None
     try:
-        return Service(name, headers=headers, **fields)
+        service = Service(name, headers=headers, **fields)
     except RegistrationError as exc:  # every check above should have caught it first
         c.error(t.path, str(exc))
         return None
+    try:
+        if service.ca_bundle is not None or service.client_cert is not None:
+            service.ssl_context()  # its files are read here: check finds what serving would
+    except TlsFileError as exc:
+        c.error(t.at(exc.key), exc.message)
+        return None
+    return service
+
+
+def _service_tls(t: Table, fields: dict[str, Any]) -> dict[str, Any]:
+    """``ca_bundle``, ``client_cert``/``client_key``, ``server_name``, ``verify``: for an
+    ``https://`` service only (its files are checked once it is whole)."""
+    tls = {
+        "ca_bundle": t.string("ca_bundle", None),
+        "client_cert": t.string("client_cert", None),
+        "client_key": t.string("client_key", None),
+        "server_name": t.string("server_name", None),
+        "verify": t.boolean("verify", True),
+    }
+    given = [key for key in SERVICE_TLS_KEYS if key in t]
+    if not given:
+        return tls
+    hosts = fields["hosts"]
+    urls = [fields["base_url"]] if fields["base_url"] else [h.url for h in hosts]
+    if urls and not any(url.lower().startswith("https://") for url in urls):
+        for key in given:
+            t.c.error(t.at(key), f"{key} applies to an https:// service only")
+        return tls
+    for key, other in (("client_cert", "client_key"), ("client_key", "client_cert")):
+        if key in t and other not in t:
+            t.c.error(t.at(key), f"{key} needs {other}: set both for a client certificate")
+    if not tls["verify"]:
+        t.c.warn(
+            t.at("verify"),
+            "verify = false accepts any certificate, so anyone between the gateway and the "
+            "service can read and change its calls; prefer ca_bundle with the service's CA",
+        )
+        if tls["ca_bundle"] is not None:
+            t.c.warn(t.at("ca_bundle"), "ca_bundle does nothing with verify = false")
+    return tls

@@ -31,6 +31,7 @@ STORE_KEYS: Final = (
     "remember_gone_count",
     "remember_gone_seconds",
     "claim_idle",
+    "resend_seconds",
 )
 
 
@@ -50,6 +51,10 @@ class StoreSettings:
     remember_gone_count: int = REMEMBER_GONE_COUNT
     remember_gone_seconds: float = REMEMBER_GONE_SECONDS
     claim_idle: float = 30.0
+    #: How long a step's write to Redis whose round trip failed is sent again (within its
+    #: job's deadline) before the job fails for the store, and a parked request's read of
+    #: its job before the request is answered 503 naming it (docs/scaling.md).
+    resend_seconds: float = 30.0
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
         return redis_url("store", self.url, self.url_env, environ)
@@ -64,7 +69,9 @@ class StoreSettings:
         from ..redis import RedisEventQueue, RedisJobStore  # the optional extra
 
         url = self.url_value(environ)
-        shared = RedisJobStore(url, prefix=self.prefix, **self._retention())
+        shared = RedisJobStore(
+            url, prefix=self.prefix, resend_seconds=self.resend_seconds, **self._retention()
+        )
         # The queue's writes share the store's round trips (one connection for both).
         queue = RedisEventQueue(
             url,
@@ -104,4 +111,5 @@ def read_store(c: Collector, value: Any) -> StoreSettings:
             "remember_gone_seconds", d.remember_gone_seconds, positive=False
         ),
         claim_idle=t.number("claim_idle", d.claim_idle),
+        resend_seconds=t.number("resend_seconds", d.resend_seconds, positive=False),
     )

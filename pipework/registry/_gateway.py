@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import replace
@@ -24,10 +25,14 @@ from typing import Any
 import trio
 
 from .. import _tracing
+from .._errors import ConfigError, ConfigProblem
+from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
+from .._tls import TlsFileError
 from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
 from ..container._server import BoundAddress
+from ..container._tls import CertificateSwitch, ServerTls, server_context
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
 from ..proxy import ProxySet, ProxyTable, Upstream
@@ -52,6 +57,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        cors=config.edge.server_cors,
     )
 
 
@@ -59,7 +65,13 @@ def _proxies(config: GatewayConfig, backends: Backends) -> ProxySet:
     """The file's proxy routes and their services, streaming through the lean clients of
     ``backends`` (open)."""
     routes = [p.route for p in config.proxies.values()]
-    return ProxySet(ProxyTable(routes), {r.service: _upstream(backends, r.service) for r in routes})
+    names = {r.name for r in routes}
+    return ProxySet(
+        ProxyTable(routes),
+        {r.service: _upstream(backends, r.service) for r in routes},
+        auth={n: a for n, a in config.edge.auth.items() if n in names},
+        cors={n: p for n, p in config.edge.cors.items() if n in names},
+    )
 
 
 def _upstream(backends: Backends, name: str) -> Upstream:
@@ -100,6 +112,35 @@ class _ServiceRefusals:
         return all(backends.refusing(name) for name in services)
 
 
+def _rate_limits(
+    config: GatewayConfig,
+    metrics: Metrics,
+    old: RateLimits | None,
+    old_config: GatewayConfig | None,
+) -> RateLimits | None:
+    """The plan's rate limits (None: it declares none), with the state of ``old``'s limits
+    that stay the same, and ``old``'s store when the file still names the same one."""
+    settings = config.rate_limits
+    if not settings.limits:
+        return None
+    same = (
+        old is not None and old_config is not None and settings.same_store(old_config.rate_limits)
+    )
+    store = old.store if old is not None and same else settings.build_store(os.environ)
+    limits = RateLimits.build(
+        settings.limits.values(),
+        config.limited_routes,
+        store=store,
+        metrics=metrics,
+        trusted=config.server.trusted_proxies,
+        fail_open=settings.fail_open,
+    )
+    kept = limits.adopt(old)
+    if old is not None:
+        _log.info("rate limits: kept the state of %s", ", ".join(kept) or "none")
+    return limits
+
+
 async def _stop_tracing(tracing: _tracing.Tracing, previous: _tracing.Tracing) -> None:
     """The spans still batched exported (the SDK's thread, with its own timeout), and the
     process's tracing as it was."""
@@ -123,7 +164,10 @@ class Gateway:
         self._retiring: trio.Nursery | None = None
         self._backends: Backends | None = None  # the current plan's
         self._refusals = _ServiceRefusals()
+        self._rate_limits: RateLimits | None = None
         self._lock = trio.Lock()
+        #: The server's certificates, swapped by a reload (None: plain HTTP).
+        self.tls: CertificateSwitch | None = None
 
     async def run(
         self,
@@ -138,6 +182,8 @@ class Gateway:
         for warning in config.warnings:
             _log.warning("%s", warning.format(config.source))
         pool = self._pool = WeightedPool.from_config(config.pool_config())
+        tls = config.server.tls
+        self.tls = None if tls is None else CertificateSwitch(tls)
         async with AsyncExitStack() as stack:
             self._stack = stack
             # Before the container is built: its ASGI layer is chosen with it. Off, the
@@ -161,6 +207,8 @@ class Gateway:
             )
             self._refusals.follow(config, backends)
             backends.metrics = engine.metrics
+            limits = self._rate_limits = _rate_limits(config, engine.metrics, None, None)
+            stack.push_async_callback(self._close_limit_store)
             async with engine, trio.open_nursery() as retiring:
                 self._retiring = retiring
                 await retiring.start(backends.check_health)
@@ -172,15 +220,21 @@ class Gateway:
                     backplane=config.backplane.build(os.environ),
                     proxies=_proxies(config, backends),
                     upstreams=backends,
+                    rate_limits=limits,
                 )
                 await container.serve(
                     host=host or config.server.host,
                     port=config.server.port if port is None else port,
                     fd=fd,
                     shutdown_trigger=stop,
+                    ssl_context=None if self.tls is None else self.tls.context,
                     task_status=task_status,
                 )
                 retiring.cancel_scope.cancel()  # the stack closes what is still open
+
+    async def _close_limit_store(self) -> None:
+        if self._rate_limits is not None:
+            await self._rate_limits.store.aclose()
 
     @staticmethod
     async def _retire(
@@ -198,6 +252,27 @@ class Gateway:
             await backends.__aexit__(None, None, None)  # the stack's own exit is then a no-op
             _log.info("closed the backends of plan %d", generation)
 
+    def _certificates(self, config: GatewayConfig) -> tuple[ServerTls, ssl.SSLContext] | None:
+        """The server's TLS files of ``config``, read again into a context for the swap;
+        None when nothing can change without a restart (logged). A file that cannot be
+        used refuses the reload (ConfigError), as ``check`` would."""
+        switch, tls = self.tls, config.server.tls
+        if switch is None or tls is None:
+            if (switch is None) != (tls is None):
+                _log.warning("reload: [server] TLS is turned on or off only at a restart")
+            return None
+        problem = switch.restart_needed(tls)
+        if problem is not None:
+            _log.warning("reload: [server] %s; the certificates stay as they were", problem)
+            return None
+        try:
+            context = server_context(tls)
+        except TlsFileError as exc:
+            raise ConfigError(
+                [ConfigProblem(f"server.{exc.key}", exc.message)], config.source
+            ) from None
+        return tls, context
+
     async def reload(self) -> dict[str, Any]:
         """Check the file again and swap it in; raises ConfigError (changing nothing)."""
         engine, container, pool, stack = self.engine, self.container, self._pool, self._stack
@@ -207,13 +282,18 @@ class Gateway:
         async with self._lock:  # one reload at a time: each builds on the plan in force
             config = await trio.to_thread.run_sync(load_config, self.path)
             pool_config = config.pool_config()  # validated before anything changes
+            certificates = self._certificates(config)  # read before anything changes
             backends = await stack.enter_async_context(config.backends())
             backends.metrics = engine.metrics
             registry = build_registry(config, backends)
             boards = [b.spec(os.environ) for b in config.boards.values()]
             proxies = _proxies(config, backends)
+            old_limits = self._rate_limits
+            limits = _rate_limits(config, engine.metrics, old_limits, self.config)
             # The swap: no await from here on, so no request sees half of it.
             generation = engine.swap_registry(registry)
+            if certificates is not None and self.tls is not None:
+                self.tls.use(*certificates)  # new connections only: open ones keep theirs
             # Hosts that stay keep their health, ejections and breaker; the checks go on.
             backends.adopt(self._backends)
             container.set_upstreams(backends)  # drains now reach the cores via the new plan
@@ -222,6 +302,13 @@ class Gateway:
             replaced = container.proxy_layer.proxies
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
+            container.middleware.cors = config.edge.server_cors
+            live_limits = container.admin.live_limits if container.admin is not None else None
+            limits_dropped = live_limits.rebase(limits) if live_limits is not None else []
+            container.set_rate_limits(limits)
+            self._rate_limits = limits
+            if old_limits is not None and (limits is None or limits.store is not old_limits.store):
+                retiring.start_soon(old_limits.store.aclose)
             board_changes = container.set_boards(boards)
             # Weights set live stand unless the file changed them (LiveWeights says how).
             live = container.admin.live if container.admin is not None else None
@@ -241,6 +328,8 @@ class Gateway:
             _log.warning("%s", warning.format(config.source))
         for sentence in dropped:
             _log.warning("reload: live weight %s", sentence)
+        for sentence in limits_dropped:
+            _log.warning("reload: live rate limit %s", sentence)
         for change, names in board_changes.items():
             if names:
                 _log.info("reload: boards %s: %s", change, ", ".join(names))
@@ -252,5 +341,6 @@ class Gateway:
             "config_generation": weights,
             "overrides": overrides,
             "overrides_dropped": dropped,
+            "rate_limit_overrides_dropped": limits_dropped,
             "boards_changed": board_changes,
         }

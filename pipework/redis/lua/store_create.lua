@@ -1,4 +1,7 @@
--- A job's record created (_store.py), never over an existing one (0 then).
+-- A job's record created (_store.py), never over an existing one (0 then; but a create
+-- sent again after its round trip failed, its version with "=" before it, finds the record
+-- it wrote with this very blob and answers as if it created it now: 1, or {"", {}} for a
+-- claim, whose entries the first read left pending, to be claimed after the idle time).
 -- KEYS: job, the active set, then optionally a stream. ARGV: blob, status, version, id,
 -- origin, then (with the stream) an entry's field and value: the job's first event, written
 -- with its record (see RedisEventQueue.create_and_submit); then, to claim it, the group, the
@@ -8,8 +11,17 @@
 -- creator holds a worker slot for its first step) and the answer is {its entry id, the
 -- entries}, else {"", the entries}, the record left queued. A read the group refuses
 -- (NOGROUP: Redis restarted empty) claims nothing: what was written stays written.
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', ARGV[3], 'o', ARGV[5])
+local version = ARGV[3]
+local again = string.byte(version) == 61 -- '=': sent again
+if again then version = string.sub(version, 2) end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if again and redis.call('HGET', KEYS[1], 'd') == ARGV[1] then
+    if ARGV[8] then return {'', {}} end
+    return 1
+  end
+  return 0
+end
+redis.call('HSET', KEYS[1], 'd', ARGV[1], 's', ARGV[2], 'v', version, 'o', ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[4])
 if not KEYS[3] then return 1 end
 local at = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[7])

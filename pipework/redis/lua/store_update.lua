@@ -6,7 +6,10 @@
 -- (0/1), retain_until (wall clock), token hash, then what every call of a store sends
 -- alike: prefix, record ttl ms, retain seconds, retain count, the writer's origin,
 -- remember-gone seconds, remember-gone count (see RedisJobStore._tail), and last the
--- version the record must still have ("" for any); then optionally (a fourth key, a
+-- version the record must still have ("" for any; "=" before it, or alone, for a write
+-- sent again after its round trip failed: if the record holds this very blob, the first
+-- one was written, and nothing more is done: its version is the answer, as if written
+-- now); then optionally (a fourth key, a
 -- stream) an entry's field and value, added once the record is written (the job's next
 -- event, see RedisEventQueue.update_and_put). An end is published only if someone
 -- elsewhere may wait for it: the job came from another process (its origin), or a process
@@ -22,11 +25,16 @@
 local terminal = {['cancelled'] = true, ['done'] = true, ['expired'] = true, ['failed'] = true}
 local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
 if not cur[1] then return -1 end
+local expected = ARGV[14]
+if string.byte(expected) == 61 then -- '=': sent again
+  if redis.call('HGET', KEYS[1], 'd') == ARGV[1] then return tonumber(cur[2]) end
+  expected = string.sub(expected, 2)
+end
 if terminal[cur[1]] then
   if ARGV[4] == '1' then return -10 - tonumber(cur[2]) end
   return -2
 end
-if ARGV[14] ~= '' and tonumber(cur[2]) ~= tonumber(ARGV[14]) then
+if expected ~= '' and tonumber(cur[2]) ~= tonumber(expected) then
   return -3
 end
 local v = tonumber(cur[2]) + 1
