@@ -121,9 +121,9 @@ async def _line_starting(stream: trio.abc.ReceiveStream, prefix: bytes) -> bytes
     raise RuntimeError(f"the child ended without printing {prefix!r}")
 
 
-async def pipework_export(data: Path, rows: int) -> Measured:
+async def pipework_export(data: Path, rows: int, form: str = "csv") -> Measured:
     """Export every order of ``data``/orders.sqlite3 (``rows`` of them, made beforehand)
-    through the example's HTTP API in a child process."""
+    through the example's HTTP API in a child process, to a ``form`` file (csv, xlsx)."""
     args = ["-m", "examples.export.run", "--rows", str(rows), "--port", "0"]
     args += ["--data", str(data), "--log-level", "WARNING"]
     async with _child(args) as process:
@@ -135,7 +135,7 @@ async def pipework_export(data: Path, rows: int) -> Measured:
             idle = idle_then_reset(process.pid)
             cpu = cpu_seconds(process.pid)
             started = time.perf_counter()
-            accepted = await client.post("/exports", json={})
+            accepted = await client.post("/exports", json={"format": form})
             accepted.raise_for_status()
             job_id, token = accepted.json()["id"], accepted.json()["token"]
             auth = {"Authorization": f"Bearer {token}"}

@@ -35,6 +35,7 @@ from quart import Response
 
 import pipework as pw
 from pipework import _tracing
+from pipework.__main__ import configure_logging
 from pipework.backends._http_template import Template
 from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
 from pipework.container._server import BoundAddress, serve
@@ -167,9 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", help="raw-tls: its key (PEM)")
     parser.add_argument("--parked", type=int, default=20_000, help="parked jobs to allow")
     parser.add_argument("--backend", help="pipework: serve POST /call, calling GET BACKEND/x")
+    parser.add_argument(
+        "--log",
+        choices=["text", "json"],
+        help="pipework: log as `pipework serve` does by default (INFO, the access log on) "
+        "to stderr, in this format; without it nothing is logged",
+    )
     parser.add_argument("--trace-to", help="pipework: tracing on, exported to this OTLP URL")
     args = parser.parse_args(argv)
     raise_open_files_limit()
+    if args.log is not None:
+        configure_logging(args.log, "INFO")
     if args.kind == "pipework":
         trio.run(_serve_pipework, args.parked, args.backend, args.trace_to)
     elif args.kind == "bare":

@@ -11,7 +11,10 @@ responder in its own process (`GET /x`, answering `42`), against the bare route 
 the same run. **Parking**: N connections on raw trio sockets each park one sync request
 (pipework: the first pipe suspends for a signal, so the job holds no worker; bare: the
 handler awaits a `trio.Event`); the row is the server's RSS growth per parked request in
-**KB** (not µs), then all are released and every answer is checked."""
+**KB** (not µs), then all are released and every answer is checked. **Logging**: the
+throughput load on the same pipework server twice, once logging as `pipework serve` does by
+default (INFO, one access line per request, text, to a file) and once logging nothing, the
+two taking turns in the same run."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any
 import trio
 
 from . import _load
+from ._export import cpu_seconds
 from ._load import LoadResult, Server
 from ._serve import raise_open_files_limit
 
@@ -195,5 +199,49 @@ def parking(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
+def logging_cost(quick: bool) -> list[dict[str, Any]]:
+    """The 1-pipe sync route with the default logging of ``pipework serve`` (INFO, the
+    access log on: one line per request, text to a file) against the same server logging
+    nothing, in the same run, the two taking turns."""
+    seconds, rounds = (5.0, 1) if quick else (5.0, 2)
+    load, tool = _loader()
+    results: dict[str, list[LoadResult]] = {"off": [], "on": []}
+    # The servers' CPU per request too: other load on the machine changes it less than
+    # their throughput.
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    with (
+        _load.server("pipework") as off,
+        _load.server("pipework", "--log", "text") as on,
+    ):
+        servers = {"off": off, "on": on}
+        for served in servers.values():
+            _check_echo(served)
+            load(served, 1.0)  # warm-up, not counted
+        for _ in range(rounds):
+            for kind, served in servers.items():
+                before = cpu_seconds(served.pid)
+                result = load(served, seconds)
+                results[kind].append(result)
+                if result.requests:
+                    spent = cpu_seconds(served.pid) - before
+                    cpu[kind].append(spent / result.requests * 1e6)
+    quiet, logged = _load.best(results["off"]), _load.best(results["on"])
+    runs = f"{rounds} × {seconds:g} s each, best" if rounds > 1 else f"{seconds:g} s each"
+    cpus = f"; server CPU per request {min(cpu['on']):,.0f} µs on, {min(cpu['off']):,.0f} µs off"
+    return [
+        {
+            "scenario": "container: 1-pipe sync route with default logging (INFO, one "
+            "access line per request, text to a file), µs per request at 64 connections",
+            "subject_us": logged.us_per_request,
+            "baseline": "the same server logging nothing",
+            "baseline_us": quiet.us_per_request,
+            "ratio": quiet.rps / logged.rps,
+            "goal": "",
+            "note": f"logging on {logged.describe()}; off {quiet.describe()} ({tool}, {runs})"
+            + cpus,
+        }
+    ]
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
-    return [*throughput(quick), *backend_call(quick), *parking(quick)]
+    return [*throughput(quick), *logging_cost(quick), *backend_call(quick), *parking(quick)]

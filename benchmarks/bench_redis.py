@@ -12,7 +12,12 @@ and these say where the time goes. Two more rows compare the store's own RESP co
 with coredis, the general client the design first named, on the same server: µs of a
 command pipelined 64 at a time, and of a lone round trip. The Redis server is a local
 ``redis-server`` started for the run (no persistence), so the figures are one process's
-round trips to a Redis on the same machine, which shares its two cores."""
+round trips to a Redis on the same machine, which shares its two cores.
+
+The HTTP rows are what an operator sees (:mod:`._redis_http`): two ``pipework serve``
+processes on the same gateway file, one on the memory store and one on Redis, 16 clients
+running 1-pipe jobs through a sync route, and through an async route (202, then the
+result fetched), the two servers taking turns; each row is the median of their runs."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import pipework as pw
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._wire import Connection
 
+from . import _redis_http
 from ._redis import redis_server
 
 CLIENTS = 64
@@ -133,6 +139,49 @@ def _clients(url: str, batches: int, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def _http_rows(url: str, jobs: int, repeats: int) -> list[dict[str, Any]]:
+    """Sync and async routes over HTTP, the Redis store against the memory store."""
+    prefix = f"benchhttp{time.monotonic_ns()}"
+    stores = {
+        "memory": '[store]\nbackend = "memory"\nretain_count = 100000',
+        "redis": f'[store]\nbackend = "redis"\nurl = "{url}"\nprefix = "{prefix}"'
+        "\nretain_count = 100000",
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+    with (
+        _redis_http.serving(stores["memory"]) as memory,
+        _redis_http.serving(stores["redis"]) as redis,
+    ):
+        ports = {"memory": memory[1], "redis": redis[1]}
+        for route in ("sync", "async"):
+            for kind in ports:  # a first run each, to warm up; not counted
+                _redis_http.measure(ports[kind], route, jobs // 4)
+            for _ in range(repeats):
+                for kind, port in ports.items():
+                    times.setdefault((route, kind), []).append(
+                        _redis_http.measure(port, route, jobs)
+                    )
+    rows = []
+    for route, what in (("sync", "sync route"), ("async", "async route (202, then the result)")):
+        redis_time = statistics.median(times[(route, "redis")])
+        memory_time = statistics.median(times[(route, "memory")])
+        rows.append(
+            {
+                "scenario": f"HTTP, {what}, 1-pipe job, Redis store, "
+                f"{_redis_http.CLIENTS} clients, {jobs:,} jobs",
+                "subject_us": redis_time * 1e6,
+                "baseline": "the same server on the memory store",
+                "baseline_us": memory_time * 1e6,
+                "ratio": redis_time / memory_time,
+                "goal": "report only",
+                "note": f"throughput {memory_time / redis_time:.2f}× the memory store's: "
+                f"{1 / redis_time:,.0f} vs {1 / memory_time:,.0f} jobs/s; median of "
+                f"{repeats}, taking turns",
+            }
+        )
+    return rows
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
     jobs = 1_280 if quick else 6_400
     repeats = 3 if quick else 7
@@ -175,6 +224,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
                         f"{server_cpu:.0f} µs",
                     }
                 )
+        rows += _http_rows(url, 800 if quick else 4_000, repeats)
         times = _clients(url, 50 if quick else 200, repeats)
         for kind, what in (("64", "a command pipelined 64 at a time"), ("1", "a lone round trip")):
             resp = statistics.median(times[f"resp{kind}"])

@@ -79,6 +79,7 @@ from .pipes._stages import Parallel as Parallel
 from .pipes._stages import Serial as Serial
 from .pipes._stages import all_of as all_of
 from .pipes._stages import any_of as any_of
+from .pipes._stages import branch as branch
 from .pipes._stages import graph as graph
 from .pipes._stages import node as node
 from .pipes._stages import quorum as quorum
@@ -173,6 +174,7 @@ __all__ = [
     "__version__",
     "all_of",
     "any_of",
+    "branch",
     "build_registry",
     "config_from_dict",
     "create_app",

@@ -18,6 +18,7 @@ function registered in ``_COMMANDS``; new ones add a parser and a function.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import importlib
 import logging
@@ -43,7 +44,7 @@ from .dispatcher._store import MemoryJobStore
 from .registry._config_problems import ConfigError
 from .registry._gateway import Gateway
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "configure_logging", "main"]
 
 _log = logging.getLogger("pipework")
 _DEFAULTS: Final = ContainerConfig()
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--debug",
+        action="store_true",
+        help="a failure to start (a bad file, Redis absent, the port in use) shows its "
+        "traceback too, not only its one line",
+    )
     serve.add_argument(
         "--no-access-log",
         dest="access_log",
@@ -197,15 +204,60 @@ def _serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             _config_error(args, exc)
             return 1
-        trio.run(_run_gateway, gateway, args.host, args.port, fd, args.ready_fd)
-        return 0
-    engine = load_engine(args.target)
-    # This process is pipework's own, so it serves with the raised threshold unless told.
-    config = replace(ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD), **_overrides(args))
-    host = args.host or "127.0.0.1"
-    port = 8000 if args.port is None else args.port
-    trio.run(functools.partial(_run, engine, config, host, port, fd, args.ready_fd))
+        server = gateway.config.server
+        host = args.host or server.host
+        port = server.port if args.port is None else args.port
+        run = functools.partial(_run_gateway, gateway, args.host, args.port, fd, args.ready_fd)
+    else:
+        engine = load_engine(args.target)
+        # This process is pipework's own: it serves with the raised threshold unless told.
+        config = replace(ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD), **_overrides(args))
+        host = args.host or "127.0.0.1"
+        port = 8000 if args.port is None else args.port
+        run = functools.partial(_run, engine, config, host, port, fd, args.ready_fd)
+    try:
+        trio.run(run)
+    except BaseException as exc:
+        line = None if args.debug else _failure_line(exc, host, port)
+        if line is None:
+            raise  # a bug (or --debug): its traceback is what to read
+        _fail(args, line)
+        return 1
     return 0
+
+
+def _failure_line(exc: BaseException, host: str, port: int) -> str | None:
+    """The one line that says why serving failed when it is the configuration's or a
+    dependency's fault (pipework's own errors, an address that cannot be bound); None for
+    anything else (a bug keeps its traceback)."""
+    leaves = _leaves(exc)
+    if not leaves or not all(isinstance(e, PipeworkError | OSError) for e in leaves):
+        return None
+    first = leaves[0]
+    if isinstance(first, OSError) and first.errno in _BIND_ERRORS:
+        return f"pipework: cannot listen on {host}:{port}: {first.strerror or first}"
+    if isinstance(first, ConfigError):  # a late one (an environment variable unset)
+        return f"pipework: cannot start: {'; '.join(p.format() for p in first.problems)}"
+    return f"pipework: cannot start: {first}"
+
+
+#: Why an address cannot be bound: in use, not this machine's, or a privileged port.
+_BIND_ERRORS: Final = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, flattened (itself when it is none)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _fail(args: argparse.Namespace, line: str) -> None:
+    """A start-up failure's line on stderr: a log record when the log is JSON."""
+    if args.log_format == "json":
+        _log.error("%s", line, extra={"event": "start failed"})
+    else:
+        print(line, file=sys.stderr)
 
 
 def _is_file(target: str) -> bool:
@@ -213,10 +265,13 @@ def _is_file(target: str) -> bool:
 
 
 def _config_error(args: argparse.Namespace, exc: ConfigError) -> None:
+    """A file that cannot be served: one line when it has one problem (``FILE:LINE:
+    error: KEY: what``), else a count and one line per problem."""
+    text = exc.problems[0].format(exc.source) if len(exc.problems) == 1 else str(exc)
     if args.log_format == "json":
-        _log.error("%s", exc)
+        _log.error("%s", text, extra={"event": "start failed"})
     else:
-        print(exc, file=sys.stderr)
+        print(text, file=sys.stderr)
 
 
 def _supervise(args: argparse.Namespace) -> int:
@@ -479,18 +534,24 @@ _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
 }
 
 
+def configure_logging(log_format: str = "text", level: str = "INFO") -> None:
+    """What ``pipework serve`` logs and how: every logger at ``level`` and above on stderr,
+    one line per record (``json``: one JSON object per line)."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path and "" not in sys.path:
         # As `python -m` does: a gateway file's `python = "pkg.mod:fn"` pipes and a
         # MODULE:FACTORY resolve from the directory the command runs in.
         sys.path.insert(0, os.getcwd())
-    handler = logging.StreamHandler()
-    if getattr(args, "log_format", "text") == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), handlers=[handler])
+    configure_logging(getattr(args, "log_format", "text"), getattr(args, "log_level", "INFO"))
     try:
         status = _COMMANDS[args.command](args)
         sys.stdout.flush()

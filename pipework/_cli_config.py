@@ -32,7 +32,7 @@ def _load(
     path: str | os.PathLike[str], *, quiet: bool = False
 ) -> tuple[GatewayConfig, Registry] | None:
     try:
-        config = load_config(path)
+        config = load_config(path, environ=os.environ)
     except ConfigError as exc:
         if not quiet:
             print(exc, file=sys.stderr)
@@ -95,7 +95,7 @@ def _fetch_jwks(config: GatewayConfig) -> list[ConfigProblem]:
 def _check_json(path: str | os.PathLike[str], fetch: bool = False) -> int:
     source = os.fspath(path)
     try:
-        config = load_config(path)
+        config = load_config(path, environ=os.environ)
     except ConfigError as exc:
         problems: tuple[ConfigProblem, ...] = exc.problems
         document: dict[str, Any] = {"source": exc.source or source, "valid": False}

@@ -166,10 +166,19 @@ class StoreUnavailable(Overloaded):
     (no connection could be made, or the store refused it). ``job_id``: a job a submission
     may have created so (its client is told to follow it, not to submit it again)."""
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, maybe_done: bool = True) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        maybe_done: bool = True,
+        dependency: str | None = None,
+    ) -> None:
         super().__init__(message, reason="store_unavailable", retry_after=retry_after)
         self.maybe_done = maybe_done
         self.job_id: str | None = None
+        #: What could not be reached, as its outage is named in the log (``Redis at URL``).
+        self.dependency = dependency
 
 
 class DeadlineExceeded(PipeworkError, TimeoutError):

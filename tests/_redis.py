@@ -1,5 +1,5 @@
 """A Redis server of the tests' own: started on a free port in a temporary directory, with
-no persistence, and stopped when the session ends.
+no persistence (or with AOF, ``persist=True``), and stopped when the session ends.
 
 Debian's ``redis-server`` must be on PATH (scripts/ensure-tools installs it). Without it a
 test that needs Redis fails, saying what to install; it is never skipped.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -42,6 +43,10 @@ class RedisServer:
     port: int
     process: subprocess.Popen[bytes]
     directory: Path
+    #: AOF persistence (``appendonly yes``, ``appendfsync everysec``): a restart keeps the data.
+    persist: bool = False
+    #: More arguments for redis-server (``--replicaof HOST PORT``, say).
+    extra: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -50,6 +55,7 @@ class RedisServer:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
+            self.process.send_signal(signal.SIGCONT)  # a paused server hears SIGTERM after it
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -57,10 +63,18 @@ class RedisServer:
                 self.process.wait()
 
     def restart(self) -> None:
-        """Stop the server and start it again on the same port (what it held is lost)."""
+        """Stop the server (SIGTERM: with AOF it writes what it holds first) and start it
+        again on the same port: what it held is lost, unless it persists."""
         self.stop()
-        self.process = _launch(self.port, self.directory)
+        self.process = _launch(self.port, self.directory, self.persist, self.extra)
         _wait_ready(self.port, self.process, self.directory)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections and answers nothing until :meth:`resume`."""
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
 
 
 def _free_port() -> int:
@@ -70,7 +84,9 @@ def _free_port() -> int:
         return port
 
 
-def _launch(port: int, directory: Path) -> subprocess.Popen[bytes]:
+def _launch(
+    port: int, directory: Path, persist: bool = False, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail(
@@ -84,9 +100,11 @@ def _launch(port: int, directory: Path) -> subprocess.Popen[bytes]:
         "--bind", "127.0.0.1",
         "--dir", str(directory),
         "--save", "",
-        "--appendonly", "no",
+        "--appendonly", "yes" if persist else "no",
+        "--appendfsync", "everysec",
         "--daemonize", "no",
         "--logfile", str(directory / "redis.log"),
+        *extra,
     ]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -110,9 +128,34 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], directory: Path) ->
     pytest.fail(f"redis-server did not answer on port {port} within 15s", pytrace=False)
 
 
-def start_redis(directory: Path) -> RedisServer:
+def start_redis(
+    directory: Path, *, persist: bool = False, extra: tuple[str, ...] = ()
+) -> RedisServer:
+    """A server in ``directory`` (made if need be) on a free port."""
+    directory.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    process = _launch(port, directory)
+    process = _launch(port, directory, persist, extra)
+    _wait_ready(port, process, directory)
+    return RedisServer(port, process, directory, persist, extra)
+
+
+def start_sentinel(directory: Path, master: str, primary: RedisServer) -> RedisServer:
+    """A Sentinel (``redis-server FILE --sentinel``) on a free port, monitoring ``primary``
+    as ``master`` with a quorum of one, quick to call it down and to fail over."""
+    directory.mkdir(parents=True, exist_ok=True)
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: run scripts/ensure-tools", pytrace=False)
+    port = _free_port()
+    conf = directory / "sentinel.conf"  # Sentinel rewrites it: a file of its own
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {directory}\nlogfile {directory / 'redis.log'}\n"
+        f"sentinel monitor {master} 127.0.0.1 {primary.port} 1\n"
+        f"sentinel down-after-milliseconds {master} 1000\n"
+        f"sentinel failover-timeout {master} 10000\n"
+    )
+    args = [binary, str(conf), "--sentinel"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_ready(port, process, directory)
     return RedisServer(port, process, directory)
 

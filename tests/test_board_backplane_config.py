@@ -35,7 +35,9 @@ def test_a_redis_backplane_is_built_from_the_file_and_the_environment() -> None:
     plane = config.backplane.build({"BOARDS_REDIS": "redis://127.0.0.1:6390/2"})
     assert isinstance(plane, RedisBackplane)
     assert (plane.url, plane.prefix) == ("redis://127.0.0.1:6390/2", "shop")
-    with pytest.raises(RuntimeError, match="url_env names 'BOARDS_REDIS', which is not set"):
+    with pytest.raises(
+        ConfigError, match=r"boards\.url_env: names .*'BOARDS_REDIS', which is not set"
+    ):
         config.backplane.build({})
 
 

@@ -14,6 +14,7 @@ import pipework as pw
 from pipework import ConfigError, Gateway, config_from_dict
 from pipework.container import BoundAddress
 from pipework.redis import RedisEventQueue, RedisJobStore
+from pipework.redis._wire import public_url, sentinel_target
 from pipework.registry import _config_redis
 
 from ._redis import RedisServer
@@ -95,13 +96,42 @@ def test_how_long_and_how_many_dropped_ids_are_remembered_is_the_files(backend: 
     assert (store.remember_gone_count, store.remember_gone_seconds) == (500, 0)
 
 
+@pytest.mark.parametrize("section", ["store", "boards"])
+def test_sentinels_and_the_primarys_name_make_a_sentinel_url(section: str) -> None:
+    """The file names Sentinels and the primary's name; the store (or the backplane) is
+    given a redis+sentinel:// URL, which every connection resolves through them."""
+    switch = "backend" if section == "store" else "backplane"
+    names = {"sentinels": ["10.0.0.1:26379", "[::1]:26380"], "sentinel_master": "shop main"}
+    config = config_from_dict({**ROUTES, section: {switch: "redis", **names}})
+    settings = config.store if section == "store" else config.backplane
+    expected = "redis+sentinel://10.0.0.1:26379,[::1]:26380/shop%20main"
+    assert settings.url_value() == expected
+    target = sentinel_target(expected)
+    assert (target.sentinels, target.master) == ([("10.0.0.1", 26379), ("::1", 26380)], "shop main")
+
+
+def test_a_sentinel_url_may_carry_a_password_and_a_database() -> None:
+    target = sentinel_target("redis+sentinel://:s%40cret@s1:26379,s2:26379/main/3")
+    assert (target.userinfo, target.db, target.master) == (":s%40cret@", "3", "main")
+    assert public_url("redis+sentinel://:s%40cret@s1:1/m") == "redis+sentinel://***@s1:1/m"
+
+
 def test_the_url_may_come_from_the_environment() -> None:
     config = config_from_dict({**ROUTES, "store": {"backend": "redis", "url_env": "SHOP_REDIS"}})
     store, _ = config.store.build(queue_capacity=1, environ={"SHOP_REDIS": "redis://x:1/0"})
     assert isinstance(store, RedisJobStore)
     assert store.url == "redis://x:1/0"
-    with pytest.raises(RuntimeError, match="'SHOP_REDIS', which is not set"):
+    with pytest.raises(
+        ConfigError, match=r"store\.url_env: names .*'SHOP_REDIS', which is not set"
+    ):
         config.store.build(queue_capacity=1, environ={})
+    # Checked with the file, when an environment is given: an error before anything starts.
+    with pytest.raises(
+        ConfigError, match=r"store\.url_env: names .*'SHOP_REDIS', which is not set"
+    ):
+        config_from_dict(
+            {**ROUTES, "store": {"backend": "redis", "url_env": "SHOP_REDIS"}}, environ={}
+        )
 
 
 @pytest.mark.parametrize(
@@ -123,6 +153,46 @@ def test_the_url_may_come_from_the_environment() -> None:
         ({"remember_gone_seconds": "1d"}, "store.remember_gone_seconds", "a number"),
         ({"resend_seconds": -1}, "store.resend_seconds", "0 or more, got -1"),
         ({"urls": "redis://x"}, "store.urls", "did you mean 'url'?"),
+        (
+            {"backend": "redis", "sentinels": ["s1:26379"]},
+            "store.sentinel_master",
+            "sentinels need sentinel_master",
+        ),
+        (
+            {"backend": "redis", "sentinel_master": "main"},
+            "store.sentinels",
+            "sentinel_master needs sentinels",
+        ),
+        (
+            {"backend": "redis", "sentinels": "s1:26379", "sentinel_master": "m"},
+            "store.sentinels",
+            'expected an array of "HOST:PORT"',
+        ),
+        (
+            {"backend": "redis", "sentinels": ["s1:26379", "s2"], "sentinel_master": "m"},
+            "store.sentinels[1]",
+            "expected HOST:PORT for each Sentinel, got 's2'",
+        ),
+        (
+            {"backend": "redis", "sentinels": ["s1:26379", 7], "sentinel_master": "m"},
+            "store.sentinels[1]",
+            'expected a Sentinel\'s "HOST:PORT", got 7',
+        ),
+        (
+            {"backend": "redis", "url": "redis://x", "sentinels": ["s:1"], "sentinel_master": "m"},
+            "store.sentinels",
+            "set url (or url_env) or sentinels, not both",
+        ),
+        (
+            {"backend": "redis", "url": "redis+sentinel://s1:26379"},
+            "store.url",
+            "the path must name the primary",
+        ),
+        (
+            {"backend": "redis", "url": "redis+sentinel://s1:26379,s2/main"},
+            "store.url",
+            "expected HOST:PORT for each Sentinel, got 's2'",
+        ),
     ],
 )
 def test_mistakes_are_named_by_their_key_path(

@@ -168,3 +168,98 @@ chain = ["load", "recommend"]
     assert isinstance(pipe, pw.Pipe)
     assert pipe.optional
     assert pipe.fallback_state() == {"recs": []}
+
+
+# -- a branch of several pipes -------------------------------------------------------------------
+
+BRANCH_PIPES = """
+[services.recommender]
+base_url = "http://recommender.internal"
+
+[pipes.load]
+python = "tests.test_config_corpus:enrich"
+
+[pipes.recommend]
+service = "recommender"
+path = "/top"
+
+[pipes.rank]
+python = "tests.test_config_corpus:enrich"
+"""
+
+
+RECS_NODE = 'recs = { chain = ["recommend", "rank"], after = ["first"], optional = true }'
+
+
+def test_a_serial_branch_of_a_parallel_stage_and_a_graph_nodes_chain_take_the_marks() -> None:
+    config = loads_config(
+        BRANCH_PIPES
+        + """
+[routes.page]
+path = "/page"
+chain = [
+  "load",
+  { all_of = [
+      "load",
+      { serial = ["recommend", "rank"], fallback = { recs = [] }, timeout = 0.5 },
+      { serial = ["rank", "recommend"], optional = true, name = "ranked" },
+  ] },
+  { graph = { first = { pipe = "load" }, """
+        + RECS_NODE
+        + """ } },
+]
+"""
+    )
+    assert config.warnings == ()
+    root = config.routes["page"].chain
+    stage, grid = root.items[1], root.items[2]
+    assert isinstance(stage, pw.Parallel)
+    assert isinstance(grid, pw.Parallel)
+    assert stage.names == ("load", "recommend+rank", "ranked")
+    marked = stage.branches[1]
+    assert marked.fallback == {"recs": []}
+    assert marked.timeout == 0.5
+    assert not marked.optional
+    assert stage.branches[2].optional
+    assert grid.names == ("first", "recs")
+    assert grid.branches[1].optional
+    assert grid.branches[1].name == "recs"
+
+
+def test_every_bad_branch_mark_is_reported_at_its_key_path() -> None:
+    found = problems(
+        BRANCH_PIPES
+        + """
+[routes.page]
+path = "/page"
+chain = [
+  "load",
+  { serial = ["recommend", "rank"], optional = true },
+  { all_of = [
+      { serial = ["recommend", "rank"], optional = "yes" },
+      { serial = ["recommend", "rank"], fallback = "rank" },
+      { serial = ["recommend", "rank"], fallback = { degraded = 1 } },
+      { serial = ["recommend", "rank"], name = "recs" },
+      { all_of = ["recommend", "rank"], optional = true },
+  ] },
+  { graph = { a = { pipe = "load", optional = true } } },
+]
+"""
+    )
+    assert found == [
+        "error: routes.page.chain[1].optional: only a branch of an all_of, any_of or quorum "
+        "stage (or a graph node's chain) can be marked; here its chain needs it: mark the "
+        "pipes it can do without",
+        'error: routes.page.chain[2].all_of[0].optional: expected a boolean, got a string ("yes")',
+        "error: routes.page.chain[2].all_of[1].fallback: expected a table (the state to set in "
+        'the branch\'s place), got a string ("rank"); a fallback pipe is for a pipe, not a '
+        "branch",
+        "error: routes.page.chain[2].all_of[2].fallback.degraded: 'degraded' is where the "
+        "engine records what it degraded; use another key",
+        "error: routes.page.chain[2].all_of[3]: a branch with a name must also be marked: set "
+        "optional = true or a fallback table (the state it sets in its place)",
+        "error: routes.page.chain[2].all_of[4].optional: marks a branch of several pipes, not "
+        "the all_of stage: write the branch as {serial = [...], optional = ...}",
+        "error: routes.page.chain[3].graph.a.optional: marks a node's chain; a node's single "
+        "pipe is marked on the pipe, under [pipes]",
+    ]

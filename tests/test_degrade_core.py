@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 import pipework as pw
 from pipework._http._jobs import degraded_header
-from pipework.dispatcher._degrade_core import ALPHA, REASONS, Estimates, mark, reason_before
+from pipework.dispatcher._degrade_core import (
+    ALPHA,
+    REASONS,
+    Estimates,
+    degraded_delta,
+    mark,
+    reason_after,
+    reason_before,
+)
 from pipework.dispatcher._job import degraded_of
 from pipework.pipes._merge import Delta, merge
 
@@ -185,3 +193,50 @@ def test_the_header_is_always_one_line_of_visible_ascii(degraded: dict[str, str]
     value = degraded_header(degraded)
     assert all(" " <= c <= "~" for c in value)
     assert value.count(";reason=") >= len(degraded)
+
+
+# -- a branch, as a whole ----------------------------------------------------------------------
+
+
+def test_a_branch_that_ended_is_degraded_only_when_it_failed() -> None:
+    assert reason_after(False, False) is None
+    assert reason_after(False, True) is None  # a stage's or job's time: not the branch's
+    assert reason_after(True, False) == "error"
+    assert reason_after(True, True) == "timeout"
+
+
+_values = st.one_of(st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2))
+_states = st.dictionaries(st.sampled_from(["a", "b", "c", "recs"]), _values, max_size=4)
+
+
+@given(
+    parent=_states,
+    marks=st.dictionaries(st.sampled_from(["x", "y", "recs"]), st.sampled_from(REASONS)),
+    ancestors=_states,
+    fallback=_states,
+    name=st.sampled_from(["x", "recs", "fetch+rank"]),
+    reason=st.sampled_from(REASONS),
+)
+def test_a_degraded_branch_hands_its_stage_its_fallback_and_its_mark_only(
+    parent: dict[str, Any],
+    marks: dict[str, str],
+    ancestors: dict[str, Any],
+    fallback: dict[str, Any],
+    name: str,
+    reason: Any,
+) -> None:
+    if marks:
+        parent = {**parent, "degraded": marks}
+    start = {**parent, **ancestors}  # a graph node starts from its ancestors' results too
+    change = degraded_delta(parent, start, fallback, name, reason)
+    # Nothing but what it started from, its fallback's keys and the record; nothing removed.
+    assert set(change.touched) <= {*ancestors, *fallback, "degraded"}
+    assert change.removed == ()
+    # Merged as a stage merges it, the parent's state holds the fallback and every mark.
+    merged = merge(dict(parent), [(name, change)], pw.all_of(noop).merge_rules, where="test")
+    assert merged["degraded"] == {**marks, name: reason}
+    for key, value in fallback.items():
+        assert merged[key] == value
+    for key in start.keys() - fallback.keys() - {"degraded"}:
+        assert merged[key] == start[key]
+    assert parent.get("degraded", {}) == marks  # the parent's record is not changed in place

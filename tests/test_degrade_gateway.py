@@ -241,3 +241,91 @@ async def test_an_optional_pipe_whose_service_breaker_is_open_is_not_even_tried(
                 assert refused.json()["degraded"] == {"recommend": "refused"}
                 assert asked == ["1", "2"]
             stop.set()
+
+
+def branch_file(backend: str) -> str:
+    """A route whose ``all_of`` has a branch of two calls to the recommender, with a
+    fallback as a whole."""
+    return f"""
+[services.catalog]
+base_url = "{backend}"
+timeout = 5
+
+[services.recommender]
+base_url = "{backend}"
+timeout = 5
+limit = 1
+
+[pipes.product]
+service = "catalog"
+path = "/products/{{sku}}"
+
+[pipes.recommend]
+service = "recommender"
+path = "/recs/{{sku}}"
+
+[pipes.more]
+service = "recommender"
+path = "/recs/more-{{sku}}"
+
+[pipes.hold]
+service = "recommender"
+path = "/recs/hold"
+
+[routes.hold]
+method = "GET"
+path = "/hold"
+chain = ["hold"]
+
+[routes.page]
+method = "GET"
+path = "/page/{{sku}}"
+chain = [{{ all_of = [
+  "product",
+  {{ serial = ["recommend", "more"], name = "recs", fallback = {{ recs_hidden = true }} }},
+] }}]
+"""
+
+
+async def test_a_saturated_services_branch_of_two_calls_is_answered_by_its_fallback(
+    tmp_path: Path,
+) -> None:
+    recommender = Recommender()
+    path = tmp_path / "gateway.toml"
+    with trio.fail_after(HANG_GUARD):
+        async with backend(recommender) as address, trio.open_nursery() as nursery:
+            path.write_text(branch_file(address.url))
+            async with served(path) as client:
+                held: list[httpx.Response] = []
+                answered = trio.Event()
+
+                async def hold() -> None:
+                    held.append(await client.get("/hold"))
+                    answered.set()
+
+                nursery.start_soon(hold)
+                await recommender.holding.wait()  # the recommender's one slot is taken
+
+                degraded = await client.get("/page/7")
+                assert degraded.status_code == 200, degraded.text
+                assert degraded.headers["Pipework-Degraded"] == "recs;reason=no_slot"
+                assert degraded.json() == {
+                    "sku": "7",
+                    "product": {"sku": "7", "name": "lamp"},
+                    "recs_hidden": True,
+                    "degraded": {"recs": "no_slot"},
+                }
+                assert recommender.asked == []
+
+                recommender.release.set()
+                await answered.wait()
+                assert held[0].status_code == 200
+
+                served_in_full = await client.get("/page/9")
+                assert served_in_full.status_code == 200
+                assert "Pipework-Degraded" not in served_in_full.headers
+                assert served_in_full.json()["more"] == ["shade"]
+                assert recommender.asked == ["9", "more-9"]
+
+                metrics = (await client.get("/metrics")).text
+    assert 'pipework_degraded_total{pipe="recs",reason="no_slot",route="page"} 1.0' in metrics

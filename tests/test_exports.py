@@ -96,6 +96,7 @@ PUBLIC = [
     "__version__",
     "all_of",
     "any_of",
+    "branch",
     "build_registry",
     "config_from_dict",
     "create_app",

@@ -116,6 +116,7 @@ async def test_admin_reload_swaps_the_plan_and_a_bad_file_changes_nothing(
                     bad = await client.post("/admin/reload", headers=auth)
                     assert bad.status_code == 400
                     assert bad.json()["type"] == "urn:pipework:problem:config-invalid"
+                    assert bad.json()["title"] == "Invalid configuration"
                     assert "unknown pipe 'nope'" in bad.json()["detail"]
                     assert (await client.get("/users/8")).json()["id"] == "8"  # still serving
 

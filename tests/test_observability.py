@@ -195,7 +195,8 @@ async def test_one_correlation_id_finds_every_stage_of_a_request(
         ctx.state["done"] = True
 
     engine.chain("order", pw.all_of(load_user, load_quote), wait_paid, confirm)
-    caplog.set_level(logging.INFO, logger="pipework.job")
+    # A job's life is logged at DEBUG (at INFO a request that succeeds is its access line).
+    caplog.set_level(logging.DEBUG, logger="pipework.job")
     async with engine:
         other = await engine.submit("order", correlation_id="someone-else")
         job_id = await engine.submit("order", correlation_id="req-42")

@@ -273,9 +273,9 @@ prefix = "/nowhere"
 """
 
 
-def _access_records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, Any, Any]]:
+def _access_records(caplog: pytest.LogCaptureFixture) -> list[tuple[Any, Any, Any]]:
     return [
-        (r.getMessage().split(" ")[1], getattr(r, "status", None), getattr(r, "client_gone", None))
+        (getattr(r, "path", None), getattr(r, "status", None), getattr(r, "client_gone", None))
         for r in caplog.records
         if r.name == "pipework.access"
     ]

@@ -28,6 +28,7 @@ from pipework.dispatcher._events import BranchDone, Event, Expire, Resume, RunJo
 from pipework.dispatcher._job import Job
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._queue import decode_event, encode_event
+from pipework.redis._wire import ReplyError
 
 from ._redis import RedisServer, start_redis
 from ._redis_worker import SLOT_WAIT
@@ -676,3 +677,76 @@ async def test_a_callback_url_one_process_signed_is_accepted_by_another(
             answer = await client_a.post(path, json={"amount": 3})
             assert answer.status_code == 204, answer.text
             assert await a.wait(job_id) == {"payment": {"amount": 3}}
+
+
+async def test_a_delivered_signal_and_its_resume_reach_redis_in_one_write(
+    redis_server: RedisServer,
+) -> None:
+    """The chaos harness killed a process (SIGKILL) while it delivered a signal: the record
+    was written queued, the Resume waited in the process's outbox and died with it, and the
+    job stayed queued for ever. The Resume now goes in the record's own write: with nothing
+    of the outbox ever written (as for a process killed then), the job still resumes."""
+    prefix = _prefix()
+    store = RedisJobStore(redis_server.url, prefix=prefix)
+    queue = RedisEventQueue(redis_server.url, prefix=prefix, store=store)
+    engine = pw.Engine(store=store, queue=queue)
+
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        await ctx.suspend("go", into="payment")
+
+    engine.chain("c", hold)
+    async with engine:
+        with trio.fail_after(20):
+            job_id = await engine.submit("c")
+            status = pw.Status.QUEUED
+            while status is not pw.Status.SUSPENDED:  # (its step's write, in another task)
+                await trio.sleep(0.01)
+                status = (await store.get(job_id)).status
+            lost: list[Event] = []
+            real_put = queue.put_nowait
+            # What the outbox holds from now on dies with it, never written.
+            queue.put_nowait = lost.append  # type: ignore[method-assign,assignment]
+            try:
+                await engine.signal(job_id, "go", {"amount": 3})
+            finally:
+                queue.put_nowait = real_put  # type: ignore[method-assign]
+            assert lost == []
+            assert await engine.wait(job_id) == {"payment": {"amount": 3}}
+
+
+class _Loading(RedisEventQueue):
+    """A queue whose first claims are answered ``LOADING``, as by a Redis restarted with
+    AOF persistence that is still reading its file."""
+
+    loading = 2
+
+    async def _call(self, commands: list[list[Any]]) -> list[Any]:
+        if self.loading and commands[0][0] in ("XCLAIM", "XAUTOCLAIM"):
+            self.loading -= 1
+            return [ReplyError("LOADING Redis is loading the dataset in memory")]
+        return await super()._call(commands)
+
+
+async def test_a_redis_still_loading_its_data_is_waited_for_not_fatal(
+    redis_server: RedisServer,
+) -> None:
+    """The chaos harness restarted Redis with AOF: a claim round answered LOADING raised
+    out of the queue's task, stopping the engine (its steps cancelled, "the engine
+    stopped") and its `pipework serve` process. It is now retried as a Redis away is."""
+    prefix = _prefix()
+    store = RedisJobStore(redis_server.url, prefix=prefix)
+    queue = _Loading(redis_server.url, prefix=prefix, store=store, claim_idle=0.3)
+    engine = pw.Engine(store=store, queue=queue)
+
+    @engine.pipe
+    async def work(ctx: pw.Context) -> None:
+        ctx.state["by"] = "me"
+
+    engine.chain("c", work)
+    async with engine:
+        with trio.fail_after(20):
+            while queue.loading:  # (its claim rounds come every claim_idle / 3)
+                await trio.sleep(0.05)
+                assert await engine.run("c") == {"by": "me"}
+            assert await engine.run("c") == {"by": "me"}

@@ -14,6 +14,7 @@ per line, so the file's order is the order the renders really started and ended)
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import json
 import os
@@ -29,10 +30,12 @@ import httpx
 import pytest
 import trio
 
+import pipework as pw
 from examples.report.config import DEFAULT_TEMPLATES, ReportConfig
-from examples.report.content import KINDS
-from examples.report.pdf import WorkerSettings
+from examples.report.content import FIELDS, KINDS, prepare, validate
+from examples.report.pdf import PdfWorker, WorkerSettings
 from examples.report.service import Serving, serve
+from examples.report.templates import load_templates
 
 SAMPLE = Path(__file__).resolve().parent.parent / "examples" / "report" / "sample.json"
 CLIENT_TIMEOUT = 90.0
@@ -215,7 +218,7 @@ def first_page(pdf: bytes, directory: Path) -> tuple[int, int, bytes]:
     return read_ppm(directory / "page.ppm")
 
 
-# Four browsers start one after the other: seconds each on a busy 2-core machine.
+# Four browsers start at once, each with its first page: seconds on a busy 2-core machine.
 @pytest.mark.hang_guard(real_seconds=110)
 async def test_a_pool_of_four_workers_end_to_end(tmp_path: Path) -> None:
     """One pool for the three checks (each worker's browser takes a second or more to
@@ -367,3 +370,33 @@ async def test_a_render_past_its_timeout_fails_with_504_and_the_worker_is_replac
         fine = await run.client.post("/reports", json=report())
         assert fine.status_code == 200, fine.text
         assert trace_events(run.trace)[-1][1] != pid  # rendered by the replacement
+
+
+async def test_a_worker_reuses_its_page_and_takes_a_fresh_one_after_a_failed_render() -> None:
+    """The page made before "ready" serves every report; a render that fails (here its
+    page's readiness check throws) is answered with an error, and the next report gets a
+    fresh context and page, so what the broken page defined is gone."""
+    worker = await PdfWorker.start(1, WorkerSettings(render_timeout=60.0))
+    try:
+        html = report_html("achievement")
+        for _ in range(3):
+            assert (await worker.render(html)).startswith(b"%PDF-")
+            assert worker.pages == 1
+        broken = (
+            "<script>Object.defineProperty(window, 'reportReady', "
+            "{get() { throw new Error('this page is broken'); }});</script><p>broken</p>"
+        )
+        with pytest.raises(pw.BackendError, match=r"could not render the report: .*broken"):
+            await worker.render(broken)
+        assert (await worker.render(html)).startswith(b"%PDF-")  # the getter is gone
+        assert worker.pages == 2
+        assert (await worker.render(html)).startswith(b"%PDF-")
+        assert worker.pages == 2
+    finally:
+        await worker.aclose()
+
+
+def report_html(kind: str) -> str:
+    templates = load_templates(DEFAULT_TEMPLATES, KINDS, FIELDS)
+    body = report(kind)
+    return templates.render(kind, prepare(validate(body), dt.datetime.now(dt.UTC)))

@@ -4,6 +4,7 @@ shutdown, at exact virtual times."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -35,12 +36,13 @@ class Factory:
 
     async def __call__(self) -> Fake:
         self.calls += 1
+        number = self.calls  # taken before the launch: several may run at once
         await trio.sleep(0.5)  # a launch takes time
-        if self.calls in self.hang:
+        if number in self.hang:
             await trio.sleep_forever()
-        if self.failing or self.calls in self.fail:
-            raise OSError(f"launch {self.calls} failed")
-        fake = Fake(self.calls)
+        if self.failing or number in self.fail:
+            raise OSError(f"launch {number} failed")
+        fake = Fake(number)
         self.made.append(fake)
         return fake
 
@@ -290,3 +292,48 @@ async def test_metrics(autojump_clock: object) -> None:
 def test_configuration_that_cannot_work(size: int, options: dict[str, float]) -> None:
     with pytest.raises(pw.PoolConfigError):
         make_pool(Factory(), size=size, **options)
+
+
+async def test_a_concurrent_start_makes_them_all_at_once(autojump_clock: object) -> None:
+    factory = Factory()
+    pool = make_pool(factory, size=3, concurrent_start=True)
+    with trio.fail_after(HANG_GUARD):
+        async with pool:
+            assert trio.current_time() == pytest.approx(0.5)  # three launches of 0.5 at once
+            assert sorted(f.number for f in factory.made) == [1, 2, 3]
+            assert pool.statistics().idle == 3
+    assert all(f.closed for f in factory.made)
+
+
+async def test_a_concurrent_start_reports_the_lowest_failure_and_closes_the_rest(
+    autojump_clock: object,
+) -> None:
+    factory = Factory(fail={2, 4}, hang={3})
+    pool = make_pool(factory, size=4, launch_timeout=2.0, concurrent_start=True)
+    start = trio.current_time()
+    with trio.fail_after(HANG_GUARD), pytest.raises(pw.ResourceStartupError) as caught:
+        async with pool:
+            pass  # pragma: no cover
+    # Every launch ran to its end (the hung one to launch_timeout), then the one made closed.
+    # Which launch a task got is up to trio's scheduling; the lowest failed task is named.
+    message = str(caught.value)
+    assert re.search(
+        r"making resource [1-3] of 4 failed \((OSError: launch [24] failed|timed out)\)", message
+    )
+    assert "the 1 made were closed" in message
+    assert factory.calls == 4
+    assert trio.current_time() - start == pytest.approx(2.0 + 0.1)
+    assert [f.closed for f in factory.made] == [True]
+
+
+async def test_a_concurrent_start_that_fails_everywhere_names_the_first(
+    autojump_clock: object,
+) -> None:
+    factory = Factory(failing=True)
+    pool = make_pool(factory, size=4, concurrent_start=True)
+    with trio.fail_after(HANG_GUARD), pytest.raises(pw.ResourceStartupError) as caught:
+        async with pool:
+            pass  # pragma: no cover
+    assert "making resource 1 of 4 failed (OSError: launch " in str(caught.value)
+    assert isinstance(caught.value.__cause__, OSError)
+    assert trio.current_time() == pytest.approx(0.5)

@@ -114,14 +114,21 @@ async def test_a_refused_call_ends_its_job_in_one_info_line_without_a_traceback(
             refused = await http.get("/pipe", headers={"X-Request-ID": "req-refused"})
     assert refused.status_code == 503
     job = trail(caplog, "req-refused")
-    expected = [(logging.INFO, "job accepted", False)]
+    # The job's life is DEBUG: at INFO the refusal is its access line (503) alone.
+    expected = []
     if level == logging.DEBUG:
-        expected.append((logging.DEBUG, "pipe ended", False))
-    expected.append((logging.INFO, "job finished", False))
+        expected = [
+            (logging.DEBUG, "job accepted", False),
+            (logging.DEBUG, "pipe ended", False),
+            (logging.DEBUG, "job finished", False),
+        ]
     assert job == expected
-    (end,) = [r for r in caplog.records if getattr(r, "event", "") == "job finished"][-1:]
-    assert (end.outcome, end.correlation_id) == ("failed", "req-refused")  # type: ignore[attr-defined]  # set through `extra`
-    assert end.error.startswith("Overloaded: service 'api' is failing")  # type: ignore[attr-defined]  # set through `extra`
+    (access,) = trail(caplog, "req-refused", "pipework.access")
+    assert access == (logging.INFO, "request", False)
+    if level == logging.DEBUG:
+        (end,) = [r for r in caplog.records if getattr(r, "event", "") == "job finished"][-1:]
+        assert (end.outcome, end.correlation_id) == ("failed", "req-refused")  # type: ignore[attr-defined]  # set through `extra`
+        assert end.error.startswith("Overloaded: service 'api' is failing")  # type: ignore[attr-defined]  # set through `extra`
     # Nothing about the refusal at WARNING, anywhere: the breaker's opening was.
     mine = [r for r in caplog.records if getattr(r, "correlation_id", None) == "req-refused"]
     assert [r for r in mine if r.levelno >= logging.WARNING or r.exc_info] == []
@@ -133,19 +140,19 @@ async def test_a_refused_call_ends_its_job_in_one_info_line_without_a_traceback(
     assert opened_lines == ["service 'api': circuit breaker open (failure_rate)"]
 
 
-async def test_a_failure_that_is_no_refusal_is_logged_as_before(
+async def test_a_failure_that_is_no_refusal_is_one_warning_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="pipework")
+    caplog.set_level(logging.DEBUG, logger="pipework")
     with trio.fail_after(HANG_GUARD):
         async with opened(tmp_path):
             pass
-    # The backend's 503: one line where it failed, the pipe's end and the job's at WARNING.
+    # The backend's 503: one WARNING where it failed; the pipe's end and the job's DEBUG.
     assert trail(caplog, "req-failed-0") == [
-        (logging.INFO, "job accepted", False),
-        (logging.WARNING, "backend call failed", False),
-        (logging.WARNING, "pipe ended", False),
-        (logging.WARNING, "job finished", False),
+        (logging.DEBUG, "job accepted", False),
+        (logging.WARNING, "backend call failed", True),  # its traceback at DEBUG
+        (logging.DEBUG, "pipe ended", False),
+        (logging.DEBUG, "job finished", False),
     ]
 
 

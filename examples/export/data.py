@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-__all__ = ["COLUMNS", "STATUSES", "count_orders", "make_orders"]
+__all__ = ["COLUMNS", "DATETIME_COLUMNS", "STATUSES", "count_orders", "make_orders"]
 
 COLUMNS: Final = ("id", "created", "customer", "sku", "qty", "amount", "status", "note")
+#: The columns that hold a time (ISO 8601 text, UTC): an xlsx export writes them as dates.
+DATETIME_COLUMNS: Final = ("created",)
 STATUSES: Final = ("placed", "paid", "shipped", "delivered", "returned")
 
 _CUSTOMERS: Final = (

@@ -1,12 +1,14 @@
-"""Exports orders from a SQLite database to CSV files, as async jobs (seed 001).
+"""Exports orders from a SQLite database to CSV files or xlsx workbooks, as async jobs
+(seed 001).
 
 ``POST /exports`` answers 202 at once with the job's id and token (the container's async
 mode). The job then:
 
 1. records the export as ``running`` in the download centre (records.py), committed at once;
 2. opens one read transaction on the source, counts the rows it will write, and reads them
-   through a cursor, ``batch`` rows at a time, writing each batch to the CSV file as it
-   comes: memory holds one batch, however many rows there are;
+   through a cursor, ``batch`` rows at a time, writing each batch to the file as it comes
+   (CSV, or xlsx when the request says ``"format": "xlsx"``: :class:`_XlsxSink`): memory
+   holds one batch, however many rows there are;
 3. every ``progress_every`` rows, reports progress on the job (``GET /jobs/{id}``, the jobs
    board and the jobs page show it at once) and in its record;
 4. renames the finished file into place and records the export ``done``; on any failure
@@ -35,6 +37,7 @@ import hmac
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -44,14 +47,15 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, Final, Protocol, TypeVar
 
 import trio
+import xlsxwriter
 from quart import Response, g, request
 
 import pipework as pw
 
-from .data import STATUSES
+from .data import DATETIME_COLUMNS, STATUSES
 from .records import Record, Records
 
-__all__ = ["CHAIN", "Blocking", "ExportConfig", "Exporter", "Refused", "in_thread"]
+__all__ = ["CHAIN", "FORMATS", "Blocking", "ExportConfig", "Exporter", "Refused", "in_thread"]
 
 _log = logging.getLogger("examples.export")
 
@@ -63,6 +67,14 @@ RECORDS_FILE: Final = "exports.sqlite3"
 #: What the container answers for a job that is unknown or not the caller's: the same here.
 NOT_FOUND: Final = "no job with this id, or the token does not match"
 _CHUNK: Final = 64 * 1024
+#: The rows a sheet holds below its header row (Excel's limit is 1,048,576 in all).
+_SHEET_ROWS: Final = 1_048_575
+#: The formats an export writes, and how its file is served.
+FORMATS: Final = ("csv", "xlsx")
+_MEDIA_TYPES: Final = {
+    "csv": "text/csv; charset=utf-8",
+    "xlsx": "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+}
 _BEARER: Final = "bearer "
 
 
@@ -96,7 +108,9 @@ class ExportConfig:
     - ``progress_every``: rows between two progress reports;
     - ``timeout``: the export job's time limit;
     - ``cleanup_timeout``: how long a failed export may take to clean up after itself;
-    - ``key``: the export jobs' admission key (give it a ``limit`` in the engine's pool).
+    - ``key``: the export jobs' admission key (give it a ``limit`` in the engine's pool);
+    - ``rows_per_sheet``: an xlsx export starts a new sheet after this many rows (seed 001:
+      100,000; a sheet holds 1,048,575 rows below its header at most).
     """
 
     source: Path
@@ -108,16 +122,22 @@ class ExportConfig:
     timeout: float = 3_600.0
     cleanup_timeout: float = 10.0
     key: str = "exports"
+    rows_per_sheet: int = 100_000
 
     def __post_init__(self) -> None:
         for name in ("retention", "cleanup_interval", "timeout", "cleanup_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"ExportConfig.{name} must be a positive number of seconds")
-        for name in ("batch", "progress_every"):
+        for name in ("batch", "progress_every", "rows_per_sheet"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"ExportConfig.{name} must be a whole number of rows, 1 or more")
+        if self.rows_per_sheet > _SHEET_ROWS:
+            raise ValueError(
+                f"ExportConfig.rows_per_sheet must be at most {_SHEET_ROWS:,} (a sheet's rows "
+                f"below its header), not {self.rows_per_sheet:,}"
+            )
 
 
 class Exporter:
@@ -213,7 +233,9 @@ class Exporter:
     def _recover(self, reason: str, now: float) -> list[Record]:
         stale = self.records.fail_running(reason, now)
         for record in stale:
-            self._partial(record.id).unlink(missing_ok=True)
+            partial = self._partial(record.id, record.format)
+            partial.unlink(missing_ok=True)
+            shutil.rmtree(scratch_directory(partial), ignore_errors=True)
         return stale
 
     async def cleanup(self, now: float | None = None) -> list[Record]:
@@ -236,20 +258,25 @@ class Exporter:
     # -- the export job --------------------------------------------------------------------
 
     async def export(self, ctx: pw.Context) -> None:
-        """The pipe: stream the orders to ``{job id}.csv`` (see the module's docstring)."""
-        status = _status_filter(ctx.state)
+        """The pipe: stream the orders to ``{job id}.csv`` or ``.xlsx`` (see the module's
+        docstring)."""
+        status, form = _request(ctx.state)
         export_id = ctx.job_id
         owner = (await self.engine.store.get(export_id)).token_hash
         every = self.config.progress_every
         copy: _Copy | None = None
         rows = 0
         try:
-            create = functools.partial(self.records.create, export_id, owner, self.now())
+            create = functools.partial(self.records.create, export_id, owner, self.now(), form)
             await self._blocking(create)
             _log.info("export %s started (correlation id %s)", export_id, ctx.correlation_id)
             copy = await self._blocking(
                 functools.partial(
-                    _Copy, self.config.source, status, self._partial(export_id), self.config.batch
+                    _Copy,
+                    self.config.source,
+                    status,
+                    _sink(form, self._partial(export_id, form), self.config),
+                    self.config.batch,
                 )
             )
             total = copy.total
@@ -260,14 +287,15 @@ class Exporter:
                 rows += count
                 if rows % every == 0:
                     await self._report(ctx, rows, total)
-            size = await self._blocking(functools.partial(copy.commit, self._file(export_id)))
+            target = self._file(export_id, form)
+            size = await self._blocking(functools.partial(copy.commit, target))
             copy = None
             finish = functools.partial(
-                self.records.finish, export_id, rows, self._file(export_id).name, self.now()
+                self.records.finish, export_id, rows, target.name, self.now()
             )
             await self._blocking(finish)
         except BaseException as exc:
-            await self._failed(ctx, copy, rows, exc)
+            await self._failed(ctx, copy, rows, exc, form)
             raise
         await ctx.progress(rows, total, f"done: {rows:,} rows")
         _log.info(
@@ -282,6 +310,7 @@ class Exporter:
             "rows": rows,
             "bytes": size,
             "file": f"/exports/{export_id}/file",
+            "format": form,
             "record": f"/exports/{export_id}",
             "keep_until": _iso(self.now() + self.config.retention),
         }
@@ -293,7 +322,7 @@ class Exporter:
         await self._blocking(functools.partial(self.records.progress, ctx.job_id, rows))
 
     async def _failed(
-        self, ctx: pw.Context, copy: _Copy | None, rows: int, exc: BaseException
+        self, ctx: pw.Context, copy: _Copy | None, rows: int, exc: BaseException, form: str
     ) -> None:
         """Delete what the export wrote and record why it failed: shielded, because a
         cancel is one of the reasons, and bounded by ``cleanup_timeout``."""
@@ -306,7 +335,7 @@ class Exporter:
             try:
                 if copy is not None:
                     await self._blocking(copy.discard)
-                unlink = functools.partial(self._file(export_id).unlink, missing_ok=True)
+                unlink = functools.partial(self._file(export_id, form).unlink, missing_ok=True)
                 await self._blocking(unlink)
                 fail = functools.partial(self.records.fail, export_id, rows, reason, self.now())
                 await self._blocking(fail)
@@ -320,11 +349,11 @@ class Exporter:
                 self.config.cleanup_timeout,
             )
 
-    def _file(self, export_id: str) -> Path:
-        return self.config.directory / f"{export_id}.csv"
+    def _file(self, export_id: str, form: str) -> Path:
+        return self.config.directory / f"{export_id}.{form}"
 
-    def _partial(self, export_id: str) -> Path:
-        return self.config.directory / f"{export_id}.csv.part"
+    def _partial(self, export_id: str, form: str) -> Path:
+        return self.config.directory / f"{export_id}.{form}.part"
 
     # -- the download centre: pipework's jobs page lists and serves the files ----------------
 
@@ -342,12 +371,12 @@ class Exporter:
         kept = None if record.finished is None else record.finished + self.config.retention
         return pw.ResultFile(
             job_id=record.id,
-            name=f"orders-{record.id}.csv",
+            name=f"orders-{record.id}.{record.format}",
             owner=record.owner,
             state=record.status,
             path=path,
             chain=CHAIN,
-            media_type="text/csv; charset=utf-8",
+            media_type=_MEDIA_TYPES.get(record.format, _MEDIA_TYPES["csv"]),
             rows=record.rows,
             size=size,
             created=record.created,
@@ -394,7 +423,8 @@ class Exporter:
         }
 
     async def download(self, export_id: str) -> Response:
-        """``GET /exports/{id}/file``: the CSV file, streamed from disk, for its owner."""
+        """``GET /exports/{id}/file``: the CSV or xlsx file, streamed from disk, for its
+        owner."""
         found = await self._owned(export_id)
         if isinstance(found, Response):
             return found
@@ -428,9 +458,12 @@ class Exporter:
         # Opened before answering: a cleanup that deletes the file now cannot cut the
         # download short (the open file lives on until it is closed).
         size = os.fstat(file.fileno()).st_size
-        response = Response(self._chunks(file), content_type="text/csv; charset=utf-8")
+        form = found.format
+        response = Response(self._chunks(file), content_type=_MEDIA_TYPES[form])
         response.headers["Content-Length"] = str(size)
-        response.headers["Content-Disposition"] = f'attachment; filename="orders-{export_id}.csv"'
+        response.headers["Content-Disposition"] = (
+            f'attachment; filename="orders-{export_id}.{form}"'
+        )
         response.timeout = None  # a large file may take longer than Quart's response timeout
         return response
 
@@ -444,15 +477,14 @@ class Exporter:
 
 class _Copy:
     """One export's blocking half: a read transaction and a cursor on the source, and the
-    CSV file being written. Each method is one short blocking call; the pipe runs them in
-    worker threads, one after another, never two at once."""
+    file being written (a :class:`_Sink`). Each method is one short blocking call; the pipe
+    runs them in worker threads, one after another, never two at once."""
 
-    def __init__(self, source: Path, status: str | None, partial: Path, batch: int) -> None:
+    def __init__(self, source: Path, status: str | None, sink: _Sink, batch: int) -> None:
         self.batch = batch
-        self.partial = partial
+        self.sink = sink
         self.cursor: sqlite3.Cursor | None = None
         self.copied = 0
-        self.file: IO[str] | None = None
         where, args = ("WHERE status = ?", (status,)) if status else ("", ())
         # Read-only: an export never changes what it exports. Used from one worker thread
         # after another (never two at once), hence check_same_thread=False.
@@ -467,9 +499,7 @@ class _Copy:
             (self.total,) = self.db.execute(f"SELECT count(*) FROM orders {where}", args).fetchone()
             # In primary-key order, which SQLite reads as stored: no sort, no temporary table.
             self.cursor = self.db.execute(f"SELECT * FROM orders {where} ORDER BY id", args)
-            self.file = open(partial, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed in commit/discard
-            self.writer = csv.writer(self.file)
-            self.writer.writerow([column[0] for column in self.cursor.description])
+            sink.open([column[0] for column in self.cursor.description])
         except BaseException:
             self.discard()
             raise
@@ -484,7 +514,7 @@ class _Copy:
             batch = self.cursor.fetchmany(min(self.batch, wanted - copied))
             if not batch:
                 break
-            self.writer.writerows(batch)
+            self.sink.write(batch)
             copied += len(batch)
         self.copied += copied
         return copied
@@ -492,27 +522,199 @@ class _Copy:
     def commit(self, target: Path) -> int:
         """End the read, make the file durable and put it in place; its size in bytes."""
         assert self.cursor is not None
-        assert self.file is not None
         self.cursor.close()
         self.db.execute("COMMIT")
         self.db.close()
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.partial, target)
+        self.sink.finish()
+        os.replace(self.sink.partial, target)
         return target.stat().st_size
 
     def discard(self) -> None:
         """Close everything (the read rolls back) and delete the partial file."""
-        for close in (
-            getattr(self.cursor, "close", None),
-            self.db.close,
-            getattr(self.file, "close", None),
-        ):
+        for close in (getattr(self.cursor, "close", None), self.db.close, self.sink.abandon):
             if close is not None:
                 with contextlib.suppress(Exception):  # closing what may be half-open
                     close()
-        self.partial.unlink(missing_ok=True)
+        self.sink.partial.unlink(missing_ok=True)
+
+
+class _Sink(Protocol):
+    """Where an export's rows go: a file at ``partial``, opened with the header, written a
+    batch at a time, then finished (complete and on disk) or abandoned."""
+
+    partial: Path
+
+    def open(self, header: list[str]) -> None: ...
+
+    def write(self, batch: list[tuple[Any, ...]]) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+def _sink(form: str, partial: Path, config: ExportConfig) -> _Sink:
+    if form == "xlsx":
+        return _XlsxSink(partial, config.rows_per_sheet)
+    return _CsvSink(partial)
+
+
+class _CsvSink:
+    """CSV through ``csv.writer``: every value as ``str()``."""
+
+    def __init__(self, partial: Path) -> None:
+        self.partial = partial
+        self.file: IO[str] | None = None
+
+    def open(self, header: list[str]) -> None:
+        self.file = open(self.partial, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed in finish/abandon
+        self.writer = csv.writer(self.file)
+        self.writer.writerow(header)
+
+    def write(self, batch: list[tuple[Any, ...]]) -> None:
+        self.writer.writerows(batch)
+
+    def finish(self) -> None:
+        assert self.file is not None
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+    def abandon(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class _XlsxSink:
+    """An xlsx workbook through XlsxWriter in ``constant_memory`` mode: each row goes to a
+    temporary file as soon as the next one starts, and strings are written inline (no
+    shared-string table), so memory holds one row whatever the export's size; the sheets
+    are zipped into the workbook when it is finished.
+
+    The seed's formats (001, §3.6): numbers are numeric cells, each formatted with as many
+    decimals as its value has (``0``, ``0.0``, ``0.00``...), so that a spreadsheet sorts and
+    sums them; the datetime columns (``DATETIME_COLUMNS``) are date cells
+    (``yyyy-mm-dd hh:mm:ss``, in UTC); every column is 30 wide; a new sheet, with the
+    header again, every ``rows_per_sheet`` rows. One format object per number of decimals:
+    formats are shared by every cell that needs them, never made per cell."""
+
+    def __init__(self, partial: Path, rows_per_sheet: int) -> None:
+        self.partial = partial
+        self.scratch = scratch_directory(partial)
+        self.rows_per_sheet = rows_per_sheet
+        self.workbook: Any = None
+        self.sheet: Any = None
+        self.sheets = 0
+        self.row = 0  # the last row written in the current sheet (0: its header)
+        self.header: list[str] = []
+        self.dates: frozenset[int] = frozenset()
+        self._decimals: dict[int | None, Any] = {None: None}
+
+    def open(self, header: list[str]) -> None:
+        self.header = header
+        self.dates = frozenset(i for i, name in enumerate(header) if name in DATETIME_COLUMNS)
+        self.scratch.mkdir(exist_ok=True)
+        self.workbook = xlsxwriter.Workbook(
+            str(self.partial),
+            {
+                "constant_memory": True,
+                # Its row files, one per sheet, in a directory of this export's own: removed
+                # when it ends however it ends, and by the restart rule after a crash.
+                "tmpdir": str(self.scratch),
+                # Only write_number/write_string/write_datetime are called: no cell is
+                # guessed from its text (a note "=1+1" stays text, never a formula).
+                "strings_to_formulas": False,
+                "strings_to_urls": False,
+                "nan_inf_to_errors": True,
+                "remove_timezone": True,
+            },
+        )
+        self.bold = self.workbook.add_format({"bold": True})
+        self.when = self.workbook.add_format({"num_format": "yyyy-mm-dd hh:mm:ss"})
+        self._new_sheet()
+
+    def _new_sheet(self) -> None:
+        self.sheets += 1
+        self.sheet = self.workbook.add_worksheet(f"orders {self.sheets}")
+        self.sheet.set_column(0, len(self.header) - 1, 30)
+        for column, name in enumerate(self.header):
+            self.sheet.write_string(0, column, name, self.bold)
+        self.row = 0
+
+    def write(self, batch: list[tuple[Any, ...]]) -> None:
+        sheet, dates = self.sheet, self.dates
+        for values in batch:
+            if self.row == self.rows_per_sheet:
+                self._new_sheet()
+                sheet = self.sheet
+            self.row += 1
+            row = self.row
+            for column, value in enumerate(values):
+                if value is None:
+                    continue  # an empty cell
+                kind = type(value)
+                if kind is int:
+                    sheet.write_number(row, column, value, self._format(0))
+                elif kind is float:
+                    sheet.write_number(row, column, value, self._format(_decimals(value)))
+                elif column in dates and (when := _datetime(value)) is not None:
+                    sheet.write_datetime(row, column, when, self.when)
+                else:
+                    sheet.write_string(row, column, str(value))
+
+    def _format(self, decimals: int | None) -> Any:
+        if decimals in self._decimals:
+            return self._decimals[decimals]
+        assert decimals is not None  # None (General) is there from the start
+        pattern = "0" if decimals == 0 else "0." + "0" * decimals
+        made = self._decimals[decimals] = self.workbook.add_format({"num_format": pattern})
+        return made
+
+    def finish(self) -> None:
+        self.workbook.close()  # the sheets zipped into the file
+        fd = os.open(self.partial, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def abandon(self) -> None:
+        # Not closed (that would zip a workbook nobody wants): its row files' handles are
+        # closed, and the files go with the scratch directory.
+        try:
+            if self.workbook is not None:
+                for sheet in self.workbook.worksheets():
+                    handle = getattr(sheet, "row_data_fh", None)
+                    if handle is not None:
+                        handle.close()
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def scratch_directory(partial: Path) -> Path:
+    """Where an xlsx export keeps its row files while it runs: ``{id}.xlsx.tmp``."""
+    return partial.with_name(partial.name.removesuffix(".part") + ".tmp")
+
+
+def _decimals(value: float) -> int | None:
+    """How many decimals ``value`` shows (``12.5``: 1, ``3.0``: 0), up to 15; None for
+    what has no plain decimal form (an exponent, ``nan``, ``inf``: Excel's General)."""
+    text = repr(value)
+    point = text.find(".")
+    if point < 0 or "e" in text:
+        return None
+    return 0 if text.endswith(".0") else min(len(text) - point - 1, 15)
+
+
+def _datetime(value: object) -> datetime | None:
+    """``value`` as a datetime, if it is an ISO 8601 text; else None (written as text)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
 
 
 def _size(path: Path) -> int | None:
@@ -526,17 +728,23 @@ def _open(path: Path) -> BinaryIO:
     return open(path, "rb")
 
 
-def _status_filter(state: Mapping[str, Any]) -> str | None:
-    unknown = sorted(set(state) - {"status"})
+def _request(state: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The export asked for: which orders (a ``status``, or all) and the file's ``format``
+    (``csv``, the default, or ``xlsx``)."""
+    unknown = sorted(set(state) - {"status", "format"})
     if unknown:
         raise Refused(
             f"unknown field {unknown[0]!r}: an export takes only 'status', "
-            f"one of {', '.join(STATUSES)} (or none, for every order)"
+            f"one of {', '.join(STATUSES)} (or none, for every order), and 'format', "
+            f"one of {', '.join(FORMATS)} (or none, for csv)"
         )
     status = state.get("status")
     if status is not None and status not in STATUSES:
         raise Refused(f"'status' must be one of {', '.join(STATUSES)}, got {status!r}")
-    return status
+    form = state.get("format", "csv")
+    if form not in FORMATS:
+        raise Refused(f"'format' must be one of {', '.join(FORMATS)}, got {form!r}")
+    return status, str(form)
 
 
 def _reason(ctx: pw.Context, rows: int, exc: BaseException) -> str:

@@ -9,6 +9,7 @@
     finished  when it ended
     error     why it failed
     downloaded  when its file was last downloaded whole (the download centre's mark)
+    format    the file's format, ``csv`` or ``xlsx``, known from the start
 
 Every write is a transaction of its own, committed at once, so a reader sees an export's
 progress while it runs, not when it ends. Every update names the status it expects
@@ -52,10 +53,11 @@ CREATE TABLE IF NOT EXISTS exports (
     created REAL NOT NULL,
     finished REAL,
     error TEXT,
-    downloaded REAL
+    downloaded REAL,
+    format TEXT NOT NULL DEFAULT 'csv'
 )
 """
-_COLUMNS: Final = "id, owner, status, rows, file, created, finished, error, downloaded"
+_COLUMNS: Final = "id, owner, status, rows, file, created, finished, error, downloaded, format"
 
 
 class RecordError(Exception):
@@ -73,6 +75,7 @@ class Record:
     finished: float | None
     error: str | None
     downloaded: float | None = None
+    format: str = "csv"
 
 
 def check_transition(old: RecordStatus, new: RecordStatus) -> None:
@@ -108,6 +111,8 @@ class Records:
                 columns = {row[1] for row in db.execute("PRAGMA table_info(exports)")}
                 if "downloaded" not in columns:  # a table an older version made
                     db.execute("ALTER TABLE exports ADD COLUMN downloaded REAL")
+                if "format" not in columns:  # made before xlsx: every export was CSV
+                    db.execute("ALTER TABLE exports ADD COLUMN format TEXT NOT NULL DEFAULT 'csv'")
             except BaseException:
                 db.close()
                 raise
@@ -137,11 +142,12 @@ class Records:
             finally:
                 db.execute("PRAGMA synchronous = FULL")
 
-    def create(self, export_id: str, owner: str | None, now: float) -> None:
+    def create(self, export_id: str, owner: str | None, now: float, form: str = "csv") -> None:
         with self._connect() as db:
             db.execute(
-                "INSERT INTO exports (id, owner, status, created) VALUES (?, ?, 'running', ?)",
-                (export_id, owner, now),
+                "INSERT INTO exports (id, owner, status, created, format) "
+                "VALUES (?, ?, 'running', ?, ?)",
+                (export_id, owner, now, form),
             )
 
     def progress(self, export_id: str, rows: int) -> None:

@@ -91,6 +91,9 @@ class PdfWorker:
         self.pid: int = process.pid
         self.browser = ""
         self.renders = 0
+        #: Pages the worker's browser has made, as of its last PDF: one while every render
+        #: succeeds (the page is reused), one more after each that failed.
+        self.pages = 0
         self._decoder = FrameDecoder()
         self._closed = False
 
@@ -171,6 +174,7 @@ class PdfWorker:
         pdf = reply.get("pdf")
         if reply["type"] != "pdf" or not isinstance(pdf, bytes):
             raise ProtocolError(f"{self.name} answered a {reply['type']!r} frame without a PDF")
+        self.pages = int(reply.get("pages", 0))
         return pdf
 
     async def _send(self, message: dict[str, Any]) -> None:

@@ -6,7 +6,8 @@ A frame is a 4-byte big-endian length, then that many bytes of one msgpack map w
 - worker -> service, once at start: ``{"type": "ready", "pid": int, "browser": str}``, or
   ``{"type": "failed", "error": str, "message": str}`` and exit;
 - service -> worker: ``{"type": "render", "id": int, "html": str, "timeout": float}``;
-- worker -> service: ``{"type": "pdf", "id": int, "pdf": bytes}`` or
+- worker -> service: ``{"type": "pdf", "id": int, "pdf": bytes, "pages": int}`` (pages:
+  how many pages the worker's browser has made so far, 1 while it reuses its first) or
   ``{"type": "error", "id": int, "error": str, "message": str}``;
 - service -> worker: ``{"type": "close"}`` (or end of input): close the browser and exit 0.
 

@@ -182,6 +182,9 @@ async def serve(
             launch_timeout=config.pdf.launch_timeout,
             name="pdf",
             metrics=engine.metrics,
+            # The launches mostly wait (a process, a browser, a first page): all at once,
+            # start-up takes about one launch's time rather than pool_size of them.
+            concurrent_start=True,
         )
         service = ReportService(templates, PdfRenderer(pool), storage)
         service.register(registry, timeout=config.timeout)

@@ -14,12 +14,13 @@ land in the order the renders really started and ended (how the tests observe co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any, BinaryIO, Final
 
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
 
 from examples.report.protocol import FrameDecoder, ProtocolError, encode
 
@@ -38,6 +39,7 @@ CHROMIUM_ARGS: Final = (
 )
 #: A template that draws after load sets ``window.reportReady = false``, then ``true``.
 _READY: Final = "() => window.reportReady !== false"
+_WARM_UP: Final = "<!doctype html><title>warm-up</title><p>warm-up</p>"
 
 
 class _Trace:
@@ -50,19 +52,45 @@ class _Trace:
             os.write(self._fd, f"{event} {os.getpid()} {request}\n".encode())
 
 
-def _render(browser: Browser, html: str, timeout: float) -> bytes:
-    context = browser.new_context()  # a fresh context per report: nothing leaks between them
-    try:
-        page = context.new_page()
-        page.set_default_timeout(timeout * 1000)
-        page.set_content(html, wait_until="load")
-        page.wait_for_function(_READY)
-        return page.pdf(format="A4", print_background=True, prefer_css_page_size=True)
-    finally:
-        context.close()
+class _Renderer:
+    """One browser context and page, kept from one report to the next: a new page costs
+    a renderer process (most of a second on a busy machine), reusing it a document swap.
+    Each report replaces the page's document; the templates are the service's own and run
+    no third-party script. A render that fails discards both, and the next one starts
+    from a fresh context: nothing a broken page left behind reaches another report."""
+
+    def __init__(self, browser: Browser) -> None:
+        self.browser = browser
+        self.context: BrowserContext | None = None
+        self.page: Page | None = None
+        self.pages = 0  # pages made so far: 1 while every render succeeds
+
+    def render(self, html: str, timeout: float) -> bytes:
+        try:
+            page = self._page()
+            page.set_default_timeout(timeout * 1000)
+            page.set_content(html, wait_until="load")
+            page.wait_for_function(_READY)
+            return page.pdf(format="A4", print_background=True, prefer_css_page_size=True)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _page(self) -> Page:
+        if self.page is None:
+            self.context = self.browser.new_context()
+            self.page = self.context.new_page()
+            self.pages += 1
+        return self.page
+
+    def discard(self) -> None:
+        context, self.context, self.page = self.context, None, None
+        if context is not None:
+            with contextlib.suppress(Exception):  # a context whose page crashed may not close
+                context.close()
 
 
-def _serve(browser: Browser, frames_in: BinaryIO, frames_out: BinaryIO, trace: _Trace) -> int:
+def _serve(renderer: _Renderer, frames_in: BinaryIO, frames_out: BinaryIO, trace: _Trace) -> int:
     decoder = FrameDecoder()
 
     def send(message: Mapping[str, Any]) -> None:
@@ -85,7 +113,7 @@ def _serve(browser: Browser, frames_in: BinaryIO, frames_out: BinaryIO, trace: _
         request = int(message["id"])
         trace.write("start", request)
         try:
-            pdf = _render(browser, str(message["html"]), float(message["timeout"]))
+            pdf = renderer.render(str(message["html"]), float(message["timeout"]))
         except Exception as error:
             trace.write("end", request)
             text = str(error).strip().splitlines()
@@ -99,7 +127,7 @@ def _serve(browser: Browser, frames_in: BinaryIO, frames_out: BinaryIO, trace: _
             )
             continue
         trace.write("end", request)
-        send({"type": "pdf", "id": request, "pdf": pdf})
+        send({"type": "pdf", "id": request, "pdf": pdf, "pages": renderer.pages})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,13 +155,19 @@ def main(argv: list[str] | None = None) -> int:
             )
             frames_out.flush()
             return 1
+        renderer = _Renderer(browser)
         try:
+            # One render before "ready": the page, its renderer and the PDF machinery are
+            # up before the first report comes, so that one is as fast as the next.
+            with contextlib.suppress(Exception):  # then the first report makes them
+                renderer.render(_WARM_UP, args.launch_timeout)
             frames_out.write(
                 encode({"type": "ready", "pid": os.getpid(), "browser": browser.version})
             )
             frames_out.flush()
-            return _serve(browser, sys.stdin.buffer, frames_out, trace)
+            return _serve(renderer, sys.stdin.buffer, frames_out, trace)
         finally:
+            renderer.discard()
             browser.close()
 
 

@@ -11,14 +11,24 @@ from typing import Final
 
 __all__ = ["PROXY_RESERVED_PREFIXES", "RESERVED_PREFIXES", "covering_prefix", "under"]
 
-#: Paths the container serves itself; a route may not shadow them.
-RESERVED_PREFIXES: Final = ("/jobs", "/callbacks", "/healthz", "/readyz", "/metrics", "/admin")
+#: Paths the container serves itself, the boards' (their ``/boards`` API and the ``/ui``
+#: jobs page) included; a route may not shadow them: the container's exact rules there win
+#: over the routes' catch-all, so a route under one would never run. docs/http-api.md and
+#: docs/configuration.md list them all (tests/test_docs_lists.py holds them to it).
+RESERVED_PREFIXES: Final = (
+    "/jobs",
+    "/callbacks",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/admin",
+    "/boards",
+    "/ui",
+)
 
-#: What a proxy route may not shadow: the container's own paths, and the board's (its
-#: ``/boards`` API and the ``/ui`` jobs page), which Quart serves beside the routes. A
-#: route's exact rules there win over its catch-all; a proxy layer in front of Quart would
-#: win over everything, so it stays out of all of them.
-PROXY_RESERVED_PREFIXES: Final = (*RESERVED_PREFIXES, "/boards", "/ui")
+#: What a proxy route may not shadow: the same paths (a proxy layer in front of Quart
+#: would win over everything there).
+PROXY_RESERVED_PREFIXES: Final = RESERVED_PREFIXES
 
 
 def under(path: str, prefix: str) -> bool:

@@ -117,6 +117,16 @@ class _Try:
     outcome: Outcome
     answer: Answer | None = None
     failure: TransportFailure | None = None
+    host: str | None = None  # the host it went to (its Host), for the logs
+
+
+@dataclass(slots=True)
+class CallNote:
+    """Where a call went, for the logs: the host of its answering try (its ``Host``; None
+    before any try) and how many times it was retried. Filled by :meth:`ServiceClient.call`."""
+
+    host: str | None = None
+    retries: int = 0
 
 
 class _Watched:
@@ -431,11 +441,14 @@ class ServiceClient:
         if per_try is not None and per_try < timeouts.first_byte:
             # A try's own timeout runs from the request's end, as the first byte's does.
             timeouts = replace(timeouts, first_byte=per_try)
+        retries = 0
         try:
             attempt = begun.attempt(trio.current_time())
             while True:
                 if attempt is None:  # every host drained meanwhile
-                    raise ConnectFailed(f"service {self.service.name!r} has no host to call")
+                    drained = ConnectFailed(f"service {self.service.name!r} has no host to call")
+                    drained.retries = retries
+                    raise drained
                 link = self._link(attempt.host)
                 exchange = AsyncExitStack()
                 answer: UpstreamAnswer | None = None
@@ -468,13 +481,17 @@ class ServiceClient:
                 if verdict.action == "answer":
                     break
                 assert verdict.action == "retry", verdict
+                retries += 1
                 await exchange.aclose()  # a retried answer is not relayed: it ends unread
                 with trio.move_on_at(begun.deadline):
                     await trio.sleep(verdict.delay)
                 attempt = begun.attempt(trio.current_time())
+            host = link.netloc.decode("latin-1")
             if failure is not None:
+                failure.host, failure.retries = host, retries
                 raise failure
             assert answer is not None
+            answer.host, answer.retries = host, retries
             async with exchange:
                 yield answer
         finally:
@@ -576,21 +593,25 @@ class ServiceClient:
         state: Mapping[str, Any],
         deadline: float,
         extra: Mapping[str, str] | None = None,
+        note: CallNote | None = None,
     ) -> Any:
         """Make ``call`` by ``deadline`` (trio time); return the answer's body, decoded.
         Raises :class:`~pipework.Overloaded` when the core refuses the call, the
-        answering try's failure (:mod:`._failures`) when it had no answer."""
+        answering try's failure (:mod:`._failures`) when it had no answer. ``note`` is
+        told the answering try's host and the retries."""
         request = self.prepare(call, state, extra)
         core = self.core
         begun = core.begin(trio.current_time(), method=call.method, deadline=deadline)
         if isinstance(begun, Refusal):
             self.report()
             raise refused(self.service, begun)
+        note = note or CallNote()
         try:
-            done = await self._drive(begun, request)
+            done = await self._drive(begun, request, note)
         finally:
             begun.end(trio.current_time())
             self.report()
+        note.host = done.host
         return self._result(call, done)
 
     def report(self) -> None:
@@ -624,9 +645,13 @@ class ServiceClient:
                 )
 
     async def _drive(
-        self, call: Call, request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None]
+        self,
+        call: Call,
+        request: tuple[bytes, bytes, list[tuple[bytes, bytes]], bytes | None],
+        note: CallNote,
     ) -> _Try:
-        """The core's loop for one call: tries until one is the call's answer."""
+        """The core's loop for one call: tries until one is the call's answer (``note``
+        counts the retries)."""
         attempt = call.attempt(trio.current_time())
         while True:
             if attempt is None:  # every host drained meanwhile
@@ -647,6 +672,7 @@ class ServiceClient:
                 return done
             # "retry" (a "drop" leaves no try out here: only a try still out drops one)
             assert verdict.action == "retry", verdict
+            note.retries += 1
             with trio.move_on_at(call.deadline):
                 await trio.sleep(verdict.delay)
             attempt = call.attempt(trio.current_time())
@@ -709,6 +735,7 @@ class ServiceClient:
             closed = ConnectFailed(f"the client of service {self.service.name!r} is closed")
             return _Try(Outcome.failed(Failure.CONNECT), failure=closed)
         link = self._link(attempt.host)
+        host = link.netloc.decode("latin-1")
         wire = [(b"Host", link.netloc), *headers[1:]]  # the first is the Host header
         try:
             answer = await link.pool.request(
@@ -720,10 +747,10 @@ class ServiceClient:
                 max_bytes=self.service.max_response_bytes,
             )
         except ResponseTooLarge as exc:
-            return _Try(Outcome.answer(exc.status))
+            return _Try(Outcome.answer(exc.status), host=host)
         except TransportFailure as exc:
-            return _Try(Outcome.failed(failure_of(exc)), failure=exc)
-        return _Try(Outcome.answer(answer.status), answer=answer)
+            return _Try(Outcome.failed(failure_of(exc)), failure=exc, host=host)
+        return _Try(Outcome.answer(answer.status), answer=answer, host=host)
 
     def _result(self, call: HttpCall, done: _Try) -> Any:
         if done.failure is not None:
@@ -787,6 +814,11 @@ class WebsocketCall:
             with trio.move_on_at(call.deadline):
                 await trio.sleep(verdict.delay)
             attempt = call.attempt(trio.current_time())
+
+    @property
+    def netloc(self) -> str | None:
+        """The host it connected to (its ``Host``), for the logs; None before."""
+        return None if self._link is None else self._link.netloc.decode("latin-1")
 
     def host(self, given: bytes) -> bytes:
         """The ``Host`` for the connected host, of a request that carries ``given``."""

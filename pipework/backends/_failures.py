@@ -31,7 +31,12 @@ Phase: TypeAlias = Literal["pool", "connect", "answer", "idle"]
 
 
 class TransportFailure(Exception):
-    """A call through the lean client failed before its whole answer arrived."""
+    """A call through the lean client failed before its whole answer arrived. A streamed
+    exchange sets ``host`` (the last try's ``Host``) and ``retries`` on the one it raises,
+    for the access log."""
+
+    host: str | None = None
+    retries: int = 0
 
 
 class ConnectFailed(TransportFailure):

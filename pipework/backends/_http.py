@@ -42,11 +42,11 @@ import trio
 
 from .. import _tracing
 from .._errors import BackendError, BackendUnreachable, DeadlineExceeded, RegistrationError
-from .._logging import job_logger, log_job
+from .._logging import job_logger, log_job, mark_reported, note_upstream
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
 from ..pipes._state import raw_value
-from ._client import ServiceClient, decode_answer, too_big, unaccepted
+from ._client import CallNote, ServiceClient, decode_answer, too_big, unaccepted
 from ._failures import (
     BadAnswer,
     CallTimeout,
@@ -271,19 +271,20 @@ class Backends:
         if trace is None and _tracing.ACTIVE.on:
             return await self._traced(call, ctx)
         started = trio.current_time()
+        note = CallNote()
         try:
-            answer = await self._call(call, ctx, trace)
+            answer = await self._call(call, ctx, trace, note)
         except BackendError as exc:
             if exc.status is not None:
                 kind = "status"
             else:
                 kind = "connect" if isinstance(exc, BackendUnreachable) else "broken"
             self._observe(call.service, started, kind)
-            _log_failure(call.service, kind, ctx, started, exc)
+            _log_failure(call.service, kind, ctx, started, exc, note)
             raise
         except DeadlineExceeded as exc:
             self._observe(call.service, started, "timeout")
-            _log_failure(call.service, "timeout", ctx, started, exc)
+            _log_failure(call.service, "timeout", ctx, started, exc, note)
             raise
         except BaseException as exc:
             # An any_of winner, a client that hung up, a job's deadline: the call ended
@@ -295,6 +296,7 @@ class Backends:
                 self._observe(call.service, started, "cancelled")
             raise
         self._observe(call.service, started, None)
+        note_upstream(ctx.correlation_id, call.service, note.host, note.retries)
         return answer
 
     async def _traced(self, call: HttpCall, ctx: Context) -> Any:
@@ -340,10 +342,14 @@ class Backends:
             metrics.backend_errors.labels(service, error).inc()
 
     async def _call(
-        self, call: HttpCall, ctx: Context, trace: tuple[str | None, str | None] | None
+        self,
+        call: HttpCall,
+        ctx: Context,
+        trace: tuple[str | None, str | None] | None,
+        note: CallNote,
     ) -> Any:
         """``trace``: the call's span's ``traceparent`` and ``tracestate``, sent in place of
-        the job's (None: tracing off, the job's are sent)."""
+        the job's (None: tracing off, the job's are sent); ``note`` is told where it went."""
         service = self.services[call.service]
         lean = self._lean.get(call.service)
         client = self.client(call.service) if lean is None else None
@@ -357,13 +363,14 @@ class Backends:
             # The pool's one deadline covers the whole call, and its timeout names the phase.
             try:
                 return await lean.call(
-                    call, ctx.state, deadline, _trace_headers(service, ctx, trace)
+                    call, ctx.state, deadline, _trace_headers(service, ctx, trace), note
                 )
             except TransportFailure as exc:
                 raise _failure(service, ctx, budget, deadline, exc) from exc
         assert client is not None
         timeout = httpx.Timeout(budget, connect=min(_connect(service), budget))
         request = _build_request(client, service, call, ctx, timeout, trace)
+        note.host = request.url.netloc.decode("ascii")
         # httpx's timeouts are per operation, so this scope bounds the whole call: a little
         # after the deadline, so that an operation that ran out says so itself (the
         # outermost of two scopes cancelled at once is the one that catches it).
@@ -387,11 +394,19 @@ def _reader(client: ServiceClient) -> Callable[[], ServiceStatistics]:
 
 
 def _log_failure(
-    service: str, kind: str, ctx: Context, started: float, exc: BackendError | DeadlineExceeded
+    service: str,
+    kind: str,
+    ctx: Context,
+    started: float,
+    exc: BackendError | DeadlineExceeded,
+    note: CallNote,
 ) -> None:
-    """One WARNING line per failed call, naming the client's own exception (``cause``); the
-    traceback (with the chain of causes) only when DEBUG is on."""
+    """One WARNING line per failed call, naming the host it went to and the client's own
+    exception (``cause``); the traceback (with the chain of causes) only when DEBUG is on.
+    The job's lines that follow (its pipe's end, its own) are DEBUG (``mark_reported``)."""
     cause = exc.__cause__
+    mark_reported(exc)
+    note_upstream(ctx.correlation_id, service, note.host, note.retries)
     log_job(
         "backend call failed",
         logging.WARNING,
@@ -399,6 +414,8 @@ def _log_failure(
         service=service,
         kind=kind,
         status=exc.status if isinstance(exc, BackendError) else None,
+        host=note.host,
+        retries=note.retries or None,
         pipe=ctx.pipe.name,
         job_id=ctx.job_id,
         correlation_id=ctx.correlation_id,

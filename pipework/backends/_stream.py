@@ -112,7 +112,16 @@ class UpstreamAnswer:
     """An answer as it arrives: its head at once, its body from :meth:`body`, its trailers
     once the body was read to the end. Valid inside the ``async with`` that made it."""
 
-    __slots__ = ("_body", "headers", "http_version", "reason", "status", "trailers")
+    __slots__ = (
+        "_body",
+        "headers",
+        "host",
+        "http_version",
+        "reason",
+        "retries",
+        "status",
+        "trailers",
+    )
 
     def __init__(self, response: h11.Response, body: AsyncIterator[bytes]) -> None:
         self.status: int = response.status_code
@@ -123,6 +132,10 @@ class UpstreamAnswer:
         #: The chunked body's trailer fields, set when :meth:`body` ends (else empty).
         self.trailers: list[tuple[bytes, bytes]] = []
         self._body = body
+        #: Set by the service's client: the host that answered (its ``Host``) and how many
+        #: tries before it were retried, for the access log.
+        self.host: str | None = None
+        self.retries = 0
 
     def body(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (each piece at most 64 KiB), as sent (no content

@@ -202,7 +202,10 @@ class AdminApi:
             summary = await self.reload_hook()
         except PipeworkError as exc:
             raise Problem(
-                400, "Bad Request", f"the config was not reloaded: {exc}", slug="config-invalid"
+                400,
+                "Invalid configuration",
+                f"the config was not reloaded: {exc}",
+                slug="config-invalid",
             ) from None
         return _json({"reloaded": True, **summary})
 

@@ -43,6 +43,7 @@ from ..board._jobs import JOB_BOARD, JobBoard
 from ..board._metrics import BoardCollector
 from ..dispatcher._engine import Engine
 from ..proxy import ProxyLayer, ProxySet, ProxyTable
+from ..proxy._access import DEFAULT_REDACTED
 from ..proxy._forwarding import trusted_networks
 from ._admin import AdminApi, Reload, admin_token
 from ._admin_services import Upstreams
@@ -86,8 +87,11 @@ class ContainerConfig:
     - ``expose_errors``: show every pipe exception's message to clients (development).
     - ``admin_token``: the admin API's bearer token (else ``PIPEWORK_ADMIN_TOKEN``; with
       neither, the admin API is off).
-    - ``access_log``: one line per request on the ``pipework.access`` logger (method,
-      path, status, duration, request id).
+    - ``access_log``: one line per request on the ``pipework.access`` logger (the client,
+      method, path and query, status, sizes, duration, route, upstream service and host,
+      request and trace ids, pid: :mod:`pipework.proxy._access`);
+      ``access_log_redact``: the query parameters whose values it hides (``sig``, the
+      callback URLs' signature, always).
     - ``gc_threshold``: the garbage collector's young threshold while serving (None, the
       default: the interpreter's, since the process is the embedding program's);
       ``SERVING_GC_THRESHOLD`` is what ``pipework serve`` uses. See :mod:`._collector` for
@@ -112,6 +116,7 @@ class ContainerConfig:
     expose_errors: bool = False
     admin_token: str | None = None
     access_log: bool = True
+    access_log_redact: tuple[str, ...] = DEFAULT_REDACTED
     gc_threshold: int | None = None
     trusted_proxies: tuple[str, ...] = ()
     cors: CorsPolicy | None = None
@@ -164,6 +169,8 @@ class Container:
             engine.metrics,
             max_header_bytes=config.max_header_bytes,
             access_log=config.access_log,
+            trusted=trusted_networks(config.trusted_proxies),
+            redact=config.access_log_redact,
             cors=config.cors,
         )
         self.probes = Probes(engine, self.parking, readiness_timeout=config.readiness_timeout)
@@ -316,6 +323,7 @@ class Container:
             metrics=self.engine.metrics,
             trusted=trusted_networks(self.config.trusted_proxies),
             access_log=self.config.access_log,
+            redact=self.config.access_log_redact,
             rate_limits=self.rate_limits,
         )
         app.asgi_app = self.proxy_layer  # type: ignore[assignment]  # Quart's documented middleware seam

@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Collection, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import unquote_to_bytes
 
 from quart import Request, Response, has_websocket_context, request, websocket
+from quart.typing import ResponseTypes
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -36,8 +37,21 @@ from .._http._cors import CorsPolicy, PreflightRefused
 from .._http._problems import PROBLEM_JSON, Problem, encode_problem, problem_for_exception
 from .._http._request_ids import request_id
 from .._http._trace import baggage, traceparent, tracestate
+from .._logging import outage
 from .._metrics import Metrics
 from ..dispatcher._job import new_correlation_id
+from ..proxy._access import (
+    ALWAYS_REDACTED,
+    DEFAULT_REDACTED,
+    access_logger,
+    client_address,
+    header,
+    log_access,
+    redacted_query,
+    trace_id,
+    upstreams,
+)
+from ..proxy._forwarding import Network
 from ._request import Incoming, current_g, current_request, incoming, read_headers
 
 __all__ = [
@@ -51,9 +65,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pipework.container")
-#: One line per request: method, path, status, duration (to the response's headers; a
-#: stream's body goes on after it) and request id.
-_access_log = logging.getLogger("pipework.access")
 
 # The metrics' endpoint label for the container's own rules (their endpoint names, as
 # ``_app`` adds them).
@@ -106,12 +117,18 @@ class Middleware:
         *,
         max_header_bytes: int,
         access_log: bool,
+        trusted: Sequence[Network] = (),
+        redact: Collection[str] = DEFAULT_REDACTED,
         cors: CorsPolicy | None = None,
     ) -> None:
         self.metrics = metrics
         self.cors = cors  # the container's own endpoints' (CORS_ENDPOINTS)
         self.max_header_bytes = max_header_bytes
         self.access_log = access_log
+        #: The access log: the proxies whose forwarding headers name the client, and the
+        #: query parameters whose values it hides (lower-case names).
+        self.trusted = tuple(trusted)
+        self.redact = frozenset(name.lower() for name in redact) | ALWAYS_REDACTED
         # The counters' children, found once per label pair (a labels() call takes a lock).
         self._counters: dict[tuple[str, int], Any] = {}
 
@@ -119,6 +136,9 @@ class Middleware:
         app.asgi_app = RequestGuard(app.asgi_app)  # type: ignore[method-assign]  # Quart's documented middleware seam
         app.before_request(self.before_request)
         app.after_request(self.after_request)
+        # The container's own websockets (a board's follow): their access line too.
+        app.before_websocket(self.before_websocket)
+        app.after_websocket(self.after_websocket)
         app.register_error_handler(Problem, self.on_problem)
         app.register_error_handler(HTTPException, self.on_http_error)
         app.register_error_handler(Exception, self.on_error)
@@ -158,26 +178,72 @@ class Middleware:
         if counter is None:
             counter = self._counter(req, route, status)
         counter.inc()
-        if self.access_log and _access_log.isEnabledFor(logging.INFO):
-            started = None if ctx is None else ctx.started
-            duration = None if started is None else round(time.perf_counter() - started, 6)
-            _access_log.info(
-                "%s %s %d %.3fs request_id=%s",
-                req.method,
-                req.path,
-                status,
-                duration or 0.0,
-                correlation_id(),
-                extra={
-                    "event": "request",
-                    "method": req.method,
-                    "path": req.path,
-                    "status": status,
-                    "duration": duration,
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            self._log_access(req, ctx, route, response)
+
+    async def before_websocket(self) -> None:
+        current_g().websocket_started = time.perf_counter()
+
+    async def after_websocket(self, response: ResponseTypes | None) -> ResponseTypes | None:
+        """A websocket's access line, once it ends: 101 when it was accepted, else its
+        refusal's status."""
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            scope = websocket.scope
+            headers = scope["headers"]
+            peer = scope.get("client")
+            started = current_g().get("websocket_started")
+            rule = websocket.url_rule
+            log_access(
+                {
+                    "client": client_address(
+                        None if peer is None else peer[0], headers, self.trusted
+                    ),
+                    "method": "GET",
+                    "path": websocket.path,
+                    "query": redacted_query(scope.get("query_string", b""), self.redact),
+                    "status": 101 if response is None else response.status_code,
+                    "duration": None
+                    if started is None
+                    else round(time.perf_counter() - started, 6),
+                    "user_agent": header(headers, b"user-agent"),
+                    "endpoint": None if rule is None else rule.endpoint,
                     "correlation_id": correlation_id(),
-                    "route": route or None,
-                },
+                    "trace_id": trace_id(headers),
+                }
             )
+        return response
+
+    def _log_access(
+        self, req: Request, ctx: Incoming | None, route: str, response: Response
+    ) -> None:
+        scope = req.scope
+        headers = scope["headers"]
+        peer = scope.get("client")
+        request_id = correlation_id()
+        duration = None if ctx is None else round(time.perf_counter() - ctx.started, 6)
+        received = None if ctx is None else ctx.body_bytes
+        if received is None:
+            declared = header(headers, b"content-length")
+            received = int(declared) if declared is not None and declared.isdigit() else None
+        parent = None if ctx is None else ctx.traceparent
+        log_access(
+            {
+                "client": client_address(None if peer is None else peer[0], headers, self.trusted),
+                "method": req.method,
+                "path": req.path,
+                "query": redacted_query(scope.get("query_string", b""), self.redact),
+                "status": response.status_code,
+                "duration": duration,
+                "bytes_in": received,
+                "bytes_out": response.content_length,  # None for a stream
+                "user_agent": header(headers, b"user-agent"),
+                "route": route or None,
+                "endpoint": None if route else _endpoint(req),
+                "correlation_id": request_id,
+                "trace_id": None if parent is None else parent.split("-")[1],
+                **upstreams(request_id),
+            }
+        )
 
     def _counter(self, req: Request, route: str, status: int) -> Any:
         metrics = self.metrics
@@ -185,13 +251,8 @@ class Middleware:
             counter = metrics.route_responses.labels(route, f"{status // 100}xx")
             self._counters[(route, status // 100)] = counter
             return counter
-        rule = req.url_rule
-        if rule is None or rule.endpoint in CATCH_ALL:
-            endpoint = "unmatched"  # no route for this method and path (404, 405)
-        else:
-            endpoint = _ENDPOINTS.get(rule.endpoint, rule.endpoint)
         # Keyed by route only: the endpoint of a request without one depends on its rule.
-        return metrics.http_responses.labels(endpoint, f"{status // 100}xx")
+        return metrics.http_responses.labels(_endpoint(req), f"{status // 100}xx")
 
     def _check_headers(self) -> None:
         # hypercorn bounds only headers that arrive in pieces; this bounds them all.
@@ -226,7 +287,11 @@ class Middleware:
         method, path = _method_and_path()
         if isinstance(exc, PipeworkError):
             if isinstance(exc, Overloaded):  # its numbers are for the operator, not the client
-                _log.warning(
+                # A store away: its outage's two lines say it, with the count of these.
+                dependency = getattr(exc, "dependency", None)
+                out = dependency is not None and outage(dependency).count("requests refused")
+                _log.log(
+                    logging.DEBUG if out else logging.WARNING,
                     "refused %s %s (correlation id %s): %s",
                     method,
                     path,
@@ -244,6 +309,16 @@ class Middleware:
         )
         detail = "the server failed; its log has the details under this correlation id"
         return await self.on_problem(Problem(500, "Internal Server Error", detail))
+
+
+def _endpoint(req: Request) -> str:
+    """The container's own endpoint a request without a route went to (the metrics' label):
+    ``unmatched`` when no rule took its method and path (404, 405)."""
+    rule = req.url_rule
+    if rule is None or rule.endpoint in CATCH_ALL:
+        return "unmatched"
+    endpoint: str = rule.endpoint
+    return _ENDPOINTS.get(endpoint, endpoint)
 
 
 def add_cors_headers(response: Response, cors: CorsPolicy, origin: str | None) -> None:

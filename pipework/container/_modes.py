@@ -43,6 +43,7 @@ from .._http._identity import pool_key_of
 from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
 from .._http._ratelimit import RateLimits
+from .._logging import outage
 from ..dispatcher._engine import Engine
 from ..dispatcher._wake import Waiting, Wake
 from ..pipes._state import check_state, raw_value
@@ -457,6 +458,8 @@ class Submissions:
         if raw:
             check_unencoded(headers.get("content-encoding"))  # before the body is read
         data = await read_body(req, limit=limit, time_limit=self.body_time_limit, headers=headers)
+        if ctx is not None:
+            ctx.body_bytes = len(data)
         if raw:  # kept as it came, its members no part of the state
             kept: dict[str, Any] | None = raw_value(headers.get("content-type"), data)
             body = None
@@ -569,8 +572,16 @@ class Submissions:
             if exc.job_id is None:  # nothing reached the store: nothing was done
                 raise
             # Its record may have been written (the connection was lost after it was sent):
-            # the job may run. Its client follows it rather than submitting it again.
-            _log.warning("pipework: job %s may or may not have been accepted: %s", exc.job_id, exc)
+            # the job may run. Its client follows it rather than submitting it again. While
+            # the store's outage is on, its own two lines say it, with the count of these.
+            dependency = exc.dependency
+            out = dependency is not None and outage(dependency).count("submissions in doubt")
+            _log.log(
+                logging.DEBUG if out else logging.WARNING,
+                "pipework: job %s may or may not have been accepted: %s",
+                exc.job_id,
+                exc,
+            )
             raise _MaybeAccepted(exc.job_id, deadline) from None
         return deadline, job_id
 

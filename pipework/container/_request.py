@@ -27,6 +27,7 @@ class Incoming:
 
     __slots__ = (
         "baggage",
+        "body_bytes",
         "cors",
         "header_bytes",
         "headers",
@@ -46,6 +47,7 @@ class Incoming:
         self.tracestate: str | None = None
         self.baggage: str | None = None
         self.route = ""  # the route's name, once matched
+        self.body_bytes: int | None = None  # the body's size once read (the access log)
         self.origin = headers.get("origin")  # read before the headers are let go
         #: The CORS policy of the matched route (its answer's Access-Control-* headers).
         self.cors: CorsPolicy | None = None

@@ -150,6 +150,10 @@ class SharedQueue(Protocol):
 
     async def update_and_put(self, store: object, job: Job, event: RunJob) -> bool: ...
 
+    async def update_unless_changed_and_put(
+        self, store: object, job: Job, event: Event
+    ) -> bool | None: ...
+
     def update_and_put_soon(self, store: object, job: Job, event: RunJob, then: Then) -> bool: ...
 
 

@@ -23,26 +23,36 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import trio
 
-from .._errors import DeadlineExceeded
+from .._errors import DeadlineExceeded, Rejected
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
-from ..pipes._merge import snapshot
-from ..pipes._pipe import Pipe, Suspend
-from ..pipes._stages import Chain
+from ..pipes._merge import Delta, snapshot
+from ..pipes._pipe import DEGRADED_KEY, Pipe, Suspend
+from ..pipes._stages import Chain, Parallel
 from ..pipes._state import check_state
 from ._cursor import advance, peek
-from ._degrade_core import Estimates, Reason, mark, reason_before
+from ._degrade_core import (
+    Estimates,
+    Reason,
+    degraded_delta,
+    mark,
+    reason_after,
+    reason_before,
+)
 from ._flight import Flight
 from ._job import Frame, Job
 from ._outcomes import PipeTimeout, cancellation_in, invoke, pipe_error
 from ._pipe_run import PipeRunner
-from ._status import RUNNING
+from ._status import RUNNING, Status
 
 __all__ = ["NEVER_REFUSING", "Degrader", "Refusals"]
+
+#: Start times of branches run as child jobs kept at most (see ``Degrader.branch_starts``).
+_STARTS_MAX: Final = 4096
 
 
 @runtime_checkable
@@ -86,6 +96,11 @@ class Degrader:
         self.grants = grants
         #: What each such pipe usually takes (the ``deadline`` reason).
         self.estimates = Estimates()
+        #: What each branch its job can do without usually takes, by chain and branch name.
+        self.branch_estimates = Estimates()
+        #: When this process started each such branch run as a child job, by its id: its
+        #: end may be heard in another process, whose clock is not comparable.
+        self.branch_starts: dict[str, float] = {}
 
     def before(self, pipe: Pipe, key: str, deadline: float, now: float) -> Reason | None:
         """Why ``pipe``, about to run under ``key`` with ``deadline`` (its stage's), is
@@ -173,9 +188,12 @@ class Degrader:
         a fallback pipe ended the job's step (it failed or suspended)."""
         mark(job.state, pipe.name, reason)
         self._metrics.degraded.labels(job.chain, pipe.name, reason).inc()
-        if job_logger.isEnabledFor(logging.INFO):
+        # DEBUG: the failure behind it was its own line (or the breaker's change was), the
+        # answer says it (Pipework-Degraded) and pipework_degraded_total counts it.
+        if job_logger.isEnabledFor(logging.DEBUG):
             log_job(
                 "pipe degraded",
+                logging.DEBUG,
                 correlation_id=job.correlation_id,
                 job_id=job.id,
                 route=job.chain,
@@ -204,3 +222,119 @@ class Degrader:
         reason = self.before(pipe, job.key, top.deadline, now) or "no_slot"
         job.transition(RUNNING)
         return await self.instead(job, chain, pipe, reason, now, top)
+
+    # -- a branch its job can do without (``pw.branch``) -------------------------------------
+
+    def branch_before(
+        self, chain: Chain, stage: Parallel, index: int, deadline: float, now: float
+    ) -> Reason | None:
+        """Why branch ``index`` of ``stage``, about to start with ``deadline`` (its stage's),
+        is degraded instead (None: it runs, or it is not one its job can do without):
+        ``refused`` when its first pipe's key refuses, ``deadline`` when the time left is
+        below what the branch usually takes."""
+        root = stage.branches[index]
+        if not root.degradable:
+            return None
+        first = root.first_pipe()
+        key = (first.key if first is not None else None) or chain.key
+        name = f"{chain.name}/{stage.names[index]}"
+        estimates = self.branch_estimates
+        reason = reason_before(self._refusals.refusing(key), deadline - now, estimates.usual(name))
+        if reason == "deadline":
+            estimates.skipped(name)
+        return reason
+
+    def branch_started(self, branch_id: str, now: float) -> None:
+        """A branch its job can do without was started as a child job at ``now``."""
+        starts = self.branch_starts
+        if len(starts) >= _STARTS_MAX:  # ends heard by other processes: forget the oldest
+            del starts[next(iter(starts))]
+        starts[branch_id] = now
+
+    def branch_ended(
+        self,
+        chain: Chain,
+        stage: Parallel,
+        index: int,
+        branch: Job,
+        started: float | None,
+        now: float,
+    ) -> Reason | None:
+        """Why an ended branch its job can do without is degraded now (``error``, or
+        ``timeout`` of its own), None when it is not (it ended well, was cancelled, ran out
+        of its stage's or its job's time, or is not such a branch). Its duration, when it
+        ran to its end or its own timeout, is what it usually takes (``started``: when this
+        process started it; None: it does not know)."""
+        root = stage.branches[index]
+        if not root.degradable:
+            return None
+        exc = branch.exception
+        rejected_late = isinstance(exc, Rejected) and exc.reason == "deadline"
+        if exc is None:
+            timed_out = branch.error is not None and branch.error.type == "DeadlineExceeded"
+        else:
+            timed_out = isinstance(exc, DeadlineExceeded)
+        reason = reason_after(branch.status is Status.FAILED and not rejected_late, timed_out)
+        name = stage.names[index]
+        marks = branch.state.get(DEGRADED_KEY)
+        skipped = isinstance(marks, dict) and name in marks  # degraded at its start
+        ran = (branch.status is Status.DONE and not skipped) or reason == "timeout"
+        if ran and started is not None and started <= now:
+            self.branch_estimates.observe(f"{chain.name}/{name}", now - started)
+        return reason
+
+    def branch_instead(
+        self,
+        parent: Job,
+        chain: Chain,
+        stage: Parallel,
+        index: int,
+        reason: Reason,
+        start: dict[str, Any],
+    ) -> Delta:
+        """Degrade branch ``index``: recorded, counted and logged; what it hands its stage
+        instead, against ``parent``'s state: ``start`` (the state it started, or would have
+        started, from), its fallback and its mark: nothing it wrote."""
+        name = stage.names[index]
+        self._note(parent, chain, stage, index, reason)
+        fallback = stage.branches[index].fallback_state()
+        return degraded_delta(parent.state, start, fallback, name, reason)
+
+    def _note(self, job: Job, chain: Chain, stage: Parallel, index: int, reason: Reason) -> None:
+        name = stage.names[index]
+        self._metrics.degraded.labels(job.chain, name, reason).inc()
+        if job_logger.isEnabledFor(logging.INFO):
+            first = stage.branches[index].first_pipe()
+            log_job(
+                "branch degraded",
+                correlation_id=job.correlation_id,
+                job_id=job.id,
+                route=job.chain,
+                pipe=name,
+                key=(first.key if first is not None else None) or chain.key,
+                outcome=reason,
+            )
+
+    def branch_pending(self, job: Job, chain: Chain) -> tuple[Parallel, int] | None:
+        """The stage and index of ``job``, when it is a branch its job can do without that
+        has not started yet (a step would wait for its first slot)."""
+        index = job.branch
+        frames = job.frames
+        if index is None or len(frames) != 1 or frames[0].index or not job.root:
+            return None
+        stage = chain.node_at(job.root[:-1])
+        if not isinstance(stage, Parallel) or not stage.branches[index].degradable:
+            return None
+        return stage, index
+
+    def branch_unheld(self, job: Job, chain: Chain, stage: Parallel, index: int) -> None:
+        """Degrade the branch ``job`` (:meth:`branch_pending`) before its first pipe, holding
+        no slot: its state is the one it started from, with its fallback and its mark. The
+        caller ends it done; its stage then merges just that."""
+        now = self._flight.clock()
+        reason = self.branch_before(chain, stage, index, job.deadline, now) or "no_slot"
+        self._note(job, chain, stage, index, reason)
+        job.state.update(stage.branches[index].fallback_state())
+        mark(job.state, stage.names[index], reason)
+        job.frames = []
+        job.transition(RUNNING)

@@ -31,9 +31,18 @@ from __future__ import annotations
 import math
 from typing import Any, Final, Literal, TypeAlias, get_args
 
+from ..pipes._merge import Delta, delta
 from ..pipes._pipe import DEGRADED_KEY
 
-__all__ = ["REASONS", "Estimates", "Reason", "mark", "reason_before"]
+__all__ = [
+    "REASONS",
+    "Estimates",
+    "Reason",
+    "degraded_delta",
+    "mark",
+    "reason_after",
+    "reason_before",
+]
 
 Reason: TypeAlias = Literal["refused", "deadline", "no_slot", "error", "timeout"]
 REASONS: Final[tuple[Reason, ...]] = get_args(Reason)
@@ -89,3 +98,30 @@ def mark(state: dict[str, Any], name: str, reason: Reason) -> None:
     marks = dict(found) if isinstance(found, dict) else {}
     marks[name] = reason
     state[DEGRADED_KEY] = marks
+
+
+def reason_after(failed: bool, timed_out: bool) -> Reason | None:
+    """Why a branch its job can do without, which has ended, is degraded (None: it is not).
+    ``failed``: it failed (not cancelled, not out of its stage's or its job's time, not
+    suspended: those are never degraded); ``timed_out``: by a timeout of its own (its
+    ``timeout``, or one of its pipes')."""
+    if not failed:
+        return None
+    return "timeout" if timed_out else "error"
+
+
+def degraded_delta(
+    parent: dict[str, Any],
+    start: dict[str, Any],
+    fallback: dict[str, Any],
+    name: str,
+    reason: Reason,
+) -> Delta:
+    """What a branch ``name`` degraded for ``reason`` hands its stage instead of what it
+    did, against ``parent``'s state: the state it started from (``start``: the parent's,
+    with what a graph node's ancestors produced), its ``fallback`` (may be empty) and its
+    mark, nothing else (whatever the branch wrote is dropped whole)."""
+    after = dict(start)
+    after.update(fallback)
+    mark(after, name, reason)
+    return delta(parent, after)

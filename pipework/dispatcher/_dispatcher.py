@@ -94,6 +94,7 @@ class Dispatcher:
             flight, runner, metrics, refusals, grants=abilities.grants
         )
         self.forked = Forked(abilities, flight, hooks, ends, metrics, self.plans)
+        self.forked.degrader = self.degrader
         ends.branches = self.forked
         self.steps = Steps(
             abilities,

@@ -25,7 +25,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import InternalError, JobCancelled, JobGone, JobNotFound, StoreUnavailable
-from .._logging import job_logger, log_job
+from .._logging import job_logger, log_job, mark_reported, reported
 from .._metrics import Metrics
 from ..pipes._state import storable_part
 from ._abilities import Abilities
@@ -34,7 +34,7 @@ from ._events import Event, RunJob
 from ._flight import Flight, Hooks
 from ._job import ErrorInfo, Job
 from ._lookup import ChainLookup
-from ._outcomes import note, refused_by_service, where_in
+from ._outcomes import is_job_timeout, note, refused_by_service, where_in
 from ._retained import Retained
 from ._status import DONE, TERMINAL, Status
 from ._wake import Wake
@@ -341,13 +341,22 @@ class Ends:
                 observe(duration)
             else:
                 metrics.observe(metrics.job_duration, (job.chain, status.value), duration)
+        # A job's end is part of its life (DEBUG), a failure too when it was logged where
+        # it happened (a backend call's WARNING, a pipe's), or is expected (a service's
+        # refusal while its breaker is open: docs/resilience.md). A failure nothing logged
+        # yet (a deadline that passed while the job waited) is this line's WARNING.
+        exc = job.exception
         level = (
-            logging.INFO
-            # A service's refusal is expected while its breaker is open: one INFO line, the
-            # end of the job's trail (docs/resilience.md).
-            if status in _ORDINARY_ENDS or refused_by_service(job.exception)
+            logging.DEBUG
+            if status in _ORDINARY_ENDS
+            or refused_by_service(exc)
+            or reported(exc)
+            # The job's own deadline: said once, by the job's end, not each branch's.
+            or (job.parent is not None and exc is not None and is_job_timeout(exc))
             else logging.WARNING
         )
+        if level == logging.WARNING and exc is not None:
+            mark_reported(exc)  # the parent's end, if it fails with it, is DEBUG
         if job_logger.isEnabledFor(level):
             log_job(
                 "job finished" if job.parent is None else "branch finished",

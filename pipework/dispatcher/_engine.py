@@ -496,9 +496,10 @@ class Engine:
     def _accepted(self, job: Job) -> None:
         if self._observers:
             self._changed(job)
-        if job_logger.isEnabledFor(logging.INFO):
+        if job_logger.isEnabledFor(logging.DEBUG):  # a job's life: DEBUG (docs/operations.md)
             log_job(
                 "job accepted",
+                logging.DEBUG,
                 correlation_id=job.correlation_id,
                 job_id=job.id,
                 route=job.chain,

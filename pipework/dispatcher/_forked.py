@@ -30,6 +30,7 @@ from ..pipes._stages import BranchEnd, Callback, Chain, Parallel
 from ._abilities import Abilities
 from ._boundary import split_outside
 from ._cursor import next_key, path_of, start_frames
+from ._degrade import Degrader
 from ._ends import Ends
 from ._events import BranchDone, RunJob
 from ._flight import Flight, Hooks
@@ -55,6 +56,8 @@ class Forked:
         plans: dict[int, ChainLookup],
     ) -> None:
         self._abilities = abilities
+        #: Degrades the branches a job can do without (wired in with the dispatcher).
+        self.degrader: Degrader | None = None
         self._store = abilities.store
         self._queue = abilities.queue
         self._flight = flight
@@ -83,14 +86,49 @@ class Forked:
         # The branches run only once the join is in the parent's record: on a shared store a
         # branch could otherwise end, and report to a join not written yet, while the others
         # are being created.
-        started = [await self._start(job, run, index, go=False) for index in run.start().start]
+        first = run.start().start
+        started = [await self._start(job, run, index, go=False) for index in first]
         await self._store.update(job)
-        for child_id in started:
-            self._queue.put_nowait(RunJob(child_id))
+        for index, child in zip(first, started, strict=True):
+            if isinstance(child, Delta):
+                self._degraded(job.id, record, index, child)
+            else:
+                self._queue.put_nowait(RunJob(child))
 
-    async def _start(self, parent: Job, run: StageRun, index: int, *, go: bool = True) -> str:
-        """Create the branch's child job; ``go``: put its first event (else the caller does)."""
+    def _degraded(self, parent_id: str, record: JoinRecord, index: int, change: Delta) -> None:
+        """Branch ``index`` was degraded before it started: its stage hears that it ended ok,
+        with ``change`` (its fallback and its mark), as it hears any branch's end."""
+        self._queue.put_nowait(
+            BranchDone(
+                parent_id,
+                record.children[index],
+                index,
+                "ok",
+                change.to_wire(),
+                join_id=record.id,
+                stage=record.path,
+                error=None,
+            )
+        )
+
+    async def _start(
+        self, parent: Job, run: StageRun, index: int, *, go: bool = True
+    ) -> str | Delta:
+        """Create the branch's child job; ``go``: put its first event (else the caller does).
+        A branch degraded before it starts gets no job: what it hands its stage instead is
+        returned (the caller reports it once the join is written)."""
         record = run.record
+        stage = run.stage
+        if stage.branches[index].degradable:
+            degrader = self.degrader
+            assert degrader is not None, "the degrader is wired in with the dispatcher"
+            reason = degrader.branch_before(
+                run.chain, stage, index, record.deadline, trio.current_time()
+            )
+            if reason is not None:
+                record.children[index] = f"{record.id}.{index}"  # no job: nothing to cancel
+                start = run.start_state(index, snapshot(parent.state))
+                return degrader.branch_instead(parent, run.chain, stage, index, reason, start)
         child = Job(
             id=new_job_id(),
             chain=parent.chain,
@@ -110,6 +148,8 @@ class Forked:
             admitted=parent.admitted,
         )
         start_frames(child, run.chain, self._flight.clock())
+        if self.degrader is not None and stage.branches[index].degradable:
+            self.degrader.branch_started(child.id, child.accepted_at)
         record.children[index] = child.id
         await self._store.create(child)
         if go:
@@ -126,14 +166,35 @@ class Forked:
         assert branch.branch is not None
         record_path = branch.root[:-1]
         outcome = branch_outcome(branch)
-        parent_state = {}
-        if outcome == "ok":  # its delta is against the parent's state
-            parent_state = (await self._store.get(branch.parent)).state
-        change, error = told_of(branch, parent_state)
-        if branch.exception is not None:
-            self._flight.branch_errors[branch.id] = branch.exception
-        stage = self._chain_of(branch).node_at(record_path)
+        chain = self._chain_of(branch)
+        stage = chain.node_at(record_path)
         assert isinstance(stage, Parallel)
+        reason = None
+        if stage.branches[branch.branch].degradable:
+            assert self.degrader is not None, "the degrader is wired in with the dispatcher"
+            now = trio.current_time()
+            started = self.degrader.branch_starts.pop(branch.id, None)
+            reason = self.degrader.branch_ended(chain, stage, branch.branch, branch, started, now)
+        parent_state = {}
+        if outcome == "ok" or reason is not None:  # its delta is against the parent's state
+            parent = await self._store.get(branch.parent)
+            parent_state = parent.state
+        change, error = told_of(branch, parent_state)
+        if reason is not None:
+            # Its job can do without it: what it wrote is dropped, its fallback answers.
+            assert self.degrader is not None
+            outcome, error = "ok", None
+            record = parent.join
+            start = parent_state
+            if record is not None and record.id == branch.join_id:  # else it is heard late
+                start = StageRun(stage, chain, record).start_state(
+                    branch.branch, snapshot(parent_state)
+                )
+            change = self.degrader.branch_instead(
+                parent, chain, stage, branch.branch, reason, start
+            )
+        elif branch.exception is not None:
+            self._flight.branch_errors[branch.id] = branch.exception
         call = graph_callback(stage, branch.parent, branch.branch, outcome, branch.exception)
         if call is not None:
             self._flight.spawn(run_callback, *call)
@@ -189,9 +250,12 @@ class Forked:
         change = None if event.delta is None else Delta.from_wire(event.delta)
         error = None if event.error is None else ErrorInfo(*event.error)
         decision = run.heard(event.index, event.outcome, change, error)
+        degraded: list[tuple[int, Delta]] = []
         try:
             for index in decision.start:
-                await self._start(parent, run, index)
+                started = await self._start(parent, run, index)
+                if isinstance(started, Delta):
+                    degraded.append((index, started))
         except MergeConflict as conflict:  # two of a graph node's parents disagree
             note(conflict, parent, run.where)
             await self._ends.finish(parent, Status.FAILED, exc=conflict, where=run.where)
@@ -200,6 +264,8 @@ class Forked:
             await self._cancel(record.children[index])
         if decision.resolved is None:
             await self._store.update(parent)
+            for index, degraded_change in degraded:  # heard once the join is written
+                self._degraded(parent.id, record, index, degraded_change)
             return
         resolution = run.resolution(parent, decision, lambda i: self._error(record, i))
         self._forget_errors(record)

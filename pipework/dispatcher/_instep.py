@@ -36,7 +36,7 @@ import trio
 from .._errors import MergeConflict, Rejected
 from .._metrics import Metrics
 from ..pipes._join import Decision
-from ..pipes._merge import packed_state, unpacked_state
+from ..pipes._merge import Delta, packed_state, unpacked_state
 from ..pipes._pipe import Pipe
 from ..pipes._stages import Chain, Parallel
 from ._abilities import Abilities
@@ -219,23 +219,42 @@ class InStepStage:
     def _apply(self, decision: Decision) -> None:
         if decision.resolved is not None:
             self.resolved = decision
+        degraded: list[tuple[int, Delta]] = []
         for index in decision.start:
             if self.conflict is not None:
                 break
             try:
-                self._start(index)
+                change = self._start(index)
             except MergeConflict as conflict:  # two of a graph node's parents disagree
                 self.conflict = conflict
+                break
+            if change is not None:
+                degraded.append((index, change))
         for index in decision.cancel:
             self._cancel(index)
         if self.conflict is not None or (decision.resolved is not None and not self.durable):
             for index in list(self.branches):
                 self._cancel(index)
             self._settle()
+        for index, change in degraded:
+            # Degraded before it started: the join hears it ended ok with its fallback
+            # (after this decision is acted on: a join hears one end at a time).
+            if self.resolved is None and self.conflict is None:
+                self._apply(self.run_of.heard(index, "ok", change, None))
 
-    def _start(self, index: int) -> None:
+    def _start(self, index: int) -> Delta | None:
+        """Start branch ``index``; or, when it is degraded before it starts, what it hands
+        the join instead (its fallback and its mark)."""
         parts, parent, record = self.parts, self.parent, self.record
         chain = self.run_of.chain
+        if self.stage.branches[index].degradable:
+            degrader = parts.degrader
+            reason = degrader.branch_before(
+                chain, self.stage, index, record.deadline, trio.current_time()
+            )
+            if reason is not None:
+                start = self.run_of.start_state(index, self._snapshot())
+                return degrader.branch_instead(parent, chain, self.stage, index, reason, start)
         root = self.stage.branches[index]
         flat = root.flat
         branch = Job(
@@ -274,6 +293,7 @@ class InStepStage:
         nursery = parts.flight.nursery
         assert nursery is not None, "the dispatcher is not running"
         parts.runners.start(nursery, self, branch, flat)
+        return None
 
     def _snapshot(self) -> dict[str, Any]:
         """A copy of the parent's state for a branch (packed once for all the branches; each
@@ -320,7 +340,21 @@ class InStepStage:
         self.branches.pop(index, None)
         outcome = branch_outcome(branch)
         change, error = told_of(branch, self.parent.state)
-        if branch.exception is not None:  # in the process-local side table, as any branch's
+        stage, chain = self.stage, self.run_of.chain
+        degrader = self.parts.degrader
+        reason = (
+            degrader.branch_ended(
+                chain, stage, index, branch, branch.accepted_at, trio.current_time()
+            )
+            if stage.branches[index].degradable
+            else None
+        )
+        if reason is not None:
+            # Its job can do without it: what it wrote is dropped, its fallback answers.
+            outcome, error = "ok", None
+            start = self.run_of.start_state(index, self._snapshot())
+            change = degrader.branch_instead(self.parent, chain, stage, index, reason, start)
+        elif branch.exception is not None:  # in the process-local side table, as any branch's
             self.parts.flight.branch_errors[branch.id] = branch.exception
         call = graph_callback(self.stage, self.parent.id, index, outcome, branch.exception)
         if call is not None:
@@ -452,6 +486,11 @@ class InStepStage:
         one it can do without, it is degraded, holding none, and the branch goes on (it
         ends, or waits for its next key, queued). False, with nothing done, otherwise."""
         degrader, chain = self.parts.degrader, self.run_of.chain
+        whole = degrader.branch_pending(branch, chain)
+        if whole is not None:  # a branch it can do without, not started yet: degraded whole
+            degrader.branch_unheld(branch, chain, *whole)
+            await self.parts.ends.finish(branch, Status.DONE, now=trio.current_time())
+            return True
         pipe = degrader.pending(branch, chain)
         if pipe is None:
             return False

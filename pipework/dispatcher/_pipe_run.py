@@ -20,7 +20,7 @@ import trio
 
 from .. import _tracing
 from .._errors import BackendError, DeadlineExceeded, StateError
-from .._logging import job_logger, log_job
+from .._logging import job_logger, log_job, mark_reported, reported
 from .._metrics import Metrics
 from ..pipes._merge import snapshot
 from ..pipes._pipe import Context, JobOps, Pipe, Suspend
@@ -272,14 +272,15 @@ class PipeRunner:
             self._pool.record(job.key, ok=True, latency=duration)
         elif outcome == "timeout" or (exc is not None and backend_trouble(exc)):
             self._pool.record(job.key, ok=False, latency=duration)
-        if exc is None:
-            level = logging.INFO
-        elif refused_by_service(exc):
-            # Expected while a service's breaker is open: its job's end says it (INFO), the
-            # breaker's change was a WARNING; nothing to trace (docs/resilience.md).
+        if exc is None or refused_by_service(exc) or reported(exc) or is_job_timeout(exc):
+            # A pipe's end is part of its job's life (DEBUG); a service's refusal is
+            # expected while its breaker is open (the breaker's change was the WARNING,
+            # docs/resilience.md); a failure logged where it happened (a backend call's
+            # WARNING) is not logged twice; the job's own deadline is its end's line.
             level = logging.DEBUG
         else:
-            level = logging.WARNING
+            level = logging.WARNING  # this line is the failure's one line
+            mark_reported(exc)
         if not job_logger.isEnabledFor(level):
             return now  # the common case: skip building the record's fields
         log_job(

@@ -430,6 +430,11 @@ class Steps:
         nothing done, otherwise: the step waits for a slot."""
         chain = self._plans[job.plan].get_chain(job.chain)
         degrader = self._degrader
+        whole = degrader.branch_pending(job, chain)
+        if whole is not None:  # a branch it can do without, not started yet: degraded whole
+            degrader.branch_unheld(job, chain, *whole)
+            await self._ends.finish(job, Status.DONE, now=self._flight.clock())
+            return True
         pipe = degrader.pending(job, chain)
         if pipe is None:
             return False
@@ -561,9 +566,10 @@ def _result(job: Job, chain: Chain) -> Any:
 def _log_hand_off(job: Job) -> None:
     """The log line of a hand-off, through the queue or run on in its step (job.key is the
     new key)."""
-    if job_logger.isEnabledFor(logging.INFO):
+    if job_logger.isEnabledFor(logging.DEBUG):
         log_job(
             "job handed off",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,

@@ -13,6 +13,7 @@ once: a repeat is refused (:func:`check_early_signal`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,7 @@ class Suspensions:
             self._timers.expire_at(job.suspend_deadline, job.id, job.version)
         log_job(
             "job suspended",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,
@@ -192,15 +194,28 @@ class Suspensions:
         job.waiting_for = job.suspend_into = job.suspend_deadline = None
         job.took(signal)
         job.transition(Status.QUEUED)
+        resume = Resume(job.id, signal)
+        queue = self._abilities.shared_queue
         try:
-            if not await self._abilities.update_unless_changed(job):
+            # On a shared queue the record and its Resume go in one write: a process that
+            # dies after the record's write must not leave the job queued with no event.
+            written = (
+                None
+                if queue is None
+                else await queue.update_unless_changed_and_put(self._store, job, resume)
+            )
+            if written is None:
+                if not await self._abilities.update_unless_changed(job):
+                    return False
+                self._abilities.queue.put_nowait(resume)
+            elif not written:
                 return False
         except JobNotFound:  # ended since: the caller's read says how
             return False
         self._hooks.changed(job)
-        self._abilities.queue.put_nowait(Resume(job.id, signal))
         log_job(
             "job resumed",
+            logging.DEBUG,
             correlation_id=job.correlation_id,
             job_id=job.id,
             route=job.chain,

@@ -11,7 +11,7 @@ from typing import Any, overload
 
 from .._errors import RegistrationError
 from ._pipe import Pipe, PipeFunction, is_seconds
-from ._stages import Chain, Serial, StageItem, resolve
+from ._stages import Chain, Serial, StageItem, check_unmarked, resolve
 
 __all__ = ["Catalogue"]
 
@@ -118,6 +118,8 @@ class Catalogue:
                 f"chain {name!r}: result must name a state key (a string) or be None, "
                 f"got {result!r}"
             )
+        for index, item in enumerate(items):
+            check_unmarked(f"chain {name!r}", f"item {index}", item)
         root_item = items[0] if len(items) == 1 and isinstance(items[0], Serial) else Serial(items)
         root = resolve(root_item, self.get_pipe)
         assert isinstance(root, Serial)

@@ -152,33 +152,7 @@ class Pipe:
 
     def _check_fallback(self, fallback: object) -> bytes | None:
         """The fallback mapping packed (None for a fallback pipe), or RegistrationError."""
-        where = f"pipe {self.name!r}: fallback"
-        if isinstance(fallback, Pipe):
-            if fallback.degradable:
-                raise RegistrationError(
-                    f"{where} {fallback.name!r} is optional or has a fallback itself; a "
-                    "fallback answers at once, so give it neither"
-                )
-            return None
-        if not isinstance(fallback, Mapping):
-            raise RegistrationError(
-                f"{where} must be a mapping of state keys to values (the state it sets) or "
-                f"a pipe (run in its place), got {fallback!r}"
-            )
-        for key in fallback:
-            if not isinstance(key, str):
-                raise RegistrationError(f"{where}: state keys must be strings, got {key!r}")
-            if key == DEGRADED_KEY:
-                raise RegistrationError(
-                    f"{where} sets {DEGRADED_KEY!r}, where the engine records what it "
-                    "degraded; use another key"
-                )
-        try:
-            check_value(dict(fallback), root="fallback")
-        except StateError as exc:
-            raise RegistrationError(f"{where}: {exc}") from None
-        packed: bytes = msgpack.packb(dict(fallback))
-        return packed
+        return check_fallback(f"pipe {self.name!r}: fallback", fallback)
 
     def fallback_state(self) -> dict[str, Any]:
         """A fresh copy of the state a fallback mapping sets (empty for none)."""
@@ -318,3 +292,34 @@ class Context:
             raise ValueError(f"suspend timeout must be positive, got {timeout}")
         await trio.lowlevel.checkpoint()
         raise Suspend(signal, timeout, into or signal)
+
+
+def check_fallback(where: str, fallback: object) -> bytes | None:
+    """A fallback (of a pipe, or of a branch: ``where`` says which) checked: the mapping
+    packed (None for a fallback pipe), or RegistrationError."""
+    if isinstance(fallback, Pipe):
+        if fallback.degradable:
+            raise RegistrationError(
+                f"{where} {fallback.name!r} is optional or has a fallback itself; a "
+                "fallback answers at once, so give it neither"
+            )
+        return None
+    if not isinstance(fallback, Mapping):
+        raise RegistrationError(
+            f"{where} must be a mapping of state keys to values (the state it sets) or "
+            f"a pipe (run in its place), got {fallback!r}"
+        )
+    for key in fallback:
+        if not isinstance(key, str):
+            raise RegistrationError(f"{where}: state keys must be strings, got {key!r}")
+        if key == DEGRADED_KEY:
+            raise RegistrationError(
+                f"{where} sets {DEGRADED_KEY!r}, where the engine records what it "
+                "degraded; use another key"
+            )
+    try:
+        check_value(dict(fallback), root="fallback")
+    except StateError as exc:
+        raise RegistrationError(f"{where}: {exc}") from None
+    packed: bytes = msgpack.packb(dict(fallback))
+    return packed

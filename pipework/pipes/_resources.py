@@ -93,6 +93,8 @@ class ResourcePool(Generic[R]):
     ``launch_timeout``). A borrower waits at most ``borrow_timeout`` seconds. A failed
     replacement is retried after ``retry_backoff`` seconds, doubling up to
     ``retry_backoff_max``. ``metrics``: export the pool's families with ``pool=name``.
+    ``concurrent_start``: make the ``size`` resources at start-up all at once rather than
+    one after the other (for resources whose launch mostly waits, such as a process).
 
     Example::
 
@@ -118,6 +120,7 @@ class ResourcePool(Generic[R]):
         retry_backoff: float = 1.0,
         retry_backoff_max: float = 60.0,
         metrics: Metrics | None = None,
+        concurrent_start: bool = False,
     ) -> None:
         if not isinstance(size, int) or size < 1:
             raise PoolConfigError(f"resource pool {name!r}: size must be 1 or more, not {size!r}")
@@ -143,6 +146,7 @@ class ResourcePool(Generic[R]):
         self.close_timeout = launch_timeout if close_timeout is None else close_timeout
         self.retry_backoff = retry_backoff
         self.retry_backoff_max = retry_backoff_max
+        self.concurrent_start = concurrent_start
         self._factory = factory
         self._close: Callable[[R], Awaitable[object]] = close or _default_close
         self._metrics = metrics
@@ -224,22 +228,45 @@ class ResourcePool(Generic[R]):
     async def _make_all(self) -> None:
         made: list[R] = []
         try:
-            for index in range(self.size):
-                try:
-                    made.append(await self._make())
-                except Exception as error:
-                    raise ResourceStartupError(
-                        f"resource pool {self.name!r}: making resource {index + 1} of "
-                        f"{self.size} failed ({_describe(error)}); the {len(made)} made "
-                        "were closed",
-                        pool=self.name,
-                    ) from error
+            if self.concurrent_start:
+                await self._make_all_at_once(made)
+            else:
+                for index in range(self.size):
+                    try:
+                        made.append(await self._make())
+                    except Exception as error:
+                        raise self._startup_error(index, error, len(made)) from error
         except BaseException:
             with trio.CancelScope(shield=True):
                 for resource in made:
                     await self._close_quietly(resource)
             raise
         self._idle.extend(made)
+
+    async def _make_all_at_once(self, made: list[R]) -> None:
+        """Every launch at once, each to its end (made, failed or past ``launch_timeout``):
+        then the lowest-numbered failure is the one reported, whatever the timing."""
+        failed: dict[int, Exception] = {}
+
+        async def make(index: int) -> None:
+            try:
+                made.append(await self._make())
+            except Exception as error:
+                failed[index] = error
+
+        async with trio.open_nursery() as nursery:
+            for index in range(self.size):
+                nursery.start_soon(make, index)
+        if failed:
+            index = min(failed)
+            raise self._startup_error(index, failed[index], len(made)) from failed[index]
+
+    def _startup_error(self, index: int, error: Exception, made: int) -> ResourceStartupError:
+        return ResourceStartupError(
+            f"resource pool {self.name!r}: making resource {index + 1} of {self.size} failed "
+            f"({_describe(error)}); the {made} made were closed",
+            pool=self.name,
+        )
 
     async def _make(self) -> R:
         """One resource from the factory, within ``launch_timeout`` (``TooSlowError`` past)."""

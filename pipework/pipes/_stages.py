@@ -14,8 +14,16 @@ from typing import Any, Union
 from .._errors import RegistrationError
 from ._graph import validate_graph
 from ._join import Join, Outcome
-from ._merge import MergePolicy, MergeRule
-from ._pipe import DEGRADED_KEY, Pipe, PipeFunction, RequestUse, as_pipe, is_seconds
+from ._merge import MergePolicy, MergeRule, snapshot
+from ._pipe import (
+    DEGRADED_KEY,
+    Pipe,
+    PipeFunction,
+    RequestUse,
+    as_pipe,
+    check_fallback,
+    is_seconds,
+)
 
 __all__ = [
     "BranchEnd",
@@ -28,6 +36,8 @@ __all__ = [
     "StageItem",
     "all_of",
     "any_of",
+    "branch",
+    "check_unmarked",
     "graph",
     "node",
     "quorum",
@@ -45,8 +55,30 @@ class Serial:
 
     items: tuple[StageItem, ...]
     timeout: float | None = None
+    #: As a branch of a parallel stage (:func:`branch`): its name, and whether its job can
+    #: do without it as a whole (``optional``, or the state its ``fallback`` sets instead).
+    name: str | None = None
+    optional: bool = False
+    fallback: Mapping[str, Any] | None = None
 
     kind = "serial"
+
+    @cached_property
+    def degradable(self) -> bool:
+        """Whether the job can do without this sequence as a branch (docs/degradation.md):
+        read at each start and end of a branch, so computed once."""
+        return self.optional or self.fallback is not None
+
+    def fallback_state(self) -> dict[str, Any]:
+        """A fresh copy of the state its fallback sets (empty for none)."""
+        return {} if self.fallback is None else snapshot(dict(self.fallback))
+
+    def first_pipe(self) -> Pipe | None:
+        """The pipe it starts with (None until names are resolved)."""
+        node: object = self
+        while isinstance(node, Serial | Parallel):
+            node = node.children[0]
+        return node if isinstance(node, Pipe) else None
 
     @property
     def children(self) -> tuple[Node, ...]:
@@ -162,8 +194,68 @@ def serial(*items: StageItem, timeout: float | None = None) -> Serial:
         raise RegistrationError("serial() needs at least one pipe or stage")
     for index, item in enumerate(items):
         _check_item("serial", f"item {index}", item)
+        check_unmarked("serial()", f"item {index}", item)
     _check_timeout("serial", timeout)
     return Serial(tuple(items), timeout)
+
+
+def branch(
+    *items: StageItem,
+    name: str | None = None,
+    optional: bool = False,
+    fallback: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Serial:
+    """A branch of several pipes (or stages) for a parallel stage, run in order, that its
+    job can do without as a whole: ``optional`` (skipped when degraded) or with a
+    ``fallback``, the state it sets instead. Degraded as a pipe is (docs/degradation.md):
+    before it runs (its first pipe's key refuses, too little time is left for what it
+    usually takes, no slot of that key is free at once), or when anything in it fails or
+    its own ``timeout`` runs out; then nothing it wrote reaches the job. ``name`` (default:
+    its pipes' names joined by ``+``) is what ``state["degraded"]`` records."""
+    stage = serial(*items, timeout=timeout)
+    where = f"branch {name!r}" if name is not None else "branch()"
+    if name is not None and (not isinstance(name, str) or not name):
+        raise RegistrationError(f"branch(): name must be a non-empty string, got {name!r}")
+    if not isinstance(optional, bool):
+        raise RegistrationError(f"{where}: optional must be True or False, got {optional!r}")
+    if fallback is not None:
+        if isinstance(fallback, Pipe):
+            raise RegistrationError(
+                f"{where}: fallback must be a mapping of state keys to values (the state it "
+                "sets); a fallback pipe is for a pipe, not a branch"
+            )
+        check_fallback(f"{where}: fallback", fallback)
+        fallback = dict(fallback)
+    if not optional and fallback is None:
+        raise RegistrationError(
+            f"{where}: mark it optional=True or give it a fallback (else use serial())"
+        )
+    return Serial(stage.items, timeout, name or _derived_name(items), optional, fallback)
+
+
+def _derived_name(items: Sequence[StageItem]) -> str:
+    names = []
+    for item in items:
+        if isinstance(item, str):
+            names.append(item)
+        elif isinstance(item, Pipe):
+            names.append(item.name)
+        elif isinstance(item, Serial | Parallel):
+            names.append(item.name if isinstance(item, Serial) and item.name else item.kind)
+        else:
+            names.append(getattr(item, "__name__", "pipe"))
+    return "+".join(names)
+
+
+def check_unmarked(where: str, what: str, item: object) -> None:
+    """A :func:`branch` is a parallel stage's: in a sequence its marks would mean nothing."""
+    if isinstance(item, Serial) and item.degradable:
+        raise RegistrationError(
+            f"{where}: {what} is branch {item.name!r}, marked optional or with a fallback; only "
+            "a branch of all_of, any_of, quorum or a graph node can be: put it in one, or "
+            "mark the pipes it can do without"
+        )
 
 
 def _check_timeout(kind: str, timeout: float | None) -> None:
@@ -192,7 +284,8 @@ def _branches(kind: str, items: Sequence[StageItem]) -> tuple[tuple[Serial, ...]
         elif isinstance(item, Pipe):
             names.append(item.name)
         elif isinstance(item, Serial | Parallel):
-            names.append(f"branch[{index}]")
+            named = item.name if isinstance(item, Serial) else None
+            names.append(named if named is not None else f"branch[{index}]")
         else:
             names.append(getattr(item, "__name__", f"branch[{index}]"))
     return tuple(branches), tuple(names)
@@ -416,7 +509,13 @@ def resolve(item: StageItem, lookup: Callable[[str], Pipe]) -> Node:
 
 
 def _resolve_serial(item: Serial, lookup: Callable[[str], Pipe]) -> Serial:
-    return Serial(tuple(resolve(child, lookup) for child in item.items), item.timeout)
+    return Serial(
+        tuple(resolve(child, lookup) for child in item.items),
+        item.timeout,
+        item.name,
+        item.optional,
+        item.fallback,
+    )
 
 
 @dataclass(frozen=True, eq=False)

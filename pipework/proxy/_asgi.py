@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 from typing import Any, Final, Protocol
@@ -53,6 +53,16 @@ from .._metrics import Metrics
 from ..backends._failures import CallTimeout, ConnectFailed, TransportFailure
 from ..backends._stream import StreamTimeouts, UpstreamAnswer
 from ..dispatcher._admission import Admission
+from ._access import (
+    ALWAYS_REDACTED,
+    DEFAULT_REDACTED,
+    access_logger,
+    client_address,
+    header,
+    log_access,
+    redacted_query,
+    trace_id,
+)
 from ._forwarding import Peer, request_headers, response_headers
 from ._relay import (
     ASGIReceive,
@@ -71,7 +81,6 @@ from ._websocket_core import WebsocketOutcome
 __all__ = ["ProxyLayer", "ProxySet"]
 
 _log = logging.getLogger("pipework.proxy")
-_access_log = logging.getLogger("pipework.access")
 
 #: The app behind (Quart's): typed loosely, as each framework types its own messages.
 ASGIApp = Callable[..., Awaitable[None]]
@@ -112,10 +121,13 @@ class _Exchange:
     method: str
     path: str
     started: float
+    scope: MutableMapping[str, Any]
     status: int | None = None  # sent to the client; None: nothing was
     upstream: int | None = None  # the backend's own status
     sent: int = 0  # body bytes to the client
     upload: Upload | None = None
+    host: str | None = None  # the service's host that answered (or failed last)
+    retries: int = 0
     client_gone: bool = False
     # The answer's last message was handed to the server (the backend's, or a problem's).
     answered: bool = False
@@ -135,6 +147,7 @@ class ProxyLayer:
         metrics: Metrics,
         trusted: tuple[IPv4Network | IPv6Network, ...] = (),
         access_log: bool = True,
+        redact: Collection[str] = frozenset(DEFAULT_REDACTED),
         rate_limits: RateLimits | None = None,
     ) -> None:
         self.app = app
@@ -146,6 +159,8 @@ class ProxyLayer:
         self.metrics = metrics
         self.trusted = trusted
         self.access_log = access_log
+        #: Query parameters whose values the access log hides (lower-case names).
+        self.redact = frozenset(name.lower() for name in redact) | ALWAYS_REDACTED
         # Exchanges under way by the set they started with (its id): a replaced set's
         # clients close once its count is back to zero.
         self._users: dict[int, int] = {}
@@ -252,6 +267,9 @@ class ProxyLayer:
         correlation_id = _correlation_id(scope)
         started = time.perf_counter()
         outcome: WebsocketOutcome | None = None
+        # The service's call (a WebsocketCall: its module imports httpx, the proxy does not),
+        # for the access line's host.
+        connected: list[Any] = []
         try:
             auth = proxies.auth.get(route.name)
             if auth is not None:
@@ -286,6 +304,7 @@ class ProxyLayer:
                     self.pool.slot(route.pool_key),
                     client.client.websocket(timeouts.connect) as call,
                 ):
+                    connected.append(call)
                     outcome = await relay_websocket(
                         scope,
                         receive,
@@ -311,6 +330,21 @@ class ProxyLayer:
             self.metrics.proxy_responses.labels(route.name, route.service, status).inc()
             duration = time.perf_counter() - started
             self.metrics.proxy_duration.labels(route.name, route.service).observe(duration)
+            if self.access_log and access_logger.isEnabledFor(logging.INFO):
+                log_access(
+                    {
+                        **self._who(scope),
+                        "method": "GET",
+                        "path": scope["path"],
+                        "status": None if outcome is None else outcome.status,
+                        "duration": round(duration, 6),
+                        "correlation_id": correlation_id,
+                        "route": route.name,
+                        "service": route.service,
+                        "host": connected[0].netloc if connected else None,
+                        "close_code": None if outcome is None else outcome.close_code,
+                    }
+                )
 
     async def _serve(
         self,
@@ -330,9 +364,21 @@ class ProxyLayer:
                 f"{scope['method']} is not proxied on {path}; allowed: {allow}",
                 headers={"Allow": allow},
             )
+            started = time.perf_counter()
             await send_problem(send, problem, correlation_id=correlation_id, instance=path)
+            if self.access_log and access_logger.isEnabledFor(logging.INFO):
+                log_access(
+                    {
+                        **self._who(scope),
+                        "method": scope["method"],
+                        "path": path,
+                        "status": 405,
+                        "duration": round(time.perf_counter() - started, 6),
+                        "correlation_id": correlation_id,
+                    }
+                )
             return
-        exchange = _Exchange(hit, correlation_id, scope["method"], path, time.perf_counter())
+        exchange = _Exchange(hit, correlation_id, scope["method"], path, time.perf_counter(), scope)
         tracing = _tracing.ACTIVE
         if tracing.on:  # the request's server span, named by its route
             tracing.rename(f"{scope['method']} {hit.prefix}")
@@ -422,10 +468,13 @@ class ProxyLayer:
                     if ex.status is None:
                         await self._refuse(ex, send, _too_large(_first(group)))
                 except* (TransportFailure, PipeworkError) as group:
+                    failure = _first(group)
+                    if isinstance(failure, TransportFailure) and failure.host is not None:
+                        ex.host, ex.retries = failure.host, failure.retries
                     if ex.status is None:
-                        await self._refuse(ex, send, _failure(route, _first(group)))
+                        await self._refuse(ex, send, _failure(route, failure))
                     else:
-                        _log_cut(ex, _first(group))
+                        _log_cut(ex, failure)
                 nursery.cancel_scope.cancel()
         if deadline_scope.cancelled_caught and ex.status is None and not ex.client_gone:
             problem = problem_for_exception(
@@ -502,6 +551,7 @@ class ProxyLayer:
         try:
             async with stream as answer:
                 ex.upstream = answer.status
+                ex.host, ex.retries = answer.host, answer.retries
                 latency = trio.current_time() - asked
                 self.pool.record(key, ok=answer.status < 500, latency=latency)
                 await self._answer(ex, answer, send)
@@ -645,28 +695,37 @@ class ProxyLayer:
         metrics.proxy_bytes.labels(route.name, "down").inc(ex.sent)
         if ex.upload is not None:
             metrics.proxy_bytes.labels(route.name, "up").inc(ex.upload.received)
-        if self.access_log and _access_log.isEnabledFor(logging.INFO):
-            _access_log.info(
-                "%s %s %s %.3fs request_id=%s",
-                ex.method,
-                ex.path,
-                status,
-                duration,
-                ex.correlation_id,
-                extra={
-                    "event": "request",
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            scope = ex.scope
+            log_access(
+                {
+                    **self._who(scope),
                     "method": ex.method,
                     "path": ex.path,
                     "status": ex.status,
                     "duration": round(duration, 6),
+                    "bytes_in": None if ex.upload is None else ex.upload.received,
+                    "bytes_out": ex.sent,
                     "correlation_id": ex.correlation_id,
                     "route": route.name,
                     "service": route.service,
+                    "host": ex.host,
+                    "retries": ex.retries,
                     "upstream_status": ex.upstream,
-                    "bytes_sent": ex.sent,
                     "client_gone": ex.client_gone,
-                },
+                }
             )
+
+    def _who(self, scope: MutableMapping[str, Any]) -> dict[str, Any]:
+        """The access line's fields about the client and its request's target."""
+        headers = scope["headers"]
+        peer = scope.get("client")
+        return {
+            "client": client_address(None if peer is None else peer[0], headers, self.trusted),
+            "query": redacted_query(scope.get("query_string", b""), self.redact),
+            "user_agent": header(headers, b"user-agent"),
+            "trace_id": trace_id(headers),
+        }
 
 
 # -- small rules -------------------------------------------------------------------------

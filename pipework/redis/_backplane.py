@@ -58,7 +58,15 @@ from ..board import (
 )
 from ._client import Client
 from ._scripts import Script, load
-from ._wire import UNREACHABLE, Arg, Connection, ConnectionLost, ReplyError, public_url
+from ._wire import (
+    UNREACHABLE,
+    Arg,
+    Connection,
+    ConnectionLost,
+    ReplyError,
+    public_url,
+    redis_outage,
+)
 
 __all__ = ["RedisBackplane"]
 
@@ -225,7 +233,9 @@ class RedisBackplane:
                 await self._read()
                 delay = 0.05
             except (*UNREACHABLE, BoardUnavailable) as exc:
-                _log.warning(
+                out = redis_outage(self.url).failed(exc, "board backplane reads")
+                _log.log(
+                    logging.DEBUG if out else logging.WARNING,  # the outage's own line says it
                     "pipework: the board backplane at %s failed (%s); retrying in %gs",
                     public_url(self.url),
                     exc,

@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from .._errors import StoreUnavailable
-from ._wire import UNREACHABLE, Command, Connection, ReplyError, public_url
+from ._wire import UNREACHABLE, Command, Connection, ReplyError, public_url, redis_outage
 
 __all__ = ["Batches"]
 
@@ -136,7 +136,7 @@ def _no_abort(_: Any) -> trio.lowlevel.Abort:
 def _copy(exc: Exception) -> Exception:
     """The batch's error, an object of its own for each caller that raises it."""
     if isinstance(exc, StoreUnavailable):
-        copy = StoreUnavailable(str(exc), maybe_done=exc.maybe_done)
+        copy = StoreUnavailable(str(exc), maybe_done=exc.maybe_done, dependency=exc.dependency)
         copy.__cause__ = exc.__cause__
         return copy
     return exc
@@ -166,9 +166,12 @@ class Batches:
 
     def _unavailable(self, exc: BaseException, *, maybe_done: bool = True) -> StoreUnavailable:
         """``maybe_done``: the commands may have reached Redis (False: none was sent)."""
+        outage = redis_outage(self.url)
+        outage.failed(exc, "job store calls")
         return StoreUnavailable(
             f"the job store at {public_url(self.url)} cannot be reached ({exc}); retry later",
             maybe_done=maybe_done,
+            dependency=outage.name,
         )
 
     async def _run(self, command: Command, script: str | None = None) -> Any:
@@ -263,6 +266,7 @@ class Batches:
         return StoreUnavailable(
             f"the job store at {public_url(self.url)} did not answer within {self.io_timeout:g}s",
             maybe_done=maybe_done,
+            dependency=redis_outage(self.url).name,
         )
 
     async def _fly(self) -> None:

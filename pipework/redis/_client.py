@@ -31,7 +31,16 @@ from typing import Any
 import trio
 
 from ._scripts import Script
-from ._wire import UNREACHABLE, Arg, Command, Connection, ConnectionLost, ReplyError, public_url
+from ._wire import (
+    UNREACHABLE,
+    Arg,
+    Command,
+    Connection,
+    ConnectionLost,
+    ReplyError,
+    public_url,
+    redis_outage,
+)
 
 __all__ = ["Client", "Subscription"]
 
@@ -240,7 +249,11 @@ class Subscription:
             except (*UNREACHABLE, ReplyError) as exc:
                 if not self._live and not started:
                     raise
-                _log.warning(
+                out = not isinstance(exc, ReplyError) and redis_outage(self.url).failed(
+                    exc, self.what
+                )
+                _log.log(
+                    logging.DEBUG if out else logging.WARNING,  # the outage's own line says it
                     "pipework: %s at %s ended (%s); subscribing again in %gs",
                     self.what,
                     public_url(self.url),

@@ -56,7 +56,17 @@ from ..dispatcher._queue import QueueStatistics
 from ._relay import RedisRelay
 from ._store import RedisJobStore
 from ._timers import RedisTimers
-from ._wire import UNREACHABLE, Arg, Command, Connection, ReplyError, encode_args, public_url
+from ._wire import (
+    NOT_NOW,
+    UNREACHABLE,
+    Arg,
+    Command,
+    Connection,
+    ReplyError,
+    encode_args,
+    public_url,
+    redis_outage,
+)
 
 __all__ = ["RedisEventQueue", "decode_event", "encode_event"]
 
@@ -391,6 +401,23 @@ class RedisEventQueue:
         self._shared_depth += 1  # as for a batch written (_send_outbox)
         return True
 
+    async def update_unless_changed_and_put(
+        self, store: object, job: Job, event: Event
+    ) -> bool | None:
+        """``store.update_unless_changed(job)`` with ``event`` put in the same write, if
+        ``store`` is the store this queue shares (None, doing nothing, otherwise): a
+        delivered signal's record and its ``Resume`` reach Redis together. Put in the
+        outbox after the write, a process killed between the two left its job queued with
+        no event to run it, for ever (found by the chaos harness)."""
+        if store is not self._store or self._store is None:
+            return None
+        entry = (self.stream, _FIELD, encode_event(event))
+        if not await self._store.update_unless_changed(job, entry=entry):
+            return False
+        self._accepted += 1
+        self._shared_depth += 1  # as for a batch written (_send_outbox)
+        return True
+
     def update_and_put_soon(
         self,
         store: object,
@@ -681,7 +708,10 @@ class RedisEventQueue:
             try:
                 return await fn(*args)
             except (*UNREACHABLE, StoreUnavailable) as exc:
-                _log.warning(
+                # While Redis is away its outage says so, once: each retry is DEBUG.
+                out = redis_outage(self.url).failed(exc, what)
+                _log.log(
+                    logging.DEBUG if out else logging.WARNING,
                     "pipework: %s on %s failed (%s); retrying in %gs",
                     what,
                     public_url(self.url),
@@ -689,11 +719,30 @@ class RedisEventQueue:
                     delay,
                 )
             except ReplyError as exc:
+                if exc.code in NOT_NOW:
+                    # A server that cannot take it yet (restarted and loading its AOF, a
+                    # primary just made a replica): as if away. Raised, it stopped the
+                    # engine and its process (found by the chaos harness).
+                    _log.warning(
+                        "pipework: %s on %s refused (%s); retrying in %gs",
+                        what,
+                        public_url(self.url),
+                        exc,
+                        delay,
+                    )
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
                 if exc.code != "NOGROUP":
                     raise
                 # Redis came back without its data (no persistence): the stream and its
                 # group are new, and what was in them is lost (docs/scaling.md).
-                _log.error("pipework: the event stream %s was lost; recreating it", self.stream)
+                # Handled here; the outage before it was the ERROR.
+                _log.warning(
+                    "pipework: Redis came back without the event stream %s (what it held "
+                    "is lost); recreating it",
+                    self.stream,
+                )
                 await self._create_group()
                 continue
             await trio.sleep(delay)

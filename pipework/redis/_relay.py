@@ -42,7 +42,7 @@ from ..dispatcher._job import Job
 from ..dispatcher._status import TERMINAL
 from ._client import Client, Subscription
 from ._scripts import load
-from ._wire import UNREACHABLE, ReplyError
+from ._wire import UNREACHABLE, ReplyError, redis_outage
 
 __all__ = ["RedisRelay", "RelayTarget"]
 
@@ -244,7 +244,12 @@ class RedisRelay:
                         "SET", self._key("watch", job_id), b"1", "PX", int(self.lease * 1000)
                     )
                 except _FAILED as exc:
-                    _log.warning("pipework: watching job %s failed: %s", job_id, exc)
+                    _log.log(
+                        self._level(exc, "relay watches"),
+                        "pipework: watching job %s failed: %s",
+                        job_id,
+                        exc,
+                    )
                     self._watched.pop(job_id, None)
                     continue
                 self._mark_dirty(job_id)  # what changed before the mark was set
@@ -306,7 +311,11 @@ class RedisRelay:
             try:
                 await self._redis().pipeline([["PEXPIRE", key, lease] for key in keys])
             except _FAILED as exc:
-                _log.warning("pipework: refreshing relay marks failed: %s", exc)
+                _log.log(
+                    self._level(exc, "relay refreshes"),
+                    "pipework: refreshing relay marks failed: %s",
+                    exc,
+                )
 
     # -- streamed chunks -----------------------------------------------------------------
 
@@ -387,9 +396,20 @@ class RedisRelay:
             except _FAILED as exc:
                 # Best effort: the record says cancelled already, and the step ends at its
                 # next write.
-                _log.warning("pipework: publishing %d cancels failed: %s", len(batch), exc)
+                _log.log(
+                    self._level(exc, "cancel notices"),
+                    "pipework: publishing %d cancels failed: %s",
+                    len(batch),
+                    exc,
+                )
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def _level(self, exc: BaseException, what: str) -> int:
+        """WARNING for a failure, DEBUG while Redis's outage (its own line) explains it."""
+        if isinstance(exc, ReplyError):
+            return logging.WARNING
+        return logging.DEBUG if redis_outage(self.url).failed(exc, what) else logging.WARNING
 
     def _redis(self) -> Client:
         if self._client is None:

@@ -680,13 +680,17 @@ class RedisJobStore(Batches):
             version,
         )
 
-    async def update_unless_changed(self, job: Job) -> bool:
+    async def update_unless_changed(
+        self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None
+    ) -> bool:
         """``update``, only if nobody wrote the record since ``job`` was read from it (its
         version is still ``job.version``); False if somebody did, and nothing is written.
         For a write made from a record read a while ago, under :meth:`lock`, that a step
         (which writes without the lock) may have moved on meanwhile: a signal kept for
-        the job must not bring back the record as it was before the step's write."""
-        return await self._update(job, str(job.version))
+        the job must not bring back the record as it was before the step's write.
+        ``entry``: as for :meth:`update` (a delivered signal's ``Resume``), added only if
+        the record is written."""
+        return await self._update(job, str(job.version), entry)
 
     def update_soon(
         self,

@@ -10,6 +10,16 @@ before the next one goes (the store's calls and the queue's loops take turns). A
 short — a timeout, a cancellation, a broken socket — closes the connection, so no reply is
 ever read by the wrong caller; the next batch opens a new one.
 
+**Sentinel.** A URL ``redis+sentinel://[user:password@]HOST:PORT[,HOST:PORT...]/MASTER[/DB]``
+names Sentinels and the name they monitor the primary by, not the primary itself: every
+connection asks the Sentinels in turn (``SENTINEL get-master-addr-by-name``), connects to
+the address the first that knows it answers, and checks with ``ROLE`` that it is the
+primary (a failover under way may name one not yet promoted). Every part reconnects after
+a connection is lost, and so asks again: after a failover it reaches the new primary (the
+Sentinels' reconfiguration closes the old one's connections). A reply ``READONLY`` (the
+server became a replica while the connection stayed) closes the connection after its
+batch, so the next batch connects again, through Sentinel; the command was not run.
+
 Replies are RESP2: bulk and simple strings as bytes, integers as int, nil as None, arrays as
 lists, and an error reply as a :class:`ReplyError` value in its place (each caller of a
 batch gets its own reply, error or not). They are read by hiredis's C reader when it is
@@ -27,18 +37,24 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from .._logging import Outage, outage
+
 __all__ = [
     "C_READER",
+    "NOT_NOW",
     "UNREACHABLE",
     "Arg",
     "Command",
     "Connection",
     "ConnectionLost",
     "ReplyError",
+    "SentinelTarget",
     "encode",
     "encode_args",
     "new_reader",
     "public_url",
+    "redis_outage",
+    "sentinel_target",
 ]
 
 _CRLF: Final = b"\r\n"
@@ -59,6 +75,57 @@ class ConnectionLost(OSError):
 
 #: What a lost or refused connection raises (a batch cut short, a refused connect).
 UNREACHABLE: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+#: Error replies of a server that cannot take the command now, whatever it is: loading its
+#: data after a restart, a replica (after a failover), a script running too long, out of
+#: memory, unable to persist. Retried as a server away is.
+NOT_NOW: Final = frozenset({"LOADING", "MASTERDOWN", "READONLY", "BUSY", "OOM", "MISCONF"})
+
+SENTINEL_SCHEME: Final = "redis+sentinel"
+#: How long one Sentinel may take to connect and answer before the next is asked.
+SENTINEL_TIMEOUT: Final = 2.0
+
+
+class SentinelTarget:
+    """What a ``redis+sentinel://`` URL names: the Sentinels' addresses, the primary's name,
+    and the credentials and database for the primary (``userinfo``: ``user:password@`` as
+    written, or empty)."""
+
+    __slots__ = ("db", "master", "sentinels", "userinfo")
+
+    def __init__(
+        self, sentinels: list[tuple[str, int]], master: str, db: str, userinfo: str
+    ) -> None:
+        self.sentinels = sentinels
+        self.master = master
+        self.db = db
+        self.userinfo = userinfo
+
+
+def sentinel_target(url: str) -> SentinelTarget:
+    """Parse a ``redis+sentinel://`` URL; ValueError saying what is wrong with it."""
+    scheme, sep, rest = url.partition("://")
+    if scheme != SENTINEL_SCHEME or not sep:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected HOST:PORT for each Sentinel, got {item!r}")
+        sentinels.append((host.strip("[]"), int(port)))
+    master, _, db = path.strip("/").partition("/")
+    if not master:
+        raise ValueError("the path must name the primary as Sentinel knows it: /MASTER[/DB]")
+    if db and not db.isdigit():
+        raise ValueError(f"the database after the primary's name must be a number, got {db!r}")
+    return SentinelTarget(sentinels, unquote(master), db, userinfo + at)
+
+
+def redis_outage(url: str) -> Outage:
+    """The outage record of the Redis at ``url`` (one per server, whatever uses it)."""
+    return outage(f"Redis at {public_url(url)}", "pipework.redis")
 
 
 def public_url(url: str) -> str:
@@ -190,6 +257,7 @@ class Connection:
     def __init__(self, stream: trio.abc.Stream, reader: Any = None) -> None:
         self._stream: trio.abc.Stream | None = stream
         self._reader = new_reader() if reader is None else reader
+        self._replica = False  # a reply said READONLY: closed once the batch is read
 
     @property
     def closed(self) -> bool:
@@ -198,7 +266,22 @@ class Connection:
     @classmethod
     async def open(cls, url: str) -> Connection:
         """Connect to ``url`` (``redis://[user:password@]host[:port][/db]``, ``rediss://``
-        for TLS, ``unix:///path?db=N``), authenticate and select the database."""
+        for TLS, ``unix:///path?db=N``, or ``redis+sentinel://`` for the primary Sentinel
+        names), authenticate and select the database. A failure to connect starts the
+        server's outage (if it was reached before); a connection made ends it
+        (:func:`redis_outage`)."""
+        try:
+            connection = await cls._open(url)
+        except UNREACHABLE as exc:
+            redis_outage(url).failed(exc, "connections")
+            raise
+        redis_outage(url).recovered()
+        return connection
+
+    @classmethod
+    async def _open(cls, url: str) -> Connection:
+        if url.startswith(SENTINEL_SCHEME + "://"):
+            return await cls._open_primary(url)
         parts = urlsplit(url)
         query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
         db = query.get("db", "")
@@ -229,6 +312,46 @@ class Connection:
                 await connection.aclose()
                 raise refused[0]
         return connection
+
+    @classmethod
+    async def _open_primary(cls, url: str) -> Connection:
+        """The primary Sentinel names (see the module), checked with ``ROLE``."""
+        target = sentinel_target(url)
+        said: list[str] = []
+        for host, port in target.sentinels:
+            try:
+                with trio.fail_after(SENTINEL_TIMEOUT):
+                    asking = cls(await trio.open_tcp_stream(host, port))
+                    try:
+                        (reply,) = await asking.call(
+                            [["SENTINEL", "get-master-addr-by-name", target.master]]
+                        )
+                    finally:
+                        await asking.aclose()
+            except (*UNREACHABLE, trio.TooSlowError) as exc:
+                said.append(f"{host}:{port}: {exc or 'no answer'}")
+                continue
+            if isinstance(reply, list) and len(reply) == 2:
+                primary = f"{reply[0].decode()}:{int(reply[1])}"
+                break
+            said.append(f"{host}:{port}: {reply or 'does not know it'}")
+        else:
+            raise ConnectionLost(
+                f"no Sentinel named the primary {target.master!r} ({'; '.join(said)})"
+            )
+        connection = await cls.open(f"redis://{target.userinfo}{primary}/{target.db}")
+        try:
+            (role,) = await connection.call([["ROLE"]])
+        except BaseException:
+            await connection.aclose()
+            raise
+        if isinstance(role, list) and role and role[0] == b"master":
+            return connection
+        await connection.aclose()
+        raise ConnectionLost(
+            f"Sentinel named {primary} as the primary {target.master!r}, which is not "
+            f"(a failover under way?); the next connection asks again"
+        )
 
     async def aclose(self) -> None:
         stream, self._stream = self._stream, None
@@ -262,11 +385,15 @@ class Connection:
                     reader.feed(await self._receive())
                 else:
                     replies.append(reply)
+                    if isinstance(reply, ReplyError) and reply.code == "READONLY":
+                        self._replica = True
         except BaseException as exc:
             await self.aclose()  # replies left unread would answer the next batch
             if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError):
                 raise ConnectionLost(f"the connection to Redis broke ({exc})") from exc
             raise
+        if self._replica:  # the server became a replica: reconnect (through Sentinel)
+            await self.aclose()
         return replies
 
     async def _receive(self) -> bytes | bytearray:

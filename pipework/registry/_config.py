@@ -31,6 +31,7 @@ from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
 from ..pipes._pipe import REQUEST_KEY, Pipe
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
 from ._config_edge import EdgeConfig, read_edge
+from ._config_env import check_environment
 from ._config_limits import LimitSettings, read_limit_names, read_rate_limits
 from ._config_lines import scan_lines
 from ._config_pipes import (
@@ -150,8 +151,12 @@ class GatewayConfig:
         }
 
 
-def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
-    """Read and check the gateway file at ``path``; raises :class:`ConfigError`."""
+def load_config(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """Read and check the gateway file at ``path``; raises :class:`ConfigError`. With
+    ``environ``, the variables the file names are checked in it too
+    (:mod:`._config_env`)."""
     source = os.fspath(path)
     try:
         with open(path, "rb") as file:
@@ -162,16 +167,18 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
     except UnicodeDecodeError as exc:
         problem = Problem("", f"the file is not UTF-8 text: {exc.reason}")
         raise ConfigError([problem], source) from None
-    return loads_config(text, source=source)
+    return loads_config(text, source=source, environ=environ)
 
 
-def loads_config(text: str, *, source: str = "<string>") -> GatewayConfig:
+def loads_config(
+    text: str, *, source: str = "<string>", environ: Mapping[str, str] | None = None
+) -> GatewayConfig:
     """Check the gateway configuration in ``text``; raises :class:`ConfigError`."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([_syntax_problem(str(exc), text)], source) from None
-    return config_from_dict(data, source=source, lines=scan_lines(text))
+    return config_from_dict(data, source=source, lines=scan_lines(text), environ=environ)
 
 
 def _syntax_problem(message: str, text: str) -> Problem:
@@ -192,9 +199,11 @@ def config_from_dict(
     *,
     source: str = "<dict>",
     lines: Mapping[KeyPath, int] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> GatewayConfig:
     """Check a configuration already parsed from TOML (``lines`` maps key paths to line
-    numbers, for the messages); raises :class:`ConfigError`."""
+    numbers, for the messages; ``environ``: check the variables it names there too);
+    raises :class:`ConfigError`."""
     c = Collector(lines)
     if not isinstance(data, Mapping):
         c.error((), f"expected a table, got {describe_value(data)}")
@@ -237,6 +246,10 @@ def config_from_dict(
     routes = {name: _with_edge(rc, edge) for name, rc in routes.items()}
     rate_limits = read_rate_limits(c, data.get("rate_limits"))
     limited = _limited_routes(c, data, rate_limits, pipes, routes, proxies)
+    if environ is not None:
+        check_environment(
+            c, environ, server=server, store=store, backplane=backplane, boards=boards
+        )
     _warn_unused(c, data, declared_services, declared_pipes, used)
     config = GatewayConfig(
         source,

@@ -13,12 +13,12 @@ from ..board import Backplane, BoardSettings, BoardSpec
 from ..board._jobs import JOB_BOARD
 from ._config_problems import Collector, KeyPath
 from ._config_read import Table, check_name, open_table
-from ._config_redis import read_redis_target, redis_url
+from ._config_redis import REDIS_KEYS, read_redis_target, redis_url
 
 __all__ = ["BACKPLANE_KEYS", "BOARD_KEYS", "BackplaneSettings", "BoardConfig", "read_boards"]
 
 #: ``[boards]``' own keys (not boards: a board is a table, ``[boards.NAME]``).
-BACKPLANE_KEYS: Final = ("backplane", "url", "url_env", "prefix")
+BACKPLANE_KEYS: Final = ("backplane", *REDIS_KEYS)
 
 BOARD_KEYS: Final = (
     "window",
@@ -84,9 +84,13 @@ class BackplaneSettings:
     url: str | None = None
     url_env: str | None = None
     prefix: str = "pipework"
+    sentinels: tuple[str, ...] = ()
+    sentinel_master: str | None = None
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
-        return redis_url("boards", self.url, self.url_env, environ)
+        return redis_url(
+            "boards", self.url, self.url_env, environ, self.sentinels, self.sentinel_master
+        )
 
     def build(self, environ: Mapping[str, str] | None = None) -> Backplane | None:
         """The backplane a container gets (None: its own, in-process)."""
@@ -135,7 +139,12 @@ def _backplane(c: Collector, t: Table) -> BackplaneSettings:
     backplane = t.string("backplane", d.backplane, choices=("local", "redis"))
     target = read_redis_target(c, t, switch="backplane", chosen=backplane, default_prefix=d.prefix)
     return BackplaneSettings(
-        backplane=backplane, url=target.url, url_env=target.url_env, prefix=target.prefix
+        backplane=backplane,
+        url=target.url,
+        url_env=target.url_env,
+        prefix=target.prefix,
+        sentinels=target.sentinels,
+        sentinel_master=target.sentinel_master,
     )
 
 

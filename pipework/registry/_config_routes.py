@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Final, cast, get_args
 
-from .._errors import RegistrationError
+from .._errors import RegistrationError, StateError
 from ..container._routes import (
     BodyKind,
     Mode,
@@ -24,17 +24,20 @@ from ..container._routes import (
     pool_key_problem,
 )
 from ..pipes._merge import MergePolicy, MergeRule, ReducerName
+from ..pipes._pipe import DEGRADED_KEY
 from ..pipes._stages import (
     GraphNode,
     Serial,
     StageItem,
     all_of,
     any_of,
+    branch,
     graph,
     node,
     quorum,
     serial,
 )
+from ..pipes._state import check_value
 from ._config_edge import EDGE_ROUTE_KEYS
 from ._config_problems import Collector, KeyPath, close_match, describe_value
 from ._config_read import Table, check_name, open_table, report_unknown
@@ -81,14 +84,17 @@ _PROXY_ONLY: Final = tuple(k for k in PROXY_KEYS if k not in ROUTE_KEYS and k !=
 _ROUTE_HINT: Final = "expected one of: " + ", ".join(sorted(ROUTE_KEYS))
 ROUTE_METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
 STAGE_OPTIONS: Final[dict[str, tuple[str, ...]]] = {
-    "serial": ("timeout",),
+    "serial": ("timeout", "name", "optional", "fallback"),
     "any_of": ("timeout", "max_concurrency"),
     "all_of": ("settle", "merge", "timeout", "max_concurrency"),
     "quorum": ("k", "merge", "timeout", "max_concurrency"),
     "graph": ("merge", "timeout", "max_concurrency"),
 }
 _ALL_OPTIONS: Final = frozenset(o for options in STAGE_OPTIONS.values() for o in options)
-NODE_KEYS: Final = ("pipe", "chain", "after", "detach")
+NODE_KEYS: Final = ("pipe", "chain", "after", "detach", "optional", "fallback")
+#: A branch's marks (docs/degradation.md): on a ``serial`` table that is a parallel
+#: stage's branch, or on a graph node that runs a ``chain``.
+BRANCH_MARKS: Final = ("name", "optional", "fallback")
 MERGE_RULES: Final = get_args(ReducerName)
 #: Deeper nesting than this is almost surely a generated mistake, and recursion has limits.
 MAX_DEPTH: Final = 32
@@ -224,7 +230,10 @@ class ChainReader:
         self.route = route
         self.used: list[str] = []  # every pipe named, in order, repeats included
 
-    def items(self, path: KeyPath, value: Any, depth: int) -> list[StageItem] | None:
+    def items(
+        self, path: KeyPath, value: Any, depth: int, *, branches: bool = False
+    ) -> list[StageItem] | None:
+        """The items of an array; ``branches``: they are a parallel stage's branches."""
         if not isinstance(value, list):
             self.c.error(
                 path, f"expected an array of pipes and stages, got {describe_value(value)}"
@@ -233,12 +242,16 @@ class ChainReader:
         if not value:
             self.c.error(path, "must name at least one pipe or stage")
             return None
-        items = [self.item((*path, i), v, depth + 1) for i, v in enumerate(value)]
+        items = [
+            self.item((*path, i), v, depth + 1, in_parallel=branches) for i, v in enumerate(value)
+        ]
         if any(item is None for item in items):
             return None
         return cast(list[StageItem], items)
 
-    def item(self, path: KeyPath, value: Any, depth: int) -> StageItem | None:
+    def item(
+        self, path: KeyPath, value: Any, depth: int, *, in_parallel: bool = False
+    ) -> StageItem | None:
         if depth > MAX_DEPTH:
             self.c.error(path, f"stages nest deeper than {MAX_DEPTH} levels")
             return None
@@ -248,7 +261,7 @@ class ChainReader:
             items = self.items(path, value, depth)
             return serial(*items) if items is not None else None
         if isinstance(value, dict):
-            return self.stage(path, value, depth)
+            return self.stage(path, value, depth, in_parallel=in_parallel)
         self.c.error(
             path, f"expected a pipe name, an array or a stage table, got {describe_value(value)}"
         )
@@ -264,7 +277,11 @@ class ChainReader:
         self.used.append(name)
         return name
 
-    def stage(self, path: KeyPath, table: dict[str, Any], depth: int) -> StageItem | None:
+    def stage(
+        self, path: KeyPath, table: dict[str, Any], depth: int, *, in_parallel: bool = False
+    ) -> StageItem | None:
+        """A stage table; ``in_parallel``: it is a parallel stage's branch (it may be
+        marked)."""
         c = self.c
         kinds = [k for k in STAGE_OPTIONS if k in table]
         if len(kinds) != 1:
@@ -281,7 +298,13 @@ class ChainReader:
         for key in table:
             if key == kind or key in options:
                 continue
-            if key in _ALL_OPTIONS:
+            if key in BRANCH_MARKS:
+                c.error(
+                    (*path, key),
+                    f"marks a branch of several pipes, not the {kind} stage: write the branch "
+                    f"as {{serial = [...], {key} = ...}}",
+                )
+            elif key in _ALL_OPTIONS:
                 c.error(
                     (*path, key), f"not an option of {kind} (its options: {', '.join(options)})"
                 )
@@ -295,11 +318,20 @@ class ChainReader:
         merge = self.merge(t) if "merge" in options and "merge" in t else None
         k = t.integer("k", 1, minimum=1, required=True) if kind == "quorum" else 1
         settle = t.boolean("settle", False) if kind == "all_of" else False
+        marked = kind == "serial" and any(mark in table for mark in BRANCH_MARKS)
+        if marked and not in_parallel:
+            first = next(mark for mark in BRANCH_MARKS if mark in table)
+            c.error(
+                (*path, first),
+                "only a branch of an all_of, any_of or quorum stage (or a graph node's chain) "
+                "can be marked; here its chain needs it: mark the pipes it can do without",
+            )
+        marks = self.marks(t) if marked else None
         if kind == "graph":
             nodes = self.graph(t.at("graph"), table["graph"], depth)
             items: list[StageItem] | None = None
         else:
-            items = self.items(t.at(kind), table[kind], depth)
+            items = self.items(t.at(kind), table[kind], depth, branches=kind != "serial")
         if c.failed(path):
             return None
         try:
@@ -316,6 +348,11 @@ class ChainReader:
             where = path
             assert items is not None
             if kind == "serial":
+                if marks is not None:
+                    name, optional, fallback = marks
+                    return branch(
+                        *items, name=name, optional=optional, fallback=fallback, timeout=timeout
+                    )
                 return serial(*items, timeout=timeout)
             if kind == "any_of":
                 return any_of(*items, timeout=timeout, max_concurrency=max_concurrency)
@@ -336,6 +373,45 @@ class ChainReader:
         except RegistrationError as exc:
             c.error(where, str(exc))
             return None
+
+    def marks(self, t: Table) -> tuple[str | None, bool, dict[str, Any] | None]:
+        """A branch's ``name``, ``optional`` and ``fallback`` (a table: the state it sets),
+        each problem reported at its key path."""
+        name = t.string("name", None)
+        optional = t.boolean("optional", False)
+        fallback = self.fallback(t)
+        if not optional and fallback is None and not t.c.failed(t.path):
+            t.c.error(
+                t.path,
+                "a branch with a name must also be marked: set optional = true or a fallback "
+                "table (the state it sets in its place)",
+            )
+        return name, optional, fallback
+
+    def fallback(self, t: Table) -> dict[str, Any] | None:
+        if "fallback" not in t:
+            return None
+        value, where = t.data["fallback"], t.at("fallback")
+        if not isinstance(value, dict):
+            t.c.error(
+                where,
+                "expected a table (the state to set in the branch's place), got "
+                f"{describe_value(value)}; a fallback pipe is for a pipe, not a branch",
+            )
+            return None
+        for key, item in value.items():
+            if key == DEGRADED_KEY:
+                t.c.error(
+                    (*where, key),
+                    f"{DEGRADED_KEY!r} is where the engine records what it degraded; use "
+                    "another key",
+                )
+                continue
+            try:
+                check_value(item, root=key)
+            except StateError as exc:
+                t.c.error((*where, key), str(exc))
+        return value
 
     def merge(self, t: Table) -> MergePolicy | None:
         value = t.data["merge"]
@@ -387,22 +463,35 @@ class ChainReader:
                 n = open_table(c, where, spec, NODE_KEYS)
                 if n is None:
                     continue
-                item = self.node_item(n, depth)
+                item = self.node_item(n, depth, name)
                 after = self.after(n, value)
                 detach = n.boolean("detach", False)
             if item is not None and not c.failed(where):
                 nodes.append(node(name, item, after=after, detach=detach))
         return nodes if not c.failed(path) else None
 
-    def node_item(self, n: Table, depth: int) -> StageItem | None:
+    def node_item(self, n: Table, depth: int, name: str) -> StageItem | None:
         if ("pipe" in n) == ("chain" in n):
             self.c.error(n.path, 'a graph node needs pipe = "name" or chain = [...], one of them')
             return None
         if "pipe" in n:
-            name = n.string("pipe", None)
-            return self.pipe(n.at("pipe"), name) if name is not None else None
+            for mark in ("optional", "fallback"):
+                if mark in n:
+                    self.c.error(
+                        n.at(mark),
+                        "marks a node's chain; a node's single pipe is marked on the pipe, "
+                        "under [pipes]",
+                    )
+            pipe = n.string("pipe", None)
+            return self.pipe(n.at("pipe"), pipe) if pipe is not None else None
+        optional = n.boolean("optional", False)
+        fallback = self.fallback(n)
         items = self.items(n.at("chain"), n.data["chain"], depth + 1)
-        return serial(*items) if items is not None else None
+        if items is None or self.c.failed(n.path):
+            return None
+        if optional or fallback is not None:
+            return branch(*items, name=name, optional=optional, fallback=fallback)
+        return serial(*items)
 
     def after(self, n: Table, nodes: dict[str, Any]) -> list[str]:
         value = n.data.get("after", [])

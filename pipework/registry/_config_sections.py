@@ -15,6 +15,7 @@ from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..container._collector import SERVING_GC_THRESHOLD
 from ..container._tls import CLIENT_AUTH, ClientAuth, ServerTls, server_context
 from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
+from ..proxy._access import DEFAULT_REDACTED
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
 from ._config_read import Table, check_name, open_table
@@ -49,6 +50,7 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    "access_log_redact",
     # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
     "cors",
     *TLS_KEYS,
@@ -106,6 +108,8 @@ class ServerConfig:
     #: HTTPS (and mutual TLS) when set: ``tls_cert``, ``tls_key``, ``tls_client_ca``,
     #: ``tls_client_auth``; its files are read again on a reload.
     tls: ServerTls | None = None
+    #: The query parameters whose values the access log hides.
+    access_log_redact: tuple[str, ...] = DEFAULT_REDACTED
 
     def admin_token_value(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The admin bearer token (from the file or the environment); None: no admin API."""
@@ -185,7 +189,25 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
         tls=_server_tls(t),
+        access_log_redact=_names(t, "access_log_redact", d.access_log_redact),
     )
+
+
+def _names(t: Table, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """An array of non-empty strings (query parameter names), each problem at its index."""
+    if key not in t:
+        return default
+    value = t.data[key]
+    if not isinstance(value, list):
+        t.c.error(t.at(key), f"expected an array of names, got {describe_value(value)}")
+        return default
+    found: list[str] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            t.c.error((*t.at(key), i), f"expected a name, got {describe_value(item)}")
+        else:
+            found.append(item)
+    return tuple(found)
 
 
 def _server_tls(t: Table) -> ServerTls | None:
@@ -362,20 +384,28 @@ def read_services(
         c.error(path, "expected a table of services, one [services.NAME] each")
         return {}, {}
     drafts: dict[str, _ServiceDraft] = {}
+    broken: list[tuple[str, Table]] = []
     for name, spec in value.items():
         where = (*path, name)
         t = open_table(c, where, spec, SERVICE_KEYS)
-        if t is None or not check_name(c, where, name, "service"):
+        if t is None:
             continue
+        named = check_name(c, where, name, "service")
         weights = _weights(t, settings.max_waiting)
-        if weights is not None:
+        if weights is not None and named:
             drafts[name] = _ServiceDraft(t, weights)
+        else:
+            broken.append((name, t))
     shared = settings.max_workers - sum(d.weights.reserve for d in drafts.values())
     services = {}
     for name, draft in drafts.items():
         service = _service(name, draft, settings.max_workers if shared < 0 else shared)
         if service is not None:
             services[name] = service
+    for name, t in broken:
+        # A bad name or bad weights are not the service's only problems: its other keys
+        # are checked too (with default weights), so one check reports them all.
+        _service(name, _ServiceDraft(t, Weights()), settings.max_workers)
     return services, {name: d.weights for name, d in drafts.items()}
 
 

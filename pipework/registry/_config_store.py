@@ -17,15 +17,13 @@ from ..dispatcher._store import (
 )
 from ._config_problems import Collector, KeyPath
 from ._config_read import open_table
-from ._config_redis import read_redis_target, redis_url
+from ._config_redis import REDIS_KEYS, read_redis_target, redis_url
 
 __all__ = ["StoreSettings", "read_store"]
 
 STORE_KEYS: Final = (
     "backend",
-    "url",
-    "url_env",
-    "prefix",
+    *REDIS_KEYS,
     "retain_seconds",
     "retain_count",
     "remember_gone_count",
@@ -46,6 +44,8 @@ class StoreSettings:
     url: str | None = None
     url_env: str | None = None
     prefix: str = "pipework"
+    sentinels: tuple[str, ...] = ()
+    sentinel_master: str | None = None
     retain_seconds: float = 3600.0
     retain_count: int = 10_000
     remember_gone_count: int = REMEMBER_GONE_COUNT
@@ -57,7 +57,9 @@ class StoreSettings:
     resend_seconds: float = 30.0
 
     def url_value(self, environ: Mapping[str, str] | None = None) -> str:
-        return redis_url("store", self.url, self.url_env, environ)
+        return redis_url(
+            "store", self.url, self.url_env, environ, self.sentinels, self.sentinel_master
+        )
 
     def build(
         self, *, queue_capacity: int, environ: Mapping[str, str] | None = None
@@ -104,6 +106,8 @@ def read_store(c: Collector, value: Any) -> StoreSettings:
         url=target.url,
         url_env=target.url_env,
         prefix=target.prefix,
+        sentinels=target.sentinels,
+        sentinel_master=target.sentinel_master,
         retain_seconds=t.number("retain_seconds", d.retain_seconds),
         retain_count=t.integer("retain_count", d.retain_count, minimum=1),
         remember_gone_count=t.integer("remember_gone_count", d.remember_gone_count, minimum=0),

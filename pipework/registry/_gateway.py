@@ -14,6 +14,7 @@ closes at shutdown.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -57,6 +58,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        access_log_redact=s.access_log_redact,
         cors=config.edge.server_cors,
     )
 
@@ -156,7 +158,8 @@ class Gateway:
         self.path = path
         #: Container settings that win over the file's (the command line's).
         self.overrides = dict(overrides or {})
-        self.config = load_config(path)  # ConfigError, before anything starts
+        # ConfigError before anything starts, unset variables the file names included.
+        self.config = load_config(path, environ=os.environ)
         self.engine: Engine | None = None
         self.container: Container | None = None
         self._pool: WeightedPool | None = None
@@ -280,7 +283,9 @@ class Gateway:
         if engine is None or container is None or pool is None or stack is None or not retiring:
             raise RuntimeError("the gateway is not serving yet")
         async with self._lock:  # one reload at a time: each builds on the plan in force
-            config = await trio.to_thread.run_sync(load_config, self.path)
+            config = await trio.to_thread.run_sync(
+                functools.partial(load_config, self.path, environ=os.environ)
+            )
             pool_config = config.pool_config()  # validated before anything changes
             certificates = self._certificates(config)  # read before anything changes
             backends = await stack.enter_async_context(config.backends())
