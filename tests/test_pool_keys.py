@@ -131,3 +131,34 @@ async def test_a_pool_key_must_be_a_non_empty_string() -> None:
     async with engine:
         with pytest.raises(ValueError, match="pool_key"):
             await engine.submit("work", pool_key="")
+
+
+@pytest.mark.parametrize("limited", [True, False], ids=["forked", "in-step"])
+async def test_a_branch_it_can_do_without_is_judged_by_the_key_it_would_run_under(
+    autojump_clock: trio.abc.Clock, limited: bool
+) -> None:
+    """A ``pw.branch`` whose first pipe has no key runs under the job's pool key, so that
+    key's refusals are the ones asked before it starts: whether its stage runs as child
+    jobs (the key is limited) or inside the parent's step."""
+    from .test_degrade import Breakers
+
+    breakers = Breakers()
+    breakers.open.add("tenant:a")
+    pool = tenants_pool() if limited else pw.WeightedPool(10)
+    engine = pw.Engine(pool=pool, refusals=breakers)
+
+    async def load(ctx: pw.Context) -> None:
+        ctx.state["product"] = "lamp"
+
+    async def recommend(ctx: pw.Context) -> None:
+        ctx.state["recs"] = ["shade"]
+
+    branch = pw.branch(pw.Pipe(recommend, "recommend"), optional=True, name="recs")
+    engine.chain("page", load, pw.all_of(pw.Pipe(load, "again"), branch))
+    async with engine:
+        refused = await engine.run("page", pool_key="tenant:a")
+        # A tenant with no limit of its own: its branch finds a slot free at once.
+        served = await engine.run("page", pool_key="tenant:c")
+    assert refused["degraded"] == {"recs": "refused"}
+    assert served["recs"] == ["shade"]
+    assert "tenant:a" in breakers.asked

@@ -250,7 +250,7 @@ class InStepStage:
         if self.stage.branches[index].degradable:
             degrader = parts.degrader
             reason = degrader.branch_before(
-                chain, self.stage, index, record.deadline, trio.current_time()
+                chain, self.stage, index, record.deadline, trio.current_time(), parent.pool_key
             )
             if reason is not None:
                 start = self.run_of.start_state(index, self._snapshot())
