@@ -961,7 +961,15 @@ class RedisJobStore(Batches):
                     yield
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._script("release", [key], [token])
+                        try:
+                            await self._script("release", [key], [token])
+                        except StoreUnavailable as exc:
+                            # Its lease frees it within lock_seconds. Raised, it would undo
+                            # what the section did for its caller: a signal delivered
+                            # would be answered as if nothing was done.
+                            _log.debug(
+                                "pipework: the lock of job %s left to expire: %s", job_id, exc
+                            )
         finally:
             local, users = self._locks[job_id]
             if users == 1:
