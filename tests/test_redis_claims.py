@@ -277,3 +277,29 @@ async def test_a_resume_whose_step_cannot_read_its_job_is_run_once_the_store_is_
             await store.refused.wait()
             assert await engine.wait(job_id) == {"payment": {"amount": 5}}
         await _until_pending(redis_server, prefix, 0)
+
+
+async def test_a_signal_kept_by_another_process_while_the_step_runs_resumes_the_job(
+    redis_server: RedisServer,
+) -> None:
+    """A signal sent through another process while the job's pipe runs is kept on its
+    record; the step then suspends for it: its write of the suspension does not write the
+    record back without the signal, and the job takes it and goes on."""
+    prefix = _prefix()
+    store = RedisJobStore(redis_server.url, prefix=prefix)
+    engine = pw.Engine(
+        store=store, queue=RedisEventQueue(redis_server.url, prefix=prefix, store=store)
+    )
+
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        async with RedisJobStore(redis_server.url, prefix=prefix) as elsewhere:
+            record = await elsewhere.get(ctx.job_id)
+            record.signals["go"] = {"ok": True}  # as Engine.signal keeps it there
+            assert await elsewhere.update_unless_changed(record)
+        await ctx.suspend("go", into="approval")
+
+    engine.chain("approve", hold)
+    async with engine:
+        with trio.fail_after(10):
+            assert await engine.run("approve") == {"approval": {"ok": True}}
