@@ -692,6 +692,14 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
         if k.configured or label(name) == name:
             row["reserve"], row["limit"], row["effective"] = k.reserve, k.limit, k.effective_limit
             row["adaptive"] = k.adaptive_limit
+    forgotten = getattr(stats, "forgotten_admitted", 0)
+    if forgotten or getattr(stats, "keys_forgotten", 0):
+        # Unnamed keys the pool forgot while idle (its max_keys) counted on their row still:
+        # a counter never goes down.
+        row = rows.setdefault("default", _new_row())
+        row["admitted"] += forgotten
+        for reason, count in stats.forgotten_rejected.items():
+            row["rejected"][reason] = row["rejected"].get(reason, 0) + count
     config = getattr(pool, "config", None)
     default = getattr(config, "default", None)
     if default is not None:

@@ -347,8 +347,8 @@ def proxy(body: str) -> str:
         pytest.param(
             SERVICE + PIPE + '[routes.c]\npath = "/c"\nchain = ["auth"]\nflavour = 1',
             "error: routes.c.flavour: unknown key; expected one of: auth, body, chain, cors, key, "
-            "max_body, method, mode, on_disconnect, path, rate_limits, result, scopes, sync_wait, "
-            "timeout",
+            "max_body, method, mode, on_disconnect, path, pool_key, rate_limits, result, scopes, "
+            "sync_wait, timeout",
             id="chain-route-hint-unchanged",
         ),
     ],

@@ -66,11 +66,14 @@ async def test_thousands_of_parked_sync_requests_are_all_answered() -> None:
             for n in range(PARKED):
                 nursery.start_soon(request, n)
             await all_suspended.wait()
-            # A job suspends in the engine's task; its request parks in its own, later.
-            while served.container.parking.parked < PARKED:
+            # A request parks in its own task and its job suspends in the engine's: wait
+            # until both have happened for every one (the pipe counts before it suspends).
+            while True:
                 await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-            assert served.container.parking.parked == PARKED
+                jobs = await engine.store.list(pw.Status.SUSPENDED)
+                if served.container.parking.parked == len(jobs) == PARKED:
+                    break
             assert not answers
-            for job in await engine.store.list(pw.Status.SUSPENDED):
+            for job in jobs:
                 await engine.signal(job.id, "go")
     assert answers == {n: (200, n * 2) for n in range(PARKED)}

@@ -768,6 +768,37 @@ async def test_the_trace_context_is_stored_and_an_older_record_carries_none(
         assert read.to_wire() == older.to_wire()
 
 
+async def test_the_pool_key_is_stored_and_an_older_record_carries_none(
+    redis_server: RedisServer,
+) -> None:
+    """``pool_key`` (a route's tenant) round-trips; a record written before jobs carried
+    one (its last field ``baggage``) reads as carrying none: the chain's key."""
+    async with _store(redis_server) as store:
+        job = _job()
+        job.pool_key = "tenant:acme"
+        job.baggage = "user=ada"
+        await store.create(job)
+        read = await store.get(job.id)
+        assert (read.pool_key, read.baggage) == ("tenant:acme", "user=ada")
+        older = _job()
+        older.baggage = "user=bob"
+        await store.create(older)
+        key = f"{store.prefix}:job:{older.id}"
+        connection = await Connection.open(redis_server.url)
+        try:
+            [blob] = await connection.call([["HGET", key, "d"]])
+            values = msgpack.unpackb(blob, raw=False)
+            # the pool key, before the writer's clock and the layout
+            del values[_FIELDS.index("pool_key") : -2]
+            older_blob = msgpack.packb(values, use_bin_type=True)
+            await connection.call([["HSET", key, "d", older_blob]])
+        finally:
+            await connection.aclose()
+        read = await store.get(older.id)
+        assert (read.pool_key, read.baggage) == (None, "user=bob")
+        assert read.to_wire() == older.to_wire()
+
+
 class _Gated(RedisJobStore):
     """A store whose next round trip waits for ``gate`` before it is sent; the calls each
     batch carries are counted as it goes (in the order the batches go). On the real clock,

@@ -435,6 +435,8 @@ CONFIGS = st.fixed_dictionaries(
         "default": DEFAULTS,
         "wait_timeout": st.none() | st.sampled_from([1.0, 3.0]),
         "max_passed_over": st.just(BOUND),
+        # Small bounds: idle unnamed keys are forgotten (and found again) within a run.
+        "max_keys": st.integers(1, 4),
     }
 )
 
@@ -616,3 +618,51 @@ def test_continuing_steps_are_never_refused_for_load() -> None:
     with pytest.raises(Rejected) as info:
         core.acquire("s", 5.0, deadline=5.0, continuing=True)
     assert info.value.reason == "deadline"
+
+
+# -- how many keys the pool remembers ---------------------------------------------------------
+
+
+def test_idle_unnamed_keys_are_forgotten_past_max_keys_and_totals_stay() -> None:
+    """A key per tenant: a flood of callers leaves at most ``max_keys`` idle keys (and
+    twice the keys in use), never a named key or one holding or waiting; the pool's
+    totals keep what the forgotten keys were granted and refused."""
+    c = AdmissionCore(
+        PoolConfig(
+            max_workers=4,
+            keys={"named": Weights(limit=1)},
+            default=Weights(limit=1, max_waiting=1),
+            max_keys=8,
+            wait_timeout=5,
+        )
+    )
+    busy = granted(c, "tenant:busy")
+    late = waiting(c, "tenant:busy")  # at its limit of one: it waits
+    rejected(c, "tenant:busy")  # and its queue is full
+    gone = granted(c, "tenant:gone")
+    assert rejected(c, "tenant:gone", deadline=0.0).reason == "deadline"
+    c.release(gone, 0.5)
+    for i in range(1000):
+        c.release(granted(c, f"tenant:{i}", float(i)), float(i) + 0.5)
+        assert len(c.statistics(0.0).keys) <= 16
+    stats = c.statistics(1000.0)
+    assert {"named", "tenant:busy"} <= set(stats.keys)
+    assert stats.keys_forgotten > 900
+    # Everything ever granted or refused is still counted, by the pool if not by a key.
+    assert stats.admitted == 1002
+    assert "tenant:gone" not in stats.keys
+    assert stats.forgotten_rejected["deadline"] == stats.rejected["deadline"] == 1
+    assert stats.admitted == stats.forgotten_admitted + sum(s.admitted for s in stats.keys.values())
+    assert stats.rejected["queue_full"] == 1
+    # A forgotten key comes back as a new one, on the default weights.
+    c.release(busy, 1000.0)
+    assert late.granted
+    again = granted(c, "tenant:3", 1000.0)
+    assert c.statistics(1000.0).keys["tenant:3"].limit == 1
+    c.release(again, 1001.0)
+    c.release(late, 1001.0)
+
+
+def test_max_keys_must_be_positive() -> None:
+    with pytest.raises(PoolConfigError, match="max_keys"):
+        PoolConfig(max_keys=0)

@@ -18,10 +18,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["IDENTITY", "claim_of", "identity_of", "set_identity"]
+__all__ = [
+    "IDENTITY",
+    "POOL_KEY_PREFIX",
+    "claim_of",
+    "identity_of",
+    "pool_key_of",
+    "set_identity",
+]
 
 #: The ASGI scope's key for the request's identity mapping.
 IDENTITY: Final = "pipework.identity"
+#: What starts a pool key chosen by a request's identity or claim (a route's ``pool_key``):
+#: a service's or a named key's name has no ``:``, so a caller can never choose one.
+POOL_KEY_PREFIX: Final = "tenant:"
 
 
 def set_identity(
@@ -53,3 +63,14 @@ def claim_of(scope: Mapping[str, Any], name: str) -> str | None:
     if isinstance(value, str | int | float):
         return str(value) if value != "" else None
     return None
+
+
+def pool_key_of(scope: Mapping[str, Any], source: str) -> str | None:
+    """The pool key ``source`` chooses for the request of ``scope``: ``"identity"`` (its
+    identity) or ``"claim:NAME"`` (that claim, read as :func:`claim_of` reads it), behind
+    :data:`POOL_KEY_PREFIX`; None when the request has no such identity or claim."""
+    if source == "identity":
+        value = identity_of(scope)
+    else:
+        value = claim_of(scope, source.removeprefix("claim:"))
+    return None if value is None else POOL_KEY_PREFIX + value

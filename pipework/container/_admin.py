@@ -36,6 +36,7 @@ from quart import Response, request
 from .._errors import PipeworkError
 from .._http._bodies import JSON, decode_object, dumps_json, read_body
 from .._http._credentials import bearer_token, same_secret
+from .._http._identity import POOL_KEY_PREFIX
 from .._http._problems import Problem
 from .._http._ratelimit import RateLimits
 from ..dispatcher._engine import Engine
@@ -150,10 +151,11 @@ class AdminApi:
     async def set_key(self, key: str) -> Response:
         self._authorize()
         pool = self._pool()
-        if not _KEY_NAME.match(key):
+        if not _KEY_NAME.match(key) and not _tenant_key(key):
             raise _bad_weights(
                 f"{key!r} cannot name a key: use letters, digits, '_', '-' and '.' "
-                "(up to 128, not starting with '-' or '.')"
+                "(up to 128, not starting with '-' or '.'), or a tenant's key "
+                f"({POOL_KEY_PREFIX}VALUE)"
             )
         self._declared(pool, key)
         data = await read_body(request, limit=self._max_body, time_limit=self._time_limit)
@@ -398,6 +400,15 @@ def _as_fields(weights: Weights) -> dict[str, Any]:
     return {name: getattr(weights, name) for name in (*_FIELDS, "adaptive")}
 
 
+def _tenant_key(key: str) -> bool:
+    """A tenant's key, as a route's pool_key makes them (``tenant:acme``)."""
+    return (
+        key.startswith(POOL_KEY_PREFIX)
+        and 0 < len(key) - len(POOL_KEY_PREFIX) <= 256
+        and (key.isprintable())
+    )
+
+
 def pool_document(stats: PoolStatistics) -> dict[str, Any]:
     """The pool's statistics as JSON (what ``GET /admin/pool`` answers)."""
     return {
@@ -410,6 +421,7 @@ def pool_document(stats: PoolStatistics) -> dict[str, Any]:
         "rejected": dict(stats.rejected),
         "debt": stats.debt,
         "config_generation": stats.config_generation,
+        "keys_forgotten": stats.keys_forgotten,
         "keys": {
             name: {
                 "configured": k.configured,

@@ -39,6 +39,7 @@ from .._http._bodies import (
     raw_answer,
     read_body,
 )
+from .._http._identity import pool_key_of
 from .._http._jobs import DEGRADED_HEADER, degraded_header, job_document
 from .._http._problems import Problem, problem_for_exception
 from .._http._ratelimit import RateLimits
@@ -549,6 +550,10 @@ class Submissions:
         ctx: Incoming | None = namespace.get("pipework")
         # The engine sets the same deadline: it reads the clock before its first await.
         deadline = trio.current_time() + timeout
+        # Chosen once, here: the job keeps it (through hand-offs and the store).
+        pool_key = None
+        if route.pool_key is not None:
+            pool_key = pool_key_of(current_request().scope, route.pool_key)
         try:
             job_id = await self.engine.submit(
                 route.chain,
@@ -561,6 +566,7 @@ class Submissions:
                 baggage=None if ctx is None else ctx.baggage,
                 stream=route.mode == "stream",
                 admit=admit,
+                pool_key=pool_key,
             )
         except StoreUnavailable as exc:
             if exc.job_id is None:  # nothing reached the store: nothing was done

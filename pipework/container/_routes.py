@@ -26,6 +26,7 @@ __all__ = [
     "Route",
     "RouteSource",
     "RouteTable",
+    "pool_key_problem",
     "routes_of",
 ]
 
@@ -63,6 +64,9 @@ class Route:
     - ``auth``: who may call it (API keys, JWTs; None: anyone), checked before any job
       exists; the identity joins the state under ``"identity"``. ``cors``: which other
       origins' pages may call it from a browser (None: none).
+    - ``pool_key``: ``"identity"`` or ``"claim:NAME"`` (with ``auth``): the job's steps
+      that would run under the chain's key run under ``tenant:VALUE`` instead, VALUE the
+      caller's identity or that claim (docs/edge-policy.md); None: the chain's key.
     """
 
     name: str
@@ -77,6 +81,7 @@ class Route:
     body: BodyKind = "object"
     auth: RouteAuth | None = field(default=None, compare=False)
     cors: CorsPolicy | None = field(default=None, compare=False)
+    pool_key: str | None = None
 
     def __post_init__(self) -> None:
         where = f"route {self.name!r}"
@@ -110,6 +115,15 @@ class Route:
             raise RegistrationError(f"{where}: max_body must be >= 0, got {self.max_body}")
         if self.body not in _BODIES:
             raise RegistrationError(f"{where}: body {self.body!r} is not one of {_BODIES}")
+        if self.pool_key is not None:
+            problem = pool_key_problem(self.pool_key)
+            if problem is not None:
+                raise RegistrationError(f"{where}: {problem}")
+            if self.auth is None:
+                raise RegistrationError(
+                    f"{where}: pool_key {self.pool_key!r} needs auth: only an "
+                    "authenticated caller has an identity or claims to choose a key by"
+                )
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -125,6 +139,15 @@ class Route:
     def shape(self) -> tuple[str, str]:
         """Method and path with parameter names erased: two routes with one shape clash."""
         return self.method, _PARAM.sub("{}", self.path)
+
+
+def pool_key_problem(source: object) -> str | None:
+    """What is wrong with a route's ``pool_key`` (None: nothing)."""
+    if source == "identity" or (
+        isinstance(source, str) and source.startswith("claim:") and source != "claim:"
+    ):
+        return None
+    return f'pool_key must be "identity" or "claim:NAME", got {source!r}'
 
 
 def _check_path(path: str, where: str) -> None:

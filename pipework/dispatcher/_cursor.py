@@ -19,6 +19,7 @@ from ._job import Frame, Job
 
 __all__ = [
     "advance",
+    "chain_key",
     "next_key",
     "path_of",
     "peek",
@@ -41,7 +42,16 @@ def start_frames(job: Job, chain: Chain, now: float) -> None:
     job.frames = [frame]
     flat = root.flat if isinstance(root, Serial) else None
     # A sequence of pipes (most chains): its first pipe's key, with no walk.
-    job.key = (flat[0].key or chain.key) if flat else next_key(job, chain)
+    job.key = (flat[0].key or job.pool_key or chain.key) if flat else next_key(job, chain)
+
+
+def chain_key(job: Job, chain: Chain, step: object = None) -> str:
+    """The admission key of ``step`` in ``job``: a pipe's own key, else the job's pool key
+    (a route's tenant, see docs/edge-policy.md), else the chain's. A parallel stage (or
+    nothing) takes the job's or chain's key: only a pipe can name a key of its own."""
+    if isinstance(step, Pipe) and step.key is not None:
+        return step.key
+    return job.pool_key or chain.key
 
 
 def next_key(job: Job, chain: Chain) -> str:
@@ -51,10 +61,10 @@ def next_key(job: Job, chain: Chain) -> str:
         root: Any = chain.node_at(job.root)  # a serial sequence: a chain's or a branch's
         index = job.frames[0].index
         if index < len(root.children) and isinstance(root.children[index], Pipe):
-            return root.children[index].key or chain.key
+            return root.children[index].key or job.pool_key or chain.key
     frames = [Frame(f.index, f.deadline, f.bound) for f in job.frames]
     step = _walk(frames, job.root, chain, math.inf)
-    return step.key or chain.key if isinstance(step, Pipe) else chain.key
+    return chain_key(job, chain, step)
 
 
 def peek(job: Job, chain: Chain) -> Pipe | Parallel | None:

@@ -226,17 +226,24 @@ class Degrader:
     # -- a branch its job can do without (``pw.branch``) -------------------------------------
 
     def branch_before(
-        self, chain: Chain, stage: Parallel, index: int, deadline: float, now: float
+        self,
+        chain: Chain,
+        stage: Parallel,
+        index: int,
+        deadline: float,
+        now: float,
+        pool_key: str | None = None,
     ) -> Reason | None:
         """Why branch ``index`` of ``stage``, about to start with ``deadline`` (its stage's),
         is degraded instead (None: it runs, or it is not one its job can do without):
         ``refused`` when its first pipe's key refuses, ``deadline`` when the time left is
-        below what the branch usually takes."""
+        below what the branch usually takes. ``pool_key``: its job's (a pipe without a key
+        of its own runs under it)."""
         root = stage.branches[index]
         if not root.degradable:
             return None
         first = root.first_pipe()
-        key = (first.key if first is not None else None) or chain.key
+        key = (first.key if first is not None else None) or pool_key or chain.key
         name = f"{chain.name}/{stage.names[index]}"
         estimates = self.branch_estimates
         reason = reason_before(self._refusals.refusing(key), deadline - now, estimates.usual(name))
@@ -311,7 +318,7 @@ class Degrader:
                 job_id=job.id,
                 route=job.chain,
                 pipe=name,
-                key=(first.key if first is not None else None) or chain.key,
+                key=(first.key if first is not None else None) or job.pool_key or chain.key,
                 outcome=reason,
             )
 
@@ -332,7 +339,9 @@ class Degrader:
         no slot: its state is the one it started from, with its fallback and its mark. The
         caller ends it done; its stage then merges just that."""
         now = self._flight.clock()
-        reason = self.branch_before(chain, stage, index, job.deadline, now) or "no_slot"
+        reason = (
+            self.branch_before(chain, stage, index, job.deadline, now, job.pool_key) or "no_slot"
+        )
         self._note(job, chain, stage, index, reason)
         job.state.update(stage.branches[index].fallback_state())
         mark(job.state, stage.names[index], reason)

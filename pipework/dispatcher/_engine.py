@@ -310,6 +310,7 @@ class Engine:
         traceparent: str | None = None,
         tracestate: str | None = None,
         baggage: str | None = None,
+        pool_key: str | None = None,
     ) -> str:
         """Accept a job and return its id, or raise Overloaded at once if the queue is full.
 
@@ -320,8 +321,13 @@ class Engine:
         once accepted, its steps wait for their slots up to its deadline and are never
         refused for load. For work promised before it runs, as an async route's 202.
         ``traceparent``, ``tracestate`` and ``baggage`` (the W3C trace context of the
-        request behind the job) go with every backend call its pipes make.
+        request behind the job) go with every backend call its pipes make. ``pool_key``
+        replaces the chain's key as the admission key of every step that would run under
+        it (a pipe with a key of its own keeps it), for the whole job and its branches: a
+        route's tenant (docs/edge-policy.md).
         """
+        if pool_key is not None and not (isinstance(pool_key, str) and pool_key):
+            raise ValueError(f"pool_key must be a non-empty string or None, got {pool_key!r}")
         job = self._new_job(
             self._generation,
             chain,
@@ -333,6 +339,7 @@ class Engine:
             traceparent,
             tracestate,
             baggage,
+            pool_key,
         )
         nowait = self._dispatcher.nowait
         if stream or not nowait or self._abilities.shared_queue is not None:
@@ -360,7 +367,9 @@ class Engine:
         *,
         timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
     ) -> str:
-        job = self._new_job(generation, chain, state, timeout, None, None, False, None, None, None)
+        job = self._new_job(
+            generation, chain, state, timeout, None, None, False, None, None, None, None
+        )
         return await self._enqueue(job, False)
 
     def _new_job(
@@ -375,6 +384,7 @@ class Engine:
         traceparent: str | None,
         tracestate: str | None,
         baggage: str | None,
+        pool_key: str | None,
     ) -> Job:
         """The record of a job about to be accepted, counted on its plan."""
         if self._nursery is None:
@@ -407,8 +417,9 @@ class Engine:
             wall,
             tracestate,
             baggage,
+            pool_key,
         )
-        start_frames(job, plan, now)
+        start_frames(job, plan, now)  # its first key: the pool key's, when it uses it
         if tracing.on:
             tracing.annotate("pipework.job_id", job_id)
             tracing.event("job queued", {"pipework.job_id": job_id, "pipework.key": job.key})

@@ -123,7 +123,7 @@ class Forked:
             degrader = self.degrader
             assert degrader is not None, "the degrader is wired in with the dispatcher"
             reason = degrader.branch_before(
-                run.chain, stage, index, record.deadline, trio.current_time()
+                run.chain, stage, index, record.deadline, trio.current_time(), parent.pool_key
             )
             if reason is not None:
                 record.children[index] = f"{record.id}.{index}"  # no job: nothing to cancel
@@ -137,6 +137,7 @@ class Forked:
             traceparent=parent.traceparent,
             tracestate=parent.tracestate,
             baggage=parent.baggage,
+            pool_key=parent.pool_key,
             deadline=record.deadline,
             root=(*record.path, index),
             parent=parent.id,

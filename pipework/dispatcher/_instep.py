@@ -42,7 +42,7 @@ from ..pipes._stages import Chain, Parallel
 from ._abilities import Abilities
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
-from ._cursor import advance, path_of, start_frames
+from ._cursor import advance, chain_key, path_of, start_frames
 from ._degrade import Degrader
 from ._ends import Ends
 from ._flight import Flight
@@ -250,7 +250,7 @@ class InStepStage:
         if self.stage.branches[index].degradable:
             degrader = parts.degrader
             reason = degrader.branch_before(
-                chain, self.stage, index, record.deadline, trio.current_time()
+                chain, self.stage, index, record.deadline, trio.current_time(), parent.pool_key
             )
             if reason is not None:
                 start = self.run_of.start_state(index, self._snapshot())
@@ -266,6 +266,7 @@ class InStepStage:
             traceparent=parent.traceparent,
             tracestate=parent.tracestate,
             baggage=parent.baggage,
+            pool_key=parent.pool_key,
             deadline=record.deadline,
             root=_roots(record.path, len(self.stage.branches))[index],
             parent=parent.id,
@@ -279,7 +280,7 @@ class InStepStage:
         )
         if flat is not None and root.timeout is None:
             # What start_frames finds for a branch of pipes only, without walking the chain.
-            branch.key = flat[0].key or chain.key
+            branch.key = flat[0].key or branch.pool_key or chain.key
             branch.frames = [Frame(0, branch.deadline)]
         else:
             start_frames(branch, chain, parts.flight.clock())
@@ -500,7 +501,7 @@ class InStepStage:
         if following is None:
             await self.parts.ends.finish(branch, Status.DONE, now=ended)
             return True
-        branch.key = (following.key or chain.key) if isinstance(following, Pipe) else chain.key
+        branch.key = chain_key(branch, chain, following)
         branch.transition(Status.QUEUED)
         return True
 

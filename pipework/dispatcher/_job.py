@@ -246,6 +246,11 @@ class JobRecord:
     #: record written before them reads as having neither.
     tracestate: str | None = None
     baggage: str | None = None
+    #: The admission key of the steps that would run under the chain's own key, chosen
+    #: for the job when it was accepted (a route's ``pool_key``: its caller's tenant, see
+    #: docs/edge-policy.md); None: the chain's key. Branches inherit it. Stored after
+    #: ``baggage``, so a record written before it reads as having none.
+    pool_key: str | None = None
     #: The store's count of writes (a shared store compares it to refuse a stale write).
     version: int = 0
 
@@ -315,6 +320,7 @@ class JobRecord:
             "delivered": list(self.delivered),
             "tracestate": self.tracestate,
             "baggage": self.baggage,
+            "pool_key": self.pool_key,
             "version": self.version,
         }
 
@@ -362,6 +368,7 @@ class Job(JobRecord):
         wall: float,
         tracestate: str | None = None,
         baggage: str | None = None,
+        pool_key: str | None = None,
     ) -> Job:
         """A new top-level job, as ``Job(...)`` with these fields and every other at its
         default (``created_at`` and ``updated_at`` both ``wall``), built for the submission
@@ -401,6 +408,7 @@ class Job(JobRecord):
         job.delivered = ()
         job.tracestate = tracestate
         job.baggage = baggage
+        job.pool_key = pool_key
         job.version = 0
         job.exception = None
         return job

@@ -36,7 +36,7 @@ from ..pipes._state import check_state
 from ._abilities import Abilities
 from ._boundary import split_outside
 from ._branch_runners import BranchRunners
-from ._cursor import advance
+from ._cursor import advance, chain_key
 from ._degrade import Degrader
 from ._degrade_core import Reason
 from ._ends import INTERNAL_PLAN, Ends
@@ -376,7 +376,7 @@ class Steps:
                 now = trio.current_time()
                 flat = None
                 continue
-            key = pipe.key or chain.key
+            key = pipe.key or job.pool_key or chain.key
             # A pipe the job can do without: degraded or run through the degrader.
             degrade: Reason | Literal[False] | None = None
             if pipe.degradable:
@@ -396,7 +396,10 @@ class Steps:
             # anyway, with nothing run in between: the job's end or its hand-off.
             if flat is not None:  # is this the flat sequence's last pipe, or its key's last?
                 following = frames[0].index + 1
-                then_writes = following >= len(flat) or (flat[following].key or chain.key) != held
+                then_writes = (
+                    following >= len(flat)
+                    or (flat[following].key or job.pool_key or chain.key) != held
+                )
             else:
                 then_writes = False
             top = frames[-1]
@@ -455,7 +458,7 @@ class Steps:
             if not self._ends.done_nowait(job, result, ended):
                 await self._ends.finish(job, Status.DONE, result=result, now=ended)
             return True
-        job.key = (following.key or chain.key) if isinstance(following, Pipe) else chain.key
+        job.key = chain_key(job, chain, following)
         job.transition(QUEUED)
         await self._hand_off(job)
         return True
@@ -514,7 +517,7 @@ class Steps:
         held = job.key
         if self._abilities.limited(held):
             return False
-        default = chain.key
+        default = job.pool_key or chain.key
         return all((default if key is None else key) == held for key in stage.branch_keys)
 
     async def _go_on_under(self, job: Job, key: str, slot: list[Any], now: float) -> bool:

@@ -58,6 +58,7 @@ class WeightedPool:
         default: Weights | None = None,
         wait_timeout: float | None = 10.0,
         max_passed_over: int = 8,
+        max_keys: int = 10_000,
     ) -> None:
         config = PoolConfig(
             max_workers=max_workers,
@@ -65,6 +66,7 @@ class WeightedPool:
             default=default or Weights(),
             wait_timeout=wait_timeout,
             max_passed_over=max_passed_over,
+            max_keys=max_keys,
         )
         self._core = AdmissionCore(config)
 

@@ -121,13 +121,16 @@ class Weights:
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """The whole pool: ``max_workers`` slots, ``keys`` with their weights, ``default`` for
-    every other key, the pool ``wait_timeout`` and the starvation bound ``max_passed_over``."""
+    every other key, the pool ``wait_timeout`` and the starvation bound ``max_passed_over``.
+    ``max_keys`` bounds the unnamed keys the pool remembers while they are idle (a tenant
+    per caller must not grow it without bound; see docs/weighted-pool.md)."""
 
     max_workers: int = 64
     keys: Mapping[str, Weights] = field(default_factory=dict)
     default: Weights = Weights()
     wait_timeout: float | None = 10.0
     max_passed_over: int = 8
+    max_keys: int = 10_000
 
     def __post_init__(self) -> None:
         # A private copy: the caller's dict changing later must not change a validated config.
@@ -150,6 +153,8 @@ class PoolConfig:
             raise PoolConfigError(f"wait_timeout must be above 0, got {self.wait_timeout}")
         if self.max_passed_over < 1:
             raise PoolConfigError(f"max_passed_over must be at least 1, got {self.max_passed_over}")
+        if self.max_keys < 1:
+            raise PoolConfigError(f"max_keys must be at least 1, got {self.max_keys}")
 
     @property
     def shared_pool(self) -> int:
@@ -303,6 +308,12 @@ class PoolStatistics:
     shared_debt: int
     config_generation: int
     keys: Mapping[str, KeyStatistics]
+    #: Unnamed keys forgotten while idle (``PoolConfig.max_keys``), and what they had been
+    #: granted and refused: counted in ``admitted`` and ``rejected`` above, no longer in
+    #: ``keys``, so the pool's totals never go down.
+    keys_forgotten: int = 0
+    forgotten_admitted: int = 0
+    forgotten_rejected: Mapping[str, int] = field(default_factory=dict)
 
 
 class AdmissionCore:
@@ -318,6 +329,11 @@ class AdmissionCore:
         self._starve_seq = 0
         self._generation = 0
         self._config = config
+        #: Unnamed idle keys are forgotten when this many keys are known (see _forget).
+        self._forget_at = config.max_keys
+        self._forgotten = 0
+        self._forgotten_admitted = 0
+        self._forgotten_rejected = dict.fromkeys(Rejected.REASONS, 0)
         self._apply(config)
 
     @property
@@ -512,7 +528,7 @@ class AdmissionCore:
 
     def statistics(self, now: float) -> PoolStatistics:
         keys: dict[str, KeyStatistics] = {}
-        rejected = dict.fromkeys(Rejected.REASONS, 0)
+        rejected = dict(self._forgotten_rejected)
         for k in self._keys.values():
             reserved = min(k.held, k.reserve)
             for reason, n in k.rejected.items():
@@ -541,33 +557,57 @@ class AdmissionCore:
             in_use=self._in_use,
             in_use_shared=self._shared_in_use,
             waiting=self._waiting,
-            admitted=sum(k.admitted for k in self._keys.values()),
+            admitted=self._forgotten_admitted + sum(k.admitted for k in self._keys.values()),
             rejected=MappingProxyType(rejected),
             debt=max(0, self._in_use - cfg.max_workers),
             shared_debt=max(0, self._shared_in_use - self._shared_pool),
             config_generation=self._generation,
             keys=MappingProxyType(keys),
+            keys_forgotten=self._forgotten,
+            forgotten_admitted=self._forgotten_admitted,
+            forgotten_rejected=MappingProxyType(dict(self._forgotten_rejected)),
         )
 
     # -- internals ---------------------------------------------------------------------------
 
     def _apply(self, config: PoolConfig) -> None:
         self._config = config
+        self._forget_at = config.max_keys
         self._max_workers = config.max_workers
         self._shared_pool = config.shared_pool
+        # Every known key's weights (and whether it is named) first: a sweep while the
+        # named keys are added must see which keys the new config names.
+        for k in self._keys.values():
+            self._set_weights(k)
         for name in config.keys:
             if name not in self._keys:
                 self._add_key(name)
-        for k in self._keys.values():
-            self._set_weights(k)
         self._shared_in_use = sum(max(0, k.held - k.reserve) for k in self._keys.values())
         self._generation += 1
 
     def _add_key(self, name: str) -> _Key:
+        if len(self._keys) >= self._forget_at:
+            self._forget()
         k = _Key(name)
         self._keys[name] = k
         self._set_weights(k)
         return k
+
+    def _forget(self) -> None:
+        """Drop every unnamed key that holds nothing and has nobody waiting: a key per
+        tenant (a route's pool key) would otherwise stay for ever, one per caller ever seen.
+        Such a key is what a new one is, but for its hold-time average, its adaptive limit
+        and its counts (kept in the pool's totals): it starts from the default weights
+        again when next seen. Keys in use are kept, so the next sweep waits until twice as
+        many are known: the sweeps cost O(1) per key added, whatever is busy."""
+        forgotten = [k for k in self._keys.values() if not (k.held or k.queue or k.configured)]
+        for k in forgotten:
+            del self._keys[k.name]
+            self._forgotten_admitted += k.admitted
+            for reason, n in k.rejected.items():
+                self._forgotten_rejected[reason] += n
+        self._forgotten += len(forgotten)
+        self._forget_at = max(self._config.max_keys, 2 * len(self._keys))
 
     def _set_weights(self, k: _Key) -> None:
         cfg = self._config

@@ -162,13 +162,15 @@ _AT_STATUS, _AT_UPDATED, _AT_FRAMES, _AT_ROOT, _AT_PROGRESS, _AT_ERROR, _AT_OUTP
     _FIELDS.index(name)
     for name in ("status", "updated_at", "frames", "root", "progress", "error", "output", "join")
 )
-#: The signals a job took, then its tracestate and baggage: the last fields, which a
-#: record written before each lacks.
+#: The signals a job took, then its tracestate and baggage, then its pool key: the last
+#: fields, which a record written before each lacks.
 _AT_DELIVERED: Final = _FIELDS.index("delivered")
 _AT_TRACESTATE: Final = _FIELDS.index("tracestate")
-if _FIELDS[_AT_DELIVERED:] != ("delivered", "tracestate", "baggage"):
+_AT_POOL_KEY: Final = _FIELDS.index("pool_key")
+if _FIELDS[_AT_DELIVERED:] != ("delivered", "tracestate", "baggage", "pool_key"):
     raise RuntimeError(
-        "Job's fields delivered, tracestate and baggage must be the last ones stored (see _decode)"
+        "Job's fields delivered, tracestate, baggage and pool_key must be the last ones "
+        "stored (see _decode)"
     )
 #: The fields that are absolute trio times (moved between processes' clocks).
 _TIMES: Final = tuple(
@@ -408,6 +410,8 @@ class RedisJobStore(Batches):
             values[_AT_DELIVERED] = ()
         if stored <= _AT_TRACESTATE:  # written before jobs carried tracestate and baggage
             values += (None, None)
+        if stored <= _AT_POOL_KEY:  # written before jobs carried a pool key
+            values.append(None)
         if updated:
             assert status is not None
             values[_AT_STATUS] = status.decode()

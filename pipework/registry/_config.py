@@ -282,7 +282,9 @@ def _with_edge(rc: RouteConfig, edge: EdgeConfig) -> RouteConfig:
     auth, cors = edge.auth.get(rc.route.name), edge.cors.get(rc.route.name)
     if auth is None and cors is None:
         return rc
-    return replace(rc, route=replace(rc.route, auth=auth, cors=cors))
+    # The pool key goes on with the auth it needs (read_routes checked the route has one).
+    pool_key = rc.pool_key if auth is not None else None
+    return replace(rc, route=replace(rc.route, auth=auth, cors=cors, pool_key=pool_key))
 
 
 def _limited_routes(

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Final, cast, get_args
 
 from .._errors import RegistrationError, StateError
-from ..container._routes import BodyKind, Mode, OnDisconnect, Route, RouteTable
+from ..container._routes import (
+    BodyKind,
+    Mode,
+    OnDisconnect,
+    Route,
+    RouteTable,
+    pool_key_problem,
+)
 from ..pipes._merge import MergePolicy, MergeRule, ReducerName
 from ..pipes._pipe import DEGRADED_KEY
 from ..pipes._stages import (
@@ -51,6 +58,7 @@ ROUTE_KEYS: Final = (
     "body",
     *EDGE_ROUTE_KEYS,
     "rate_limits",
+    "pool_key",
 )
 #: A table holding ``proxy`` is a proxy route (read by ``_config_proxy``), with these keys.
 PROXY_KEYS: Final = (
@@ -101,6 +109,8 @@ class RouteConfig:
     key: str = "default"
     result: str | None = None
     pipes: tuple[str, ...] = ()
+    #: ``pool_key``: put on the route with its auth (``Route`` refuses one without).
+    pool_key: str | None = None
 
 
 def read_routes(
@@ -173,6 +183,17 @@ def _route(name: str, t: Table, reader: ChainReader) -> RouteConfig | None:
     result = t.string("result", None)
     max_body = t.integer("max_body", None, minimum=0)
     body = t.string("body", "object", choices=get_args(BodyKind))
+    pool_key = t.string("pool_key", None)
+    if pool_key is not None:
+        problem = pool_key_problem(pool_key)
+        if problem is not None:
+            c.error(t.at("pool_key"), problem.removeprefix("pool_key "))
+        elif "auth" not in t:
+            c.error(
+                t.at("pool_key"),
+                f'{pool_key!r} needs auth = "NAME": only an authenticated caller has an '
+                "identity or claims to choose a key by",
+            )
     chain: Serial | None = None
     if "chain" not in t:
         c.error(t.at("chain"), "required key is missing: list the pipes and stages to run")
@@ -197,7 +218,7 @@ def _route(name: str, t: Table, reader: ChainReader) -> RouteConfig | None:
     except RegistrationError as exc:
         c.error(t.path, str(exc).removeprefix(f"route {name!r}: "))
         return None
-    return RouteConfig(route, chain, key, result, tuple(dict.fromkeys(reader.used)))
+    return RouteConfig(route, chain, key, result, tuple(dict.fromkeys(reader.used)), pool_key)
 
 
 class ChainReader:

@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from .._errors import RegistrationError
+from .._http._identity import POOL_KEY_PREFIX
 from .._tls import TlsFileError
 from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..container._collector import SERVING_GC_THRESHOLD
@@ -60,6 +61,7 @@ POOL_KEYS: Final = (
     "max_waiting",
     "queue_capacity",
     "max_passed_over",
+    "max_keys",
     "keys",
 )
 WEIGHT_KEYS: Final = ("reserve", "limit", "max_waiting", "wait_timeout", "adaptive")
@@ -133,6 +135,7 @@ class PoolSettings:
     max_waiting: int = 1000
     queue_capacity: int = 10_000
     max_passed_over: int = 8
+    max_keys: int = 10_000
     keys: Mapping[str, Weights] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -146,6 +149,7 @@ class PoolSettings:
             default=Weights(max_waiting=self.max_waiting),
             wait_timeout=self.wait_timeout,
             max_passed_over=self.max_passed_over,
+            max_keys=self.max_keys,
         )
 
 
@@ -282,14 +286,30 @@ def read_pool(c: Collector, value: Any) -> tuple[PoolSettings, dict[str, Weights
         max_waiting=t.integer("max_waiting", d.max_waiting, minimum=0),
         queue_capacity=t.integer("queue_capacity", d.queue_capacity, minimum=1),
         max_passed_over=t.integer("max_passed_over", d.max_passed_over, minimum=1),
+        max_keys=t.integer("max_keys", d.max_keys, minimum=1),
     )
     keys: dict[str, Weights] = {}
     for name, spec in (t.table("keys") or {}).items():
         where = (*t.at("keys"), name)
         weights = read_weights(c, where, spec, WEIGHT_KEYS, settings.max_waiting)
-        if check_name(c, where, name, "key") and weights is not None:
+        if _key_name(c, where, name) and weights is not None:
             keys[name] = weights
     return settings, keys
+
+
+def _key_name(c: Collector, where: KeyPath, name: str) -> bool:
+    """A named key: a name as any other, or a tenant's (``tenant:VALUE``, the key a
+    route's ``pool_key`` chooses for a caller whose identity or claim is VALUE)."""
+    if name.startswith(POOL_KEY_PREFIX):
+        if name != POOL_KEY_PREFIX and name.isprintable():
+            return True
+        c.error(
+            where,
+            f"a tenant's key is {POOL_KEY_PREFIX!r} followed by the identity or claim "
+            f"(printable text), got {name!r}",
+        )
+        return False
+    return check_name(c, where, name, "key")
 
 
 def read_weights(
