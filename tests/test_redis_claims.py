@@ -268,7 +268,12 @@ async def test_a_resume_whose_step_cannot_read_its_job_is_run_once_the_store_is_
 
     engine.chain("order", wait_paid)
     suspended = trio.Event()
-    engine.observe(lambda view, _: view.status is pw.Status.SUSPENDED and suspended.set())
+
+    def seen(view: pw.JobView, _: str | None) -> None:
+        if view.status is pw.Status.SUSPENDED:
+            suspended.set()
+
+    engine.observe(seen)
     async with engine:
         with trio.fail_after(10):
             job_id = await engine.submit("order")
