@@ -126,7 +126,7 @@ max_keys = 50
         ),
         (
             '[rate_limits]\nstore = "redis"',
-            'error: rate_limits.url: store = "redis" needs url (or url_env) naming the server',
+            'error: rate_limits.url: store = "redis" needs url (or url_env, or sentinels) naming the server',
         ),
         (
             '[rate_limits]\nstore = "disk"',
