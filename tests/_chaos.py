@@ -103,7 +103,7 @@ class Attempt:
     job_id: str | None = None
     job_token: str | None = None
     body: Any = None
-    epoch: tuple[int, int] = (0, 0)  # data-losing restarts begun when sent, done when answered
+    epoch: tuple[int, int] = (0, 0)  # data-losing restarts done when sent, and when answered
     final: str | None = None  # the status its follower saw last
     signal: str | None = None  # how its signal went
 
@@ -229,7 +229,6 @@ class Run:
     attempts: list[Attempt] = field(default_factory=list)
     answered: int = 0  # jobs whose first answer came
     progress: trio.Event = field(default_factory=trio.Event)
-    restarts_begun: int = 0
     restarts_done: int = 0
     struck: list[str] = field(default_factory=list)
     #: When the followers stop looking (trio time): SETTLE seconds after the last strike
@@ -241,7 +240,9 @@ class Run:
     stuck: list[tuple[str, str]] = field(default_factory=list)
 
     def epoch_sent(self) -> int:
-        return self.restarts_begun
+        # Done, not begun: a request sent once the restart began may still reach the old
+        # server (SIGTERM takes a moment) and be accepted there, before its data is lost.
+        return self.restarts_done
 
     def tick(self) -> None:
         self.answered += 1
@@ -424,7 +425,6 @@ async def _strike(run: Run, what: str, victim: int) -> None:
         await trio.sleep(run.profile.pause_seconds)  # a stall, not a wait for anything
         run.redis.resume()
     elif what == "restart-redis":
-        run.restarts_begun += run.profile.persist is False
         await trio.to_thread.run_sync(run.redis.restart)
         run.restarts_done += run.profile.persist is False
     else:

@@ -18,6 +18,7 @@ import trio.testing
 import pipework as pw
 from pipework.dispatcher._store import JobStore
 from pipework.redis import RedisJobStore
+from pipework.redis._wire import ReplyError
 
 from ._redis import RedisServer
 from .test_container_harness import (
@@ -401,3 +402,48 @@ async def test_job_past_retention_is_410_gone() -> None:
     # Only the owner learns the job existed: anyone else gets the unknown-job answer.
     assert stranger.status_code == 404
     assert anonymous.status_code == 404
+
+
+class _LoadingAfterDelivery(RedisJobStore):
+    """A Redis store that answers every call ``LOADING`` (a restarted server reading its
+    AOF) from the moment a signal's delivery is written until ``back`` is called."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        super().__init__(url, prefix=prefix, resend_seconds=0.2)
+        self.loading = False
+
+    async def update_unless_changed(self, job: Any, **kwargs: Any) -> bool:
+        written = await super().update_unless_changed(job, **kwargs)
+        self.loading = written and job.status is pw.Status.QUEUED
+        return written
+
+    async def _call(self, call: Any) -> Any:
+        if self.loading:
+            raise self._refused(ReplyError("LOADING Redis is loading the dataset in memory"))
+        return await super()._call(call)
+
+
+async def test_a_delivered_signal_whose_later_store_calls_are_refused_is_never_nothing_done(
+    redis_server: RedisServer,
+) -> None:
+    """The delivery is written, then Redis answers LOADING (restarted, reading its file) to
+    the same request's later calls (the lock's release, the status read): the signal's
+    answer is its 202, or a 503 naming the job (its Location), never "nothing was done",
+    which would send its client's retry to a 409."""
+    store = _LoadingAfterDelivery(redis_server.url, f"t{secrets.token_hex(6)}")
+    with trio.fail_after(HANG_GUARD):
+        async with serving(make_engine(Backend(), store=store)) as served:
+            job_id, token = await submit(served, "/order")
+            await until_suspended(served.engine, job_id)
+            answer = await served.client.post(
+                f"/jobs/{job_id}/signals/paid", headers=bearer(token), json={"amount": 3}
+            )
+            store.loading = False
+            record = await store.get(job_id)
+    assert record.state["payment"] == {"amount": 3}  # delivered
+    assert "paid" in record.delivered
+    assert "nothing was done" not in answer.text, answer.text
+    if answer.status_code != 202:
+        body = assert_problem(answer, 503, "store-unavailable")
+        assert answer.headers["Location"] == f"/jobs/{job_id}"
+        assert job_id in body["detail"]

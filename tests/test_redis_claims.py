@@ -21,7 +21,7 @@ from pipework.dispatcher._job import Job, new_job_id
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._queue import _CLAIM_READ, encode_event
 from pipework.redis._store import _SHAS
-from pipework.redis._wire import Connection
+from pipework.redis._wire import Connection, ReplyError
 
 from ._redis import RedisServer
 
@@ -227,3 +227,84 @@ async def test_a_queue_with_a_connection_of_its_own_claims_nothing(
         assert pool.statistics().in_use == 0
         with trio.fail_after(10):
             assert await engine.run("c") == {"done": True}
+
+
+class _RefusesAReadAfterADelivery(RedisJobStore):
+    """A Redis store whose first read of a job after a signal's delivery is refused
+    ``LOADING`` (Redis restarted, reading its file): the read of the ``Resume``'s step."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        super().__init__(url, prefix=prefix)
+        self.armed = False
+        self.refused = trio.Event()
+
+    async def update_unless_changed(self, job: Job, **kwargs: Any) -> bool:
+        written = await super().update_unless_changed(job, **kwargs)
+        self.armed = written and job.status is pw.Status.QUEUED
+        return written
+
+    async def get(self, job_id: str) -> Job:
+        if self.armed:
+            self.armed = False
+            self.refused.set()
+            raise self._refused(ReplyError("LOADING Redis is loading the dataset in memory"))
+        return await super().get(job_id)
+
+
+async def test_a_resume_whose_step_cannot_read_its_job_is_run_once_the_store_is_back(
+    redis_server: RedisServer,
+) -> None:
+    """The step of a delivered signal's ``Resume`` cannot read its job (Redis loading): the
+    event is not acknowledged as if run (the job would stay queued for ever, its event
+    gone); it is taken again once idle (``claim_idle``) and its step runs the job."""
+    prefix = _prefix()
+    store = _RefusesAReadAfterADelivery(redis_server.url, prefix)
+    queue = RedisEventQueue(redis_server.url, prefix=prefix, store=store, claim_idle=0.3)
+    engine = pw.Engine(store=store, queue=queue)
+
+    @engine.pipe
+    async def wait_paid(ctx: pw.Context) -> None:
+        await ctx.suspend("paid", into="payment")
+
+    engine.chain("order", wait_paid)
+    suspended = trio.Event()
+
+    def seen(view: pw.JobView, _: str | None) -> None:
+        if view.status is pw.Status.SUSPENDED:
+            suspended.set()
+
+    engine.observe(seen)
+    async with engine:
+        with trio.fail_after(10):
+            job_id = await engine.submit("order")
+            await suspended.wait()
+            await engine.signal(job_id, "paid", {"amount": 5})
+            await store.refused.wait()
+            assert await engine.wait(job_id) == {"payment": {"amount": 5}}
+        await _until_pending(redis_server, prefix, 0)
+
+
+async def test_a_signal_kept_by_another_process_while_the_step_runs_resumes_the_job(
+    redis_server: RedisServer,
+) -> None:
+    """A signal sent through another process while the job's pipe runs is kept on its
+    record; the step then suspends for it: its write of the suspension does not write the
+    record back without the signal, and the job takes it and goes on."""
+    prefix = _prefix()
+    store = RedisJobStore(redis_server.url, prefix=prefix)
+    engine = pw.Engine(
+        store=store, queue=RedisEventQueue(redis_server.url, prefix=prefix, store=store)
+    )
+
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        async with RedisJobStore(redis_server.url, prefix=prefix) as elsewhere:
+            record = await elsewhere.get(ctx.job_id)
+            record.signals["go"] = {"ok": True}  # as Engine.signal keeps it there
+            assert await elsewhere.update_unless_changed(record)
+        await ctx.suspend("go", into="approval")
+
+    engine.chain("approve", hold)
+    async with engine:
+        with trio.fail_after(10):
+            assert await engine.run("approve") == {"approval": {"ok": True}}

@@ -118,3 +118,33 @@ async def test_a_create_and_a_status_write_sent_again_take_their_first_for_their
         # A status written since by someone else is not taken for the first's.
         running.transition(pw.Status.SUSPENDED)
         assert await store._run(store._status_command(running, again=True), "status") == -3
+
+
+async def test_a_steps_write_keeps_a_signal_another_process_kept_since_it_read(
+    redis_server: RedisServer,
+) -> None:
+    """A step's write of its job (made from the record as the step holds it) lands after
+    another process kept a signal on the record: the write keeps that signal (on the record
+    and on the step's job), whether sent once or sent again after its round trip failed
+    (marked: Redis was loading, say) — it never writes the record back without it."""
+    prefix = f"s{secrets.token_hex(6)}"
+    step = RedisJobStore(redis_server.url, prefix=prefix)
+    other = RedisJobStore(redis_server.url, prefix=prefix)
+    async with step, other:
+        for sent_again in (False, True):
+            job = _job()
+            await step.create(job)
+            job.transition(pw.Status.RUNNING)
+            await step.update(job)
+            kept = await other.get(job.id)
+            kept.signals["go"] = {"by": "other"}
+            assert await other.update_unless_changed(kept)
+            if sent_again:
+                step._unsure_of(job.id)  # its last write got no answer: this one goes marked
+            job.state = {"n": 1}
+            await step.update(job)
+            record = await other.get(job.id)
+            assert record.signals == {"go": {"by": "other"}}, sent_again
+            assert record.state == {"n": 1}
+            assert job.signals == {"go": {"by": "other"}}
+            assert job.version == record.version

@@ -9,11 +9,13 @@ about the job.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import trio
 from quart import Response, request
 
+from .._errors import StoreUnavailable
 from .._http._bodies import choose_media_type, decode, encode, raw_answer, read_body
 from .._http._jobs import authorize, job_document, job_token
 from .._http._problems import Problem, problem_for_error
@@ -22,7 +24,9 @@ from ..dispatcher._job import JobView
 from ..dispatcher._status import TERMINAL, Status
 from ._callbacks import CallbackSigner
 
-__all__ = ["JobsApi"]
+__all__ = ["JobsApi", "signal_unsure"]
+
+_log = logging.getLogger("pipework.container")
 
 
 class JobsApi:
@@ -91,19 +95,56 @@ class JobsApi:
     async def signal(self, job_id: str, name: str) -> Response:
         await self.authorize(job_id)
         payload = await self._payload()
-        await self.engine.signal(job_id, name, payload)
-        view = await self.engine.status(job_id)
+        await self._signal(job_id, name, payload)
+        try:
+            view = await self.engine.status(job_id)
+        except StoreUnavailable as exc:  # delivered, its status unread: named all the same
+            _log.warning("pipework: the status of job %s cannot be read: %s", job_id, exc)
+            raise signal_unsure(job_id, name, delivered=True) from None
         return self._answer(job_document(view, expose=self.expose_errors), 202)
 
     async def callback(self, job_id: str, name: str) -> Response:
         self.signer.verify(job_id, name, request.args.get("exp"), request.args.get("sig"))
         payload = await self._payload()
-        await self.engine.signal(job_id, name, payload)
+        await self._signal(job_id, name, payload)
         return Response(b"", status=204)
+
+    async def _signal(self, job_id: str, name: str, payload: Any) -> None:
+        try:
+            await self.engine.signal(job_id, name, payload)
+        except StoreUnavailable as exc:
+            if not exc.maybe_done:  # nothing reached the store: nothing was done
+                raise
+            _log.warning(
+                "pipework: signal %r to job %s may have been delivered: %s", name, job_id, exc
+            )
+            raise signal_unsure(job_id, name, delivered=exc.job_id is not None) from None
 
     async def _payload(self) -> Any:
         data = await read_body(request, limit=self.max_body, time_limit=self.body_time_limit)
         return decode(data, request.headers.get("Content-Type"), what="signal payload")
+
+
+def signal_unsure(job_id: str, name: str, *, delivered: bool) -> Problem:
+    """The job store went away while a signal was written (``delivered``: after it was):
+    the answer names the job — its status's ``Location`` — so that its client looks at the
+    job rather than sends the signal again (a repeat of a delivered signal is refused 409);
+    never "nothing was done". No Retry-After: the request is not to be sent again as it is."""
+    what = "was delivered" if delivered else "may or may not have been delivered"
+    detail = (
+        f"signal {name!r} to job {job_id} {what}, but the server cannot reach its job store "
+        "now: follow the job's status at Location (with its token) rather than sending the "
+        "signal again"
+    )
+    return Problem(
+        503,
+        "Job store unavailable",
+        detail,
+        slug="store-unavailable",
+        headers={"Location": f"/jobs/{job_id}", "X-Job-Id": job_id},
+        job_id=job_id,
+        reason="store_unavailable",
+    )
 
 
 async def _quietly_wait(engine: Engine, job_id: str) -> None:

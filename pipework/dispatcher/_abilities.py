@@ -130,6 +130,11 @@ class SharedQueue(Protocol):
 
     def step_ended(self, event: Event) -> None: ...
 
+    def let_go(self, event: Event) -> None:
+        """The event's step could not start (the store away): neither acknowledged nor
+        held here, it is taken again once idle, here or by another process."""
+        ...
+
     def reclaimed(self, event: Event) -> bool:
         """Whether the event was taken over from a process that died in its step."""
         ...

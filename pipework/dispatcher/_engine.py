@@ -672,14 +672,24 @@ class Engine:
         check_value(payload, root="payload")
         if self._abilities.shared_store is None:
             # An in-process store: the read-check-write has no checkpoint.
-            await self._signal(job_id, name, payload)
+            await self._signal(job_id, name, payload, [])
             return
         # A shared store: a join's update (a branch ending here or in another process)
         # must not land between this read and this write, or one of the two is lost.
-        async with self._abilities.lock(job_id):
-            await self._signal(job_id, name, payload)
+        written: list[bool] = []
+        try:
+            async with self._abilities.lock(job_id):
+                await self._signal(job_id, name, payload, written)
+        except StoreUnavailable as exc:
+            if written:
+                # Delivered (or kept) already: what failed after must not say nothing was
+                # done. The job is named: its client follows it, not sends the signal again.
+                exc.maybe_done = True
+                exc.job_id = job_id
+            raise
 
-    async def _signal(self, job_id: str, name: str, payload: Any) -> None:
+    async def _signal(self, job_id: str, name: str, payload: Any, written: list[bool]) -> None:
+        """``written`` gets an item once the signal is written (delivered or kept)."""
         # Each decision is made on the records as read, and written only if they are still
         # so: on a shared store a record changed since it was read (by a step, its timer, a
         # signal sent to one of its branches by their own id) sends the signal round again,
@@ -696,11 +706,13 @@ class Engine:
             if target is not None:
                 if not await self._dispatcher.suspensions.deliver(target, name, payload):
                     continue
+                written.append(True)
                 if target is not job:
                     await self._note_taken(job, name)
                 return
             check_early_signal(job, name)
             if await self._dispatcher.suspensions.keep_signal(job, name, payload):
+                written.append(True)
                 return
 
     async def _note_taken(self, job: Job, name: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import trio
 
 from .. import _tracing
-from .._errors import JobNotFound, PipeworkError, Rejected
+from .._errors import JobNotFound, PipeworkError, Rejected, StoreUnavailable
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._pipe import Pipe
@@ -151,6 +151,7 @@ class Steps:
         own shutdown (a cancellation from outside the step) travels on."""
         flight, abilities = self._flight, self._abilities
         acked = False
+        kept = False  # the event left to its queue to hand out again
         claim = None  # the slot its creator holds for it (hold_first), until the step runs
         if flight.claiming:
             claim = flight.claiming.get(event.job_id)
@@ -169,6 +170,15 @@ class Steps:
                     if shared and type(event) is RunJob and not abilities.reclaimed(event):
                         own = shared.read_own(event.job_id)
                     job = own or await self._store.get(event.job_id)
+            except StoreUnavailable:
+                # The job is not read, so nothing is known of it: its event must not be
+                # acknowledged as if its step ran (the job would stay queued, its event
+                # gone). A shared queue lets go of it, to be taken again once idle.
+                shared_queue = abilities.shared_queue
+                if shared_queue is not None:
+                    shared_queue.let_go(event)
+                    kept = True
+                return False
             except PipeworkError:
                 return False
             if job.status is RUNNING and (claim is not None or abilities.reclaimed(event)):
@@ -279,13 +289,14 @@ class Steps:
             if claim is not None:  # its slot was not used: the step ran nothing
                 flight.claiming.pop(event.job_id, None)
                 abilities.withdraw(claim.held)
-            if not acked:
-                self._queue.ack(event)
-            pending = self._ends.pending
-            if pending and pending.get(event.job_id, event) is None:
-                pending[event.job_id] = event  # let go of once the end is written
-            else:
-                abilities.step_ended(event)  # a shared queue lets go of the event only now
+            if not kept:
+                if not acked:
+                    self._queue.ack(event)
+                pending = self._ends.pending
+                if pending and pending.get(event.job_id, event) is None:
+                    pending[event.job_id] = event  # let go of once the end is written
+                else:
+                    abilities.step_ended(event)  # a shared queue lets go of it only now
 
     def waited(self, key: str, seconds: float) -> None:
         """How long a step waited for its slot under ``key`` (the pool-wait histogram)."""

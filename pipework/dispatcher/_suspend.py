@@ -91,6 +91,14 @@ class Suspensions:
             await flight.in_step[job.join_id].outlive(job)
         else:
             await self._store.update(job)
+            if suspend.signal in job.signals:
+                # Kept on the record by another process while the pipe ran (a shared store's
+                # write takes such signals into the job): the job takes it now.
+                self._hooks.changed(job)
+                if await self.deliver(job, suspend.signal, job.signals.pop(suspend.signal)):
+                    return False
+                # Changed again since: the record holds the signal still, and its timer
+                # ends the job if nothing resumes it.
         self._hooks.changed(job)
         if job.suspend_deadline < math.inf:
             self._timers.expire_at(job.suspend_deadline, job.id, job.version)

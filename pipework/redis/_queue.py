@@ -473,6 +473,18 @@ class RedisEventQueue:
             self._acks.append((held[1], self._put, self._timers.added))
             self._have_work.set()
 
+    def let_go(self, event: Event) -> None:
+        """The event's step could not start (the store was away while it read the job):
+        it is not acknowledged, and no longer held here (its idle time no longer reset), so
+        once idle for ``claim_idle`` a claim round takes it again, here or in another
+        process, and its step runs then."""
+        if self._inflight.pop(id(event), None) is not None:
+            self._shared_depth = max(0, self._shared_depth - 1)
+            if len(self._inflight) < self.max_inflight:
+                self._room.set()
+        self._started.pop(id(event), None)
+        self._claimed.discard(id(event))
+
     def reclaimed(self, event: Event) -> bool:
         """Whether the event was taken over from a consumer that fell silent: a job it finds
         ``running`` lost its step with that consumer."""

@@ -612,8 +612,20 @@ class RedisJobStore(Batches):
 
     async def update(self, job: Job, *, entry: tuple[str, bytes, bytes] | None = None) -> None:
         """``entry``: ``(stream, field, value)`` added to a stream once the record is written,
-        in the same write (the job's next event, as for :meth:`create`)."""
-        await self._update(job, "", entry)
+        in the same write (the job's next event, as for :meth:`create`).
+
+        A job still active is written at the version it holds: a step writes its job without
+        the lock, and another process may have kept a signal on the record since (a signal
+        sent while the pipe ran). Then the record is read again, the signals kept there (and
+        those taken) are taken into ``job``, and it is written at the record's version: never
+        written back without them — nor by a write sent again after its round trip failed,
+        landing after theirs (the version, sent with it, tells the two apart). An end is
+        written whatever the version (the first end stands)."""
+        if job.status in TERMINAL:
+            await self._update(job, "", entry)
+            return
+        while not await self._update(job, str(job.version), entry):
+            _take_mailbox(job, await self.get(job.id))
 
     def read_own(self, job_id: str) -> Job | None:
         """The job's record as this store last wrote it whole, left queued (a job it created
@@ -655,7 +667,7 @@ class RedisJobStore(Batches):
         elif code == -3:
             if verify:
                 return False
-            await self._update(job, "")  # written since it was read: written whole
+            await self.update(job)  # written since it was read: written whole
         else:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
         return True
@@ -965,7 +977,15 @@ class RedisJobStore(Batches):
                     yield
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._script("release", [key], [token])
+                        try:
+                            await self._script("release", [key], [token])
+                        except StoreUnavailable as exc:
+                            # Its lease frees it within lock_seconds. Raised, it would undo
+                            # what the section did for its caller: a signal delivered
+                            # would be answered as if nothing was done.
+                            _log.debug(
+                                "pipework: the lock of job %s left to expire: %s", job_id, exc
+                            )
         finally:
             local, users = self._locks[job_id]
             if users == 1:
@@ -1000,6 +1020,18 @@ def _wire(value: object) -> Any:
     if isinstance(value, JoinRecord):
         return value.to_wire()
     raise TypeError(f"a job record cannot hold a {type(value).__name__}")
+
+
+def _take_mailbox(job: Job, record: Job) -> None:
+    """What another writer may have added to an active job's ``record`` since ``job`` was
+    read — signals kept for it, signals it took — taken into ``job``, with the record's
+    version (see RedisJobStore.update)."""
+    for name, payload in record.signals.items():
+        if name not in job.signals and name not in job.delivered:
+            job.signals[name] = payload
+    for name in record.delivered:
+        job.took(name)
+    job.version = record.version
 
 
 def _version_arg(expected: str) -> bytes:
