@@ -187,9 +187,9 @@ async def test_health_checks_over_https(tmp_path: Path) -> None:
             svc = service([good_url, bad_url], ca_bundle=str(pki.ca_file), health=health)
             async with client(svc) as c, trio.open_nursery() as nursery:
                 nursery.start_soon(c.check_health)
-                while not [s for s in good.seen if s.target == "/health"]:  # noqa: ASYNC110
+                while not [s for s in good.seen if s.target == "/health"]:  # noqa: ASYNC110 - no event
                     await trio.sleep(0.01)  # the backends have no event to wait on
-                while c.core.host(bad_url).healthy:  # noqa: ASYNC110
+                while c.core.host(bad_url).healthy:  # noqa: ASYNC110 - no event to wait on
                     await trio.sleep(0.01)
                 assert c.core.host(good_url).healthy
                 nursery.cancel_scope.cancel()

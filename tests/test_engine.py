@@ -855,7 +855,7 @@ async def test_an_engine_runs_once_at_a_time() -> None:
     async with engine:
         with pytest.raises(RuntimeError, match="already running"):
             async with engine:
-                pass  # pragma: no cover
+                pass  # pragma: no cover - the body never runs
         assert engine.plan_generation == 1  # still running, untouched
 
 

@@ -102,7 +102,7 @@ async def test_concurrent_clients_exact_counts(
             assert "'per-client'" in problem["detail"]
             # Nothing else was started for the refused: no job, no pool slot.
             assert gw.engine is not None
-            admitted = gw.engine.pool.statistics().admitted  # type: ignore[attr-defined]
+            admitted = gw.engine.pool.statistics().admitted  # type: ignore[attr-defined]  # the weighted pool's
             assert admitted == 5
 
             mock_clock.jump(1.0)
@@ -184,7 +184,7 @@ missing = "shared"
                         set_identity(scope, "user", {"tenant": value.decode()})
                 await layer(scope, receive, send)
 
-            gw.container.app.asgi_app = authenticate  # type: ignore[method-assign]
+            gw.container.app.asgi_app = authenticate  # type: ignore[method-assign]  # a test shim
             async with httpx.AsyncClient(base_url=address.url) as client:
                 for tenant, expected in (("t1", {200: 2, 429: 1}), ("t2", {200: 2, 429: 1})):
                     answers = await burst(client, "/api/echo/x", 3, headers={"X-Tenant": tenant})

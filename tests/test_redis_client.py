@@ -298,7 +298,7 @@ async def test_pubsub_messages_are_heard_as_a_general_client_hears_them(
                 await subscription.unsubscribe(first)
                 await pubsub.unsubscribe(first)
                 # (Redis has no event to wait on: asked again until both have gone.)
-                while (await publisher.call("PUBSUB", "NUMSUB", first))[1] != 0:  # noqa: ASYNC110
+                while (await publisher.call("PUBSUB", "NUMSUB", first))[1] != 0:  # noqa: ASYNC110 - Redis
                     await trio.sleep(0.01)
                 assert (heard.made, heard.drops) == (1, 0)
     finally:
@@ -327,7 +327,7 @@ async def test_a_killed_subscription_is_made_again_as_a_general_client_makes_it(
                 assert heard.drops == 1
                 assert await publisher.call("PUBLISH", added, b"back") == 1
                 # (coredis's subscription is coming back: asked until it is.)
-                while await publisher.call("PUBLISH", channel, b"back") < 2:  # noqa: ASYNC110
+                while await publisher.call("PUBLISH", channel, b"back") < 2:  # noqa: ASYNC110 - Redis has no event
                     await trio.sleep(0.01)
                 assert await _general_messages(pubsub, 1) == [(channel.encode(), b"back")]
                 await heard.until(lambda: len(heard.messages) >= 2)

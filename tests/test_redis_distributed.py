@@ -706,11 +706,11 @@ async def test_a_delivered_signal_and_its_resume_reach_redis_in_one_write(
             lost: list[Event] = []
             real_put = queue.put_nowait
             # What the outbox holds from now on dies with it, never written.
-            queue.put_nowait = lost.append  # type: ignore[method-assign,assignment]
+            queue.put_nowait = lost.append  # type: ignore[method-assign,assignment]  # a spy
             try:
                 await engine.signal(job_id, "go", {"amount": 3})
             finally:
-                queue.put_nowait = real_put  # type: ignore[method-assign]
+                queue.put_nowait = real_put  # type: ignore[method-assign]  # restored
             assert lost == []
             assert await engine.wait(job_id) == {"payment": {"amount": 3}}
 

@@ -70,7 +70,7 @@ async def test_all_made_at_start_up_and_closed_at_shutdown(autojump_clock: objec
         assert pool.statistics().capacity == 0
         with pytest.raises(pw.ResourcePoolClosed):
             async with pool.borrow():
-                pass  # pragma: no cover
+                pass  # pragma: no cover - the body never runs
 
 
 async def test_at_most_size_borrowed_and_the_next_gets_the_returned_one(
@@ -116,7 +116,7 @@ async def test_borrow_timeout_at_its_exact_virtual_time(autojump_clock: object) 
             start = trio.current_time()
             with pytest.raises(pw.BorrowTimeout) as caught:
                 async with pool.borrow():
-                    pass  # pragma: no cover
+                    pass  # pragma: no cover - the body never runs
             assert trio.current_time() - start == 5.0
             assert caught.value.timeout == 5.0
             assert isinstance(caught.value, pw.PipeworkError)
@@ -131,7 +131,7 @@ async def test_the_callers_cancel_scope_bounds_the_wait(autojump_clock: object) 
             start = trio.current_time()
             with trio.move_on_after(2.0):
                 async with pool.borrow():
-                    pass  # pragma: no cover
+                    pass  # pragma: no cover - the body never runs
             assert trio.current_time() - start == 2.0
             assert pool.statistics().waiting == 0
 
@@ -200,7 +200,7 @@ async def test_start_up_failure_closes_what_was_made(autojump_clock: object) -> 
     pool = make_pool(factory, size=4)
     with trio.fail_after(HANG_GUARD), pytest.raises(pw.ResourceStartupError) as caught:
         async with pool:
-            pass  # pragma: no cover
+            pass  # pragma: no cover - the body never runs
     assert "resource 3 of 4" in str(caught.value)
     assert isinstance(caught.value.__cause__, OSError)
     assert [f.number for f in factory.made] == [1, 2]
@@ -233,7 +233,7 @@ async def test_shutdown_fails_waiters_and_closes_borrowed_on_return(
     async def waiter() -> None:
         try:
             async with pool.borrow():
-                pass  # pragma: no cover
+                pass  # pragma: no cover - the body never runs
         except pw.ResourcePoolClosed as error:
             failures.append(error)
 
@@ -313,7 +313,7 @@ async def test_a_concurrent_start_reports_the_lowest_failure_and_closes_the_rest
     start = trio.current_time()
     with trio.fail_after(HANG_GUARD), pytest.raises(pw.ResourceStartupError) as caught:
         async with pool:
-            pass  # pragma: no cover
+            pass  # pragma: no cover - the body never runs
     # Every launch ran to its end (the hung one to launch_timeout), then the one made closed.
     # Which launch a task got is up to trio's scheduling; the lowest failed task is named.
     message = str(caught.value)
@@ -333,7 +333,7 @@ async def test_a_concurrent_start_that_fails_everywhere_names_the_first(
     pool = make_pool(factory, size=4, concurrent_start=True)
     with trio.fail_after(HANG_GUARD), pytest.raises(pw.ResourceStartupError) as caught:
         async with pool:
-            pass  # pragma: no cover
+            pass  # pragma: no cover - the body never runs
     assert "making resource 1 of 4 failed (OSError: launch " in str(caught.value)
     assert isinstance(caught.value.__cause__, OSError)
     assert trio.current_time() == pytest.approx(0.5)

@@ -190,7 +190,6 @@ async def test_https_and_http2_by_alpn(tmp_path: Path) -> None:
                     answer = await client.get("/hold/1")
                     assert answer.json() == {"n": "1", "host": url.split("//")[1]}
                     assert answer.http_version == "HTTP/1.1"
-                pytest.importorskip("h2")  # hypercorn's dependency: installed with it
                 async with httpx.AsyncClient(
                     base_url=address.url, verify=verify, http2=True
                 ) as client:
