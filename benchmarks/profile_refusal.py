@@ -6,11 +6,14 @@ service's circuit breaker is open.
 
 A gateway served in this process (``pipework.Gateway`` from a file, on a free port) has
 one service of two hosts nobody listens on, with a breaker (``minimum_calls = 2``,
-``wait = 600``), a route whose chain is one HTTP pipe to it (``GET /a``, sync mode) and a
-proxy route to it (``/p``). One request opens the breaker (its two tries fail to
-connect); then each route gets ``N`` refused requests from a bare keep-alive HTTP/1.1
-client on a real socket, under cProfile (calls per request, and which of them are the
-logging's and the tracebacks'), then ``N`` more without it (CPU time per request: the
+``wait = 600``), a route whose chain is one HTTP pipe to it (``GET /a``, sync mode) and a proxy
+route to it (``/p``). One request opens the breaker (its two tries fail to connect); then
+each route gets ``N`` refused requests from a bare keep-alive HTTP/1.1 client on a real
+socket; for comparison, a third route's one HTTP pipe (``GET /h``) calls a healthy
+backend (another process, so that its CPU is not counted: a bare threaded server
+answering every request at once) and gets ``N`` answered requests the same way. Each
+route's requests are measured under cProfile (calls per request, and which of them are
+the logging's and the tracebacks'), then ``N`` more without it (CPU time per request: the
 process's, gateway and client together). The log is configured as ``pipework serve
 --log-level LEVEL`` does (WARNING by default, as the resilience benchmark's gateway), its
 lines formatted and dropped; the lines per request are counted by level.
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,10 +76,34 @@ result = "a"
 [routes.p]
 proxy = "replicas"
 prefix = "/p"
+
+[services.fast]
+base_url = "{fast}"
+timeout = 5
+
+[pipes.call_fast]
+service = "fast"
+path = "/h"
+into = "h"
+
+[routes.h]
+method = "GET"
+path = "/h"
+chain = ["call_fast"]
+result = "h"
 """
 
-#: The routes measured: the chain of one HTTP pipe, and the proxy route.
-TARGETS = {"HTTP pipe (sync)": "/a", "proxy": "/p/x"}
+#: The routes measured, and the status each answers: the chain of one HTTP pipe and the
+#: proxy route, refused; the chain of one HTTP pipe to a healthy backend.
+TARGETS = {
+    "HTTP pipe (sync)": ("/a", b"503"),
+    "proxy": ("/p/x", b"503"),
+    "HTTP pipe (sync), healthy": ("/h", b"200"),
+}
+#: The healthy backend's one answer.
+_ANSWER = (
+    b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+)
 #: Where a profiled call's function lives, for the share of logging and tracebacks.
 _LOGGING = ("/logging/__init__.py", "pipework/_logging.py")
 _TRACEBACK = ("/traceback.py", "/linecache.py", "/ast.py")
@@ -157,11 +185,11 @@ async def _measure(requests: int, path: Path) -> dict[str, dict[str, Any]]:
         # The breaker opens on the first call: both its tries fail to connect.
         await _requests(port, b"GET /a HTTP/1.1\r\nHost: gw\r\n\r\n", 1)
         logging.getLogger().addHandler(counting)
-        for name, target in TARGETS.items():
+        for name, (target, status) in TARGETS.items():
             raw = f"GET {target} HTTP/1.1\r\nHost: gw\r\n\r\n".encode()
             head = await _requests(port, raw, 20)  # warm: caches, the route's series
-            if not head.startswith(b"HTTP/1.1 503"):
-                raise RuntimeError(f"{target} was not refused: {head!r}")
+            if not head.startswith(b"HTTP/1.1 " + status):
+                raise RuntimeError(f"{target} was not answered {status.decode()}: {head!r}")
             counting.levels.clear()
             counting.tracebacks = 0
             profile = cProfile.Profile()
@@ -193,10 +221,42 @@ async def _measure(requests: int, path: Path) -> dict[str, dict[str, Any]]:
 
 def _child(requests: int, level: str) -> None:
     logging.getLogger().setLevel(level)  # the counting handler is added once measuring
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "gateway.toml")
-        path.write_text(GATEWAY.format(a=_closed_port(), b=_closed_port()))
-        print(json.dumps(trio.run(_measure, requests, path)))
+    command = [sys.executable, str(Path(__file__).resolve()), "--backend"]
+    backend = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert backend.stdout is not None
+        fast = f"http://127.0.0.1:{int(backend.stdout.readline())}"
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder, "gateway.toml")
+            path.write_text(GATEWAY.format(a=_closed_port(), b=_closed_port(), fast=fast))
+            print(json.dumps(trio.run(_measure, requests, path)))
+    finally:
+        backend.kill()
+        backend.wait()
+
+
+def _backend() -> None:
+    """The healthy backend: a thread per connection, every request answered at once
+    (a request is its head: the gateway's GET sends no body). Prints its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_answer, args=(conn,), daemon=True).start()
+
+
+def _answer(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer = b""
+    with conn:
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buffer += data
+            buffer = buffer.partition(b"\r\n\r\n")[2]
+            conn.sendall(_ANSWER)
 
 
 def _run(tree: Path, requests: int, level: str) -> dict[str, dict[str, Any]]:
@@ -219,14 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.profile_refusal", description=__doc__
     )
-    parser.add_argument(
-        "--requests", type=int, default=300, help="refused requests per route (< 1000)"
-    )
+    parser.add_argument("--requests", type=int, default=300, help="requests per route (< 1000)")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each tree")
     parser.add_argument("--against", type=Path, default=None, help="another tree to compare")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.backend:
+        _backend()
+        return 0
     if not 0 < args.requests < 1000:
         parser.error("--requests must be from 1 to 999 (one connection's worth)")
     if args.child:
@@ -238,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for tree in trees:
             runs[tree].append(_run(tree, args.requests, args.log_level))
-    print(f"\nrefused requests, log level {args.log_level}: per request, median of {args.rounds}")
+    print(
+        f"\nrefused requests (and healthy ones), log level {args.log_level}: per request, "
+        f"median of {args.rounds}"
+    )
     print("\n| route | tree | calls | of which logging | tracebacks | CPU ms | log lines |")
     print("|---|---|---:|---:|---:|---:|---|")
     for name in TARGETS:
