@@ -20,8 +20,9 @@ lines formatted and dropped; the lines per request are counted by level.
 
 With ``--against TREE`` (a checkout of another version, e.g. ``git worktree add
 /tmp/main main``) each round measures that tree and this one in turn, each in a process
-of its own (``PYTHONPATH``), so both see the same machine load; the table gives each
-tree's median over the rounds. Call counts do not depend on the load; CPU times do.
+of its own (``PYTHONPATH``), every other round the other tree first, so both see the same
+machine load; the table gives each tree's median over the rounds. Call counts do not
+depend on the load; CPU times do.
 """
 
 from __future__ import annotations
@@ -297,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parent.parent
     trees = ([args.against.resolve()] if args.against else []) + [here]
     runs: dict[Path, list[dict[str, dict[str, Any]]]] = {tree: [] for tree in trees}
-    for _ in range(args.rounds):
-        for tree in trees:
+    for done in range(args.rounds):
+        # Every other round in the other order: the second of two runs back to back is
+        # not measured on the same machine as the first (caches, other processes).
+        for tree in trees if done % 2 == 0 else trees[::-1]:
             runs[tree].append(_run(tree, args.requests, args.log_level))
     print(
         f"\nrefused requests (and healthy ones), log level {args.log_level}: per request, "
