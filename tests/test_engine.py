@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import pipework as pw
 from pipework import MemoryEventQueue
-from pipework.dispatcher._events import Event
+from pipework.dispatcher._events import Event, Expire, RunJob
 
 from ._redis import wait_idle
 
@@ -481,6 +482,40 @@ async def test_full_queue_refuses_at_once_and_loses_nothing() -> None:
         results = [await engine.wait(job_id) for job_id in accepted]
     assert sorted(finished) == [0, 1, 2]
     assert [r["n"] for r in results] == [0, 1, 2]
+
+
+async def test_an_event_put_while_the_consumer_waits_may_be_handed_off_without_waking_it() -> None:
+    queue = MemoryEventQueue()
+    handed: list[Event] = []
+
+    def handoff(event: Event) -> bool:
+        if isinstance(event, RunJob):
+            handed.append(event)
+            return True
+        return False
+
+    queue.handoff = handoff
+    taken: list[Event] = []
+
+    async def consume() -> None:
+        while True:
+            taken.extend(await queue.get_batch())
+
+    queue.put_nowait(RunJob("first"))  # nobody waits: queued
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken == [RunJob("first")]
+        assert handed == []
+        queue.put_nowait(RunJob("second"))  # the consumer waits on an empty queue
+        assert handed == [RunJob("second")]
+        queue.put_nowait(Expire("third", 1))  # not taken by the hand-off: queued
+        queue.put_nowait(RunJob("fourth"))  # behind a queued event: queued too
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert taken == [RunJob("first"), Expire("third", 1), RunJob("fourth")]
+    assert handed == [RunJob("second")]
+    assert queue.statistics().depth == 4  # each counts until its work acknowledges it
 
 
 async def test_cancelling_a_running_job_cancels_its_pipe() -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 import trio
 
@@ -47,6 +47,7 @@ from ._job import Job
 from ._lookup import ChainLookup
 from ._ops import PipeOps
 from ._pipe_run import PipeRunner
+from ._queue import MemoryEventQueue
 from ._status import TERMINAL
 from ._step import Steps
 from ._suspend import Suspensions
@@ -127,9 +128,24 @@ class Dispatcher:
             async with trio.open_nursery() as nursery:
                 flight.nursery = nursery
                 nursery.start_soon(self.timers.run)
-                task_status.started()
                 handlers = self._handlers
-                start = self.steps.runners.start
+                runners = self.steps.runners
+                start = runners.start
+                queue = self.queue
+                # Only where the loop would get the event as the queue holds it: a queue
+                # that changes how its batches are taken keeps every event for the loop.
+                if _hands_off(queue):
+
+                    def handoff(event: Event) -> bool:
+                        # What this loop does with a step's event when a runner is parked:
+                        # start cannot fail then (no task to spawn), and wakes that runner.
+                        if (type(event) is RunJob or type(event) is Resume) and runners.idle:
+                            start(nursery, event)
+                            return True
+                        return False
+
+                    queue.handoff = handoff
+                task_status.started()
                 while True:
                     for event in await self.queue.get_batch(_BATCH):
                         try:
@@ -142,6 +158,8 @@ class Dispatcher:
                             # the job it was about fails, with the traceback logged.
                             await self._event_failed(event, exc)
         finally:
+            if _hands_off(self.queue):
+                self.queue.handoff = None
             flight.nursery = None
             flight.clock = trio.current_time  # another run may have another clock
 
@@ -153,3 +171,10 @@ class Dispatcher:
             return
         if job.status not in TERMINAL:
             await self.ends.fail_inside(job, exc)
+
+
+def _hands_off(queue: object) -> TypeGuard[MemoryEventQueue]:
+    """Whether the dispatcher may take events straight from their senders' puts."""
+    return isinstance(queue, MemoryEventQueue) and (
+        type(queue).get_batch is MemoryEventQueue.get_batch
+    )

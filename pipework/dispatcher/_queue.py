@@ -12,6 +12,7 @@ accepted jobs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,6 +68,10 @@ class MemoryEventQueue:
         self._depth = 0
         self._accepted = 0
         self._refused = 0
+        #: Set by the dispatcher while it runs: takes an event as its loop would, straight
+        #: from the sender, when it can (True); only asked while the loop waits on an empty
+        #: queue, so nothing queued before the event is passed over.
+        self.handoff: Callable[[Event], bool] | None = None
 
     def submit_nowait(self, event: Event) -> None:
         if self._depth >= self.capacity:
@@ -82,6 +87,15 @@ class MemoryEventQueue:
     def put_nowait(self, event: Event) -> None:
         self._depth += 1
         self._accepted += 1
+        if self._parked and not self._events:
+            # The consumer waits: an event it would only pass on is passed on here, without
+            # waking it (a task's step and a scheduler pass fewer per event).
+            handoff = self.handoff
+            if handoff is not None and handoff(event):
+                return
+            self._events.append(event)
+            self._waiting.unpark()
+            return
         self._events.append(event)
         if self._parked:
             self._waiting.unpark()
