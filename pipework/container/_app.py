@@ -54,6 +54,7 @@ from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._middleware import CATCH_ALL, CORS_ENDPOINTS, Middleware, preflight_answer
 from ._modes import Parking, Submissions
+from ._quart import App
 from ._readiness import CANARY_CHAIN, Probes, healthz
 from ._request import incoming
 from ._routes import Route, routes_of
@@ -310,7 +311,7 @@ class Container:
     # -- the app -------------------------------------------------------------------------
 
     def _build_app(self) -> QuartTrio:
-        app = QuartTrio(__name__, static_folder=None)
+        app = App(__name__, static_folder=None)
         # Quart's own cap, above every route's: the routes' limits are checked while reading.
         app.config["MAX_CONTENT_LENGTH"] = self._largest_body()
         # Proxy routes are served in front of Quart, behind the guard the middleware puts
