@@ -261,7 +261,7 @@ class Pool:
         while idle:
             connection = idle.pop()
             if not connection.readable():
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                # No schedule point here: the exchange's first write, at once, is one.
                 return connection
             self._drop(connection)  # the peer closed it while idle
         if self._open < self.max_connections:
