@@ -49,6 +49,12 @@ class CopyingJobStore(pw.MemoryJobStore):
     async def list(self, status: Any = None) -> list[Job]:
         return [copy_of(job) for job in await super().list(status)]
 
+    async def owned(
+        self, owner: str, *, limit: int, before: float | None = None
+    ) -> tuple[list[Job], float | None]:
+        jobs, more = await super().owned(owner, limit=limit, before=before)
+        return [copy_of(job) for job in jobs], more
+
 
 _FINAL = frozenset({pw.Status.DONE, pw.Status.FAILED, pw.Status.CANCELLED, pw.Status.EXPIRED})
 __all__ = ["CopyingJobStore", "copy_of"]
