@@ -29,6 +29,7 @@ from pipework.container._routes import Route
 from pipework.redis import RedisJobStore
 
 from ._redis import RedisServer
+from .test_board_http import SseReader
 from .test_container_harness import HANG_GUARD, SECRET, assert_problem
 from .test_downloads import Files
 from .test_serve_workers import serving
@@ -245,6 +246,54 @@ async def test_the_filters_apply_to_an_identitys_jobs(
     assert found["yesterday"] == set()
     assert found["after now"] == set()
     assert_problem(bad, 400, "bad-filter")
+
+
+async def events_until(c: Centre, who: str, job_id: str) -> set[str]:
+    """The jobs ``GET /jobs/events`` with ``who``'s credential streams events of, until
+    ``job_id``'s final state (read off a bare socket, event by event)."""
+    url = c.client.base_url
+    assert url.host
+    assert url.port
+    seen: set[str] = set()
+    async with await trio.open_tcp_stream(url.host, url.port) as stream:
+        reader = SseReader(stream)
+        headers = {"Accept": "text/event-stream", **key(who)}
+        response = await reader.open("/jobs/events", headers)
+        assert response.status_code == 200
+        while True:
+            _, _, body = await reader.next()
+            seen.add(body["id"])
+            if body["id"] == job_id and body["data"]["status"] == "done":
+                return seen
+
+
+async def test_the_live_stream_follows_the_identitys_jobs(
+    tmp_path: Path, each_store: type[Any]
+) -> None:
+    async with centre(tmp_path, each_store()) as c:
+        alice = (await c.submit("/make", "alice")).split(":")[0]
+        bob = (await c.submit("/make", "bob")).split(":")[0]
+        alices = await events_until(c, "alice", alice)
+        bobs = await events_until(c, "bob", bob)
+    assert alices == {alice}
+    assert bobs == {bob}
+
+
+def test_jobs_auth_names_a_declared_auth() -> None:
+    base = """
+[auth.team]
+type = "api_key"
+[auth.team.keys.alice]
+sha256 = "{digest}"
+""".format(digest="0" * 64)
+    config = pw.loads_config('[server]\njobs_auth = "team"\n' + base)
+    assert config.edge.jobs_auth is not None
+    assert [m.name for m in config.edge.jobs_auth.methods] == ["team"]
+    assert pw.loads_config(base).edge.jobs_auth is None
+    with pytest.raises(pw.ConfigError) as info:
+        pw.loads_config('[server]\njobs_auth = "tema"\n' + base)
+    said = [f"{p.path}: {p.message}" for p in info.value.problems if p.severity == "error"]
+    assert said == ["server.jobs_auth: unknown auth 'tema'; did you mean 'team'?"]
 
 
 async def test_the_owner_index_is_bounded_by_retention(
