@@ -23,6 +23,9 @@ import pytest
 import trio
 
 import pipework as pw
+from examples.export.data import make_orders
+from examples.export.exporter import CHAIN as EXPORT_CHAIN
+from examples.export.exporter import ExportConfig, Exporter
 from pipework._http._auth import ApiKey, ApiKeys, RouteAuth
 from pipework.container import BoundAddress, Container, ContainerConfig
 from pipework.container._routes import Route
@@ -405,3 +408,58 @@ auth = "team"
     assert {e["id"] for e in before["jobs"]} == set(started[:2])
     assert [e["id"] for e in after["jobs"]] == [started[1], started[0]]
     assert [e["id"] for e in bobs["jobs"]] == [started[2]]
+
+
+@contextlib.asynccontextmanager
+async def exporting(cfg: ExportConfig) -> AsyncIterator[tuple[httpx.AsyncClient, pw.Engine]]:
+    """The export example on a memory job store, its exports also on an authenticated
+    route (``POST /mine``), with ``jobs_auth``: each call is a fresh process's memory."""
+    registry = pw.Registry()
+    engine = pw.Engine(registry=registry, store=pw.MemoryJobStore())
+    exporter = Exporter(engine, cfg)
+    registry.add_route(Route("mine", "POST", "/mine", EXPORT_CHAIN, "async", auth=AUTH))
+    stop = trio.Event()
+    config = ContainerConfig(callback_secret=SECRET, shutdown_grace=1.0, jobs_auth=AUTH)
+    async with trio.open_nursery() as tasks:
+        await tasks.start(exporter.run)
+        async with engine:
+            container = Container(engine, config=config)
+            exporter.add_routes(container)
+            async with trio.open_nursery() as server:
+                address: BoundAddress = await server.start(
+                    functools.partial(container.serve, shutdown_trigger=stop)
+                )
+                try:
+                    async with httpx.AsyncClient(base_url=address.url, timeout=30) as client:
+                        yield client, engine
+                finally:
+                    stop.set()
+        tasks.cancel_scope.cancel()
+
+
+async def test_an_identitys_exports_outlive_the_memory_store(tmp_path: Path) -> None:
+    """The export example's records carry the identity (``ResultFile.identity``, listed by
+    its ``files_of``): a new process, its memory store empty, lists Alice's exports for her
+    again, downloadable, and never for Bob."""
+    source = tmp_path / "orders.sqlite3"
+    make_orders(source, 50)
+    cfg = ExportConfig(source=source, directory=tmp_path / "exports", batch=10, progress_every=10)
+    with trio.fail_after(60):
+        async with exporting(cfg) as (client, engine):
+            started = []
+            for who in ("alice", "alice", "bob"):
+                answer = await client.post("/mine", json={}, headers=key(who))
+                assert answer.status_code == 202, answer.text
+                started.append(answer.json()["id"])
+                await engine.wait(started[-1])  # its record is done before its job ends
+        async with exporting(cfg) as (client, _):
+            after = (await client.get("/jobs", headers=key("alice"))).json()
+            bobs = (await client.get("/jobs", headers=key("bob"))).json()
+            file = await client.get(after["jobs"][0]["file"]["href"])
+            other = await client.get(f"/jobs/{started[2]}/file", headers=key("alice"))
+    assert [e["id"] for e in after["jobs"]] == [started[1], started[0]]
+    assert [e["state"] for e in after["jobs"]] == ["done", "done"]
+    assert [e["id"] for e in bobs["jobs"]] == [started[2]]
+    assert file.status_code == 200
+    assert file.content == (cfg.directory / f"{started[1]}.csv").read_bytes()
+    assert_problem(other, 404, "job-not-found")
