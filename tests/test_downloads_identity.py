@@ -67,15 +67,17 @@ class Centre:
         return f"{job_id}:{answer.json()['token']}"
 
     async def listing(
-        self, who: str | None, tickets: tuple[str, ...] = (), **params: str
+        self, who: str | None, tickets: tuple[str, ...] = (), params: dict[str, str] | None = None
     ) -> httpx.Response:
         headers = {} if who is None else key(who)
         if tickets:
             headers["X-Job-Tickets"] = ",".join(tickets)
         return await self.client.get("/jobs", params=params, headers=headers)
 
-    async def ids(self, who: str | None, tickets: tuple[str, ...] = (), **params: str) -> list[str]:
-        answer = await self.listing(who, tickets, **params)
+    async def ids(
+        self, who: str | None, tickets: tuple[str, ...] = (), params: dict[str, str] | None = None
+    ) -> list[str]:
+        answer = await self.listing(who, tickets, params)
         assert answer.status_code == 200, answer.text
         return [entry["id"] for entry in answer.json()["jobs"]]
 
@@ -229,7 +231,7 @@ async def test_the_filters_apply_to_an_identitys_jobs(
         c.files.expire(invoices)
         today = datetime.now(UTC).date()
         found = {
-            name: set(await c.ids("alice", **params))
+            name: set(await c.ids("alice", (), params))
             for name, params in {
                 "name": {"q": "ORDERS"},
                 "id": {"q": plain[:10]},
@@ -240,7 +242,7 @@ async def test_the_filters_apply_to_an_identitys_jobs(
                 "after now": {"from": (datetime.now(UTC) + timedelta(hours=1)).isoformat()},
             }.items()
         }
-        bad = await c.listing("alice", status="lost")
+        bad = await c.listing("alice", (), {"status": "lost"})
     assert found["name"] == {orders}
     assert plain in found["id"]
     assert found["expired"] == {invoices}
