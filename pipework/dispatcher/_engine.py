@@ -135,6 +135,7 @@ class Engine:
         self._keyed = self.pool if isinstance(self.pool, KeyedAdmission) else None
         self._counting = self.store if isinstance(self.store, CountingStore) else None
         self._following = self.store if isinstance(self.store, FollowingStore) else None
+        self._owner_index = self.store if isinstance(self.store, OwnerIndex) else None
         self._dispatcher = Dispatcher(
             self.registry,
             abilities,
@@ -650,10 +651,10 @@ class Engine:
     ) -> tuple[list[JobView], float | None]:
         """``owner``'s jobs, newest first, a page at a time (see ``OwnerIndex.owned``):
         nothing on a store that keeps no owner index."""
-        store = self.store
-        if not isinstance(store, OwnerIndex):
+        index = self._owner_index
+        if index is None:
             return [], None
-        jobs, more = await store.owned(owner, limit=limit, before=before)
+        jobs, more = await index.owned(owner, limit=limit, before=before)
         return [job.view() for job in jobs if job.owner == owner], more
 
     def observe(self, observer: JobObserver) -> Callable[[], None]:
