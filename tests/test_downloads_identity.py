@@ -37,7 +37,7 @@ from .test_container_harness import HANG_GUARD, SECRET, assert_problem
 from .test_downloads import Files
 from .test_serve_workers import serving
 
-KEYS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob")}
+KEYS = {name: secrets.token_urlsafe(24) for name in ("alice", "bob", "zoë")}
 AUTH = RouteAuth(
     (
         ApiKeys(
@@ -183,6 +183,21 @@ async def test_each_identity_lists_and_downloads_only_its_own_jobs(
     assert_problem(refused, 404, "job-not-found")
     assert_problem(not_zipped, 404, "job-not-found")
     assert with_ticket == [anonymous.split(":")[0], bob_id]
+
+
+async def test_a_subject_beyond_ascii_lists_and_downloads_its_jobs(
+    tmp_path: Path, each_store: type[Any]
+) -> None:
+    """A key's name (a JWT's ``sub``) may be any text: ``team:zoë`` owns her jobs."""
+    async with centre(tmp_path, each_store()) as c:
+        ticket = await c.submit("/make", "zoë")
+        job_id = ticket.split(":")[0]
+        listed = await c.ids("zoë")
+        by_key = await c.client.get(f"/jobs/{job_id}/file", headers=key("zoë"))
+        others = await c.ids("alice")
+    assert listed == [job_id]
+    assert by_key.status_code == 200, by_key.text
+    assert others == []
 
 
 async def test_without_the_credential_the_listing_is_a_401(

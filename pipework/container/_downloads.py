@@ -733,7 +733,13 @@ def _owned_file(file: ResultFile | None, owner: str, job_owned: bool) -> ResultF
         return None
     if file.identity is None:
         return file if job_owned else None
-    return file if hmac.compare_digest(file.identity, owner) else None
+    # As bytes: an identity is any text, and compare_digest takes str only in ASCII.
+    return file if hmac.compare_digest(_utf8(file.identity), _utf8(owner)) else None
+
+
+def _utf8(text: str) -> bytes:
+    # surrogatepass: any text encodes (as hash_token's).
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _close(opened: Any) -> None:

@@ -642,7 +642,11 @@ class Engine:
             job = await self.store.get(job_id)
         except JobGone:
             raise JobNotFound(f"no job with id {job_id!r}") from None
-        if job.owner is None or not hmac.compare_digest(job.owner, owner):
+        # As bytes: an owner is any text (a JWT's sub), and compare_digest takes str only
+        # in ASCII.
+        if job.owner is None or not hmac.compare_digest(
+            job.owner.encode("utf-8", "surrogatepass"), owner.encode("utf-8", "surrogatepass")
+        ):
             raise JobNotFound(f"no job with id {job_id!r}")
         return job.view()
 
