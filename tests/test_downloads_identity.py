@@ -377,35 +377,7 @@ async def test_a_restarted_gateway_on_redis_lists_an_identitys_jobs(
     """``pipework serve`` with ``[server] jobs_auth`` on the Redis store: the jobs Alice
     started are listed for her again by a new process, and never for Bob."""
     path = tmp_path / "gateway.toml"
-    path.write_text(
-        f"""
-[server]
-jobs_auth = "team"
-
-[store]
-backend = "redis"
-url = "{redis_server.url}"
-prefix = "o{secrets.token_hex(6)}"
-
-[auth.team]
-type = "api_key"
-
-[auth.team.keys.alice]
-sha256 = "{hashlib.sha256(KEYS["alice"].encode()).hexdigest()}"
-
-[auth.team.keys.bob]
-sha256 = "{hashlib.sha256(KEYS["bob"].encode()).hexdigest()}"
-
-[pipes.note]
-python = "tests.test_downloads_identity:note"
-
-[routes.note]
-path = "/note"
-mode = "async"
-chain = ["note"]
-auth = "team"
-"""
-    )
+    path.write_text(identity_file(jobs_auth=True, redis=redis_server.url))
     started: list[str] = []
     async with (
         serving(str(path)) as first,
@@ -480,3 +452,61 @@ async def test_an_identitys_exports_outlive_the_memory_store(tmp_path: Path) -> 
     assert file.status_code == 200
     assert file.content == (cfg.directory / f"{started[1]}.csv").read_bytes()
     assert_problem(other, 404, "job-not-found")
+
+
+def identity_file(*, jobs_auth: bool, redis: str = "") -> str:
+    """A gateway file: the team's keys, an authenticated async route, ``jobs_auth`` or
+    not, and the Redis store when ``redis`` names a server."""
+    store = f'\n[store]\nbackend = "redis"\nurl = "{redis}"\nprefix = "o{secrets.token_hex(6)}"\n'
+    return f"""
+[server]
+admin_token = "{ADMIN}"
+{'jobs_auth = "team"' if jobs_auth else ""}
+{store if redis else ""}
+[auth.team]
+type = "api_key"
+
+[auth.team.keys.alice]
+sha256 = "{hashlib.sha256(KEYS["alice"].encode()).hexdigest()}"
+
+[auth.team.keys.bob]
+sha256 = "{hashlib.sha256(KEYS["bob"].encode()).hexdigest()}"
+
+[pipes.note]
+python = "tests.test_downloads_identity:note"
+
+[routes.note]
+path = "/note"
+mode = "async"
+chain = ["note"]
+auth = "team"
+"""
+
+
+ADMIN = "identity-admin-token"
+
+
+async def test_a_reload_turns_the_listing_by_identity_on(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(identity_file(jobs_auth=False))
+    gateway = pw.Gateway(str(path))
+    stop = trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            address: BoundAddress = await nursery.start(
+                functools.partial(gateway.run, port=0, stop=stop)
+            )
+            async with httpx.AsyncClient(base_url=address.url) as client:
+                accepted = await client.post("/note", json={}, headers=key("alice"))
+                assert accepted.status_code == 202, accepted.text
+                before = await client.get("/jobs", headers=key("alice"))
+                path.write_text(identity_file(jobs_auth=True))
+                admin = {"Authorization": f"Bearer {ADMIN}"}
+                reloaded = await client.post("/admin/reload", headers=admin)
+                assert reloaded.status_code == 200, reloaded.text
+                bare = await client.get("/jobs")
+                after = await client.get("/jobs", headers=key("alice"))
+            stop.set()
+    assert before.json() == {"jobs": [], "missing": []}
+    assert_problem(bare, 401, "unauthorized")
+    assert [e["id"] for e in after.json()["jobs"]] == [accepted.json()["id"]]
