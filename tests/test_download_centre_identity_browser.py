@@ -7,18 +7,27 @@ and forgets the credential on sign-out."""
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import trio
+from playwright.sync_api import expect
 
 import pipework as pw
 
 from .test_download_centre_browser import WAIT, chromium
-from .test_downloads_identity import KEYS, centre
+from .test_downloads_identity import KEYS, centre, key
 
 
-def sign_in_and_download(url: str, mine: list[str], saved: Path) -> dict[str, Any]:
+def sign_in_and_download(
+    url: str,
+    mine: list[str],
+    saved: Path,
+    start_held: Callable[[], str],
+    release: Callable[[], None],
+) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     with chromium() as (page, errors):
         page.goto(f"{url}/ui/jobs")
@@ -26,10 +35,8 @@ def sign_in_and_download(url: str, mine: list[str], saved: Path) -> dict[str, An
         seen["asked"] = page.inner_text("#note")
         page.fill("#credential", "not-a-key")
         page.press("#credential", "Enter")
-        page.wait_for_function(
-            "document.querySelector('#note').textContent.startsWith('signing in failed')",
-            timeout=WAIT,
-        )
+        # (A locator, not wait_for_function: the page's CSP forbids evaluating strings.)
+        expect(page.locator("#note")).to_have_text(re.compile("^signing in failed"), timeout=WAIT)
         seen["refused"] = page.inner_text("#note")
         page.fill("#credential", KEYS["alice"])
         page.press("#credential", "Enter")
@@ -44,6 +51,14 @@ def sign_in_and_download(url: str, mine: list[str], saved: Path) -> dict[str, An
             page.click(f"{row} a.download")
         download.value.save_as(saved)
         page.wait_for_selector(f"{row}.downloaded", timeout=WAIT)
+        # A job Alice starts elsewhere: the next listing shows it, and the page follows
+        # it live (a new stream, which follows the identity's jobs as they are now).
+        held = start_held()
+        with page.expect_request(lambda r: r.url.endswith("/jobs/events"), timeout=WAIT):
+            page.click("#search button")
+            page.wait_for_selector(f'[id="job-{held}"][data-status="running"]', timeout=WAIT)
+        release()
+        page.wait_for_selector(f'[id="job-{held}"][data-status="done"]', timeout=WAIT)
         page.click("#signout")
         page.wait_for_selector("#signin:not([hidden])", timeout=WAIT)
         seen["after sign-out"] = page.locator("#jobs tbody tr").count()
@@ -56,12 +71,25 @@ async def test_the_page_signs_in_and_lists_only_the_identitys_jobs(
     tmp_path: Path,
 ) -> None:
     saved = tmp_path / "saved.txt"
+    token = trio.lowlevel.current_trio_token()
     with trio.fail_after(120):
         async with centre(tmp_path, pw.MemoryJobStore()) as c:
             alice = [(await c.submit("/make", "alice")).split(":")[0] for _ in range(2)]
             bob = (await c.submit("/make", "bob")).split(":")[0]
+
+            async def start_held() -> str:
+                answer = await c.client.post("/hold", json={}, headers=key("alice"))
+                assert answer.status_code == 202, answer.text
+                job_id: str = answer.json()["id"]
+                return job_id
+
             seen = await trio.to_thread.run_sync(
-                sign_in_and_download, str(c.client.base_url).rstrip("/"), alice, saved
+                sign_in_and_download,
+                str(c.client.base_url).rstrip("/"),
+                alice,
+                saved,
+                lambda: trio.from_thread.run(start_held, trio_token=token),
+                lambda: trio.from_thread.run_sync(c.files.held.set, trio_token=token),
             )
     assert seen["asked"] == "sign in to list your jobs (an API key or a token)"
     assert "the API key is not one this route accepts" in seen["refused"]

@@ -56,7 +56,7 @@ def key(name: str) -> dict[str, str]:
 class Centre:
     client: httpx.AsyncClient
     engine: pw.Engine
-    files: Files
+    files: HeldFiles
 
     async def submit(self, path: str, who: str | None, body: dict[str, Any] | None = None) -> str:
         headers = {} if who is None else key(who)
@@ -82,7 +82,15 @@ class Centre:
         return [entry["id"] for entry in answer.json()["jobs"]]
 
 
-def make_engine(files: Files, store: Any) -> pw.Engine:
+class HeldFiles(Files):
+    """The test's file records, and what holds the ``hold`` route's jobs."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.held = trio.Event()
+
+
+def make_engine(files: HeldFiles, store: Any) -> pw.Engine:
     registry = pw.Registry()
     engine = pw.Engine(registry=registry, store=store)
 
@@ -109,9 +117,15 @@ def make_engine(files: Files, store: Any) -> pw.Engine:
     async def plain(ctx: pw.Context) -> None:
         ctx.state["answer"] = 42
 
+    @engine.pipe
+    async def hold(ctx: pw.Context) -> None:
+        await ctx.progress(1, 2, "held")
+        await files.held.wait()
+
     engine.chain("make", make)
     engine.chain("plain", plain)
-    for name, auth in (("make", AUTH), ("plain", AUTH), ("open", None)):
+    engine.chain("hold", hold)
+    for name, auth in (("make", AUTH), ("plain", AUTH), ("hold", AUTH), ("open", None)):
         chain = "plain" if name == "open" else name
         registry.add_route(Route(name, "POST", f"/{name}", chain, "async", auth=auth))
     return engine
@@ -119,7 +133,7 @@ def make_engine(files: Files, store: Any) -> pw.Engine:
 
 @contextlib.asynccontextmanager
 async def centre(tmp_path: Path, store: Any, *, jobs_auth: bool = True) -> AsyncIterator[Centre]:
-    files = Files(tmp_path)
+    files = HeldFiles(tmp_path)
     engine = make_engine(files, store)
     stop = trio.Event()
     config = ContainerConfig(
@@ -136,6 +150,7 @@ async def centre(tmp_path: Path, store: Any, *, jobs_auth: bool = True) -> Async
                 async with httpx.AsyncClient(base_url=address.url, timeout=HANG_GUARD) as client:
                     yield Centre(client, engine, files)
             finally:
+                files.held.set()
                 stop.set()
 
 

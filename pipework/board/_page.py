@@ -47,6 +47,7 @@ const ended = new Set();
 const latest = new Map();
 let controller = null;
 let listing = null;
+let listedOnce = false;
 
 const $ = (q) => document.querySelector(q);
 function tickets() {
@@ -331,6 +332,11 @@ async function relist() {
     $("#who").hidden = !signed;
     $("#empty").hidden = list.length > 0 || body.jobs.length > 0;
     say("");
+    // An identity's job started elsewhere since the stream opened: follow it too (the
+    // stream follows the identity's jobs as they were when it opened).
+    const fresh = signed && listedOnce &&
+      body.jobs.some((e) => !rows.has(e.id) && !TERMINAL.has(e.state));
+    listedOnce = true;
     const listed = [];
     for (const entry of body.jobs) { show(entry); listed.push(entry.id); }
     for (const id of body.missing) { showMissing(id); listed.push(id); }
@@ -338,6 +344,7 @@ async function relist() {
     const tbody = $("#jobs tbody");
     for (const id of listed) tbody.append(rows.get(id));  // in the listing's order
     picked();
+    if (fresh) follow();
   } catch (e) {
     if (e.name !== "AbortError") say("the server cannot be reached; trying again");
   }
