@@ -34,15 +34,29 @@ pipework and for HAProxy in the same run.
   and no hedging (its nearest, the retry after 250 ms without an answer, is what it runs
   in the hedging scenario).
 
-**Load.** `wrk` with 16 connections (one per thread), each sending its next `GET` 80 ms
-after the last answer (about 200 requests a second in all, well below what either
-gateway serves: latency then shows the resilience, not a queue), each request with its own
-`X-Request-ID`. A Lua script records every request's start (`CLOCK_MONOTONIC`, the clock
-the benchmark and the replicas read too), its time to the answer and the status; a
-request whose connection failed counts as a failure, one still out when the load stops as
-a failure if it had waited 1 s. The replicas' behaviour changes at set times into the run.
-Each gateway is started afresh for each scenario, warmed up for a second or two with every
-replica fast, and stopped after it (so no state crosses scenarios); the two take turns.
+**Load.** `wrk` with 16 connections (one per thread), each sending its next `GET` after a
+pause drawn at random for each request: exponential, with a mean of 80 ms, from each
+connection's own seeded generator (the same draws in every run, and for both gateways).
+That is the closed-system model of a population of independent clients, each pausing
+("thinking") between an answer and its next request: about 200 requests a second in all,
+well below what either gateway serves, whose starts are spread as independent clients'
+are (the gaps between them vary as a Poisson process's do), so latency shows the
+resilience, not a queue. A fixed 80 ms pause, which this benchmark had first, did not:
+wrk calls the script's `delay()` before each connection's first request too, so all 16
+started together, the gateway answered them together, and they stayed in step for the
+whole run -- a burst of 16 requests every 80 ms or so, each waiting for the others' share
+of the gateway's CPU. Spreading the first requests over one pause does not last either:
+requests that meet once are answered together, their connections' next requests then
+start together, and the fixed pause never separates them again, so the connections fall
+back into bunches within seconds. The random pause separates them at every request.
+`python -m benchmarks.resilience.loads` runs the quick mode with each load in turns and
+compares them. Each request carries its own `X-Request-ID`. A Lua script records every
+request's start (`CLOCK_MONOTONIC`, the clock the benchmark and the replicas read too),
+its time to the answer and the status; a request whose connection failed counts as a
+failure, one still out when the load stops as a failure if it had waited 1 s. The
+replicas' behaviour changes at set times into the run. Each gateway is started afresh for
+each scenario, warmed up for a second or two with every replica fast, and stopped after
+it (so no state crosses scenarios); the two take turns.
 
 **Scenarios** (times of the full mode; the quick mode shortens them, and says how):
 *healthy* (every replica fast: the reference p99); *hang* (one replica hangs from t = 5 s,
@@ -91,6 +105,11 @@ PATHS = {"pipe": "/a", "proxy": "/p"}
 #: next request, in ms: about 200 requests a second in all.
 CONNECTIONS = 16
 PAUSE_MS = 80
+#: How each connection's pauses are drawn: "exponential" (each pause drawn at random, the
+#: mean PAUSE_MS), "staggered" (PAUSE_MS each, the connections' first requests spread over
+#: one pause) or "fixed" (PAUSE_MS each, every connection's first request at once).
+THINKS = ("exponential", "staggered", "fixed")
+THINK = "exponential"
 #: A request still out when the load stops counts as failed if it waited this long.
 STALLED = 1.0
 #: How often the gateway's state is read in the scenario that reads it.
@@ -129,11 +148,21 @@ end
 
 function init(args)
   pause = tonumber(args[1])
+  think = args[2]
+  connections = tonumber(args[3])
   sent = 0
   records = {}
+  math.randomseed(id)  -- each connection its own draws, the same in every run
 end
 
+-- wrk calls delay() before each request, the first one included.
 function delay()
+  if think == "exponential" then
+    return math.floor(-math.log(1 - math.random()) * pause + 0.5)
+  end
+  if think == "staggered" and sent == 0 then
+    return math.floor((id - 1) * pause / connections + 0.5)
+  end
   return pause
 end
 
@@ -202,9 +231,13 @@ def parse_wrk(stdout: str, origin: float) -> tuple[list[Answer], list[float]]:
     return answers, sorted(unfinished)
 
 
-async def wrk(url: str, seconds: float) -> tuple[float, str]:
-    """Our script under ``wrk`` on ``url`` for ``seconds``: when it started (monotonic
+async def wrk(url: str, seconds: float, think: str | None = None) -> tuple[float, str]:
+    """Our script under ``wrk`` on ``url`` for ``seconds``, each connection's pauses drawn
+    as ``think`` says (:data:`THINKS`; None: :data:`THINK`): when it started (monotonic
     seconds) and what it printed."""
+    think = THINK if think is None else think
+    if think not in THINKS:
+        raise ValueError(f"think must be one of {', '.join(THINKS)}, not {think!r}")
     executable = _load.wrk_path()
     if executable is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
@@ -212,7 +245,8 @@ async def wrk(url: str, seconds: float) -> tuple[float, str]:
         script.write(_WRK_SCRIPT)
         script.flush()
         command = [executable, f"-t{CONNECTIONS}", f"-c{CONNECTIONS}", f"-d{seconds:g}s"]
-        command += ["--timeout", "10s", "-s", script.name, url, "--", str(PAUSE_MS)]
+        command += ["--timeout", "10s", "-s", script.name, url, "--", str(PAUSE_MS), think]
+        command += [str(CONNECTIONS)]
         began = time.monotonic()
         with trio.fail_after(seconds + 60):
             done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
@@ -499,10 +533,11 @@ async def run_one(
     replicas: Sequence[Server],
     scenario: Scenario,
     warm_up: float,
+    think: str | None = None,
 ) -> Run:
     url = served.server.url + scenario.path
     await _check(served, scenario.path)
-    await wrk(url, warm_up)  # keep-alive connections, latency estimates: not counted
+    await wrk(url, warm_up, think)  # keep-alive connections, latency estimates: not counted
     for replica in replicas:
         await _send(replica, "POST", "/_reset")
     before = [c for c in scenario.changes if c.at <= 0]
@@ -514,7 +549,7 @@ async def run_one(
     finished = trio.Event()
 
     async def load() -> None:
-        output.append(await wrk(url, scenario.seconds))
+        output.append(await wrk(url, scenario.seconds, think))
         finished.set()
 
     changed: dict[str, float] = {}
@@ -562,6 +597,7 @@ async def run_one(
 class Results:
     scenarios: tuple[Scenario, ...]
     quick: bool
+    think: str = THINK
     runs: dict[tuple[str, str], Run] = field(default_factory=dict)
     load: list[tuple[float, float, float]] = field(default_factory=list)
 
@@ -572,12 +608,16 @@ class Results:
         return next(s for s in self.scenarios if s.name == name)
 
 
-def measure(quick: bool, route: str | None = None) -> Results:
-    """Every scenario through both gateways, the load on ``route`` (None: :data:`ROUTE`)."""
+def measure(quick: bool, route: str | None = None, think: str | None = None) -> Results:
+    """Every scenario through both gateways, the load on ``route`` (None: :data:`ROUTE`),
+    its pauses drawn as ``think`` says (None: :data:`THINK`)."""
     native.ensure_installed("haproxy")  # before anything starts: apt-get is slow
     if _load.wrk_path() is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
-    results = Results(scenarios(quick, route), quick)
+    think = THINK if think is None else think
+    if think not in THINKS:
+        raise ValueError(f"think must be one of {', '.join(THINKS)}, not {think!r}")
+    results = Results(scenarios(quick, route), quick, think)
     warm_up = 1.0 if quick else 2.0
     results.load.append(os.getloadavg())
     with contextlib.ExitStack() as stack:
@@ -588,7 +628,7 @@ def measure(quick: bool, route: str | None = None) -> Results:
             for gateway in order:
                 with started(gateway, replicas, scenario) as served:
                     results.runs[scenario.name, gateway.name] = trio.run(
-                        run_one, gateway, served, replicas, scenario, warm_up
+                        run_one, gateway, served, replicas, scenario, warm_up, think
                     )
     results.load.append(os.getloadavg())
     return results
@@ -855,9 +895,16 @@ def report(results: Results) -> list[dict[str, Any]]:
         "proxy": f"route A, `GET {PATHS['proxy']}`, a proxy route",
     }
     routes = ", ".join(sorted({route[s.route] for s in results.scenarios}))
+    pauses = {
+        "exponential": f"pauses between an answer and the next request on each drawn at "
+        f"random, exponential, mean {PAUSE_MS} ms",
+        "staggered": f"{PAUSE_MS} ms between an answer and the next request on each, the "
+        f"first requests spread over {PAUSE_MS} ms",
+        "fixed": f"{PAUSE_MS} ms between an answer and the next request on each",
+    }
     details = [
         f"Every scenario, whole runs ({mode}; {routes}; wrk, {CONNECTIONS} connections, "
-        f"{PAUSE_MS} ms between an answer and the next request on each; "
+        f"{pauses[results.think]}; "
         f"{native.version('haproxy')}; the machine's load average {start[0]:.2f} at the "
         f"start, {end[0]:.2f} at the end):",
         "",

@@ -12,6 +12,7 @@ import math
 import subprocess
 from pathlib import Path
 
+import pytest
 import trio
 
 import pipework as pw
@@ -108,17 +109,21 @@ def test_a_replica_behaves_as_told_and_logs_every_call() -> None:
 
 def test_the_load_records_every_request_with_its_own_id() -> None:
     async def main(replica: _load.Server) -> None:
-        began, stdout = await bench_resilience.wrk(f"{replica.url}/x", 1)
-        answers, unfinished = bench_resilience.parse_wrk(stdout, began)
-        calls, _ = await bench_resilience.calls([replica], began)
-        assert answers
-        assert {a.status for a in answers} == {200}
-        assert all(a.start >= 0 and a.latency >= 0 for a in answers)
-        # Every answer was a call; a request still out at the end may have arrived too.
-        assert len(answers) <= len(calls) <= len(answers) + len(unfinished)
-        ids = [c.request_id for c in calls]
-        assert all(ids)
-        assert len(set(ids)) == len(ids)
+        for think in bench_resilience.THINKS:  # each way of drawing the pauses
+            await bench_resilience._send(replica, "POST", "/_reset")
+            began, stdout = await bench_resilience.wrk(f"{replica.url}/x", 1, think)
+            answers, unfinished = bench_resilience.parse_wrk(stdout, began)
+            calls, _ = await bench_resilience.calls([replica], began)
+            assert answers, think
+            assert {a.status for a in answers} == {200}
+            assert all(a.start >= 0 and a.latency >= 0 for a in answers)
+            # Every answer was a call; a request still out at the end may have arrived too.
+            assert len(answers) <= len(calls) <= len(answers) + len(unfinished)
+            ids = [c.request_id for c in calls]
+            assert all(ids)
+            assert len(set(ids)) == len(ids)
+        with pytest.raises(ValueError, match="think must be one of"):
+            await bench_resilience.wrk(f"{replica.url}/x", 1, "steady")
 
     with _load.server("r1", module=bench_resilience.REPLICA) as replica:
         trio.run(main, replica)
