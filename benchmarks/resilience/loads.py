@@ -51,8 +51,8 @@ def arrivals(answers: Sequence[bench.Answer]) -> dict[str, float]:
 
 
 def figures(results: bench.Results) -> dict[str, float]:
-    """One run's figures: each goal's for both gateways, and the healthy scenario's p50
-    and arrivals."""
+    """One run's figures: each goal's for both gateways, the healthy scenario's p50 and
+    arrivals, and the degradation scenario's."""
     found: dict[str, float] = {}
     for gateway in ("pipework", "haproxy"):
         healthy = results.run("healthy", gateway)
@@ -62,6 +62,10 @@ def figures(results: bench.Results) -> dict[str, float]:
         for goal in bench.GOALS:
             value = bench.figures(results, goal.scenario, gateway).values[goal.key]
             found[f"{goal.scenario} {goal.key} {goal.unit}, {gateway}"] = value
+    if results.phases:
+        values = bench.degrade(results.phases).values
+        found["degrade throughput ×, pipework"] = values["throughput"]
+        found["degrade marked %, pipework"] = values["marked"]
     return found
 
 
