@@ -84,9 +84,10 @@ second saturated ÷ alone (the goal: ≥ 0.95), and the share of its answers who
 `Pipework-Degraded` header marks them degraded while B is saturated (the goal: every
 one); the calls of route D that reached B are counted at B.
 
-Rows give pipework's figure, HAProxy's in the same run and pipework's ÷ HAProxy's; the
-goal is pipework's. The machine's load (2 cores shared with other work) moves latencies
-more than shares: compare within a run.
+Rows give pipework's figure, HAProxy's in the same run and pipework's ÷ HAProxy's (route
+D's: with B saturated, alone in the same run, and their ratio); the goal is pipework's.
+The machine's load (2 cores shared with other work) moves latencies more than shares:
+compare within a run.
 """
 
 from __future__ import annotations
