@@ -50,11 +50,14 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    "http1_server",
     "access_log_redact",
     # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
     "cors",
     *TLS_KEYS,
 )
+#: ``[server] http1_server``'s values (``pipework.container._server.HTTP1_SERVERS``).
+HTTP1_SERVERS: Final = ("lean", "hypercorn")
 POOL_KEYS: Final = (
     "max_workers",
     "wait_timeout",
@@ -105,6 +108,9 @@ class ServerConfig:
     #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
     #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
     gc_threshold: int = SERVING_GC_THRESHOLD
+    #: Who serves cleartext HTTP/1.1: "lean" (pipework's own server) or "hypercorn";
+    #: None: ``serve``'s default.
+    http1_server: str | None = None
     #: HTTPS (and mutual TLS) when set: ``tls_cert``, ``tls_key``, ``tls_client_ca``,
     #: ``tls_client_auth``; its files are read again on a reload.
     tls: ServerTls | None = None
@@ -188,6 +194,7 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
+        http1_server=t.string("http1_server", d.http1_server, choices=HTTP1_SERVERS),
         tls=_server_tls(t),
         access_log_redact=_names(t, "access_log_redact", d.access_log_redact),
     )
