@@ -104,6 +104,11 @@ def server_name_allowed(server_names: Iterable[str], request: h11.Request) -> bo
     return host.decode("latin-1") in names
 
 
+def has_length(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether an app's answer headers declare its body's length."""
+    return any(bytes(name).lower() == b"content-length" for name, _ in headers)
+
+
 def suppress_body(method: str, status: int) -> bool:
     """Whether an answer carries no body whatever the app sends (RFC 9110 §6.4.1)."""
     return method == "HEAD" or 100 <= status < 200 or status in (204, 304)
@@ -168,9 +173,19 @@ def response_head(
     return h11.Response(status_code=status, headers=out, reason=_framing.reason(status))
 
 
+def server_headers(date: bool = True, server: bool = True) -> list[tuple[bytes, bytes]]:
+    """The server's own ``Date`` and ``Server`` (for the answers it writes itself)."""
+    headers = []
+    if date:
+        headers.append((b"date", _Date.now()))
+    if server:
+        headers.append((b"server", SERVER_NAME))
+    return headers
+
+
 def informational(status: int) -> h11.InformationalResponse:
     """A bare 1xx answer (``100 Continue``) with the server's ``Date`` and ``Server``."""
-    headers = [(b"date", _Date.now()), (b"server", SERVER_NAME)]
+    headers = server_headers()
     return h11.InformationalResponse(
         status_code=status, headers=headers, reason=_framing.reason(status)
     )

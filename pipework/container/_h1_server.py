@@ -61,6 +61,18 @@ _READ: Final = 64 * 1024
 # Each close takes microseconds; the bound only matters if a peer stops reading.
 _CLOSE_TIMEOUT: Final = 5.0
 
+#: A body the app left unread is read and dropped up to this many bytes, so that the
+#: connection can carry the next request (hypercorn reads it regardless of the app).
+_DRAIN_LIMIT: Final = 64 * 1024
+
+#: Closing a connection while the client still sends (a body the app refused unread,
+#: bytes after a closing request) is a lingering close: the server's side is shut, then
+#: what arrives is read and dropped until the client closes, for up to _LINGER seconds
+#: and _LINGER_QUIET between reads. Closing with unread bytes would send a reset, and a
+#: reset can destroy the answer before the client has read it.
+_LINGER: Final = 10.0
+_LINGER_QUIET: Final = 2.0
+
 #: What ends a connection because of its peer (gone, reset, too slow): nothing to log.
 _PEER_ENDED: Final = (
     trio.BrokenResourceError,
@@ -146,6 +158,7 @@ class _Connection:
         "client",
         "h11",
         "idle_scope",
+        "linger",
         "peer",
         "record",
         "send_lock",
@@ -165,6 +178,7 @@ class _Connection:
         # The bytes read since this request's head began (for a hand-off), or None.
         self.record: list[bytes] | None = []
         self.write_failed = False
+        self.linger = False  # whether the client may still be sending when we close
         sock = stream.socket
         self.client = parse_socket_addr(sock.family, sock.getpeername())
         client = self.client
@@ -213,6 +227,7 @@ class _Connection:
         """Answer with ``problem``; the connection ends after it. Framed whole before the
         write: another task may try to answer meanwhile, and h11 refuses the second."""
         headers, body = _framing.encode(problem, close=True)
+        headers += _h1_core.server_headers(self.server.date, self.server.server_header)
         status = problem.status
         h = self.h11
         try:
@@ -230,9 +245,17 @@ class _Connection:
             try:
                 await self.stream.send_eof()
             except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
-                pass
+                self.linger = False
             except OSError:
-                pass  # not connected any more
+                self.linger = False  # not connected any more
+        if self.linger:
+            # Not shielded: a graceful shutdown's deadline ends it like any other wait.
+            with trio.move_on_after(_LINGER):
+                while True:
+                    with trio.move_on_after(_LINGER_QUIET):
+                        if await self.receive():
+                            continue
+                    break
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
 
@@ -256,6 +279,7 @@ class _Connection:
                         await self.send_problem(
                             _framing.problem_for(error.error_status_hint, error)
                         )
+                        self.linger = True
                     return
                 finally:
                     server.idle.discard(self)
@@ -267,6 +291,8 @@ class _Connection:
                 return
             self.record = None
             if not await self.serve_request(event):
+                # Answered, and the client may be sending still (unless it is gone).
+                self.linger = h.their_state is not h11.CLOSED and not self.write_failed
                 return
             h.start_next_cycle()
             pending = h.trailing_data[0]
@@ -316,15 +342,40 @@ class _Connection:
             await exchange.log_access(500)
             return False
         h = self.h11
-        return (
+        keep = (
             exchange.ended
             and not exchange.gone
             and not exchange.answered
             and not self.write_failed
             and h.our_state is h11.DONE
-            and h.their_state is h11.DONE
             and not server.closing
         )
+        if keep and h.their_state is h11.SEND_BODY:
+            keep = await self.drain_body()
+        return keep and h.their_state is h11.DONE
+
+    async def drain_body(self) -> bool:
+        """Read and drop what is left of a request body the app did not read (often
+        nothing but its end: a request without a body whose app never asked), up to
+        :data:`_DRAIN_LIMIT` bytes; whether it ended."""
+        h = self.h11
+        dropped = 0
+        with trio.move_on_after(self.server.keep_alive_timeout):
+            try:
+                while dropped <= _DRAIN_LIMIT:
+                    event = h.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await self.receive()
+                        if not data:
+                            return False
+                        h.receive_data(data)
+                    elif type(event) is h11.Data:
+                        dropped += len(event.data)
+                    else:
+                        return type(event) is h11.EndOfMessage
+            except h11.RemoteProtocolError:
+                return False
+        return False
 
 
 class _Exchange:
@@ -410,8 +461,15 @@ class _Exchange:
             return  # the server answered for the app; the app's answer has no place
         if kind == "http.response.start" and self.head is None:
             status = int(message["status"])
-            self.head = (status, message.get("headers", ()))
+            headers = message.get("headers", ())
+            self.head = (status, headers)
             self.suppress = _h1_core.suppress_body(self.method, status)
+            if not self.suppress and not _h1_core.has_length(headers):
+                # A streamed answer (server-sent events, a relayed download): its head
+                # goes now, as the client may wait on it before the first piece exists.
+                data = self._head_bytes()
+                if not self.gone:
+                    await self.conn.write(data)
             return
         if kind != "http.response.body" or self.head is None or self.ended:
             raise RuntimeError(
@@ -420,16 +478,7 @@ class _Exchange:
             )
         conn = self.conn
         h = conn.h11
-        server = conn.server
-        data = b""
-        if not self.started:
-            status, headers = self.head
-            close = conn.served >= server.max_requests or server.closing
-            head = _h1_core.response_head(
-                status, headers, close=close, date=server.date, server=server.server_header
-            )
-            data = h.send(head) or b""
-            self.started = True
+        data = b"" if self.started else self._head_bytes()
         body = message.get("body", b"")
         if body and not self.suppress:
             data += h.send(h11.Data(data=body)) or b""
@@ -444,6 +493,20 @@ class _Exchange:
             if self.watch is not None:
                 self.watch.cancel()
             await self.log_access(self.head[0])
+
+    def _head_bytes(self) -> bytes:
+        """The answer's head, framed (the answer has started once this returns)."""
+        assert self.head is not None  # called after http.response.start
+        conn = self.conn
+        server = conn.server
+        status, headers = self.head
+        close = conn.served >= server.max_requests or server.closing
+        head = _h1_core.response_head(
+            status, headers, close=close, date=server.date, server=server.server_header
+        )
+        data = conn.h11.send(head) or b""
+        self.started = True
+        return data
 
     async def log_access(self, status: int) -> None:
         if self.conn.server.access_logger is not None:
