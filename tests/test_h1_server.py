@@ -9,6 +9,7 @@ import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import h2.config
@@ -20,8 +21,10 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipework.container import BoundAddress, serve
+from pipework import ConfigError, Gateway, load_config
+from pipework.container import BoundAddress, ContainerConfig, serve
 from pipework.container import _h1_core as core
+from pipework.registry._gateway import _container_config
 
 from ._raw_http import split_answers
 from .test_container_harness import HANG_GUARD
@@ -101,6 +104,7 @@ async def converse(address: BoundAddress, data: bytes) -> bytes:
     return bytes(received)
 
 
+@pytest.mark.http1_servers("lean")  # it serves on both itself
 async def test_the_scope_is_hypercorns() -> None:
     """The scope's every key, whichever server serves (only the client's port differs)."""
     scopes: dict[str, dict[str, Any]] = {}
@@ -395,3 +399,44 @@ def test_a_pseudo_header_from_the_app_is_refused() -> None:
 )
 def test_which_answers_carry_no_body(method: str, status: int, suppressed: bool) -> None:
     assert core.suppress_body(method, status) is suppressed
+
+
+# -- choosing the server -------------------------------------------------------------
+
+
+@pytest.mark.http1_servers("lean")  # the choice itself is under test
+@pytest.mark.parametrize("chosen", ["lean", "hypercorn"])
+async def test_the_file_chooses_the_http1_server(tmp_path: Path, chosen: str) -> None:
+    """``[server] http1_server`` reaches ``serve``: hypercorn names itself in ``Server``,
+    pipework's server as pipework."""
+    path = tmp_path / "gateway.toml"
+    path.write_text(f'[server]\nhttp1_server = "{chosen}"\n')
+    gateway = Gateway(str(path))
+    assert _container_config(gateway.config).http1_server == chosen
+    stop = trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(functools.partial(gateway.run, port=0, stop=stop))
+            data = await converse(
+                address, b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+            )
+            stop.set()
+    answers, _ = split_answers(data)
+    expected = b"pipework" if chosen == "lean" else b"hypercorn-h11"
+    assert [(a.status, a.header(b"server")) for a in answers] == [(200, expected)]
+
+
+@pytest.mark.http1_servers("lean")  # no server involved
+def test_an_unknown_http1_server_is_refused_where_it_was_written(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text('[server]\nhttp1_server = "hypercron"\n')
+    with pytest.raises(ConfigError, match=r"server\.http1_server.*did you mean 'hypercorn'"):
+        load_config(path)
+    with pytest.raises(ValueError, match="http1_server must be one of lean, hypercorn"):
+        ContainerConfig(http1_server="nginx")  # type: ignore[arg-type]  # what is refused
+
+
+@pytest.mark.http1_servers("lean")  # no server involved
+async def test_serve_refuses_an_unknown_http1_server() -> None:
+    with pytest.raises(ValueError, match="http1 must be one of lean, hypercorn"):
+        await serve(Recorder(), http1="nginx")  # type: ignore[arg-type]  # what is refused
