@@ -58,6 +58,10 @@ class Recorder:
         body = bytearray()
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                self.bodies.append(bytes(body))
+                self.disconnected.set()
+                return
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
@@ -440,3 +444,17 @@ def test_an_unknown_http1_server_is_refused_where_it_was_written(tmp_path: Path)
 async def test_serve_refuses_an_unknown_http1_server() -> None:
     with pytest.raises(ValueError, match="http1 must be one of lean, hypercorn"):
         await serve(Recorder(), http1="nginx")  # type: ignore[arg-type]  # what is refused
+
+
+async def test_read_timeout_ends_a_stalled_body_as_a_hang_up() -> None:
+    """hypercorn's ``read_timeout``: a client that stops sending its body is cut off, and
+    the app hears it as a hang-up (no error)."""
+    app = Recorder()
+    with trio.fail_after(HANG_GUARD):
+        async with serving(app, hypercorn_options={"read_timeout": 1}) as address:
+            data = await converse(
+                address, b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nab"
+            )
+    assert data == b""
+    assert app.bodies == [b"ab"]  # what came before the stall, then the hang-up
+    assert app.disconnected.is_set()

@@ -424,6 +424,11 @@ class _Exchange:
                     await conn.send_problem(_framing.problem_for(error.error_status_hint, error))
                 self.gone = True
                 return {"type": "http.disconnect"}
+            except trio.TooSlowError:
+                # read_timeout: hypercorn ends the connection, and the app hears of it as
+                # a hang-up.
+                self.gone = True
+                return {"type": "http.disconnect"}
             if type(event) is h11.Data:
                 return {"type": "http.request", "body": bytes(event.data), "more_body": True}
             if type(event) is h11.EndOfMessage:
@@ -446,7 +451,10 @@ class _Exchange:
             while not self.ended and not self.gone and not self.answered:
                 if kept > limit:
                     await trio.sleep_forever()
-                data = await conn.receive()
+                try:
+                    data = await conn.receive()
+                except trio.TooSlowError:  # read_timeout, as above
+                    data = b""
                 if not data:
                     self.gone = True
                     break
