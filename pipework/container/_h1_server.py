@@ -155,6 +155,7 @@ class _Connection:
     """One client connection, served in its task."""
 
     __slots__ = (
+        "address",
         "client",
         "h11",
         "idle_scope",
@@ -181,6 +182,7 @@ class _Connection:
         self.linger = False  # whether the client may still be sending when we close
         sock = stream.socket
         self.client = parse_socket_addr(sock.family, sock.getpeername())
+        self.address = parse_socket_addr(sock.family, sock.getsockname())
         client = self.client
         self.peer = "an unknown peer" if client is None else f"{client[0]}:{client[1]}"
 
@@ -321,7 +323,7 @@ class _Connection:
             request,
             scheme="http",
             client=self.client,
-            server=parse_socket_addr(self.stream.socket.family, self.stream.socket.getsockname()),
+            server=self.address,
             root_path=server.root_path,
             state=server.state,
             raw_headers=server.raw_headers,
