@@ -155,18 +155,18 @@ class _Followers:
 
 def _fan_out(server: Server, count: int) -> dict[str, float]:
     path = _sse_path(server)
-    time.sleep(0.05)
+    time.sleep(0.05)  # outside any trio run: the server settles before its RSS is read
     before = server.rss_kb()
     followers = _Followers(server, path, count)
     try:
-        time.sleep(0.5)
+        time.sleep(0.5)  # the followers connect; outside any trio run
         idle_kb = (server.rss_kb() - before) / count
         seconds, cpu = [], []
         for value in range(1, WRITES + 1):
             took, used = followers.broadcast(server, path, value)
             seconds.append(took)
             cpu.append(used)
-            time.sleep(0.3)
+            time.sleep(0.3)  # between broadcasts; outside any trio run
     finally:
         followers.close()
     return {

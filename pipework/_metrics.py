@@ -176,6 +176,16 @@ class _Statistics(Protocol):
     def statistics(self) -> Any: ...
 
 
+class _PoolReport(Protocol):
+    """A worker pool that reports its keys (the dispatcher's ``ReportingPool``, which the
+    engine resolves once; the metrics read its fields by name, never probe them)."""
+
+    @property
+    def config(self) -> Any: ...
+
+    def statistics(self) -> Any: ...
+
+
 class Metrics:
     """The metric families of one engine (and the container serving it).
 
@@ -329,10 +339,11 @@ class Metrics:
         *,
         queue: _Statistics,
         jobs: Callable[[], Mapping[str, int]],
-        pool: object,
+        pool: _PoolReport | None,
         key_label: Callable[[str], str],
     ) -> None:
-        """Read these components' state at every scrape (once per Metrics)."""
+        """Read these components' state at every scrape (once per Metrics); ``pool``: the
+        worker pool when it reports its keys (None: no pool families)."""
         if self._collector is not None:
             self.remove_state(self._collector)
         self._collector = _StateCollector(queue, jobs, pool, key_label)
@@ -432,7 +443,7 @@ class _StateCollector(Collector):
         self,
         queue: _Statistics,
         jobs: Callable[[], Mapping[str, int]],
-        pool: object,
+        pool: _PoolReport | None,
         key_label: Callable[[str], str],
     ) -> None:
         self._queue = queue
@@ -466,7 +477,8 @@ class _StateCollector(Collector):
         for status, count in self._jobs().items():
             jobs.add_metric([status], count)
         yield jobs
-        yield from _pool_families(self._pool, self._label)
+        if self._pool is not None:
+            yield from _pool_families(self._pool, self._label)
 
 
 #: A host's states, one series each (1 for the one it is in).
@@ -631,12 +643,9 @@ def _new_row() -> dict[str, Any]:
     }
 
 
-def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric]:
-    statistics = getattr(pool, "statistics", None)
-    if statistics is None:
-        return
-    stats = statistics()
-    keys: Mapping[str, Any] = getattr(stats, "keys", {})
+def _pool_families(pool: _PoolReport, label: Callable[[str], str]) -> Iterator[Metric]:
+    stats = pool.statistics()
+    keys: Mapping[str, Any] = stats.keys
     in_use = GaugeMetricFamily(
         "pipework_pool_in_use",
         "Worker slots held, by key and kind (reserved or shared).",
@@ -692,21 +701,19 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
         if k.configured or label(name) == name:
             row["reserve"], row["limit"], row["effective"] = k.reserve, k.limit, k.effective_limit
             row["adaptive"] = k.adaptive_limit
-    forgotten = getattr(stats, "forgotten_admitted", 0)
-    if forgotten or getattr(stats, "keys_forgotten", 0):
+    forgotten = stats.forgotten_admitted
+    if forgotten or stats.keys_forgotten:
         # Unnamed keys the pool forgot while idle (its max_keys) counted on their row still:
         # a counter never goes down.
         row = rows.setdefault("default", _new_row())
         row["admitted"] += forgotten
         for reason, count in stats.forgotten_rejected.items():
             row["rejected"][reason] = row["rejected"].get(reason, 0) + count
-    config = getattr(pool, "config", None)
-    default = getattr(config, "default", None)
-    if default is not None:
-        # Unnamed keys each get the default weights: show them on the "default" row.
-        row = rows.setdefault("default", _new_row())
-        row["reserve"], row["limit"] = default.reserve, default.limit
-        row["effective"] = default.limit
+    # Unnamed keys each get the default weights: show them on the "default" row.
+    default = pool.config.default
+    row = rows.setdefault("default", _new_row())
+    row["reserve"], row["limit"] = default.reserve, default.limit
+    row["effective"] = default.limit
     for key, row in sorted(rows.items()):
         in_use.add_metric([key, "reserved"], row["reserved"])
         in_use.add_metric([key, "shared"], row["shared"])
@@ -732,18 +739,14 @@ def _pool_families(pool: object, label: Callable[[str], str]) -> Iterator[Metric
         admitted,
         rejected,
     )
-    generation = getattr(stats, "config_generation", None)
-    if generation is not None:
-        yield _gauge(
-            "pipework_pool_config_generation",
-            "Which pool configuration is in force (bumped by every reconfiguration).",
-            generation,
-        )
+    yield _gauge(
+        "pipework_pool_config_generation",
+        "Which pool configuration is in force (bumped by every reconfiguration).",
+        stats.config_generation,
+    )
     yield _gauge("pipework_pool_max_workers", "Worker slots in all.", stats.max_workers)
-    shared = getattr(stats, "shared_pool", None)
-    if shared is not None:
-        yield _gauge(
-            "pipework_pool_shared_slots",
-            "The shared pool: max_workers minus every reserve.",
-            shared,
-        )
+    yield _gauge(
+        "pipework_pool_shared_slots",
+        "The shared pool: max_workers minus every reserve.",
+        stats.shared_pool,
+    )

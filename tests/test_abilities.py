@@ -9,7 +9,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import trio
 
 import pipework as pw
-from pipework.dispatcher._abilities import Abilities, FastAdmission
+from pipework.dispatcher._abilities import Abilities, FastAdmission, ReportingPool
 from pipework.dispatcher._engine import PROBE_KEY, _probe_lane
 
 from ._copying_store import CopyingJobStore
@@ -80,3 +80,18 @@ async def test_the_probe_lane_keeps_every_fast_ability_of_its_pool(
     stats = pool.statistics().keys["k"]
     assert stats.in_use == 0
     assert stats.mean_hold == 1.0
+
+
+async def test_only_a_reporting_pool_gets_the_pool_families() -> None:
+    """The metrics read the pool the engine resolved as reporting its keys once, by its
+    fields; a pool with the plain interface alone gets no pool families (and no error)."""
+    plain = pw.Engine(pool=PlainPool()).metrics.exposition().decode()
+    assert "pipework_pool_in_use" not in plain
+    assert "pipework_event_queue_depth 0.0" in plain  # the rest is there
+    weighted = pw.Engine(pool=pw.WeightedPool(3)).metrics.exposition().decode()
+    assert 'pipework_pool_reserve{key="default"} 0.0' in weighted
+    assert "pipework_pool_max_workers 3.0" in weighted
+    assert "pipework_pool_config_generation" in weighted
+    assert "pipework_pool_shared_slots 3.0" in weighted
+    assert isinstance(pw.WeightedPool(1), ReportingPool)
+    assert not isinstance(PlainPool(), ReportingPool)

@@ -36,7 +36,7 @@ def forward(
 ) -> Headers:
     fields: dict[str, object] = {"host": b"svc.internal", "request_id": None, **options}
     # The keyword options are each a different type; the call checks them at run time.
-    return request_headers(headers, peer=peer, trusted=trusted, **fields)  # type: ignore[arg-type]
+    return request_headers(headers, peer=peer, trusted=trusted, **fields)  # type: ignore[arg-type]  # mixed options, checked at run time
 
 
 def values(headers: Headers, name: bytes) -> list[bytes]:

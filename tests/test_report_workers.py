@@ -39,7 +39,7 @@ while True:
         if mode == "die":
             os._exit(7)
         if mode == "hang":
-            time.sleep(60)
+            time.sleep(60)  # a fake worker process that hangs: no trio in it
         if mode == "error":
             reply = {"type": "error", "id": m["id"], "error": "Error", "message": "page crashed"}
         else:

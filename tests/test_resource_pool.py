@@ -337,3 +337,34 @@ async def test_a_concurrent_start_that_fails_everywhere_names_the_first(
     assert "making resource 1 of 4 failed (OSError: launch " in str(caught.value)
     assert isinstance(caught.value.__cause__, OSError)
     assert trio.current_time() == pytest.approx(0.5)
+
+
+@dataclass
+class Closable:
+    closed: bool = False
+
+    async def aclose(self) -> None:
+        await trio.sleep(0.1)
+        self.closed = True
+
+
+async def test_without_a_close_each_resource_with_aclose_is_closed_by_it(
+    autojump_clock: object,
+) -> None:
+    """The default close: a resource's own aclose() where it has one; a resource without
+    one (here a plain number) is simply let go."""
+    made: list[object] = []
+
+    async def factory() -> object:
+        resource: object = Closable() if len(made) % 2 == 0 else len(made)
+        made.append(resource)
+        return resource
+
+    with trio.fail_after(HANG_GUARD):
+        async with pw.ResourcePool(
+            factory, 4, name="mixed", borrow_timeout=5.0, launch_timeout=2.0
+        ):
+            assert len(made) == 4
+    closables = [r for r in made if isinstance(r, Closable)]
+    assert len(closables) == 2
+    assert all(r.closed for r in closables)

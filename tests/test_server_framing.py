@@ -114,7 +114,7 @@ async def test_a_close_waits_for_the_sends_before_it() -> None:
     a, b = trio.socket.socketpair()
     stream = trio.SocketStream(a)
     # No app, no context, no state: only the close path runs, which uses none of them.
-    server = TCPServer(None, Config(), None, {}, stream)  # type: ignore[arg-type]
+    server = TCPServer(None, Config(), None, {}, stream)  # type: ignore[arg-type]  # no app, context or state: see above
     closed = trio.Event()
 
     async def close() -> None:

@@ -15,7 +15,9 @@ The engine works with any :class:`~._store.JobStore`, :class:`~._queue.EventQueu
   record and an event in one round trip;
 - a **fast pool** (:class:`FastAdmission`, the weighted pool) grants an uncontended slot
   with no schedule point, says which keys are limited, and so says at once whether a key
-  has a slot free (a pipe its job can do without is degraded rather than wait for one).
+  has a slot free (a pipe its job can do without is degraded rather than wait for one);
+- a **reporting pool** (:class:`ReportingPool`, the weighted pool) says its keys' state,
+  which the metrics read at each scrape.
 
 :class:`Abilities` looks at the three once, when the engine is built, and gives the engine
 one object to call: each of its operations is the part's own when the part has the ability,
@@ -39,6 +41,7 @@ from ._queue import EventQueue
 from ._status import Status
 from ._store import JobStore, NowaitAccess
 from ._wake import Wake
+from ._weighted_core import PoolConfig, PoolStatistics
 
 __all__ = [
     "Abilities",
@@ -48,6 +51,7 @@ __all__ = [
     "FollowingStore",
     "InProcessStore",
     "KeyedAdmission",
+    "ReportingPool",
     "SharedQueue",
     "SharedStore",
 ]
@@ -185,6 +189,16 @@ class KeyedAdmission(Protocol):
 
     @property
     def config(self) -> _Keyed: ...
+
+
+@runtime_checkable
+class ReportingPool(Protocol):
+    """A pool that reports its state: the metrics' pool families."""
+
+    @property
+    def config(self) -> PoolConfig: ...
+
+    def statistics(self) -> PoolStatistics: ...
 
 
 class _Keyed(Protocol):

@@ -37,6 +37,7 @@ from ._abilities import (
     FastAdmission,
     FollowingStore,
     KeyedAdmission,
+    ReportingPool,
     SharedQueue,
 )
 from ._admission import Admission
@@ -150,7 +151,10 @@ class Engine:
         self._retired: dict[int, trio.Event] = {}
         self._dispatcher.hooks.on_finished = self._job_finished
         self.metrics.watch(
-            queue=self.queue, jobs=self._job_counts, pool=self.pool, key_label=self.key_label
+            queue=self.queue,
+            jobs=self._job_counts,
+            pool=self.pool if isinstance(self.pool, ReportingPool) else None,
+            key_label=self.key_label,
         )
         self._running: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import trio
 
@@ -79,10 +79,16 @@ class _Waiter(Generic[R]):
         self.closed = False
 
 
+@runtime_checkable
+class _AsyncClosable(Protocol):
+    """A resource that says how it is closed (a browser, a client, a trio stream)."""
+
+    async def aclose(self) -> None: ...
+
+
 async def _default_close(resource: object) -> None:
-    aclose = getattr(resource, "aclose", None)
-    if aclose is not None:
-        await aclose()
+    if isinstance(resource, _AsyncClosable):
+        await resource.aclose()
 
 
 class ResourcePool(Generic[R]):
