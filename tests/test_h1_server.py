@@ -43,7 +43,7 @@ class Recorder:
     disconnected: trio.Event = field(default_factory=trio.Event)
     entered: trio.Event = field(default_factory=trio.Event)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -288,6 +288,7 @@ async def test_an_h2c_upgrade_is_served() -> None:
         ):
             h2conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
             settings = h2conn.initiate_upgrade_connection()
+            assert settings is not None  # a client's upgrade carries its settings
             await stream.send_all(
                 b"GET /up HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\n"
                 b"Upgrade: h2c\r\nHTTP2-Settings: " + settings + b"\r\n\r\n"

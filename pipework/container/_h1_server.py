@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
@@ -181,8 +182,11 @@ class _Connection:
         self.write_failed = False
         self.linger = False  # whether the client may still be sending when we close
         sock = stream.socket
-        self.client = parse_socket_addr(sock.family, sock.getpeername())
-        self.address = parse_socket_addr(sock.family, sock.getsockname())
+        try:
+            self.client = parse_socket_addr(sock.family, sock.getpeername())
+            self.address = parse_socket_addr(sock.family, sock.getsockname())
+        except OSError:  # the client is gone already: its first read will say so
+            self.client = self.address = None
         client = self.client
         self.peer = "an unknown peer" if client is None else f"{client[0]}:{client[1]}"
 
@@ -392,6 +396,7 @@ class _Exchange:
         "head",
         "method",
         "scope",
+        "start_time",
         "started",
         "suppress",
         "watch",
@@ -401,6 +406,7 @@ class _Exchange:
         self.conn = conn
         self.scope = scope
         self.method: str = scope["method"]
+        self.start_time = time.time()
         self.head: tuple[int, Any] | None = None
         self.suppress = False
         self.body_done = False
@@ -521,7 +527,8 @@ class _Exchange:
     async def log_access(self, status: int) -> None:
         if self.conn.server.access_logger is not None:
             response = {"status": status, "headers": []}
-            await self.conn.server.config.log.access(self.scope, response, 0.0)  # type: ignore[arg-type]  # hypercorn's typed dicts
+            took = time.time() - self.start_time
+            await self.conn.server.config.log.access(self.scope, response, took)  # type: ignore[arg-type]  # hypercorn's typed dicts
 
 
 def _listeners(config: Config) -> list[trio.SocketListener]:
