@@ -1,4 +1,7 @@
-"""Serve an ASGI app (a ``QuartTrio`` app) with hypercorn's trio worker, the trio way.
+"""Serve an ASGI app (a ``QuartTrio`` app) the trio way: cleartext HTTP/1.1 with
+pipework's own server (:mod:`._h1_server`, which hands websockets and HTTP/2 to hypercorn),
+everything else (HTTPS, HTTP/2 by ALPN) with hypercorn's trio worker; ``http1="hypercorn"``
+gives every connection to hypercorn.
 
 ``serve`` runs in the caller's nursery and reports where it listens through
 ``task_status``::
@@ -8,7 +11,7 @@
         ...                     # address.port is the real port, even for port=0
         stop.set()              # graceful: stop accepting, let requests finish
 
-Setting ``shutdown_trigger`` is the graceful path: hypercorn closes the listening socket
+Setting ``shutdown_trigger`` is the graceful path: the server closes the listening socket
 at once (so the port is free again), closes idle keep-alive connections, lets requests in
 flight finish for up to ``graceful_timeout`` seconds, then cancels their handlers and
 drops their connections without a response (a handler that wants to answer 503 must do
@@ -17,7 +20,8 @@ so before that deadline), runs the app's shutdown (Quart's ``after_serving``), a
 stops at once and the app's shutdown does not run.
 
 The app must handle the ASGI ``lifespan`` scope (Quart does): one that simply returns
-from it makes hypercorn's trio worker fail at startup with ``ClosedResourceError``.
+from it makes either server fail at startup with ``ClosedResourceError`` (both run the
+lifespan with hypercorn's own ``Lifespan``).
 
 ``serve`` applies :mod:`._hypercorn_fix` and :mod:`._hypercorn_ws`, without which one
 client's bytes could end the whole server, requests HTTP/1.1 refuses would be served,
