@@ -46,6 +46,7 @@ from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
 from .container._downloads import FileResults as FileResults
+from .container._downloads import OwnedFiles as OwnedFiles
 from .container._downloads import ResultFile as ResultFile
 from .container._routes import Route as Route
 from .dispatcher._admission import Admission as Admission
@@ -139,6 +140,7 @@ __all__ = [
     "Metrics",
     "OutlierSpec",
     "Overloaded",
+    "OwnedFiles",
     "Parallel",
     "Pipe",
     "PipeContractError",

@@ -8,6 +8,7 @@ of the engine held the same record fails on this store. The engine's tests run o
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import msgpack
@@ -48,6 +49,12 @@ class CopyingJobStore(pw.MemoryJobStore):
 
     async def list(self, status: Any = None) -> list[Job]:
         return [copy_of(job) for job in await super().list(status)]
+
+    async def owned(
+        self, owner: str, *, limit: int, before: float | None = None
+    ) -> tuple[builtins.list[Job], float | None]:
+        jobs, more = await super().owned(owner, limit=limit, before=before)
+        return [copy_of(job) for job in jobs], more
 
 
 _FINAL = frozenset({pw.Status.DONE, pw.Status.FAILED, pw.Status.CANCELLED, pw.Status.EXPIRED})

@@ -61,6 +61,7 @@ PUBLIC = [
     "Metrics",
     "OutlierSpec",
     "Overloaded",
+    "OwnedFiles",
     "Parallel",
     "Pipe",
     "PipeContractError",

@@ -50,10 +50,14 @@ class _Sent(RedisJobStore):
 _ENTRY = ("pfx:events", b"e", b"\x92\xa3run\xa8jABC_123")
 
 
+@pytest.mark.parametrize("owner", [None, "team:alice"])
 @pytest.mark.parametrize("entry", [None, _ENTRY])
-async def test_create_command_is_its_arguments(entry: tuple[str, bytes, bytes] | None) -> None:
+async def test_create_command_is_its_arguments(
+    entry: tuple[str, bytes, bytes] | None, owner: str | None
+) -> None:
     store = _Sent(1)
     job = _job(Status.QUEUED, None)
+    job.owner = owner
     await store.create(job, entry=entry)
     args = _args(store.sent[0])
     keys = [b"pfx:job:jABC_123", b"pfx:active"] + ([b"pfx:events"] if entry else [])
@@ -62,7 +66,9 @@ async def test_create_command_is_its_arguments(entry: tuple[str, bytes, bytes] |
     rest = args[3 + len(keys) :]
     assert rest[0] == store._encode(job)
     assert rest[1:5] == [b"queued", b"7", b"jABC_123", store._origin.encode()]
-    assert rest[5:] == ([b"e", _ENTRY[2]] if entry else [])
+    indexed = [owner.encode(), repr(job.created_at).encode()] if owner else [b"", b""]
+    assert rest[5:7] == indexed
+    assert rest[7:] == ([b"e", _ENTRY[2]] if entry else [])
 
 
 async def test_create_command_claiming_its_event_is_its_arguments() -> None:
@@ -76,7 +82,8 @@ async def test_create_command_claiming_its_event_is_its_arguments() -> None:
     rest = args[6:]
     assert rest[0] == store._encode(job)
     assert rest[1:5] == [b"queued", b"7", b"jABC_123", store._origin.encode()]
-    assert rest[5:] == [b"e", _ENTRY[2], b"g", b"me-1", b"4", repr(job.updated_at).encode()]
+    assert rest[5:7] == [b"", b""]  # no owner
+    assert rest[7:] == [b"e", _ENTRY[2], b"g", b"me-1", b"4", repr(job.updated_at).encode()]
     assert told == [store.answer]  # the reply, for the queue to take its read
 
 

@@ -86,9 +86,16 @@ def test_the_scripts_that_tell_finished_jobs_apart_list_the_engines_terminal_sta
 # -- the job store ---------------------------------------------------------------------
 
 
-async def _create(redis: Redis, job: str, status: str = "queued", origin: str = "me") -> Any:
+async def _create(
+    redis: Redis,
+    job: str,
+    status: str = "queued",
+    origin: str = "me",
+    owner: str = "",
+    created: float | str = "",
+) -> Any:
     keys = [f"{redis.p}:job:{job}", f"{redis.p}:active"]
-    return await redis.run("store_create", keys, [b"blob", status, 0, job, origin])
+    return await redis.run("store_create", keys, [b"blob", status, 0, job, origin, owner, created])
 
 
 def _update_args(
@@ -128,7 +135,9 @@ async def test_create_writes_a_record_once_with_its_event_and_claims_it(redis: R
     await redis("XADD", stream, "*", "e", "before")
     keys = [f"{p}:job:b", f"{p}:active", stream]
     at, entries = await redis.run(
-        "store_create", keys, [b"blob", "queued", 0, "b", "me", "e", "b's", "g", "c", 4, 7.5]
+        "store_create",
+        keys,
+        [b"blob", "queued", 0, "b", "me", "", "", "e", "b's", "g", "c", 4, 7.5],
     )
     assert [fields for _, fields in entries] == [[b"e", b"before"], [b"e", b"b's"]]
     assert at == entries[1][0]
@@ -138,14 +147,18 @@ async def test_create_writes_a_record_once_with_its_event_and_claims_it(redis: R
     await redis("XADD", stream, "*", "e", "x")
     keys = [f"{p}:job:c", f"{p}:active", stream]
     at, entries = await redis.run(
-        "store_create", keys, [b"blob", "queued", 0, "c", "me", "e", "c's", "g", "c", 1, 7.5]
+        "store_create",
+        keys,
+        [b"blob", "queued", 0, "c", "me", "", "", "e", "c's", "g", "c", 1, 7.5],
     )
     assert (at, [fields for _, fields in entries]) == (b"", [[b"e", b"x"]])
     assert await redis("HGET", f"{p}:job:c", "s") == b"queued"
     # A group Redis lost (restarted empty): nothing claimed, the record and event written.
     keys = [f"{p}:job:d", f"{p}:active", f"{p}:other"]
     reply = await redis.run(
-        "store_create", keys, [b"blob", "queued", 0, "d", "me", "e", "d's", "g", "c", 4, 7.5]
+        "store_create",
+        keys,
+        [b"blob", "queued", 0, "d", "me", "", "", "e", "d's", "g", "c", 4, 7.5],
     )
     assert reply == [b"", []]
     assert await redis("XLEN", f"{p}:other") == 1
@@ -275,6 +288,49 @@ async def test_status_writes_the_status_alone_at_the_version_read(redis: Redis) 
     assert await redis("HMGET", key, "d", "s", "v", "u") == [b"blob", b"running", b"1", b"1.5"]
     await redis("HSET", key, "s", "failed")
     assert await redis.run("store_status", [key], ["queued", 2.5, "a", p, 1]) == -2
+
+
+async def test_an_owners_index_holds_the_records_kept_newest_first(redis: Redis) -> None:
+    p = redis.p
+    index = f"{p}:owner:team:alice"
+    for job, created in (("a", 1.5), ("b", 2.5), ("c", 3.5), ("d", 4.5)):
+        assert await _create(redis, job, owner="team:alice", created=created) == 1
+    await _create(redis, "x")  # no owner: in no index, no n
+    assert await redis("HGET", f"{p}:job:a", "n") == b"team:alice"
+    assert await redis("HGET", f"{p}:job:x", "n") is None
+    assert await redis("ZRANGE", index, 0, -1, "WITHSCORES") == [
+        b"a", b"1.5", b"b", b"2.5", b"c", b"3.5", b"d", b"4.5"
+    ]  # fmt: skip
+    # A page, newest first, then where the next one starts; the last page says none.
+    page = await redis.run("store_owned", [index], [p, "+inf", 2])
+    assert page == [b"blob", b"0", b"queued", None] * 2 + [b"3.5"]
+    assert await redis.run("store_owned", [index], [p, "(3.5", 2]) == [*page[:8], b"1.5"]
+    assert await redis.run("store_owned", [index], [p, "(1.5", 2]) == [b""]
+    # A finished record dropped beyond the count leaves the index with it.
+    for job in ("a", "b"):
+        keys, args = _update_args(redis, job, "done", terminal=True, retain=1)
+        args[4] = 10 if job == "a" else 11
+        await redis.run("store_update", keys, args)
+    assert await redis("ZRANGE", index, 0, -1) == [b"b", b"c", b"d"]
+    # Past its time (store_expire), deleted (store_delete): the same.
+    expire = [f"{p}:finished", f"{p}:gone", f"{p}:remembered"]
+    assert await redis.run("store_expire", expire, [11, p, 20, 10]) == 1
+    assert await redis("ZRANGE", index, 0, -1) == [b"c", b"d"]
+    await redis.run("store_delete", [f"{p}:job:d", f"{p}:finished"], ["d", p])
+    assert await redis("ZRANGE", index, 0, -1) == [b"c"]
+    # A record its TTL dropped unread: out of the index at the next read of it...
+    await _create(redis, "e", owner="team:alice", created=5.5)
+    await redis("DEL", f"{p}:job:c")
+    assert await redis.run("store_owned", [index], [p, "+inf", 10]) == [
+        b"blob", b"0", b"queued", None, b""
+    ]  # fmt: skip
+    assert await redis("ZRANGE", index, 0, -1) == [b"e"]
+    # ...or at the next end of one of its owner's jobs.
+    await _create(redis, "f", owner="team:alice", created=6.5)
+    await redis("DEL", f"{p}:job:e")
+    keys, args = _update_args(redis, "f", "done", terminal=True)
+    await redis.run("store_update", keys, args)
+    assert await redis("ZRANGE", index, 0, -1) == [b"f"]
 
 
 async def test_awaited_marks_an_active_record(redis: Redis) -> None:

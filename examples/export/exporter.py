@@ -262,12 +262,15 @@ class Exporter:
         docstring)."""
         status, form = _request(ctx.state)
         export_id = ctx.job_id
-        owner = (await self.engine.store.get(export_id)).token_hash
+        job = await self.engine.store.get(export_id)
+        owner, identity = job.token_hash, job.owner
         every = self.config.progress_every
         copy: _Copy | None = None
         rows = 0
         try:
-            create = functools.partial(self.records.create, export_id, owner, self.now(), form)
+            create = functools.partial(
+                self.records.create, export_id, owner, self.now(), form, identity
+            )
             await self._blocking(create)
             _log.info("export %s started (correlation id %s)", export_id, ctx.correlation_id)
             copy = await self._blocking(
@@ -361,8 +364,16 @@ class Exporter:
         """The export's file as pipework's download centre lists it, from its record: the
         record outlives the process (and the job store's memory), so the list does too."""
         record = await self._blocking(functools.partial(self.records.get, job_id))
-        if record is None:
-            return None
+        return None if record is None else await self._result_file(record)
+
+    async def files_of(self, identity: str, *, limit: int) -> list[pw.ResultFile]:
+        """The newest exports ``identity`` started (an authenticated caller: pipework's
+        ``[server] jobs_auth``), as the download centre lists them: from the records, so a
+        job store that forgot the jobs forgets none of them."""
+        records = await self._blocking(functools.partial(self.records.owned_by, identity, limit))
+        return [await self._result_file(record) for record in records]
+
+    async def _result_file(self, record: Record) -> pw.ResultFile:
         path = None if record.file is None else self.config.directory / record.file
         size = None
         if path is not None and record.status == "done":
@@ -384,6 +395,7 @@ class Exporter:
             keep_until=kept if record.status == "done" else None,
             error=record.error,
             downloaded=record.downloaded,
+            identity=record.identity,
         )
 
     async def mark_downloaded(self, job_id: str, when: float) -> None:
@@ -731,7 +743,9 @@ def _open(path: Path) -> BinaryIO:
 def _request(state: Mapping[str, Any]) -> tuple[str | None, str]:
     """The export asked for: which orders (a ``status``, or all) and the file's ``format``
     (``csv``, the default, or ``xlsx``)."""
-    unknown = sorted(set(state) - {"status", "format"})
+    # "identity": who an authenticated route's caller is, put there by pipework (a body
+    # cannot set it), not a field of the request.
+    unknown = sorted(set(state) - {"status", "format", "identity"})
     if unknown:
         raise Refused(
             f"unknown field {unknown[0]!r}: an export takes only 'status', "

@@ -10,6 +10,8 @@
     error     why it failed
     downloaded  when its file was last downloaded whole (the download centre's mark)
     format    the file's format, ``csv`` or ``xlsx``, known from the start
+    identity  the owner identity of the authenticated caller who started it (pipework's
+              ``AUTH:SUBJECT``), or none: the download centre lists it for that identity
 
 Every write is a transaction of its own, committed at once, so a reader sees an export's
 progress while it runs, not when it ends. Every update names the status it expects
@@ -54,10 +56,17 @@ CREATE TABLE IF NOT EXISTS exports (
     finished REAL,
     error TEXT,
     downloaded REAL,
-    format TEXT NOT NULL DEFAULT 'csv'
+    format TEXT NOT NULL DEFAULT 'csv',
+    identity TEXT
 )
 """
-_COLUMNS: Final = "id, owner, status, rows, file, created, finished, error, downloaded, format"
+#: An identity's exports, newest first (Records.owned_by).
+_IDENTITY_INDEX: Final = (
+    "CREATE INDEX IF NOT EXISTS exports_by_identity ON exports (identity, created)"
+)
+_COLUMNS: Final = (
+    "id, owner, status, rows, file, created, finished, error, downloaded, format, identity"
+)
 
 
 class RecordError(Exception):
@@ -76,6 +85,7 @@ class Record:
     error: str | None
     downloaded: float | None = None
     format: str = "csv"
+    identity: str | None = None
 
 
 def check_transition(old: RecordStatus, new: RecordStatus) -> None:
@@ -113,6 +123,9 @@ class Records:
                     db.execute("ALTER TABLE exports ADD COLUMN downloaded REAL")
                 if "format" not in columns:  # made before xlsx: every export was CSV
                     db.execute("ALTER TABLE exports ADD COLUMN format TEXT NOT NULL DEFAULT 'csv'")
+                if "identity" not in columns:  # made before exports knew their identity
+                    db.execute("ALTER TABLE exports ADD COLUMN identity TEXT")
+                db.execute(_IDENTITY_INDEX)
             except BaseException:
                 db.close()
                 raise
@@ -142,12 +155,19 @@ class Records:
             finally:
                 db.execute("PRAGMA synchronous = FULL")
 
-    def create(self, export_id: str, owner: str | None, now: float, form: str = "csv") -> None:
+    def create(
+        self,
+        export_id: str,
+        owner: str | None,
+        now: float,
+        form: str = "csv",
+        identity: str | None = None,
+    ) -> None:
         with self._connect() as db:
             db.execute(
-                "INSERT INTO exports (id, owner, status, created, format) "
-                "VALUES (?, ?, 'running', ?, ?)",
-                (export_id, owner, now, form),
+                "INSERT INTO exports (id, owner, status, created, format, identity) "
+                "VALUES (?, ?, 'running', ?, ?, ?)",
+                (export_id, owner, now, form, identity),
             )
 
     def progress(self, export_id: str, rows: int) -> None:
@@ -226,6 +246,13 @@ class Records:
         with self._connect() as db:
             return self._select(
                 db, "WHERE status = 'done' AND finished <= ? ORDER BY finished", (cutoff,)
+            )
+
+    def owned_by(self, identity: str, limit: int) -> list[Record]:
+        """The newest ``limit`` exports ``identity`` started."""
+        with self._connect() as db:
+            return self._select(
+                db, "WHERE identity = ? ORDER BY created DESC LIMIT ?", (identity, limit)
             )
 
     def get(self, export_id: str) -> Record | None:

@@ -102,6 +102,15 @@ class Identity:
     claims: Mapping[str, Any] = field(default_factory=dict)
     token_claims: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def owner(self) -> str:
+        """The owner string of the jobs this identity starts (``JobRecord.owner``) and
+        lists: ``AUTH:SUBJECT``, the ``[auth.NAME]`` that accepted it and the subject it
+        names. The auth is part of it: two auths may each know a subject of the same name
+        (a key named ``alice``, an identity provider's ``sub`` ``alice``) who are not the
+        same caller."""
+        return f"{self.auth}:{self.subject}"
+
     def state(self) -> dict[str, Any]:
         """The identity as a job's state holds it (under :data:`IDENTITY_STATE_KEY`)."""
         return {

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from typing import Any, Final
 
@@ -38,7 +38,7 @@ from .._http._credentials import bearer_token, same_secret
 from .._http._jobs import authorize, job_document, job_token
 from .._http._problems import Problem
 from ..dispatcher._engine import Engine
-from ..dispatcher._job import hash_token
+from ..dispatcher._job import JobView, hash_token
 from ..dispatcher._status import TERMINAL
 from ._core import BoardFull, Event, Kind, ResourceExists, ResourceNotFound, Version
 from ._driver import Boards, BoardSpec, BoardUnavailable, Change, Follower
@@ -153,6 +153,11 @@ class BoardApi:
         self.engine = engine
         self.max_body = max_body
         self.body_time_limit = body_time_limit
+        #: The download centre's authentication of ``GET /jobs/events`` (the container's
+        #: ``DownloadsApi.caller``: the caller's owner string, None without ``jobs_auth``,
+        #: a 401 without the credential) and the jobs an owner has (``owned_views``).
+        self.caller: Callable[[], Awaitable[str | None]] | None = None
+        self.owned: Callable[[str], Awaitable[list[JobView]]] | None = None
 
     # -- who may -------------------------------------------------------------------------
 
@@ -366,8 +371,10 @@ class BoardApi:
 
     async def jobs_events(self) -> Response:
         """``GET /jobs/events``: several jobs in one stream, each named by ``id:token`` in
-        ``X-Job-Tickets`` (comma-separated); what the jobs page follows. Jobs that are
-        unknown or whose token does not match get one ``missing`` event each."""
+        ``X-Job-Tickets`` (comma-separated), and with ``jobs_auth`` the caller's identity's
+        newest jobs; what the jobs page follows. Jobs that are unknown or whose token does
+        not match get one ``missing`` event each."""
+        owner = None if self.caller is None else await self.caller()
         tickets = [t.strip() for t in request.headers.get("X-Job-Tickets", "").split(",")]
         tickets = [t for t in tickets if t]
         if len(tickets) > MAX_TICKETS:
@@ -382,6 +389,11 @@ class BoardApi:
                 )
         found: list[str] = []
         missing: list[str] = []
+        if owner is not None and self.owned is not None:
+            for view in await self.owned(owner):
+                self.job_board.publish(view, None)
+                self.engine.watch(view.id)
+                found.append(view.id)
         for ticket in tickets:
             job_id, _, token = ticket.partition(":")
             try:
@@ -391,6 +403,7 @@ class BoardApi:
                 continue
             self._on_board(view, token)
             found.append(job_id)
+        found = list(dict.fromkeys(found))
         follower = (
             self._follow(JOB_BOARD, found, _since(request.args, request.headers)) if found else None
         )

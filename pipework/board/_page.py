@@ -11,6 +11,13 @@ them live in one SSE stream, ``GET /jobs/events`` (read with ``fetch``, since Ev
 cannot send headers). A ticket the server does not know is shown as unknown and kept until
 the user forgets it: a restart must not make the page drop what the server may still have.
 
+When the server authenticates the download centre (``[server] jobs_auth``), ``GET /jobs``
+answers 401 and the page asks for the credential once: an API key or a bearer token, kept
+in ``sessionStorage`` (this tab only, gone when it closes; never a cookie, which the
+browser would send by itself) and sent in the header the 401's ``WWW-Authenticate`` names
+(``ApiKey ... header="..."``, else ``Authorization: Bearer``). The listing and the stream
+are then the identity's jobs, and the tickets' besides.
+
 Each row: the state in the seed's colours (running blue, done green, failed red with the
 reason on hover, expired grey), progress, rows, size, created, finished, expiry, the
 download (a short-lived signed link from the listing: the token never goes in a URL) and
@@ -33,18 +40,56 @@ __all__ = ["jobs_page"]
 _SCRIPT: Final = r"""
 "use strict";
 const KEY = "pipework.jobs";
+const CREDENTIAL = "pipework.credential";
 const TERMINAL = new Set(["done", "failed", "cancelled", "expired"]);
 const rows = new Map();
 const ended = new Set();
 const latest = new Map();
 let controller = null;
 let listing = null;
+let listedOnce = false;
 
 const $ = (q) => document.querySelector(q);
 function tickets() {
   try { return JSON.parse(localStorage.getItem(KEY) || "[]"); } catch { return []; }
 }
 function save(list) { localStorage.setItem(KEY, JSON.stringify([...new Set(list)])); }
+// The credential of [server] jobs_auth, this tab's only: {header, value}.
+function credential() {
+  try { return JSON.parse(sessionStorage.getItem(CREDENTIAL) || "null"); } catch { return null; }
+}
+function withCredential(headers) {
+  const c = credential();
+  if (c) headers[c.header] = c.value;
+  return headers;
+}
+// What a 401's WWW-Authenticate asks for: the API key's header, else a bearer token.
+let challenge = "";
+function signIn(value) {
+  value = value.trim();
+  if (!value) return;
+  const key = /ApiKey\b[^]*?header="([^"]+)"/i.exec(challenge);
+  const jwt = /^[\w-]+\.[\w-]+\.[\w-]*$/.test(value) && /Bearer\b/i.test(challenge);
+  const c = key && !jwt ? { header: key[1], value }
+    : { header: "Authorization", value: "Bearer " + value };
+  sessionStorage.setItem(CREDENTIAL, JSON.stringify(c));
+  follow(); relist();
+}
+function signOut() {
+  sessionStorage.removeItem(CREDENTIAL);
+  for (const id of [...rows.keys()]) drop(id);
+  if (controller) controller.abort();
+  relist();
+}
+function needSignIn(answer, body) {
+  challenge = answer.headers.get("WWW-Authenticate") || "";
+  const refused = credential() !== null;
+  sessionStorage.removeItem(CREDENTIAL);
+  $("#signin").hidden = false;
+  $("#who").hidden = true;
+  say(refused ? "signing in failed: " + (body.detail || body.title)
+    : "sign in to list your jobs (an API key or a token)");
+}
 function tokenOf(id) {
   const t = tickets().find((x) => x.startsWith(id + ":"));
   return t ? t.slice(id.length + 1) : "";
@@ -179,7 +224,7 @@ function show(entry) {
     cell.append(a);
   } else if (file && entry.state === "expired") {
     cell.textContent = "file deleted";
-  } else if (!file && entry.links && entry.links.result) {
+  } else if (!file && entry.links && entry.links.result && tokenOf(entry.id)) {
     const a = document.createElement("a");
     a.href = entry.links.result;
     a.textContent = entry.state === "done" ? "result" : "error";
@@ -238,7 +283,9 @@ async function batch() {
   if (!ids.length) return;
   const answer = await fetch("/jobs/downloads", {
     method: "POST",
-    headers: { "X-Job-Tickets": tickets().join(","), "Content-Type": "application/json" },
+    headers: withCredential({
+      "X-Job-Tickets": tickets().join(","), "Content-Type": "application/json",
+    }),
     body: JSON.stringify({ ids }),
   });
   const body = await answer.json();
@@ -266,17 +313,30 @@ function filters() {
 
 async function relist() {
   const list = tickets();
-  $("#empty").hidden = list.length > 0;
-  if (!list.length) { for (const id of [...rows.keys()]) drop(id); return; }
+  const signed = credential() !== null;
+  $("#empty").hidden = list.length > 0 || signed;
   if (listing) listing.abort();
   const mine = listing = new AbortController();
   try {
-    const answer = await fetch("/jobs?" + filters(), {
-      headers: { "X-Job-Tickets": list.join(",") }, signal: mine.signal,
-    });
+    // Asked even without tickets: a 401 says the server lists jobs by identity.
+    const headers = withCredential(list.length ? { "X-Job-Tickets": list.join(",") } : {});
+    const answer = await fetch("/jobs?" + filters(), { headers, signal: mine.signal });
     const body = await answer.json();
+    if (answer.status === 401) {
+      for (const id of [...rows.keys()]) drop(id);
+      needSignIn(answer, body);
+      return;
+    }
     if (!answer.ok) { say(body.detail || body.title); return; }
+    $("#signin").hidden = true;
+    $("#who").hidden = !signed;
+    $("#empty").hidden = list.length > 0 || body.jobs.length > 0;
     say("");
+    // An identity's job started elsewhere since the stream opened: follow it too (the
+    // stream follows the identity's jobs as they were when it opened).
+    const fresh = signed && listedOnce &&
+      body.jobs.some((e) => !rows.has(e.id) && !TERMINAL.has(e.state));
+    listedOnce = true;
     const listed = [];
     for (const entry of body.jobs) { show(entry); listed.push(entry.id); }
     for (const id of body.missing) { showMissing(id); listed.push(id); }
@@ -284,6 +344,7 @@ async function relist() {
     const tbody = $("#jobs tbody");
     for (const id of listed) tbody.append(rows.get(id));  // in the listing's order
     picked();
+    if (fresh) follow();
   } catch (e) {
     if (e.name !== "AbortError") say("the server cannot be reached; trying again");
   }
@@ -304,14 +365,14 @@ function dispatch(block) {
 async function follow() {
   if (controller) controller.abort();
   const list = tickets();
-  if (!list.length) return;
+  if (!list.length && !credential()) return;
   const mine = controller = new AbortController();
   const state = $("#live");
   try {
-    const answer = await fetch("/jobs/events", {
-      headers: { "X-Job-Tickets": list.join(","), "Accept": "text/event-stream" },
-      signal: mine.signal,
-    });
+    const headers = withCredential({ "Accept": "text/event-stream" });
+    if (list.length) headers["X-Job-Tickets"] = list.join(",");
+    const answer = await fetch("/jobs/events", { headers, signal: mine.signal });
+    if (answer.status === 401) { state.textContent = "signed out"; return; }
     state.textContent = "live";
     const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
@@ -361,6 +422,13 @@ $("#add").addEventListener("submit", (e) => {
   askToNotify();
 });
 $("#search").addEventListener("submit", (e) => { e.preventDefault(); relist(); });
+$("#signin").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const input = $("#credential");
+  signIn(input.value);
+  input.value = "";
+});
+$("#signout").addEventListener("click", signOut);
 for (const field of ["#state", "#from", "#to"]) $(field).addEventListener("change", relist);
 let typing = null;
 $("#q").addEventListener("input", () => {
@@ -418,6 +486,10 @@ _PAGE: Final = """<!doctype html>
 <button>Search</button>
 <button type="button" id="batch" disabled>Download selected as zip</button>
 </form>
+<form id="signin" hidden><input id="credential" type="password" autocomplete="off"
+placeholder="API key or token" aria-label="API key or token"> <button>Sign in</button></form>
+<p id="who" hidden>Signed in: your jobs are listed. <button type="button" id="signout">Sign
+out</button></p>
 <p id="note" role="status"></p>
 <p id="empty">No jobs yet: add a ticket (the job's id and token, as id:token).</p>
 <table id="jobs">

@@ -34,6 +34,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.routing import Map, MapAdapter, Rule
 
 from .. import _tracing
+from .._http._auth import RouteAuth
 from .._http._cors import CorsPolicy, is_preflight
 from .._http._ratelimit import RateLimits
 from .._metrics import Metrics
@@ -103,6 +104,11 @@ class ContainerConfig:
       or ``"hypercorn"``; None: :func:`~._server.serve`'s default (docs/configuration.md).
     - ``cors``: which other origins' pages may call the job, board and jobs-page endpoints
       from a browser (None: none; each route has its own policy).
+    - ``jobs_auth``: who calls the download centre's endpoints (``GET /jobs``,
+      ``POST /jobs/downloads``, ``GET /jobs/events``): they then list the jobs of the
+      caller's identity besides its tickets' (``Identity.owner``, recorded by the
+      authenticated async routes), and answer 401 without the credential. None: tickets
+      only.
     """
 
     max_body: int = 1024 * 1024
@@ -123,6 +129,7 @@ class ContainerConfig:
     trusted_proxies: tuple[str, ...] = ()
     cors: CorsPolicy | None = None
     http1_server: Http1Server | None = None
+    jobs_auth: RouteAuth | None = None
 
     def __post_init__(self) -> None:
         for name in ("body_time_limit", "default_timeout", "readiness_timeout"):
@@ -208,6 +215,7 @@ class Container:
             expose_errors=config.expose_errors,
             max_body=config.max_body,
             body_time_limit=config.body_time_limit,
+            auth=config.jobs_auth,
         )
         self.boards = Boards(boards, backplane=backplane)
         self.job_board = JobBoard(self.boards, expose_errors=config.expose_errors)
@@ -218,6 +226,9 @@ class Container:
             max_body=config.max_body,
             body_time_limit=config.body_time_limit,
         )
+        # GET /jobs/events follows the identity's jobs as GET /jobs lists them.
+        self.board_api.caller = self.downloads.caller
+        self.board_api.owned = self.downloads.owned_views
         token = admin_token(config.admin_token)
         self.admin = (
             None

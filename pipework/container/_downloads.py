@@ -8,10 +8,14 @@ A route whose jobs leave a file registers a :class:`FileResults` on the containe
 no longer knows (the memory store after a restart, or past its retention) is still listed
 from them, for the owner whose token hashes to the record's ``owner``.
 
-- ``GET /jobs`` lists the caller's jobs. Whose they are is, today, the tickets the client
-  holds (``X-Job-Tickets: ID:TOKEN, ...``, as ``GET /jobs/events``): :func:`claims` is the
-  one place that says so, where an authenticated identity will name them instead.
-  ``q``, ``status``, ``from`` and ``to`` filter it.
+- ``GET /jobs`` lists the caller's jobs: those of the tickets the client holds
+  (``X-Job-Tickets: ID:TOKEN, ...``, as ``GET /jobs/events``: :func:`claims`) and, when
+  the endpoints have an authentication (``[server] jobs_auth``, :attr:`DownloadsApi.auth`),
+  those its identity owns (``JobRecord.owner``, recorded when an authenticated route
+  started them): the job store's owner index, and the files the routes' records say the
+  identity owns (:class:`OwnedFiles`: a listing that outlives a store that forgets).
+  Then a request without the credential is a 401. ``q``, ``status``, ``from`` and ``to``
+  filter it.
 - Each listed file that can be downloaded carries ``href``, ``/jobs/{id}/file?exp=&sig=``:
   HMAC-SHA256 with the deployment's secret (the callback secret) over ``GET``, the path
   and ``exp``, good for :data:`LINK_TTL` seconds. The token never goes in a URL.
@@ -24,6 +28,7 @@ from them, for the owner whose token hashes to the record's ``owner``.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import math
@@ -35,13 +40,14 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 from urllib.parse import quote, urlencode
 
 import trio
 from quart import Response, request
 
 from .._errors import JobNotFound
+from .._http._auth import RouteAuth, put_identity
 from .._http._bodies import JSON, decode, dumps_json, read_body
 from .._http._jobs import job_document, job_token
 from .._http._problems import Problem
@@ -49,7 +55,16 @@ from ..dispatcher._engine import Engine
 from ..dispatcher._job import JobView, hash_token
 from ._callbacks import CallbackSigner
 
-__all__ = ["LINK_TTL", "MAX_TICKETS", "DownloadsApi", "FileResults", "ResultFile", "claims"]
+__all__ = [
+    "LINK_TTL",
+    "MAX_LOOKED_AT",
+    "MAX_TICKETS",
+    "DownloadsApi",
+    "FileResults",
+    "OwnedFiles",
+    "ResultFile",
+    "claims",
+]
 
 _log = logging.getLogger("pipework.downloads")
 
@@ -58,6 +73,10 @@ _log = logging.getLogger("pipework.downloads")
 LINK_TTL: Final = 300
 #: The most jobs one listing, one stream or one zip may name.
 MAX_TICKETS: Final = 200
+#: The most of an identity's jobs one listing looks at (newest first, a page of
+#: :data:`MAX_TICKETS` at a time) for those its filters take; older ones are reached by
+#: narrowing ``to``.
+MAX_LOOKED_AT: Final = 10 * MAX_TICKETS
 #: Bytes read (and, in a zip, held) at a time.
 CHUNK: Final = 256 * 1024
 
@@ -78,8 +97,10 @@ class ResultFile:
     """A job's file, as the download centre lists and serves it.
 
     ``owner`` is the hash of the job's owner token (what the job store keeps:
-    SHA-256, hex); ``state`` is the file's own (``expired`` once it was deleted);
-    ``path`` is where it is while it can be downloaded. Times are Unix seconds."""
+    SHA-256, hex); ``identity``, the owner string of the authenticated caller who started
+    the job (``JobRecord.owner``, ``AUTH:SUBJECT``), when one did; ``state`` is the file's
+    own (``expired`` once it was deleted); ``path`` is where it is while it can be
+    downloaded. Times are Unix seconds."""
 
     job_id: str
     name: str
@@ -95,6 +116,7 @@ class ResultFile:
     keep_until: float | None = None
     error: str | None = None
     downloaded: float | None = None
+    identity: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -114,9 +136,21 @@ class FileResults(Protocol):
         ...
 
 
+@runtime_checkable
+class OwnedFiles(Protocol):
+    """A :class:`FileResults` whose records also list an identity's files: the download
+    centre then lists them for that identity even when the job store no longer knows
+    their jobs (the memory store after a restart)."""
+
+    async def files_of(self, identity: str, *, limit: int) -> list[ResultFile]:
+        """At most ``limit`` of the files whose ``identity`` is this one, newest first."""
+        ...
+
+
 def claims(headers: Any) -> list[tuple[str, str]]:
-    """Whose jobs a request may list and download: ``(job id, token)`` pairs from
-    ``X-Job-Tickets``. An authenticated identity will name its jobs here instead."""
+    """The jobs a request names by ticket: ``(job id, token)`` pairs from
+    ``X-Job-Tickets`` (an authenticated identity names its own besides: see
+    :meth:`DownloadsApi.caller`)."""
     tickets = [t.strip() for t in headers.get("X-Job-Tickets", "").split(",")]
     tickets = [t for t in tickets if t]
     if len(tickets) > MAX_TICKETS:
@@ -326,8 +360,13 @@ class DownloadsApi:
         max_body: int,
         body_time_limit: float,
         link_ttl: int = LINK_TTL,
+        auth: RouteAuth | None = None,
     ) -> None:
         self.engine = engine
+        #: Who may call ``GET /jobs``, ``POST /jobs/downloads`` and ``GET /jobs/events``
+        #: (``[server] jobs_auth``): they then list and serve the identity's jobs, and
+        #: answer 401 without its credential. None: tickets alone.
+        self.auth = auth
         self.signer = signer
         self.expose_errors = expose_errors
         self.max_body = max_body
@@ -363,6 +402,35 @@ class DownloadsApi:
         ):
             file = None
         return view, file
+
+    async def caller(self) -> str | None:
+        """The owner string of the request's identity (``Identity.owner``) when the
+        endpoints have an authentication: a 401 (or 403) :class:`Problem` without a good
+        credential. None when they have none."""
+        auth = self.auth
+        if auth is None:
+            return None
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        identity = await auth.authenticate(headers)
+        scope: Any = request.scope  # the ASGI scope, a dict (typed as a TypedDict)
+        put_identity(scope, identity)
+        return identity.owner
+
+    async def owned_views(self, owner: str) -> list[JobView]:
+        """The newest :data:`MAX_TICKETS` jobs of ``owner`` the job store knows (what
+        ``GET /jobs/events`` follows for an identity)."""
+        return (await self.engine.owned(owner, limit=MAX_TICKETS))[0]
+
+    async def _owned_by(self, job_id: str, owner: str) -> tuple[JobView | None, ResultFile | None]:
+        """The job (if the store knows it) and its file (if a route made one), each only
+        if ``owner`` owns it: the job by its record's owner, the file by its record's
+        identity, or, with none recorded, by being the file of a job ``owner`` owns."""
+        view: JobView | None
+        try:
+            view = await self.engine.authorize_owner(job_id, owner)
+        except JobNotFound:
+            view = None
+        return view, _owned_file(await self.file_of(job_id), owner, view is not None)
 
     # -- signed links --------------------------------------------------------------------
 
@@ -423,12 +491,18 @@ class DownloadsApi:
         return document
 
     async def list_jobs(self) -> Response:
-        """``GET /jobs``: the caller's jobs, newest first, those the filters take."""
+        """``GET /jobs``: the caller's jobs, newest first, those the filters take: its
+        identity's (with ``jobs_auth``), and those of the tickets it sends."""
+        owner = await self.caller()
         filters = _Filters.parse(request.args)
+        tickets = claims(request.headers)
         listed: list[tuple[float, dict[str, Any]]] = []
         missing: list[str] = []
         seen: set[str] = set()
-        for job_id, token in claims(request.headers):
+        more = False
+        if owner is not None:
+            more = await self._list_owned(owner, filters, seen, listed)
+        for job_id, token in tickets:
             if job_id in seen:
                 continue
             view, file = await self._owned(job_id, token)
@@ -436,23 +510,85 @@ class DownloadsApi:
                 missing.append(job_id)
                 continue
             seen.add(job_id)
-            entry = self._entry(job_id, view, file)
-            created = view.created_at if view is not None else file.created if file else None
-            name = file.name if file is not None else ""
-            if filters.match(entry, created, name):
-                listed.append((created or 0.0, entry))
+            self._add(listed, filters, job_id, view, file)
         listed.sort(key=lambda pair: pair[0], reverse=True)
+        if len(listed) > MAX_TICKETS:
+            listed, more = listed[:MAX_TICKETS], True
         # A job named by a good ticket and a bad one is listed, not missing.
         missing = list(dict.fromkeys(i for i in missing if i not in seen))
-        body = {"jobs": [entry for _, entry in listed], "missing": missing}
+        body: dict[str, Any] = {"jobs": [entry for _, entry in listed], "missing": missing}
+        if owner is not None:
+            body["more"] = more
         response = Response(dumps_json(body), content_type=JSON)
         response.headers["Cache-Control"] = "no-store"  # it holds signed links
         return response
 
+    def _add(
+        self,
+        listed: list[tuple[float, dict[str, Any]]],
+        filters: _Filters,
+        job_id: str,
+        view: JobView | None,
+        file: ResultFile | None,
+    ) -> None:
+        """The job's entry in ``listed``, if the filters take it."""
+        entry = self._entry(job_id, view, file)
+        created = view.created_at if view is not None else file.created if file else None
+        name = file.name if file is not None else ""
+        if filters.match(entry, created, name):
+            listed.append((created or 0.0, entry))
+
+    async def _list_owned(
+        self,
+        owner: str,
+        filters: _Filters,
+        seen: set[str],
+        listed: list[tuple[float, dict[str, Any]]],
+    ) -> bool:
+        """``owner``'s jobs into ``listed``, those the filters take: the job store's index,
+        newest first, a page at a time, from ``to`` on back to ``from``, until
+        :data:`MAX_TICKETS` are listed or :data:`MAX_LOOKED_AT` were looked at; then the
+        files the routes' records say are its (:class:`OwnedFiles`) whose jobs the store no
+        longer knows. True if older jobs are left unlooked at."""
+        until = filters.until
+        before = None if until is None else math.nextafter(until, math.inf)
+        looked = 0
+        more = False
+        while True:
+            views, older = await self.engine.owned(owner, limit=MAX_TICKETS, before=before)
+            for view in views:
+                if filters.since is not None and view.created_at < filters.since:
+                    older = None  # every other one is older still
+                    break
+                looked += 1
+                seen.add(view.id)
+                file = _owned_file(await self.file_of(view.id), owner, True)
+                self._add(listed, filters, view.id, view, file)
+            if older is None:
+                break
+            if looked >= MAX_LOOKED_AT or len(listed) >= MAX_TICKETS:
+                more = True
+                break
+            before = older
+        for provider in self.providers:
+            if not isinstance(provider, OwnedFiles):
+                continue
+            for file in await provider.files_of(owner, limit=MAX_TICKETS):
+                if file.job_id in seen or _owned_file(file, owner, False) is None:
+                    continue
+                seen.add(file.job_id)
+                known: JobView | None = None
+                with contextlib.suppress(JobNotFound):
+                    known = await self.engine.authorize_owner(file.job_id, owner)
+                self._add(listed, filters, file.job_id, known, file)
+        return more
+
     # -- downloads -----------------------------------------------------------------------
 
     async def batch_link(self) -> Response:
-        """``POST /jobs/downloads`` with ``{"ids": [...]}``: a signed link to their zip."""
+        """``POST /jobs/downloads`` with ``{"ids": [...]}``: a signed link to their zip, for
+        jobs the caller's tickets or identity own."""
+        owner = await self.caller()
         owned: dict[str, list[str]] = {}
         for job_id, token in claims(request.headers):
             owned.setdefault(job_id, []).append(token)
@@ -476,6 +612,8 @@ class DownloadsApi:
             file = None
             for token in owned.get(job_id, ()):
                 file = file or (await self._owned(job_id, token))[1]
+            if file is None and owner is not None:
+                file = (await self._owned_by(job_id, owner))[1]
             if file is None:
                 raise _no_file(job_id)
             if not file.ready:
@@ -488,10 +626,15 @@ class DownloadsApi:
         return response
 
     async def download(self, job_id: str) -> Response:
-        """``GET /jobs/{id}/file``: the file, by a signed link or with the job's token."""
+        """``GET /jobs/{id}/file``: the file, by a signed link, with the job's token, or
+        (with ``jobs_auth``) with the credential of the identity that owns it."""
         token = job_token(request.headers)
         if token is not None and "sig" not in request.args:
             file = (await self._owned(job_id, token))[1]
+        elif self.auth is not None and "sig" not in request.args:
+            owner = await self.caller()
+            assert owner is not None
+            file = (await self._owned_by(job_id, owner))[1]
         else:
             self._verify(f"/jobs/{quote(job_id, safe='')}/file")
             file = await self.file_of(job_id)
@@ -581,6 +724,22 @@ class DownloadsApi:
                     await found[0].mark_downloaded(file.job_id, when)
             except Exception:
                 _log.exception("job %s: its downloaded mark could not be kept", file.job_id)
+
+
+def _owned_file(file: ResultFile | None, owner: str, job_owned: bool) -> ResultFile | None:
+    """``file`` if ``owner`` may have it: its record names that identity, or names none and
+    its job is ``owner``'s (``job_owned``)."""
+    if file is None:
+        return None
+    if file.identity is None:
+        return file if job_owned else None
+    # As bytes: an identity is any text, and compare_digest takes str only in ASCII.
+    return file if hmac.compare_digest(_utf8(file.identity), _utf8(owner)) else None
+
+
+def _utf8(text: str) -> bytes:
+    # surrogatepass: any text encodes (as hash_token's).
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _close(opened: Any) -> None:

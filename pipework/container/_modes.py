@@ -67,6 +67,7 @@ from ._modes_core import (
     key_step,
     needs_token,
     outcome_unknown,
+    owner_of,
     parse_prefer,
     preference_applied,
     ran_out,
@@ -475,18 +476,28 @@ class Submissions:
         state = check_state(state)
         # An async answer promises the job will run: its admission is decided now (503 +
         # Retry-After if the pool would refuse it), and it then waits for its slot.
-        return await self._submit(route, state, key, admit=admits_now(route.mode)), prefs
+        owner = None if identity is None else owner_of(route.mode, identity.owner)
+        ticket = await self._submit(route, state, key, admit=admits_now(route.mode), owner=owner)
+        return ticket, prefs
 
     # -- submitting ----------------------------------------------------------------------
 
     async def _submit(
-        self, route: Route, state: dict[str, Any], key: str | None, *, admit: bool
+        self,
+        route: Route,
+        state: dict[str, Any],
+        key: str | None,
+        *,
+        admit: bool,
+        owner: str | None = None,
     ) -> _Ticket:
         if key is None:
             shared = self.engine.shares_store
             token = secrets.token_urlsafe(32) if needs_token(route.mode, shared) else None
             try:
-                deadline, job_id = await self._new_job(route, state, token, admit=admit)
+                deadline, job_id = await self._new_job(
+                    route, state, token, admit=admit, owner=owner
+                )
             except _MaybeAccepted as maybe:
                 raise outcome_unknown(maybe.job_id, token) from None
             return _Ticket(job_id, token, replayed=False, deadline=deadline)
@@ -496,7 +507,9 @@ class Submissions:
                 claim = self.idempotency.get(key)
                 step = key_step(claim, digest)
                 if step is KeyStep.SUBMIT:
-                    return await self._first_with_key(route, state, key, digest, admit=admit)
+                    return await self._first_with_key(
+                        route, state, key, digest, admit=admit, owner=owner
+                    )
                 assert claim is not None
                 if step is KeyStep.WAIT:
                     await claim.settled.wait()
@@ -516,12 +529,19 @@ class Submissions:
         raise key_busy()
 
     async def _first_with_key(
-        self, route: Route, state: dict[str, Any], key: str, digest: str, *, admit: bool
+        self,
+        route: Route,
+        state: dict[str, Any],
+        key: str,
+        digest: str,
+        *,
+        admit: bool,
+        owner: str | None,
     ) -> _Ticket:
         token = secrets.token_urlsafe(32)
         claim = self.idempotency.claim(key, digest, token)
         try:
-            deadline, job_id = await self._new_job(route, state, token, admit=admit)
+            deadline, job_id = await self._new_job(route, state, token, admit=admit, owner=owner)
         except _MaybeAccepted as maybe:
             # The key keeps the job that may exist: a retry with it follows that job (or,
             # not found, submits anew) rather than running it twice.
@@ -534,7 +554,13 @@ class Submissions:
         return _Ticket(job_id, token, replayed=False, deadline=deadline)
 
     async def _new_job(
-        self, route: Route, state: dict[str, Any], token: str | None, *, admit: bool
+        self,
+        route: Route,
+        state: dict[str, Any],
+        token: str | None,
+        *,
+        admit: bool,
+        owner: str | None = None,
     ) -> tuple[float, str]:
         """The new job's deadline and id."""
         engine = self.engine
@@ -567,6 +593,7 @@ class Submissions:
                 stream=route.mode == "stream",
                 admit=admit,
                 pool_key=pool_key,
+                owner=owner,
             )
         except StoreUnavailable as exc:
             if exc.job_id is None:  # nothing reached the store: nothing was done

@@ -67,6 +67,7 @@ __all__ = [
     "key_step",
     "needs_token",
     "outcome_unknown",
+    "owner_of",
     "parse_prefer",
     "preference_applied",
     "ran_out",
@@ -199,6 +200,13 @@ def add_identity(state: dict[str, Any], identity: dict[str, Any]) -> None:
             key=IDENTITY_STATE_KEY,
         )
     state[IDENTITY_STATE_KEY] = identity
+
+
+def owner_of(mode: Mode, owner: str) -> str | None:
+    """The owner a job of a route in ``mode`` records, for an authenticated caller whose
+    owner string is ``owner``: the download centre lists the jobs an answer may leave to be
+    followed later (async, and auto's 202), not those answered in full (sync, stream)."""
+    return owner if mode in ("async", "auto") else None
 
 
 def check_unencoded(content_encoding: str | None) -> None:

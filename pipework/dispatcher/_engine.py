@@ -48,7 +48,7 @@ from ._events import RunJob
 from ._job import Job, JobView, degraded_of, hash_token, new_ids
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import DONE, TERMINAL, Status
-from ._store import JobGone, JobStore, MemoryJobStore
+from ._store import JobGone, JobStore, MemoryJobStore, OwnerIndex
 from ._suspend import check_early_signal
 from ._wake import Wake
 from ._weighted import WeightedPool
@@ -135,6 +135,7 @@ class Engine:
         self._keyed = self.pool if isinstance(self.pool, KeyedAdmission) else None
         self._counting = self.store if isinstance(self.store, CountingStore) else None
         self._following = self.store if isinstance(self.store, FollowingStore) else None
+        self._owner_index = self.store if isinstance(self.store, OwnerIndex) else None
         self._dispatcher = Dispatcher(
             self.registry,
             abilities,
@@ -315,6 +316,7 @@ class Engine:
         tracestate: str | None = None,
         baggage: str | None = None,
         pool_key: str | None = None,
+        owner: str | None = None,
     ) -> str:
         """Accept a job and return its id, or raise Overloaded at once if the queue is full.
 
@@ -328,10 +330,14 @@ class Engine:
         request behind the job) go with every backend call its pipes make. ``pool_key``
         replaces the chain's key as the admission key of every step that would run under
         it (a pipe with a key of its own keeps it), for the whole job and its branches: a
-        route's tenant (docs/edge-policy.md).
+        route's tenant (docs/edge-policy.md). ``owner``: who the job belongs to (an
+        authenticated caller's ``Identity.owner``): the store indexes the job by it, and
+        :meth:`owned` lists it for that owner.
         """
         if pool_key is not None and not (isinstance(pool_key, str) and pool_key):
             raise ValueError(f"pool_key must be a non-empty string or None, got {pool_key!r}")
+        if owner is not None and not (isinstance(owner, str) and owner):
+            raise ValueError(f"owner must be a non-empty string or None, got {owner!r}")
         job = self._new_job(
             self._generation,
             chain,
@@ -344,6 +350,7 @@ class Engine:
             tracestate,
             baggage,
             pool_key,
+            owner,
         )
         nowait = self._dispatcher.nowait
         if stream or not nowait or self._abilities.shared_queue is not None:
@@ -372,7 +379,7 @@ class Engine:
         timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
     ) -> str:
         job = self._new_job(
-            generation, chain, state, timeout, None, None, False, None, None, None, None
+            generation, chain, state, timeout, None, None, False, None, None, None, None, None
         )
         return await self._enqueue(job, False)
 
@@ -389,6 +396,7 @@ class Engine:
         tracestate: str | None,
         baggage: str | None,
         pool_key: str | None,
+        owner: str | None,
     ) -> Job:
         """The record of a job about to be accepted, counted on its plan."""
         if self._nursery is None:
@@ -422,6 +430,7 @@ class Engine:
             tracestate,
             baggage,
             pool_key,
+            owner,
         )
         start_frames(job, plan, now)  # its first key: the pool key's, when it uses it
         if tracing.on:
@@ -624,6 +633,33 @@ class Engine:
         if expected is None or not hmac.compare_digest(expected, given):
             raise JobNotFound(f"no job with id {job_id!r}")
         return job.view()
+
+    async def authorize_owner(self, job_id: str, owner: str) -> JobView:
+        """The job's view if ``owner`` owns it (``submit(owner=...)``); otherwise
+        JobNotFound, as for an unknown id (a job dropped is not found either: its
+        tombstone keeps no owner)."""
+        try:
+            job = await self.store.get(job_id)
+        except JobGone:
+            raise JobNotFound(f"no job with id {job_id!r}") from None
+        # As bytes: an owner is any text (a JWT's sub), and compare_digest takes str only
+        # in ASCII.
+        if job.owner is None or not hmac.compare_digest(
+            job.owner.encode("utf-8", "surrogatepass"), owner.encode("utf-8", "surrogatepass")
+        ):
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return job.view()
+
+    async def owned(
+        self, owner: str, *, limit: int, before: float | None = None
+    ) -> tuple[list[JobView], float | None]:
+        """``owner``'s jobs, newest first, a page at a time (see ``OwnerIndex.owned``):
+        nothing on a store that keeps no owner index."""
+        index = self._owner_index
+        if index is None:
+            return [], None
+        jobs, more = await index.owned(owner, limit=limit, before=before)
+        return [job.view() for job in jobs if job.owner == owner], more
 
     def observe(self, observer: JobObserver) -> Callable[[], None]:
         """Call ``observer(view, token_hash)`` whenever a job's status or progress changes

@@ -251,6 +251,12 @@ class JobRecord:
     #: docs/edge-policy.md); None: the chain's key. Branches inherit it. Stored after
     #: ``baggage``, so a record written before it reads as having none.
     pool_key: str | None = None
+    #: Who owns the job, when the route that started it authenticated its caller: the
+    #: identity's owner string (``AUTH:SUBJECT``, see ``Identity.owner``), by which the
+    #: store indexes its jobs for the download centre's listing. None for a job started
+    #: without an identity, and for a branch. Stored after ``pool_key``, so a record
+    #: written before it reads as having none.
+    owner: str | None = None
     #: The store's count of writes (a shared store compares it to refuse a stale write).
     version: int = 0
 
@@ -321,6 +327,7 @@ class JobRecord:
             "tracestate": self.tracestate,
             "baggage": self.baggage,
             "pool_key": self.pool_key,
+            "owner": self.owner,
             "version": self.version,
         }
 
@@ -369,6 +376,7 @@ class Job(JobRecord):
         tracestate: str | None = None,
         baggage: str | None = None,
         pool_key: str | None = None,
+        owner: str | None = None,
     ) -> Job:
         """A new top-level job, as ``Job(...)`` with these fields and every other at its
         default (``created_at`` and ``updated_at`` both ``wall``), built for the submission
@@ -409,6 +417,7 @@ class Job(JobRecord):
         job.tracestate = tracestate
         job.baggage = baggage
         job.pool_key = pool_key
+        job.owner = owner
         job.version = 0
         job.exception = None
         return job

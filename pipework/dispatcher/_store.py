@@ -8,12 +8,17 @@ that, ``get`` raises :class:`JobGone` for as long as the id is remembered (so th
 can answer 410 rather than 404): ``remember_gone_count`` dropped ids at most, each until
 ``remember_gone_seconds`` after its retention ended. A forgotten id is unknown again
 (:class:`JobNotFound`, 404).
+
+A store that is an :class:`OwnerIndex` also lists an owner's jobs (``JobRecord.owner``, an
+authenticated caller's identity), newest first: the download centre's listing by identity.
+Its index holds the jobs the store keeps, no more: a job leaves it when its record is
+dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 import trio
 
@@ -28,6 +33,7 @@ __all__ = [
     "JobStore",
     "MemoryJobStore",
     "NowaitAccess",
+    "OwnerIndex",
     "check_retention",
 ]
 
@@ -61,6 +67,19 @@ class JobStore(Protocol):
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]: ...
 
 
+@runtime_checkable
+class OwnerIndex(Protocol):
+    """A store that indexes its jobs by owner."""
+
+    async def owned(
+        self, owner: str, *, limit: int, before: float | None = None
+    ) -> tuple[list[Job], float | None]:
+        """``owner``'s jobs newest first: at most ``limit`` of those created (``created_at``,
+        wall clock) before ``before`` (None: the newest), and where the next page starts
+        (the oldest creation time looked at; None: the index holds nothing older)."""
+        ...
+
+
 class MemoryJobStore:
     """Jobs in this process's memory. ``retain_count`` finished jobs at most, each for at
     most ``retain_seconds``; then ``remember_gone_count`` dropped ids at most are
@@ -88,6 +107,8 @@ class MemoryJobStore:
         # also the order they are forgotten in: a lookup tells gone from unknown.
         self._finished: dict[str, Job] = {}
         self._gone: dict[str, tuple[float, str]] = {}
+        # Owner -> the ids of its jobs kept here, in the order they were created.
+        self._owners: dict[str, dict[str, None]] = {}
 
     async def create(self, job: Job) -> None:
         self.create_nowait(job)
@@ -98,6 +119,8 @@ class MemoryJobStore:
         if job.id in self._active:
             raise ValueError(f"job {job.id} already exists")
         self._active[job.id] = job
+        if job.owner is not None:
+            self._owners.setdefault(job.owner, {})[job.id] = None
 
     async def get(self, job_id: str) -> Job:
         return self.get_nowait(job_id)
@@ -159,8 +182,42 @@ class MemoryJobStore:
             raise JobNotFound(f"job {job.id} is not active; it cannot be updated")
 
     async def delete(self, job_id: str) -> None:
-        if self._active.pop(job_id, None) is None:
-            self._finished.pop(job_id, None)
+        job = self._active.pop(job_id, None)
+        if job is None:
+            job = self._finished.pop(job_id, None)
+        if job is not None:
+            self._disown(job)
+
+    async def owned(
+        self, owner: str, *, limit: int, before: float | None = None
+    ) -> tuple[list[Job], float | None]:
+        self._expire(trio.current_time())
+        ids = self._owners.get(owner)
+        jobs: list[Job] = []
+        if not ids:
+            return jobs, None
+        looked = 0
+        last: float | None = None
+        for job_id in reversed(ids):
+            job = self._active.get(job_id) or self._finished.get(job_id)
+            if job is None or (before is not None and job.created_at >= before):
+                continue
+            if looked == limit:
+                return jobs, last
+            looked += 1
+            last = job.created_at
+            jobs.append(job)
+        return jobs, None
+
+    def _disown(self, job: Job) -> None:
+        """Take a dropped job out of its owner's index."""
+        if job.owner is None:
+            return
+        ids = self._owners.get(job.owner)
+        if ids is not None:
+            ids.pop(job.id, None)
+            if not ids:
+                del self._owners[job.owner]
 
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]:
         if status is None:
@@ -194,6 +251,8 @@ class MemoryJobStore:
             if oldest.retain_until > now and len(finished) <= self.retain_count:
                 return
             del finished[oldest.id]
+            if oldest.owner is not None:
+                self._disown(oldest)
             self._bury(oldest, now)
 
     def _bury(self, job: Job, now: float) -> None:

@@ -14,6 +14,12 @@ build themselves):
   and keeps those in the statuses asked for: a change of status between active ones
   writes no index).
 - ``{p}:finished`` a sorted set of finished ids scored by when they go (``retain_until``).
+- ``{p}:owner:{owner}`` a sorted set of the ids of an owner's jobs (``JobRecord.owner``)
+  scored by their creation time (wall clock), written with the record (whose hash keeps
+  the owner in ``n``): :meth:`RedisJobStore.owned` reads it newest first. Bounded as the
+  records are: a record dropped (past its retention, beyond ``retain_count``, deleted)
+  leaves it in the same script; an id whose record its Redis TTL dropped unread leaves it
+  at the next end of one of the owner's jobs (the oldest few are looked at) or read of it.
 - ``{p}:watch:{id}`` set while a process follows the job's changes: an update then
   publishes the new version on ``{p}:relay:{id}`` (see ``_relay.py``).
 - ``{p}:gone`` a hash of tombstones, id -> the owner-token hash ("" for none), and
@@ -122,7 +128,17 @@ def _load(name: str) -> Script:
 
 _SCRIPTS: Final = {
     name: _load(name)
-    for name in ("create", "update", "status", "awaited", "delete", "expire", "list", "release")
+    for name in (
+        "create",
+        "update",
+        "status",
+        "awaited",
+        "delete",
+        "expire",
+        "list",
+        "release",
+        "owned",
+    )
 }
 #: The scripts' sources and SHA1s by name (a store's calls name the script they run).
 _SOURCES: Final = {name: script.source for name, script in _SCRIPTS.items()}
@@ -167,10 +183,11 @@ _AT_STATUS, _AT_UPDATED, _AT_FRAMES, _AT_ROOT, _AT_PROGRESS, _AT_ERROR, _AT_OUTP
 _AT_DELIVERED: Final = _FIELDS.index("delivered")
 _AT_TRACESTATE: Final = _FIELDS.index("tracestate")
 _AT_POOL_KEY: Final = _FIELDS.index("pool_key")
-if _FIELDS[_AT_DELIVERED:] != ("delivered", "tracestate", "baggage", "pool_key"):
+_AT_OWNER: Final = _FIELDS.index("owner")
+if _FIELDS[_AT_DELIVERED:] != ("delivered", "tracestate", "baggage", "pool_key", "owner"):
     raise RuntimeError(
-        "Job's fields delivered, tracestate, baggage and pool_key must be the last ones "
-        "stored (see _decode)"
+        "Job's fields delivered, tracestate, baggage, pool_key and owner must be the last "
+        "ones stored (see _decode)"
     )
 #: The fields that are absolute trio times (moved between processes' clocks).
 _TIMES: Final = tuple(
@@ -183,7 +200,9 @@ _STATUS_OF: Final = {s.value: s for s in Status}
 #: set, the tombstones' hash, the stream if any, the blob, and the rest already encoded.
 _UPDATE_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b%b%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n%b%b%b%b%b%b"
 #: The create script's command (see create).
-_CREATE_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b"
+_CREATE_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b%b$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b%b"
+#: create's owner and creation time for a job without an owner (see lua/store_create.lua).
+_NO_OWNER: Final = encode_args(["", ""])
 #: The status script's command (see update_status).
 _STATUS_FORMAT: Final = b"%b$%d\r\n%b%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b$%d\r\n%b\r\n"
 
@@ -271,11 +290,11 @@ class RedisJobStore(Batches):
         self._status_head = b"*%d\r\n%b" % (9, encode_args(["EVALSHA", _SHAS["status"], 1]))
         self._prefix_arg = encode_args([prefix])
         # create's command without a stream entry, with one, and claiming it: 2, 3 or 3
-        # keys, 5, 7 or 11 arguments.
+        # keys, 7, 9 or 13 arguments.
         self._create_heads = (
-            b"*10\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 2]),
-            b"*13\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
-            b"*17\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
+            b"*12\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 2]),
+            b"*15\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
+            b"*19\r\n%b" % encode_args(["EVALSHA", _SHAS["create"], 3]),
         )
         self._get_head = encode_args(["HMGET"])
         self._get_tail = encode_args(["d", "v", "s", "u"])
@@ -412,6 +431,8 @@ class RedisJobStore(Batches):
             values += (None, None)
         if stored <= _AT_POOL_KEY:  # written before jobs carried a pool key
             values.append(None)
+        if stored <= _AT_OWNER:  # written before jobs carried an owner
+            values.append(None)
         if updated:
             assert status is not None
             values[_AT_STATUS] = status.decode()
@@ -488,6 +509,7 @@ class RedisJobStore(Batches):
             len(job_id),
             job_id,
             self._origin_arg,
+            _NO_OWNER if job.owner is None else encode_args([job.owner, repr(job.created_at)]),
             tail,
         ]
         call = _Call([_CREATE_FORMAT % tuple(parts)], "create", many=False)
@@ -839,6 +861,21 @@ class RedisJobStore(Batches):
         await self._script(
             "delete", [self._key(job_id), f"{self.prefix}:finished"], [job_id, self.prefix]
         )
+
+    async def owned(
+        self, owner: str, *, limit: int, before: float | None = None
+    ) -> tuple[list[Job], float | None]:
+        """``owner``'s jobs, newest first: a page of at most ``limit`` of its index's ids
+        created before ``before`` (wall clock; None: the newest), those still kept, and
+        where the next page starts (None: nothing older in the index)."""
+        await self._expire()
+        bound = "+inf" if before is None else f"({before!r}"
+        index = f"{self.prefix}:owner:{owner}"
+        reply = await self._script("owned", [index], [self.prefix, bound, limit], reads=True)
+        now = trio.current_time()
+        jobs = [self._decode(*reply[i : i + 4]) for i in range(0, len(reply) - 1, 4)]
+        kept = [j for j in jobs if j.retain_until is None or j.retain_until > now]
+        return kept, float(reply[-1]) if reply[-1] else None
 
     async def list(self, status: Status | Iterable[Status] | None = None) -> list[Job]:
         if status is None:

@@ -1,6 +1,7 @@
 """The ``[auth.NAME]`` and ``[cors.NAME]`` sections, the routes' ``auth``, ``scopes`` and
-``cors`` keys, and ``[server] cors``: who may call a route, and which other origins' pages
-may call it from a browser (docs/edge-policy.md).
+``cors`` keys, and ``[server] cors`` and ``jobs_auth``: who may call a route, which other
+origins' pages may call it from a browser, and who lists their jobs in the download centre
+(docs/edge-policy.md).
 
 Named tables, so that routes share one: routes naming the same ``[auth.NAME]`` share its
 keys (a JWKS URL is fetched once for all of them).
@@ -67,6 +68,8 @@ class EdgeConfig:
     auth: Mapping[str, RouteAuth] = field(default_factory=lambda: MappingProxyType({}))
     cors: Mapping[str, CorsPolicy] = field(default_factory=lambda: MappingProxyType({}))
     server_cors: CorsPolicy | None = None
+    #: ``[server] jobs_auth``: the download centre's endpoints list an identity's jobs.
+    jobs_auth: RouteAuth | None = None
     jwks_urls: Mapping[str, JwksUrl] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -111,14 +114,17 @@ def read_edge(c: Collector, data: Mapping[str, Any], source: str) -> EdgeConfig:
         cors = _named(t, "cors", policies, declared_cors)
         if cors is not None:
             route_cors[name] = cors
-    server_cors = None
+    server_cors = jobs_auth = None
     server = data.get("server")
     if isinstance(server, dict) and "cors" in server:
         server_cors = _named(Table(c, ("server",), server), "cors", policies, declared_cors)
+    if isinstance(server, dict) and "jobs_auth" in server:
+        jobs_auth = _auth_named(Table(c, ("server",), server), "jobs_auth", methods, declared_auth)
     return EdgeConfig(
         MappingProxyType(route_auth),
         MappingProxyType(route_cors),
         server_cors,
+        jobs_auth,
         MappingProxyType(urls),
     )
 
@@ -164,12 +170,24 @@ def _route_auth(
         if scopes is not None:
             t.c.error(t.at("scopes"), 'scopes need auth = "NAME" to say who proves them')
         return None
-    names = _strings(t, "auth", nonempty=True)
+    return _auth_named(t, "auth", methods, declared, frozenset(scopes or ()))
+
+
+def _auth_named(
+    t: Table,
+    key: str,
+    methods: Mapping[str, Authenticator],
+    declared: set[str],
+    scopes: frozenset[str] = frozenset(),
+) -> RouteAuth | None:
+    """The :class:`RouteAuth` of the ``[auth.NAME]`` tables ``key`` names (one name or an
+    array); None (and the problems said) if one is unknown or has errors of its own."""
+    names = _strings(t, key, nonempty=True)
     if names is None:
         return None
     chosen: list[Authenticator] = []
     for i, name in enumerate(names):
-        where = t.at("auth") if isinstance(t.data["auth"], str) else (*t.at("auth"), i)
+        where = t.at(key) if isinstance(t.data[key], str) else (*t.at(key), i)
         if name not in declared:
             guess = close_match(name, declared)
             also = f"; did you mean {guess!r}?" if guess else f"; declare it as [auth.{name}]"
@@ -178,7 +196,7 @@ def _route_auth(
             chosen.append(methods[name])
     if len(chosen) != len(names):
         return None
-    return RouteAuth(tuple(chosen), frozenset(scopes or ()))
+    return RouteAuth(tuple(chosen), scopes)
 
 
 def _auth(

@@ -54,6 +54,8 @@ SERVER_KEYS: Final = (
     "access_log_redact",
     # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
     "cors",
+    # Who lists their jobs in the download centre (an [auth.NAME]): read by _config_edge.
+    "jobs_auth",
     *TLS_KEYS,
 )
 #: ``[server] http1_server``'s values (``pipework.container._server.HTTP1_SERVERS``).

@@ -61,6 +61,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         http1_server=s.http1_server,
         access_log_redact=s.access_log_redact,
         cors=config.edge.server_cors,
+        jobs_auth=config.edge.jobs_auth,
     )
 
 
@@ -309,6 +310,7 @@ class Gateway:
             container.set_routes(registry.routes.values())
             container.set_proxies(proxies)
             container.middleware.cors = config.edge.server_cors
+            container.downloads.auth = config.edge.jobs_auth
             live_limits = container.admin.live_limits if container.admin is not None else None
             limits_dropped = live_limits.rebase(limits) if live_limits is not None else []
             container.set_rate_limits(limits)

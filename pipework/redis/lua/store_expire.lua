@@ -1,4 +1,5 @@
--- Finished records past their time dropped; tombstones past theirs forgotten, and the
+-- Finished records past their time dropped (and taken out of their owner's index);
+-- tombstones past theirs forgotten, and the
 -- oldest beyond the remembered count (counted beyond the finished records kept), as an
 -- end does (store_update.lua).
 -- KEYS: finished, gone (the tombstones' hash), remembered (their ids by when their
@@ -7,7 +8,13 @@
 -- tombstone once that is done (the owner-token hash, "" for none), or nil if it is not
 -- remembered.
 local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-for _, id in ipairs(old) do redis.call('DEL', ARGV[2] .. ':job:' .. id) end
+for _, id in ipairs(old) do
+  -- Out of its owner's index with it (the owner, if any, is the record's n).
+  local key = ARGV[2] .. ':job:' .. id
+  local owner = redis.call('HGET', key, 'n')
+  if owner then redis.call('ZREM', ARGV[2] .. ':owner:' .. owner, id) end
+  redis.call('DEL', key)
+end
 if #old > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1]) end
 local since = tonumber(ARGV[1]) - tonumber(ARGV[3])
 local forgotten = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', since)

@@ -15,6 +15,10 @@
 -- elsewhere may wait for it: the job came from another process (its origin), or a process
 -- that did not create it waits for it (the field w).
 --
+-- Finished records dropped beyond retain count leave their owner's index
+-- ({prefix}:owner:{owner}, the owner in the record's field n) with them; the end of an
+-- owned job also takes out of its owner's index the oldest ids whose records are gone.
+--
 -- An end writes the job's tombstone (its token hash in gone, and its id in
 -- {prefix}:remembered scored by when its retention ends, as in finished), forgets at most
 -- 8 tombstones whose time has come (remember-gone seconds after their retention ended),
@@ -23,7 +27,7 @@
 --
 -- The terminal statuses (pipework.dispatcher's TERMINAL; _store.py checks the table).
 local terminal = {['cancelled'] = true, ['done'] = true, ['expired'] = true, ['failed'] = true}
-local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w')
+local cur = redis.call('HMGET', KEYS[1], 's', 'v', 'o', 'w', 'n')
 if not cur[1] then return -1 end
 local expected = ARGV[14]
 if string.byte(expected) == 61 then -- '=': sent again
@@ -52,7 +56,13 @@ if ARGV[4] == '1' then
   local extra = kept - tonumber(ARGV[10])
   if extra > 0 then
     local old = redis.call('ZPOPMIN', KEYS[2], extra)
-    for i = 1, #old, 2 do redis.call('DEL', p .. ':job:' .. old[i]) end
+    for i = 1, #old, 2 do
+      -- Out of its owner's index with it (the owner, if any, is the record's n).
+      local key = p .. ':job:' .. old[i]
+      local owner = redis.call('HGET', key, 'n')
+      if owner then redis.call('ZREM', p .. ':owner:' .. owner, old[i]) end
+      redis.call('DEL', key)
+    end
     kept = kept - extra
   end
   local remember = tonumber(ARGV[13])
@@ -72,6 +82,14 @@ if ARGV[4] == '1' then
   if extra > 0 then
     local old = redis.call('ZPOPMIN', remembered, extra)
     for i = 1, #old, 2 do redis.call('HDEL', KEYS[3], old[i]) end
+  end
+  if cur[5] then
+    -- The owner's 8 oldest ids whose records are gone (dropped by their TTL, unread) leave
+    -- the owner's index: it holds no more than the owner's records kept, and a few.
+    local index = p .. ':owner:' .. cur[5]
+    for _, id in ipairs(redis.call('ZRANGE', index, 0, 7)) do
+      if redis.call('EXISTS', p .. ':job:' .. id) == 0 then redis.call('ZREM', index, id) end
+    end
   end
 end
 if KEYS[4] then redis.call('XADD', KEYS[4], '*', ARGV[15], ARGV[16]) end
