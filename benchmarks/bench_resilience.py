@@ -1,6 +1,7 @@
 """Upstream resilience beside HAProxy: one service of three replicas behind route A, the
 replicas made to fail in four ways while a steady load runs, each scenario measured for
-pipework and for HAProxy in the same run.
+pipework and for HAProxy in the same run; and a route whose optional branch calls a
+saturated service, measured for pipework alone.
 
 - **The replicas**: three raw trio servers, one process each
   (`benchmarks/resilience/replica.py`), whose behaviour the benchmark switches while the
@@ -34,15 +35,29 @@ pipework and for HAProxy in the same run.
   and no hedging (its nearest, the retry after 250 ms without an answer, is what it runs
   in the hedging scenario).
 
-**Load.** `wrk` with 16 connections (one per thread), each sending its next `GET` 80 ms
-after the last answer (about 200 requests a second in all, well below what either
-gateway serves: latency then shows the resilience, not a queue), each request with its own
-`X-Request-ID`. A Lua script records every request's start (`CLOCK_MONOTONIC`, the clock
-the benchmark and the replicas read too), its time to the answer and the status; a
-request whose connection failed counts as a failure, one still out when the load stops as
-a failure if it had waited 1 s. The replicas' behaviour changes at set times into the run.
-Each gateway is started afresh for each scenario, warmed up for a second or two with every
-replica fast, and stopped after it (so no state crosses scenarios); the two take turns.
+**Load.** `wrk` with 16 connections (one per thread), each sending its next `GET` after a
+pause drawn at random for each request: exponential, with a mean of 80 ms, from each
+connection's own seeded generator (the same draws in every run, and for both gateways).
+That is the closed-system model of a population of independent clients, each pausing
+("thinking") between an answer and its next request: about 200 requests a second in all,
+well below what either gateway serves, whose starts are spread as independent clients'
+are (the gaps between them vary as a Poisson process's do), so latency shows the
+resilience, not a queue. A fixed 80 ms pause, which this benchmark had first, did not:
+wrk calls the script's `delay()` before each connection's first request too, so all 16
+started together, the gateway answered them together, and they stayed in step for the
+whole run -- a burst of 16 requests every 80 ms or so, each waiting for the others' share
+of the gateway's CPU. Spreading the first requests over one pause does not last either:
+requests that meet once are answered together, their connections' next requests then
+start together, and the fixed pause never separates them again, so the connections fall
+back into bunches within seconds. The random pause separates them at every request.
+`python -m benchmarks.resilience.loads` runs the quick mode with each load in turns and
+compares them. Each request carries its own `X-Request-ID`. A Lua script records every
+request's start (`CLOCK_MONOTONIC`, the clock the benchmark and the replicas read too),
+its time to the answer and the status; a request whose connection failed counts as a
+failure, one still out when the load stops as a failure if it had waited 1 s. The
+replicas' behaviour changes at set times into the run. Each gateway is started afresh for
+each scenario, warmed up for a second or two with every replica fast, and stopped after
+it (so no state crosses scenarios); the two take turns.
 
 **Scenarios** (times of the full mode; the quick mode shortens them, and says how):
 *healthy* (every replica fast: the reference p99); *hang* (one replica hangs from t = 5 s,
@@ -51,14 +66,28 @@ judged from t = 10 s); *503s* (one replica answers 503 to 30 % of its calls); *d
 0.1 s: pipework's breaker from `/metrics`, HAProxy's backend from its statistics page;
 "after the breaker opens" is from the first reading open, and "closes" is the time from
 the replicas' return to the last answer that was not a 2xx); *tail* (one replica answers
-10 % of its calls after 1 s; pipework hedges). The issue's fifth scenario, an `all_of`
-with an optional branch on a saturated service, measures degradation, which HAProxy has no
-counterpart for and which was not built when this benchmark was: it is left out here
-(`bench_degrade` measures it in the engine).
+10 % of its calls after 1 s; pipework hedges); *degrade*, pipework's alone (below).
 
-Rows give pipework's figure, HAProxy's in the same run and pipework's ÷ HAProxy's; the
-goal is pipework's. The machine's load (2 cores shared with other work) moves latencies
-more than shares: compare within a run.
+**Degradation** (the issue's fifth scenario), through pipework only: HAProxy has no
+counterpart, no optional part of a request to leave out, so it has no row. The gateway
+file gets service B (a fourth replica process, `limit = 16` in the pool: as many as the
+load's connections), route D (`GET /d`), whose chain is an `all_of` of the replicas' pipe
+and an optional pipe to B (`optional = true`, `timeout = 1`), and a route whose calls to
+B are the other work that saturates it (`benchmarks/resilience/serve.py`'s `DEGRADE`).
+Route D's throughput is measured at capacity, the load's 16 connections sending each
+request as soon as the last is answered (at 200 requests a second any route keeps its
+throughput), in phases of 5 s (quick: 3 s): *alone*, B free and fast (every request's
+branch calls B), and *B saturated*, B's replica holding every call it gets and 16 calls of
+the other route holding every slot of B (so each branch of route D finds none free at
+once), in turns, three times each (quick: twice). The figures: route D's 2xx answers a
+second saturated ÷ alone (the goal: ≥ 0.95), and the share of its answers whose
+`Pipework-Degraded` header marks them degraded while B is saturated (the goal: every
+one); the calls of route D that reached B are counted at B.
+
+Rows give pipework's figure, HAProxy's in the same run and pipework's ÷ HAProxy's (route
+D's: with B saturated, alone in the same run, and their ratio); the goal is pipework's.
+The machine's load (2 cores shared with other work) moves latencies more than shares:
+compare within a run.
 """
 
 from __future__ import annotations
@@ -79,7 +108,7 @@ from . import _load
 from ._load import Server
 from .bench_peers import enter_all
 from .peers import native
-from .resilience import haproxy
+from .resilience import haproxy, serve
 
 REPLICA = "benchmarks.resilience.replica"
 SERVE = "benchmarks.resilience.serve"
@@ -87,10 +116,19 @@ SERVE = "benchmarks.resilience.serve"
 #: route), for every scenario that does not say.
 ROUTE = "pipe"
 PATHS = {"pipe": "/a", "proxy": "/p"}
+#: Route D: the degradation scenario's (``resilience/serve.py``'s DEGRADE).
+DEGRADE_PATH = "/d"
 #: wrk's connections (one per thread), and each one's pause between an answer and its
 #: next request, in ms: about 200 requests a second in all.
 CONNECTIONS = 16
 PAUSE_MS = 80
+#: How each connection's pauses are drawn: "exponential" (each pause drawn at random, the
+#: mean PAUSE_MS), "staggered" (PAUSE_MS each, the connections' first requests spread over
+#: one pause) or "fixed" (PAUSE_MS each, every connection's first request at once).
+THINKS = ("exponential", "staggered", "fixed")
+#: The degradation scenario's load instead: as fast as each connection is answered.
+AT_ONCE = "none"
+THINK = "exponential"
 #: A request still out when the load stops counts as failed if it waited this long.
 STALLED = 1.0
 #: How often the gateway's state is read in the scenario that reads it.
@@ -129,11 +167,24 @@ end
 
 function init(args)
   pause = tonumber(args[1])
+  think = args[2]
+  connections = tonumber(args[3])
   sent = 0
   records = {}
+  math.randomseed(id)  -- each connection its own draws, the same in every run
 end
 
+-- wrk calls delay() before each request, the first one included.
 function delay()
+  if think == "none" then
+    return 0
+  end
+  if think == "exponential" then
+    return math.floor(-math.log(1 - math.random()) * pause + 0.5)
+  end
+  if think == "staggered" and sent == 0 then
+    return math.floor((id - 1) * pause / connections + 0.5)
+  end
   return pause
 end
 
@@ -151,7 +202,14 @@ end
 
 function response(status, headers, body)
   local now = now_us()
-  records[#records + 1] = started .. " " .. (now - started) .. " " .. status
+  -- What the answer's Pipework-Degraded says (its first reason), "-" when it has none.
+  local degraded = "-"
+  for name, value in pairs(headers) do
+    if string.lower(name) == "pipework-degraded" then
+      degraded = string.match(value, "reason=([%w_]+)") or "?"
+    end
+  end
+  records[#records + 1] = started .. " " .. (now - started) .. " " .. status .. " " .. degraded
   started = nil
   answered = true
 end
@@ -172,12 +230,14 @@ end
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One request: its start (s since the run began), its time to the answer (s) and the
-    status (0: its connection failed, no answer)."""
+    """One request: its start (s since the run began), its time to the answer (s), the
+    status (0: its connection failed, no answer) and the reason its ``Pipework-Degraded``
+    header gave ("": none)."""
 
     start: float
     latency: float
     status: int
+    degraded: str = ""
 
     @property
     def ok(self) -> bool:
@@ -192,8 +252,11 @@ def parse_wrk(stdout: str, origin: float) -> tuple[list[Answer], list[float]]:
     for line in stdout.splitlines():
         kind, _, rest = line.partition(" ")
         if kind == "R":
-            start, latency, status = rest.split()
-            answers.append(Answer(int(start) / 1e6 - origin, int(latency) / 1e6, int(status)))
+            start, latency, status, *mark = rest.split()
+            degraded = "" if mark in ([], ["-"]) else mark[0]
+            answers.append(
+                Answer(int(start) / 1e6 - origin, int(latency) / 1e6, int(status), degraded)
+            )
         elif kind == "U":
             unfinished.append(int(rest) / 1e6 - origin)
     if not answers and not unfinished:
@@ -202,9 +265,15 @@ def parse_wrk(stdout: str, origin: float) -> tuple[list[Answer], list[float]]:
     return answers, sorted(unfinished)
 
 
-async def wrk(url: str, seconds: float) -> tuple[float, str]:
-    """Our script under ``wrk`` on ``url`` for ``seconds``: when it started (monotonic
+async def wrk(url: str, seconds: float, think: str | None = None) -> tuple[float, str]:
+    """Our script under ``wrk`` on ``url`` for ``seconds``, each connection's pauses drawn
+    as ``think`` says (:data:`THINKS`; None: :data:`THINK`): when it started (monotonic
     seconds) and what it printed."""
+    think = THINK if think is None else think
+    if think not in (*THINKS, AT_ONCE):
+        raise ValueError(f"think must be one of {', '.join(THINKS)}, not {think!r}")
+    if seconds < 1 or seconds != int(seconds):
+        raise ValueError(f"wrk runs whole seconds, not {seconds:g}")
     executable = _load.wrk_path()
     if executable is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
@@ -212,7 +281,8 @@ async def wrk(url: str, seconds: float) -> tuple[float, str]:
         script.write(_WRK_SCRIPT)
         script.flush()
         command = [executable, f"-t{CONNECTIONS}", f"-c{CONNECTIONS}", f"-d{seconds:g}s"]
-        command += ["--timeout", "10s", "-s", script.name, url, "--", str(PAUSE_MS)]
+        command += ["--timeout", "10s", "-s", script.name, url, "--", str(PAUSE_MS), think]
+        command += [str(CONNECTIONS)]
         began = time.monotonic()
         with trio.fail_after(seconds + 60):
             done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
@@ -244,10 +314,14 @@ class Scenario:
     poll: bool = False
     #: "pipe" or "proxy": which of the gateway's routes to the service the load goes to.
     route: str = "pipe"
+    #: The degradation scenario: route D through pipework alone, ``rounds`` times its
+    #: two phases (B free, B saturated) of ``seconds`` each.
+    degrade: bool = False
+    rounds: int = 1
 
     @property
     def path(self) -> str:
-        return PATHS[self.route]
+        return DEGRADE_PATH if self.degrade else PATHS[self.route]
 
 
 @dataclass(frozen=True)
@@ -263,10 +337,13 @@ class Times:
     back_at: float
     down_end: float
     tail: float
+    #: The degradation scenario: each phase's length, and how many times both run.
+    degrade: float
+    degrade_rounds: int
 
 
-FULL = Times(15, 5, 10, 30, 20, 5, 15, 30, 20)
-QUICK = Times(4, 2, 5, 9, 6, 2, 7, 12, 8)
+FULL = Times(15, 5, 10, 30, 20, 5, 15, 30, 20, 5, 3)
+QUICK = Times(4, 2, 5, 9, 6, 2, 7, 12, 8, 3, 2)
 
 
 def scenarios(quick: bool, route: str | None = None) -> tuple[Scenario, ...]:
@@ -310,6 +387,14 @@ def scenarios(quick: bool, route: str | None = None) -> tuple[Scenario, ...]:
             (Change(0, ("tail 0.1 1", None, None), "tail"),),
             hedge=True,
             route=route,
+        ),
+        Scenario(
+            "degrade",
+            "route D, an `all_of` of the replicas' pipe and an optional pipe to service B, "
+            f"B saturated at its limit ({serve.B_LIMIT} slots held by other calls)",
+            t.degrade,
+            degrade=True,
+            rounds=t.degrade_rounds,
         ),
     )
 
@@ -421,8 +506,14 @@ async def pipework_counters(server: Server) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def started(gateway: Gateway, replicas: Sequence[Server], scenario: Scenario) -> Iterator[Served]:
+def started(
+    gateway: Gateway, replicas: Sequence[Server], scenario: Scenario, b: Server | None = None
+) -> Iterator[Served]:
+    """``gateway`` serving the scenario in front of ``replicas`` (and, for the degradation
+    scenario, of service B's replica ``b``)."""
     hosts = [replica.url for replica in replicas]
+    if scenario.degrade and (gateway.name != "pipework" or b is None):
+        raise ValueError("the degradation scenario runs on pipework, with B's replica")
     if gateway.name == "haproxy":
         with haproxy.started(hosts) as (server, stats_port):
             yield Served(
@@ -431,6 +522,7 @@ def started(gateway: Gateway, replicas: Sequence[Server], scenario: Scenario) ->
         return
     args = [arg for host in hosts for arg in ("--host", host)]
     args += ["--hedge"] if scenario.hedge else []
+    args += ["--degrade", b.url] if scenario.degrade and b is not None else []
     with _load.server("pipework", *args, module=SERVE) as server:
         yield Served(server, lambda: pipework_state(server), lambda: pipework_counters(server))
 
@@ -499,10 +591,11 @@ async def run_one(
     replicas: Sequence[Server],
     scenario: Scenario,
     warm_up: float,
+    think: str | None = None,
 ) -> Run:
     url = served.server.url + scenario.path
     await _check(served, scenario.path)
-    await wrk(url, warm_up)  # keep-alive connections, latency estimates: not counted
+    await wrk(url, warm_up, think)  # keep-alive connections, latency estimates: not counted
     for replica in replicas:
         await _send(replica, "POST", "/_reset")
     before = [c for c in scenario.changes if c.at <= 0]
@@ -514,7 +607,7 @@ async def run_one(
     finished = trio.Event()
 
     async def load() -> None:
-        output.append(await wrk(url, scenario.seconds))
+        output.append(await wrk(url, scenario.seconds, think))
         finished.set()
 
     changed: dict[str, float] = {}
@@ -558,12 +651,82 @@ async def run_one(
     )
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the degradation scenario: route D under the load, B free or saturated;
+    what the load recorded, and the calls of route D that reached B."""
+
+    saturated: bool
+    seconds: float
+    answers: list[Answer]
+    unfinished: list[float]
+    calls_to_b: int
+
+    def requests(self) -> list[Answer]:
+        """Every request answered (or failed); those still out at the end did not wait
+        long at this load, and are left out."""
+        return self.answers
+
+
+async def _hold(served: Served, n: int) -> None:
+    """A call of the holding route: it holds a slot of B until B answers it."""
+    request = (
+        f"GET /hold HTTP/1.1\r\nHost: {served.server.host}\r\nX-Request-ID: hold-{n}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    status, body = await _load.call(served.server.host, served.server.port, request)
+    if status != 200:
+        raise RuntimeError(f"pipework answered GET /hold with {status}: {body[:200]!r}")
+
+
+async def _logged(replica: Server) -> int:
+    return len(json.loads(await _send(replica, "GET", "/_log"))["calls"])
+
+
+async def run_degrade(
+    served: Served, replicas: Sequence[Server], b: Server, scenario: Scenario, warm_up: float
+) -> list[Phase]:
+    """Route D under the load, as fast as it answers, in phases of ``scenario.seconds``:
+    B free (route D alone: its optional branch calls B) and B saturated (B's replica holds
+    every call, and as many calls of the holding route as B's limit hold every slot of B),
+    the two in turns, ``scenario.rounds`` times each."""
+    url = served.server.url + scenario.path
+    await _check(served, scenario.path)
+    await wrk(url, warm_up, AT_ONCE)  # keep-alive connections, B's branch's mean: not counted
+    phases: list[Phase] = []
+    for turn in range(scenario.rounds):
+        # Each round in the other order, so that neither phase always comes first.
+        for saturated in (False, True) if turn % 2 == 0 else (True, False):
+            async with trio.open_nursery() as nursery:
+                if saturated:
+                    await set_modes([b], ["hang"])
+                    await _send(b, "POST", "/_reset")
+                    for n in range(serve.B_LIMIT):
+                        nursery.start_soon(_hold, served, n)
+                    # Every slot of B is held once B holds as many calls.
+                    with trio.fail_after(10):
+                        while await _logged(b) < serve.B_LIMIT:  # noqa: ASYNC110 - another process
+                            await trio.sleep(0.02)
+                for replica in (*replicas, b):
+                    await _send(replica, "POST", "/_reset")
+                began, stdout = await wrk(url, scenario.seconds, AT_ONCE)
+                answers, unfinished = parse_wrk(stdout, began)
+                calls_to_b = await _logged(b)
+                if saturated:
+                    await set_modes([b], ["fast"])  # answers the held calls: B free again
+            phases.append(Phase(saturated, scenario.seconds, answers, unfinished, calls_to_b))
+    return phases
+
+
 @dataclass
 class Results:
     scenarios: tuple[Scenario, ...]
     quick: bool
+    think: str = THINK
     runs: dict[tuple[str, str], Run] = field(default_factory=dict)
     load: list[tuple[float, float, float]] = field(default_factory=list)
+    #: The degradation scenario's phases (pipework only: HAProxy has no counterpart).
+    phases: list[Phase] = field(default_factory=list)
 
     def run(self, scenario: str, gateway: str) -> Run:
         return self.runs[scenario, gateway]
@@ -572,23 +735,32 @@ class Results:
         return next(s for s in self.scenarios if s.name == name)
 
 
-def measure(quick: bool, route: str | None = None) -> Results:
-    """Every scenario through both gateways, the load on ``route`` (None: :data:`ROUTE`)."""
+def measure(quick: bool, route: str | None = None, think: str | None = None) -> Results:
+    """Every scenario through both gateways, the load on ``route`` (None: :data:`ROUTE`),
+    its pauses drawn as ``think`` says (None: :data:`THINK`)."""
     native.ensure_installed("haproxy")  # before anything starts: apt-get is slow
     if _load.wrk_path() is None:
         raise RuntimeError("wrk is not installed (scripts/ensure-bench-tools installs it)")
-    results = Results(scenarios(quick, route), quick)
+    think = THINK if think is None else think
+    if think not in THINKS:
+        raise ValueError(f"think must be one of {', '.join(THINKS)}, not {think!r}")
+    results = Results(scenarios(quick, route), quick, think)
     warm_up = 1.0 if quick else 2.0
     results.load.append(os.getloadavg())
     with contextlib.ExitStack() as stack:
         replicas = enter_all(stack, [_load.server(f"r{n}", module=REPLICA) for n in (1, 2, 3)])
         for turn, scenario in enumerate(results.scenarios):
+            if scenario.degrade:
+                (b,) = enter_all(stack, [_load.server("b", module=REPLICA)])
+                with started(GATEWAYS[0], replicas, scenario, b) as served:
+                    results.phases = trio.run(run_degrade, served, replicas, b, scenario, warm_up)
+                continue
             # The gateways take turns going first.
             order = GATEWAYS if turn % 2 == 0 else GATEWAYS[::-1]
             for gateway in order:
                 with started(gateway, replicas, scenario) as served:
                     results.runs[scenario.name, gateway.name] = trio.run(
-                        run_one, gateway, served, replicas, scenario, warm_up
+                        run_one, gateway, served, replicas, scenario, warm_up, think
                     )
     results.load.append(os.getloadavg())
     return results
@@ -716,6 +888,55 @@ def tail(run: Run) -> Figures:
     return Figures(values, note)
 
 
+def degrade(phases: Sequence[Phase]) -> Figures:
+    """Route D's throughput (2xx answers a second) with B saturated and alone, over all
+    the phases of each, and the share of its answers marked degraded."""
+
+    def of(saturated: bool) -> tuple[list[Answer], float, int]:
+        chosen = [p for p in phases if p.saturated == saturated]
+        answers = [a for p in chosen for a in p.requests()]
+        return answers, sum(p.seconds for p in chosen), sum(p.calls_to_b for p in chosen)
+
+    (held, held_s, held_b), (alone, alone_s, alone_b) = of(True), of(False)
+    rps = {
+        name: sum(a.ok for a in found) / s
+        for name, found, s in (("saturated", held, held_s), ("alone", alone, alone_s))
+    }
+    marked = {
+        name: 100 * sum(bool(a.degraded) for a in found) / len(found) if found else math.nan
+        for name, found in (("saturated", held), ("alone", alone))
+    }
+    reasons: dict[str, int] = {}
+    for a in held:
+        if a.degraded:
+            reasons[a.degraded] = reasons.get(a.degraded, 0) + 1
+    ratio = rps["saturated"] / rps["alone"] if rps["alone"] else math.nan
+    values = {
+        "throughput": ratio,
+        "cost": 1 / ratio if ratio else math.inf,
+        "saturated_rps": rps["saturated"],
+        "alone_rps": rps["alone"],
+        "marked": marked["saturated"],
+        "marked_alone": marked["alone"],
+    }
+
+    def summary(found: list[Answer]) -> str:
+        lat = latencies(found)
+        return (
+            f"p50 {quantile(lat, 0.5) * 1e3:.1f} ms, p99 {quantile(lat, 0.99) * 1e3:.1f} ms, "
+            f"{ok_share(found):.2f} % 2xx"
+        )
+
+    note = (
+        f"throughput {ratio:.2f}× the route alone: {rps['saturated']:,.0f} req/s with B "
+        f"saturated ({summary(held)}; {marked['saturated']:.2f} % of the answers marked "
+        f"degraded: {', '.join(f'{n:,}×{r}' for r, n in sorted(reasons.items())) or 'none'}; "
+        f"{held_b:,} calls of route D reached B), {rps['alone']:,.0f} req/s alone "
+        f"({summary(alone)}; {marked['alone']:.2f} % marked degraded; {alone_b:,} calls to B)"
+    )
+    return Figures(values, note)
+
+
 def figures(results: Results, scenario: str, gateway: str) -> Figures:
     run = results.run(scenario, gateway)
     if scenario == "healthy":
@@ -820,7 +1041,48 @@ def rows(results: Results) -> list[dict[str, Any]]:
                 "note": note,
             }
         )
+    if results.phases:
+        found += degrade_rows(results)
     return found
+
+
+#: The degradation scenario's goal: the route keeps this share of its throughput alone.
+KEEPS = 0.95
+
+
+def degrade_rows(results: Results) -> list[dict[str, Any]]:
+    """The degradation scenario's rows: pipework alone (HAProxy has no counterpart), route
+    D with B saturated against the same route with B free, in the same run."""
+    scenario = next(s for s in results.scenarios if s.degrade)
+    ours = degrade(results.phases)
+    values = ours.values
+    kept = values["throughput"] >= KEEPS
+    marked = values["marked"] >= 100
+    alone = "the same route alone (B free: its branch calls B), same run"
+    return [
+        {
+            "scenario": f"{scenario.label}: µs per answer (1 / throughput), "
+            f"{CONNECTIONS} connections without pause",
+            "subject_us": 1e6 / values["saturated_rps"],
+            "baseline": alone,
+            "baseline_us": 1e6 / values["alone_rps"],
+            "ratio": values["cost"],
+            "goal": f"≥ {KEEPS:g}× the throughput alone (≤ {1 / KEEPS:.2f}× its cost)",
+            "note": f"{'met' if kept else 'missed'}; pipework: {ours.note}; no HAProxy "
+            "row: it has no counterpart (no optional part of a request to leave out)",
+        },
+        {
+            "scenario": f"{scenario.label}: share of the answers marked degraded "
+            "(`Pipework-Degraded`)",
+            "subject_us": values["marked"],
+            "unit": "%",
+            "baseline": "every answer",
+            "baseline_us": 100.0,
+            "ratio": values["marked"] / 100,
+            "goal": "every answer (100 %)",
+            "note": "met" if marked else "missed",
+        },
+    ]
 
 
 def table(results: Results) -> list[str]:
@@ -830,6 +1092,9 @@ def table(results: Results) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for scenario in results.scenarios:
+        if scenario.degrade:
+            lines += _phase_lines(scenario, results.phases)
+            continue
         for gateway in GATEWAYS:
             run = results.run(scenario.name, gateway.name)
             requests = run.requests()
@@ -840,6 +1105,25 @@ def table(results: Results) -> list[str]:
                 f"{quantile(lat, 0.99) * 1e3:.1f} ms | {len(run.calls):,} | {run.checks:,} | "
                 f"{run.counted_text()} |"
             )
+    return lines
+
+
+def _phase_lines(scenario: Scenario, phases: Sequence[Phase]) -> list[str]:
+    """The degradation scenario's rows of the table: B free, then B saturated, each over
+    all its phases."""
+    lines = []
+    for saturated, what in ((False, "B free (the route alone)"), (True, "B saturated")):
+        chosen = [p for p in phases if p.saturated == saturated]
+        requests = [a for p in chosen for a in p.requests()]
+        lat = latencies(requests)
+        marked = sum(bool(a.degraded) for a in requests)
+        lines.append(
+            f"| route D, {what}: {len(chosen)} × {scenario.seconds:g} s without pause | "
+            f"pipework | {len(requests):,} | {ok_share(requests):.2f} % | "
+            f"{quantile(lat, 0.5) * 1e3:.1f} ms | {quantile(lat, 0.99) * 1e3:.1f} ms | "
+            f"{sum(p.calls_to_b for p in chosen):,} to B | | {marked:,} answers marked "
+            "degraded |"
+        )
     return lines
 
 
@@ -854,19 +1138,21 @@ def report(results: Results) -> list[dict[str, Any]]:
         "pipe": f"route A, `GET {PATHS['pipe']}`, a chain of one HTTP pipe",
         "proxy": f"route A, `GET {PATHS['proxy']}`, a proxy route",
     }
-    routes = ", ".join(sorted({route[s.route] for s in results.scenarios}))
+    routes = ", ".join(sorted({route[s.route] for s in results.scenarios if not s.degrade}))
+    pauses = {
+        "exponential": f"pauses between an answer and the next request on each drawn at "
+        f"random, exponential, mean {PAUSE_MS} ms",
+        "staggered": f"{PAUSE_MS} ms between an answer and the next request on each, the "
+        f"first requests spread over {PAUSE_MS} ms",
+        "fixed": f"{PAUSE_MS} ms between an answer and the next request on each",
+    }
     details = [
         f"Every scenario, whole runs ({mode}; {routes}; wrk, {CONNECTIONS} connections, "
-        f"{PAUSE_MS} ms between an answer and the next request on each; "
+        f"{pauses[results.think]}; route D's scenario without pause; "
         f"{native.version('haproxy')}; the machine's load average {start[0]:.2f} at the "
         f"start, {end[0]:.2f} at the end):",
         "",
         *table(results),
-        "",
-        "Not measured here: the issue's fifth scenario (an `all_of` route with an optional "
-        "branch on a saturated service B, which should keep ≥ 0.95 of its throughput alone, "
-        "its answers marked degraded), which HAProxy has no counterpart for "
-        "(`bench_degrade` measures degradation in the engine).",
     ]
     return [*rows(results), {"markdown": details}]
 

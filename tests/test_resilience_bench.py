@@ -12,6 +12,7 @@ import math
 import subprocess
 from pathlib import Path
 
+import pytest
 import trio
 
 import pipework as pw
@@ -36,6 +37,19 @@ def test_the_gateway_file_loads_with_and_without_hedging(tmp_path: Path) -> None
         service = config.services["replicas"]
         assert [h.url for h in service.endpoints] == list(HOSTS)
         assert (service.resilience.hedge is not None) == hedge
+
+
+def test_the_degradation_scenario_adds_service_b_and_route_d(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(serve.gateway_text(HOSTS, degrade="http://127.0.0.1:4"))
+    config = pw.load_config(path)
+    assert config.warnings == ()
+    assert config.services["b"].base_url == "http://127.0.0.1:4"
+    assert config.pipes["call_b"].optional
+    assert not config.pipes["hold_b"].optional
+    assert {r.route.path for r in config.routes.values()} >= {"/d", "/hold"}
+    # Route D alone never lacks a slot of B: B's limit covers the load's connections.
+    assert serve.B_LIMIT >= bench_resilience.CONNECTIONS
 
 
 def test_haproxy_accepts_its_configuration(tmp_path: Path) -> None:
@@ -108,20 +122,75 @@ def test_a_replica_behaves_as_told_and_logs_every_call() -> None:
 
 def test_the_load_records_every_request_with_its_own_id() -> None:
     async def main(replica: _load.Server) -> None:
-        began, stdout = await bench_resilience.wrk(f"{replica.url}/x", 1)
-        answers, unfinished = bench_resilience.parse_wrk(stdout, began)
-        calls, _ = await bench_resilience.calls([replica], began)
-        assert answers
-        assert {a.status for a in answers} == {200}
-        assert all(a.start >= 0 and a.latency >= 0 for a in answers)
-        # Every answer was a call; a request still out at the end may have arrived too.
-        assert len(answers) <= len(calls) <= len(answers) + len(unfinished)
-        ids = [c.request_id for c in calls]
-        assert all(ids)
-        assert len(set(ids)) == len(ids)
+        # Each way of drawing the pauses, and none (the degradation scenario's).
+        for think in (*bench_resilience.THINKS, bench_resilience.AT_ONCE):
+            await bench_resilience._send(replica, "POST", "/_reset")
+            began, stdout = await bench_resilience.wrk(f"{replica.url}/x", 1, think)
+            answers, unfinished = bench_resilience.parse_wrk(stdout, began)
+            calls, _ = await bench_resilience.calls([replica], began)
+            assert answers, think
+            assert {a.status for a in answers} == {200}
+            assert {a.degraded for a in answers} == {""}  # the replica marks nothing
+            assert all(a.start >= 0 and a.latency >= 0 for a in answers)
+            # Every answer was a call; a request still out at the end may have arrived too.
+            assert len(answers) <= len(calls) <= len(answers) + len(unfinished)
+            ids = [c.request_id for c in calls]
+            assert all(ids)
+            assert len(set(ids)) == len(ids)
+        with pytest.raises(ValueError, match="think must be one of"):
+            await bench_resilience.wrk(f"{replica.url}/x", 1, "steady")
 
     with _load.server("r1", module=bench_resilience.REPLICA) as replica:
         trio.run(main, replica)
+
+
+def test_the_load_reads_the_degraded_mark() -> None:
+    stdout = "R 1000000 2000 200 no_slot\nR 1100000 2000 200 -\nR 1200000 5000 0\n"
+    answers, unfinished = bench_resilience.parse_wrk(stdout, 0.0)
+    assert answers == [
+        Answer(1.0, 0.002, 200, "no_slot"),
+        Answer(1.1, 0.002, 200),
+        Answer(1.2, 0.005, 0),
+    ]
+    assert unfinished == []
+
+
+def test_route_d_is_degraded_while_b_is_saturated_and_only_then() -> None:
+    """The degradation scenario through pipework, briefly: with B free every answer of
+    route D is whole and its branch called B; with B's slots held by the holding route's
+    calls, every answer is marked degraded for ``no_slot`` and none of them reached B."""
+    scenario = bench_resilience.Scenario("degrade", "route D", 1, degrade=True, rounds=1)
+    with contextlib.ExitStack() as stack:
+        replicas = enter_all(
+            stack,
+            [_load.server(f"r{n}", module=bench_resilience.REPLICA) for n in (1, 2, 3, 4)],
+        )
+        b = replicas.pop()
+        with bench_resilience.started(
+            bench_resilience.GATEWAYS[0], replicas, scenario, b
+        ) as served:
+            phases = trio.run(bench_resilience.run_degrade, served, replicas, b, scenario, 1)
+    assert [p.saturated for p in phases] == [False, True]
+    alone, held = phases
+    assert alone.answers
+    assert {(a.status, a.degraded) for a in alone.answers} == {(200, "")}
+    assert len(alone.answers) <= alone.calls_to_b <= len(alone.answers) + len(alone.unfinished)
+    assert held.answers
+    assert {(a.status, a.degraded) for a in held.answers} == {(200, "no_slot")}
+    assert held.calls_to_b == 0
+    figures = bench_resilience.degrade(phases)
+    assert figures.values["marked"] == 100
+    assert figures.values["marked_alone"] == 0
+
+
+def test_the_degradation_scenario_only_runs_on_pipework_with_b() -> None:
+    scenario = bench_resilience.Scenario("degrade", "route D", 1, degrade=True)
+    gateway = bench_resilience.GATEWAYS[1]
+    with (
+        pytest.raises(ValueError, match="runs on pipework"),
+        bench_resilience.started(gateway, [], scenario),
+    ):
+        pass
 
 
 def test_both_gateways_pass_a_call_on_and_say_their_state() -> None:
@@ -236,3 +305,35 @@ def test_the_other_scenarios_read_their_figures() -> None:
     figures = bench_resilience.tail(tail_run)
     assert math.isclose(figures.values["ratio"], 100)  # p99 0.1 s ÷ p50 1 ms
     assert math.isclose(figures.values["extra"], 5)
+
+
+def test_the_degradation_scenario_reads_its_figures() -> None:
+    Phase = bench_resilience.Phase
+    phases = [
+        # Alone: 100 answers in 1 s, then 120 in 1 s; every answer whole.
+        Phase(False, 1, [Answer(n / 100, 0.01, 200) for n in range(100)], [], 100),
+        Phase(False, 1, [Answer(n / 120, 0.01, 200) for n in range(120)], [5.0], 121),
+        # Saturated: 200 answers in 2 s, one of them failed and not marked.
+        Phase(
+            True,
+            2,
+            [*(Answer(n / 100, 0.005, 200, "no_slot") for n in range(199)), Answer(1.99, 1, 0)],
+            [],
+            0,
+        ),
+    ]
+    figures = bench_resilience.degrade(phases)
+    assert math.isclose(figures.values["alone_rps"], 110)
+    assert math.isclose(figures.values["saturated_rps"], 99.5)
+    assert math.isclose(figures.values["throughput"], 99.5 / 110)
+    assert math.isclose(figures.values["cost"], 110 / 99.5)
+    assert math.isclose(figures.values["marked"], 99.5)
+    assert figures.values["marked_alone"] == 0
+    assert "199×no_slot" in figures.note
+    results = bench_resilience.Results(bench_resilience.scenarios(quick=True), True)
+    results.phases = phases
+    kept, marked = bench_resilience.degrade_rows(results)
+    assert kept["ratio"] == figures.values["cost"]
+    assert kept["note"].startswith("missed")  # 0.90x the throughput alone
+    assert marked["subject_us"] == 99.5
+    assert marked["note"] == "missed"  # one answer was not marked
