@@ -18,12 +18,11 @@ hang (both the raw trio backends of bench_peers, `benchmarks/peers/backend.py`),
   streaming proxy on one shared `httpx.AsyncClient` (its keep-alive pool raised to its 100
   connections), no bulkheads: `benchmarks/peers/starlette_proxy.py`.
 
-**Prototypes of a leaner serving path** (the small GET only; not in quick mode): the same
-gateway's proxy layer (`Container.proxy_layer`, the ASGI app its proxy routes are served
-by) on a second port, **(1')** served by hypercorn with no Quart in front, and **(1'')**
-by `benchmarks/peers/lean_server.py`, one task per connection on h11, writing a small
-answer in one write (it leaves out much a real server needs: see its docstring).
-docs/design.md, "What a proxied request costs", says where a proxied request's time goes.
+**Its HTTP/1.1 server** (the small GET only, in quick mode too): (1) is served by
+pipework's own HTTP/1.1 server (`pipework/container/_h1_server.py`, the default), and
+**(1')** is the same gateway served by hypercorn (`[server] http1_server = "hypercorn"`),
+so the two servers are compared in the same run. docs/design.md, "What a proxied request
+costs", says where a proxied request's time goes.
 
 **Garbage collector.** Every Python gateway runs with the same settings: the young
 generation's threshold pipework's container serves with (50,000; the interpreter's default
@@ -89,10 +88,20 @@ class Gateway:
     native: bool = False
     #: Measured in the small GET only (a variant of another gateway).
     variant: bool = False
+    #: A variant measured in quick mode too.
+    quick: bool = False
 
 
 GATEWAYS = (
     Gateway("pipework", "(1) pipework, proxy routes", "pipework"),
+    Gateway(
+        "pipework hypercorn",
+        "(1') pipework, proxy routes, served by hypercorn",
+        "pipework",
+        ("--http1", "hypercorn"),
+        variant=True,
+        quick=True,
+    ),
     Gateway("nginx", "(a) nginx", "nginx", native=True),
     Gateway("haproxy", "(b) HAProxy", "haproxy", native=True),
     Gateway("starlette", "(c) Starlette + httpx on uvicorn", "starlette"),
@@ -103,22 +112,11 @@ GATEWAYS = (
         ("--gc", "interpreter"),
         variant=True,
     ),
-    Gateway(
-        "pipework hypercorn",
-        "(1') pipework's proxy layer on hypercorn, no Quart (prototype)",
-        "pipework-hypercorn",
-        variant=True,
-    ),
-    Gateway(
-        "pipework h11",
-        "(1'') pipework's proxy layer on a lean h11 server (prototype)",
-        "pipework-h11",
-        variant=True,
-    ),
 )
-#: The gateways every measure runs on; the variants run the small GET only (not in quick
-#: mode).
+#: The gateways every measure runs on; the variants run the small GET only (in quick mode
+#: only those marked ``quick``).
 MAIN = tuple(g for g in GATEWAYS if not g.variant)
+QUICK = tuple(g for g in GATEWAYS if not g.variant or g.quick)
 
 
 @dataclass(frozen=True)
@@ -133,7 +131,7 @@ class Settings:
     @staticmethod
     def of(quick: bool) -> Settings:
         if quick:
-            return Settings(2, 1, 1.0, 5 * MB, MAIN, warm_up=False)
+            return Settings(2, 1, 1.0, 5 * MB, QUICK, warm_up=False)
         return Settings(8, 3, 2.0, 100 * MB, GATEWAYS, warm_up=True)
 
 
@@ -464,10 +462,8 @@ def rows(results: Results) -> list[dict[str, Any]]:
     variants = [
         _versus(results, name, baseline, "report")
         for name, baseline in (
-            ("pipework gc700", "pipework"),
             ("pipework hypercorn", "pipework"),
-            ("pipework h11", "pipework"),
-            ("pipework h11", "starlette"),
+            ("pipework gc700", "pipework"),
         )
         if name in measured
     ]

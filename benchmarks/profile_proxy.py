@@ -44,7 +44,7 @@ OWNERS = (
     ("pipework/container/_hypercorn", "server: hypercorn (and pipework's fixes)"),
     ("hypercorn/", "server: hypercorn (and pipework's fixes)"),
     ("trio/_highlevel_serve_listeners", "server: hypercorn (and pipework's fixes)"),
-    ("benchmarks/peers/lean_server", "server: lean h11 prototype"),
+    ("pipework/container/_h1_", "server: pipework's HTTP/1.1 server"),
     ("quart_trio/", "Quart"),
     ("quart/", "Quart"),
     ("werkzeug/", "Quart"),

@@ -2,7 +2,7 @@
 service's circuit breaker is open.
 
 ``python -m benchmarks.profile_refusal [--requests N] [--rounds R] [--against TREE]
-[--log-level LEVEL]``
+[--log-level LEVEL] [--http1 SERVER ...]``
 
 A gateway served in this process (``pipework.Gateway`` from a file, on a free port) has
 one service of two hosts nobody listens on, with a breaker (``minimum_calls = 2``,
@@ -20,9 +20,14 @@ lines formatted and dropped; the lines per request are counted by level.
 
 With ``--against TREE`` (a checkout of another version, e.g. ``git worktree add
 /tmp/main main``) each round measures that tree and this one in turn, each in a process
-of its own (``PYTHONPATH``), every other round the other tree first, so both see the same
+of its own (``PYTHONPATH``), every other round in the other order, so both see the same
 machine load; the table gives each tree's median over the rounds. Call counts do not
 depend on the load; CPU times do.
+
+``--http1``: which of the gateway's HTTP/1.1 servers to measure (``[server]
+http1_server``: ``lean``, pipework's own, and ``hypercorn``; both by default), each in a
+process of its own, in turn within each round; a tree given with ``--against`` is
+measured on its default server.
 """
 
 from __future__ import annotations
@@ -220,7 +225,7 @@ async def _measure(requests: int, path: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _child(requests: int, level: str) -> None:
+def _child(requests: int, level: str, http1: str | None) -> None:
     logging.getLogger().setLevel(level)  # the counting handler is added once measuring
     command = [sys.executable, str(Path(__file__).resolve()), "--backend"]
     backend = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -229,7 +234,10 @@ def _child(requests: int, level: str) -> None:
         fast = f"http://127.0.0.1:{int(backend.stdout.readline())}"
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder, "gateway.toml")
-            path.write_text(GATEWAY.format(a=_closed_port(), b=_closed_port(), fast=fast))
+            text = GATEWAY.format(a=_closed_port(), b=_closed_port(), fast=fast)
+            if http1 is not None:
+                text = text.replace("[server]\n", f'[server]\nhttp1_server = "{http1}"\n', 1)
+            path.write_text(text)
             print(json.dumps(trio.run(_measure, requests, path)))
     finally:
         backend.kill()
@@ -260,10 +268,12 @@ def _answer(conn: socket.socket) -> None:
             conn.sendall(_ANSWER)
 
 
-def _run(tree: Path, requests: int, level: str) -> dict[str, dict[str, Any]]:
+def _run(tree: Path, http1: str | None, requests: int, level: str) -> dict[str, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, str(Path(__file__).resolve()), "--child"]
     command += ["--requests", str(requests), "--log-level", level]
+    if http1 is not None:
+        command += ["--http1", http1]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"measuring {tree} failed:\n{done.stderr}")
@@ -284,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each tree")
     parser.add_argument("--against", type=Path, default=None, help="another tree to compare")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING"])
+    parser.add_argument(
+        "--http1",
+        nargs="+",
+        choices=["lean", "hypercorn"],
+        default=["lean", "hypercorn"],
+        help="this tree's HTTP/1.1 servers to measure",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -293,31 +310,42 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.requests < 1000:
         parser.error("--requests must be from 1 to 999 (one connection's worth)")
     if args.child:
-        _child(args.requests, args.log_level)
+        # One server in a child: the option's default (both) means the tree's default.
+        chosen = args.http1[0] if len(args.http1) == 1 else None
+        _child(args.requests, args.log_level, chosen)
         return 0
     here = Path(__file__).resolve().parent.parent
-    trees = ([args.against.resolve()] if args.against else []) + [here]
-    runs: dict[Path, list[dict[str, dict[str, Any]]]] = {tree: [] for tree in trees}
+    subjects: list[tuple[Path, str | None]] = []
+    if args.against:
+        subjects.append((args.against.resolve(), None))
+    subjects += [(here, server) for server in args.http1]
+    runs: dict[tuple[Path, str | None], list[dict[str, dict[str, Any]]]] = {
+        subject: [] for subject in subjects
+    }
     for done in range(args.rounds):
         # Every other round in the other order: the second of two runs back to back is
         # not measured on the same machine as the first (caches, other processes).
-        for tree in trees if done % 2 == 0 else trees[::-1]:
-            runs[tree].append(_run(tree, args.requests, args.log_level))
+        for tree, server in subjects if done % 2 == 0 else subjects[::-1]:
+            runs[tree, server].append(_run(tree, server, args.requests, args.log_level))
     print(
         f"\nrefused requests (and healthy ones), log level {args.log_level}: per request, "
         f"median of {args.rounds}"
     )
-    print("\n| route | tree | calls | of which logging | tracebacks | CPU ms | log lines |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print(
+        "\n| route | tree | HTTP/1.1 server | calls | of which logging | tracebacks | CPU ms "
+        "| log lines |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---|")
     for name in TARGETS:
-        for tree in trees:
-            rows = [run[name] for run in runs[tree]]
+        for tree, server in subjects:
+            rows = [run[name] for run in runs[tree, server]]
             calls = statistics.median(r["calls"] for r in rows)
             logs = statistics.median(r["logging"] for r in rows)
             frames = statistics.median(r["traceback"] for r in rows)
             cpu = statistics.median(r["cpu_ms"] for r in rows)
             print(
-                f"| {name} | {tree} | {calls:,.0f} | {logs:,.0f} | {frames:,.0f} | {cpu:.2f} "
+                f"| {name} | {tree} | {server or 'default'} | {calls:,.0f} | {logs:,.0f} "
+                f"| {frames:,.0f} | {cpu:.2f} "
                 f"| {_lines(rows[-1])} |"
             )
     return 0

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import pipework as pw
+from pipework.container import _server
+from pipework.container._server import HTTP1_SERVERS
 from pipework.dispatcher import _engine
 
 from ._copying_store import CopyingJobStore
@@ -59,3 +61,28 @@ async def engine(each_store: type[Any]) -> AsyncIterator[pw.Engine]:
     on it (an engine takes registrations while it runs); it stops when the test ends."""
     async with pw.Engine() as engine:
         yield engine
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "http1_servers(*names): the HTTP/1.1 servers a test using the http1_server fixture "
+        "runs against (default: every one); a test of hypercorn's internals names hypercorn",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "http1_server" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("http1_servers")
+        servers = marker.args if marker is not None else HTTP1_SERVERS
+        metafunc.parametrize("http1_server", servers, indirect=True)
+
+
+@pytest.fixture
+def http1_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Serve cleartext HTTP/1.1 with each server ``serve`` has (``serve(http1=...)``'s
+    default for the test): pipework's own and hypercorn. A test file takes it with
+    ``pytestmark = pytest.mark.usefixtures("http1_server")``."""
+    server: str = request.param
+    monkeypatch.setattr(_server, "DEFAULT_HTTP1", server)
+    return server

@@ -14,6 +14,9 @@ from pipework.container import BoundAddress, Container, ContainerConfig
 
 from .test_container_harness import HANG_GUARD, raw_client, serving, sse_events
 
+# Each test runs on each HTTP/1.1 server serve() has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("http1_server")
+
 
 class Held:
     def __init__(self) -> None:

@@ -31,6 +31,9 @@ from pipework.container import _hypercorn_ws, serve
 from .test_container_harness import HANG_GUARD
 from .test_server import unpatch as unpatch_server
 
+# Each test runs on each HTTP/1.1 server serve() has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("http1_server")
+
 PATCHED = ("_handle_events", "handle", "app_send")
 
 
@@ -102,6 +105,7 @@ def handshake() -> tuple[wsproto.WSConnection, bytes]:
     return ws, ws.send(wsproto.events.Request(host="test", target="/ws"))
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 async def test_unpatched_hypercorn_still_drops_the_close_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -131,6 +135,7 @@ async def test_unpatched_hypercorn_still_drops_the_close_frame(
             assert rest == b"", "hypercorn sent something: is the fix still needed?"
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 async def test_unpatched_hypercorn_still_dies_of_a_frame_before_the_101(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -171,6 +176,7 @@ async def close_with(
         await stream.send_all(ws.send(close))
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 async def test_unpatched_hypercorn_still_hides_the_clients_close_code(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -225,6 +231,7 @@ async def test_the_app_learns_how_the_client_closed(
     assert message.get("reason") == reason
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 def test_the_fixes_are_idempotent() -> None:
     _hypercorn_ws.apply()
     patched = [getattr(WSStream, name) for name in PATCHED]
@@ -251,6 +258,7 @@ def no_events(self: Connection) -> Iterator[wsproto.events.Event]:
     yield from ()
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 @pytest.mark.parametrize(
     ("cls", "attribute", "replacement", "problem"),
     [
@@ -286,6 +294,7 @@ def test_the_fixes_refuse_changed_internals(
     assert not any(hasattr(getattr(WSStream, name), "_pipework_ws") for name in PATCHED)
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 @pytest.mark.parametrize(
     ("installed", "advice"),
     [

@@ -54,6 +54,9 @@ from pipework.proxy._websocket_core import (
     wire_target,
 )
 
+# Each test runs on each HTTP/1.1 server serve() has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("http1_server")
+
 MB = 1024 * 1024
 SUPPORTED = ("chat.v1", "chat.v0")  # the backend's subprotocols, in its preference
 

@@ -26,6 +26,9 @@ from pipework.container import BoundAddress, _hypercorn_fix, serve
 
 from .test_container_harness import receive_response
 
+# Each test runs on each HTTP/1.1 server serve() has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("http1_server")
+
 # Every test that waits on the network is bounded by this: the failure mode of the bugs
 # under test is a hang, and a hang must fail the test, not stall the run.
 HANG_GUARD = 10.0
@@ -283,6 +286,7 @@ def patched_methods() -> list[Callable[..., Any]]:
     return [getattr(patch.cls, patch.name) for patch in _hypercorn_fix._PATCHES]
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 async def test_unpatched_hypercorn_still_cancels_its_bookkeeping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -345,6 +349,7 @@ async def test_unpatched_hypercorn_still_cancels_its_bookkeeping(
             stop.set()
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 def test_fix_is_idempotent() -> None:
     _hypercorn_fix.apply()
     patched = patched_methods()
@@ -365,6 +370,7 @@ async def changed_run(self: TCPServer) -> None:
     """A method that no longer goes through the names the fixes rely on."""
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 @pytest.mark.parametrize(
     ("cls", "attribute", "replacement", "problem"),
     [
@@ -393,6 +399,7 @@ def test_fix_refuses_changed_hypercorn_internals(
     assert not any(hasattr(method, "_pipework_patched") for method in patched_methods())
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 @pytest.mark.parametrize(
     ("installed", "advice"),
     [

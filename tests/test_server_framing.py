@@ -22,12 +22,15 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
 import pipework as pw
-from pipework.container import BoundAddress, _hypercorn_fix
+from pipework.container import BoundAddress, _h1_server, _hypercorn_fix
 from pipework.container._hypercorn_h11 import _send_stream_problem
 
 from ._raw_http import Answer, split_answers
 from .test_container_harness import HANG_GUARD, serving
 from .test_server import Gate, make_app, unpatch
+
+# Each test runs on each HTTP/1.1 server serve() has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("http1_server")
 
 
 def make_engine() -> pw.Engine:
@@ -104,6 +107,7 @@ async def test_bytes_after_a_closing_request_are_not_read_and_never_end_the_serv
         assert answers[0].status == 200
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 async def test_a_close_waits_for_the_sends_before_it() -> None:
     """The root cause of #203: ``TCPServer._close`` sent its EOF without the send lock the
     connection's other sends take, so the two could run at once."""
@@ -128,6 +132,7 @@ async def test_a_close_waits_for_the_sends_before_it() -> None:
         assert stream.socket.fileno() == -1
 
 
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 @pytest.mark.parametrize(
     "error",
     [
@@ -162,6 +167,42 @@ async def test_what_escapes_a_connection_closes_that_connection_only(
     assert records[0].exc_info[1] is error or isinstance(records[0].exc_info[1], ExceptionGroup)
 
 
+@pytest.mark.http1_servers("lean")  # the twin of the test above, on pipework's server
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(RuntimeError("boom"), id="error"),
+        pytest.param(ExceptionGroup("two", [RuntimeError("a"), ValueError("b")]), id="group"),
+    ],
+)
+async def test_what_escapes_a_lean_connection_closes_that_connection_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: Exception
+) -> None:
+    original = _h1_server._Connection.serve_request
+    failing = trio.Event()
+
+    async def serve_request(self: _h1_server._Connection, request: h11.Request) -> bool:
+        if not failing.is_set():
+            failing.set()
+            raise error
+        return await original(self, request)
+
+    monkeypatch.setattr(_h1_server._Connection, "serve_request", serve_request)
+    async with gateway() as address:
+        answers, rest = await converse(address, GOOD)
+        assert (answers, rest) == ([], b"")  # closed without an answer
+        answers, _ = await converse(
+            address, GOOD.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+        )
+        assert answers[0].status == 200
+    records = [r for r in caplog.records if "failed in the server" in r.getMessage()]
+    assert len(records) == 1
+    assert records[0].levelno == logging.ERROR
+    assert records[0].exc_info is not None
+    assert records[0].exc_info[1] is error or isinstance(records[0].exc_info[1], ExceptionGroup)
+
+
+@pytest.mark.http1_servers("hypercorn")  # of hypercorn's own code
 async def test_unpatched_hypercorn_still_ends_on_bytes_after_a_closing_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -38,6 +38,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipework.container._server import HTTP1_SERVERS
+
 from . import _socket_fuzz_gateway as gateway
 from ._raw_http import Answer, Malformed, split_answers
 
@@ -126,12 +128,17 @@ class Backends:
         self.process.stdout.close()
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+@pytest.fixture(scope="module", params=HTTP1_SERVERS)
+def live(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Live]:
+    """The gateway, on each HTTP/1.1 server it can serve with (``[server] http1_server``)."""
     path = tmp_path_factory.mktemp("fuzz") / "gateway.toml"
     backends = Backends()  # the two processes start at once
     try:
-        path.write_text(gateway.gateway_file(*backends.urls))
+        text = gateway.gateway_file(*backends.urls)
+        chosen = f'[server]\nhttp1_server = "{request.param}"\n'
+        path.write_text(text.replace("[server]\n", chosen, 1))
         yield from _serving(path, backends)
     finally:
         backends.stop()

@@ -29,6 +29,9 @@ from pipework.container._server import serve
 
 from .test_gateway import TOKEN, Lines
 
+# Each test runs on each HTTP/1.1 server serve() has (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("http1_server")
+
 HANG_GUARD = 30.0
 
 

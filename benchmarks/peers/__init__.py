@@ -8,7 +8,6 @@ raw trio backend they call.
 
 bench_proxy: three routes passed through as they came, by ``proxy.toml`` (pipework's proxy
 routes), :mod:`.starlette_proxy` (Starlette + httpx on uvicorn) and nginx and HAProxy
-(:mod:`.native`); :mod:`.proxy_serve` runs the Python ones, with the prototypes of a
-leaner serving path (:mod:`.lean_server`); :mod:`.bulk_backend` sends and swallows the
-large bodies.
+(:mod:`.native`); :mod:`.proxy_serve` runs the Python ones (pipework on either of its
+HTTP/1.1 servers); :mod:`.bulk_backend` sends and swallows the large bodies.
 """

@@ -9,11 +9,9 @@ as they came. Logging is at WARNING (no access lines). KIND is:
   ``pipework serve proxy.toml --log-level WARNING`` runs), its base URLs replaced;
 - ``starlette``: :mod:`.starlette_proxy` on uvicorn (one process, its pure-Python
   defaults made explicit: the asyncio loop and h11);
-- ``pipework-hypercorn`` and ``pipework-h11``, prototypes of a leaner serving path: the
-  same gateway, and its proxy layer (``Container.proxy_layer``, the ASGI app proxy routes
-  are served by) served on a second port with no Quart in front, by hypercorn (as
-  ``pipework.container._server.serve`` runs it) or by :mod:`.lean_server` (one task per
-  connection on h11); the URL printed is the second port's.
+
+``--http1 lean|hypercorn`` (pipework only): who serves its cleartext HTTP/1.1
+(``[server] http1_server``; default pipework's own server).
 
 ``--gc serving`` (the default): the garbage collector's young threshold is the one a
 pipework container serves with (``ContainerConfig.gc_threshold``, 50,000), for every kind;
@@ -24,7 +22,6 @@ gateways differ only in their code.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import sys
 import tempfile
@@ -35,7 +32,7 @@ from typing import Any
 import trio
 
 from .._serve import raise_open_files_limit
-from .serve import BACKLOG, HOST, _announce, _listen, gc_threshold, set_collector
+from .serve import BACKLOG, _announce, _listen, gc_threshold, set_collector
 
 GATEWAY_FILE = Path(__file__).with_name("proxy.toml")
 #: The base URLs written in proxy.toml, by the route's first path segment.
@@ -56,7 +53,7 @@ def gateway_text(urls: Mapping[str, str]) -> str:
     return text
 
 
-def serve_pipework(urls: Mapping[str, str], young: int | None) -> None:
+def serve_pipework(urls: Mapping[str, str], young: int | None, http1: str | None = None) -> None:
     import pipework as pw
 
     with tempfile.TemporaryDirectory() as folder:
@@ -64,7 +61,10 @@ def serve_pipework(urls: Mapping[str, str], young: int | None) -> None:
         path.write_text(gateway_text(urls))
         # The container sets the threshold while it serves (None: it leaves the
         # interpreter's); the command line has no option for it.
-        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+        overrides: dict[str, Any] = {"gc_threshold": young}
+        if http1 is not None:
+            overrides["http1_server"] = http1
+        gateway = pw.Gateway(str(path), overrides=overrides)
 
         async def main() -> None:
             stop = trio.Event()
@@ -97,60 +97,9 @@ def serve_starlette(urls: Mapping[str, str], young: int | None) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def _lifespan_shim(app: Any) -> Any:
-    """``app`` with the ASGI lifespan answered (hypercorn's trio worker needs it)."""
-
-    async def shimmed(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    return shimmed
-
-
-def serve_pipework_layer(urls: Mapping[str, str], young: int | None, via: str) -> None:
-    import pipework as pw
-    from pipework.container._server import serve
-
-    from .lean_server import serve as serve_lean
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "proxy.toml")
-        path.write_text(gateway_text(urls))
-        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
-
-        async def main() -> None:
-            stop = trio.Event()
-            async with trio.open_nursery() as nursery:
-                await nursery.start(
-                    lambda task_status: gateway.run(stop=stop, task_status=task_status)
-                )
-                assert gateway.container is not None
-                layer = gateway.container.proxy_layer
-                if via == "hypercorn":
-                    address = await nursery.start(
-                        functools.partial(serve, _lifespan_shim(layer), host=HOST)
-                    )
-                    _announce(address.port)
-                else:
-                    _, port = await nursery.start(functools.partial(serve_lean, layer, host=HOST))
-                    _announce(port)
-
-        trio.run(main)
-
-
 SERVERS: dict[str, Any] = {
     "pipework": serve_pipework,
     "starlette": serve_starlette,
-    "pipework-hypercorn": functools.partial(serve_pipework_layer, via="hypercorn"),
-    "pipework-h11": functools.partial(serve_pipework_layer, via="h11"),
 }
 
 
@@ -163,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b", required=True, help="base URL of the service that may hang")
     parser.add_argument("--bulk", required=True, help="base URL of the bulk service")
     parser.add_argument("--gc", choices=["serving", "interpreter"], default="serving")
+    parser.add_argument("--http1", choices=["lean", "hypercorn"], default=None)
     args = parser.parse_args(argv)
+    if args.http1 is not None and args.kind != "pipework":
+        parser.error("--http1 is pipework's option")
     raise_open_files_limit()
     logging.basicConfig(level=logging.WARNING)
     urls = {"a": args.a, "b": args.b, "bulk": args.bulk}
-    SERVERS[args.kind](urls, gc_threshold(args.gc))
+    if args.http1 is not None:
+        serve_pipework(urls, gc_threshold(args.gc), args.http1)
+    else:
+        SERVERS[args.kind](urls, gc_threshold(args.gc))
     return 0
 
 

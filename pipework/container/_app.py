@@ -59,7 +59,7 @@ from ._quart import App
 from ._readiness import CANARY_CHAIN, Probes, healthz
 from ._request import incoming
 from ._routes import Route, routes_of
-from ._server import BoundAddress, serve
+from ._server import HTTP1_SERVERS, BoundAddress, Http1Server, serve
 
 __all__ = ["CANARY_CHAIN", "Container", "ContainerConfig", "create_app"]
 
@@ -101,6 +101,8 @@ class ContainerConfig:
     - ``trusted_proxies``: addresses and networks (``"10.0.0.0/8"``) whose
       ``X-Forwarded-*`` and ``Forwarded`` headers proxy routes pass on, appending to them;
       from any other client those headers are replaced.
+    - ``http1_server``: who serves cleartext HTTP/1.1, ``"lean"`` (pipework's own server)
+      or ``"hypercorn"``; None: :func:`~._server.serve`'s default (docs/configuration.md).
     - ``cors``: which other origins' pages may call the job, board and jobs-page endpoints
       from a browser (None: none; each route has its own policy).
     - ``jobs_auth``: who calls the download centre's endpoints (``GET /jobs``,
@@ -127,6 +129,7 @@ class ContainerConfig:
     gc_threshold: int | None = None
     trusted_proxies: tuple[str, ...] = ()
     cors: CorsPolicy | None = None
+    http1_server: Http1Server | None = None
     jobs_auth: RouteAuth | None = None
 
     def __post_init__(self) -> None:
@@ -139,6 +142,11 @@ class ContainerConfig:
         if self.gc_threshold is not None and self.gc_threshold < 1:
             raise ValueError("ContainerConfig.gc_threshold must be positive (or None)")
         trusted_networks(self.trusted_proxies)  # ValueError naming the bad entry
+        if self.http1_server is not None and self.http1_server not in HTTP1_SERVERS:
+            raise ValueError(
+                f"ContainerConfig.http1_server must be one of {', '.join(HTTP1_SERVERS)} "
+                f"(or None), not {self.http1_server!r}"
+            )
 
 
 class Container:
@@ -302,6 +310,7 @@ class Container:
                     graceful_timeout=self.config.shutdown_grace + _FLUSH_MARGIN,
                     hypercorn_options=options,
                     ssl_context=ssl_context,
+                    http1=self.config.http1_server,
                 )
             )
             if not self.signer.base_url:

@@ -1,4 +1,7 @@
-"""Serve an ASGI app (a ``QuartTrio`` app) with hypercorn's trio worker, the trio way.
+"""Serve an ASGI app (a ``QuartTrio`` app) the trio way: cleartext HTTP/1.1 with
+pipework's own server (:mod:`._h1_server`, which hands websockets and HTTP/2 to hypercorn),
+everything else (HTTPS, HTTP/2 by ALPN) with hypercorn's trio worker; ``http1="hypercorn"``
+gives every connection to hypercorn.
 
 ``serve`` runs in the caller's nursery and reports where it listens through
 ``task_status``::
@@ -8,7 +11,7 @@
         ...                     # address.port is the real port, even for port=0
         stop.set()              # graceful: stop accepting, let requests finish
 
-Setting ``shutdown_trigger`` is the graceful path: hypercorn closes the listening socket
+Setting ``shutdown_trigger`` is the graceful path: the server closes the listening socket
 at once (so the port is free again), closes idle keep-alive connections, lets requests in
 flight finish for up to ``graceful_timeout`` seconds, then cancels their handlers and
 drops their connections without a response (a handler that wants to answer 503 must do
@@ -17,7 +20,8 @@ so before that deadline), runs the app's shutdown (Quart's ``after_serving``), a
 stops at once and the app's shutdown does not run.
 
 The app must handle the ASGI ``lifespan`` scope (Quart does): one that simply returns
-from it makes hypercorn's trio worker fail at startup with ``ClosedResourceError``.
+from it makes either server fail at startup with ``ClosedResourceError`` (both run the
+lifespan with hypercorn's own ``Lifespan``).
 
 ``serve`` applies :mod:`._hypercorn_fix` and :mod:`._hypercorn_ws`, without which one
 client's bytes could end the whole server, requests HTTP/1.1 refuses would be served,
@@ -30,7 +34,7 @@ from __future__ import annotations
 import logging
 import ssl
 from collections.abc import Mapping
-from typing import Final, NamedTuple
+from typing import Final, Literal, NamedTuple
 from urllib.parse import urlsplit
 
 import trio
@@ -38,9 +42,17 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ASGIFramework
 
-from . import _hypercorn_fix, _hypercorn_ws
+from . import _h1_server, _hypercorn_fix, _hypercorn_ws
 
-__all__ = ["BoundAddress", "serve"]
+__all__ = ["HTTP1_SERVERS", "BoundAddress", "serve"]
+
+#: Who serves cleartext HTTP/1.1: pipework's own server (:mod:`._h1_server`, handing
+#: websockets and h2c to hypercorn) or hypercorn for everything.
+HTTP1_SERVERS: Final = ("lean", "hypercorn")
+Http1Server = Literal["lean", "hypercorn"]
+
+#: The default of ``serve(http1=...)`` (and of ``[server] http1_server``).
+DEFAULT_HTTP1: Http1Server = "lean"
 
 # Config attributes serve() owns, with what to do instead of setting them.
 _RESERVED_OPTIONS: Final[Mapping[str, str]] = {
@@ -81,6 +93,7 @@ async def serve(
     keep_alive_max_requests: int = 1000,
     hypercorn_options: Mapping[str, object] | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    http1: Http1Server | None = None,
     task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown_trigger`` is set, then shut down.
@@ -102,8 +115,16 @@ async def serve(
     ``ssl_context``: serve HTTPS with this context (and HTTP/2 to clients that ask for it
     by ALPN), kept for the server's life: what it serves can change through it (the
     gateway's :class:`~._tls.CertificateSwitch`), where hypercorn's own ``certfile`` and
-    ``keyfile`` are read once.
+    ``keyfile`` are read once. TLS connections are always hypercorn's.
+
+    ``http1``: who serves cleartext HTTP/1.1 (default :data:`DEFAULT_HTTP1`): ``"lean"``,
+    pipework's own server (:mod:`._h1_server`; it reads the same hypercorn options and
+    hands websockets, h2c and HTTP/2 prior knowledge to hypercorn), or ``"hypercorn"``.
     """
+    if http1 is None:
+        http1 = DEFAULT_HTTP1
+    if http1 not in HTTP1_SERVERS:
+        raise ValueError(f"http1 must be one of {', '.join(HTTP1_SERVERS)}, not {http1!r}")
     _hypercorn_fix.apply()
     _hypercorn_ws.apply()
     config = _build_config(
@@ -115,12 +136,18 @@ async def serve(
         keep_alive_max_requests=keep_alive_max_requests,
         options=hypercorn_options or {},
     )
+    trigger = shutdown_trigger.wait if shutdown_trigger is not None else None
+    if ssl_context is None and http1 == "lean":
+        await _h1_server.serve_h1(
+            app, config, shutdown_trigger=trigger, task_status=_ReportLeanAddress(task_status)
+        )
+        return
     if ssl_context is not None:
         _serve_tls(config, ssl_context)
     await hypercorn_serve(
         app,
         config,
-        shutdown_trigger=shutdown_trigger.wait if shutdown_trigger is not None else None,
+        shutdown_trigger=trigger,
         task_status=_ReportBoundAddress(task_status),
     )
 
@@ -184,6 +211,18 @@ class _ReportBoundAddress(trio.TaskStatus[list[str]]):
         if value is None or len(value) != 1:
             raise RuntimeError(f"expected hypercorn to report one bound address, got {value!r}")
         self._task_status.started(_parse_bind_url(value[0]))
+
+
+class _ReportLeanAddress(trio.TaskStatus[tuple[str, int]]):
+    """Turn the lean server's started value (host, port) into our :class:`BoundAddress`."""
+
+    def __init__(self, task_status: trio.TaskStatus[BoundAddress]) -> None:
+        self._task_status = task_status
+
+    def started(self, value: tuple[str, int] | None = None) -> None:
+        if value is None:
+            raise RuntimeError("expected the server to report its bound address")
+        self._task_status.started(BoundAddress(value[0], value[1]))
 
 
 def _parse_bind_url(url: str) -> BoundAddress:

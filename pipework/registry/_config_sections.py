@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from .._errors import RegistrationError
 from .._http._identity import POOL_KEY_PREFIX
@@ -50,6 +50,7 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    "http1_server",
     "access_log_redact",
     # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
     "cors",
@@ -57,6 +58,9 @@ SERVER_KEYS: Final = (
     "jobs_auth",
     *TLS_KEYS,
 )
+#: ``[server] http1_server``'s values (``pipework.container._server.HTTP1_SERVERS``).
+Http1Server = Literal["lean", "hypercorn"]
+HTTP1_SERVERS: Final[tuple[Http1Server, ...]] = ("lean", "hypercorn")
 POOL_KEYS: Final = (
     "max_workers",
     "wait_timeout",
@@ -107,6 +111,9 @@ class ServerConfig:
     #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
     #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
     gc_threshold: int = SERVING_GC_THRESHOLD
+    #: Who serves cleartext HTTP/1.1: "lean" (pipework's own server) or "hypercorn";
+    #: None: ``serve``'s default.
+    http1_server: Http1Server | None = None
     #: HTTPS (and mutual TLS) when set: ``tls_cert``, ``tls_key``, ``tls_client_ca``,
     #: ``tls_client_auth``; its files are read again on a reload.
     tls: ServerTls | None = None
@@ -190,9 +197,16 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
+        http1_server=_http1_server(t),
         tls=_server_tls(t),
         access_log_redact=_names(t, "access_log_redact", d.access_log_redact),
     )
+
+
+def _http1_server(t: Table) -> Http1Server | None:
+    chosen = t.string("http1_server", None, choices=HTTP1_SERVERS)
+    # One of the choices (checked above), spelled as the type says.
+    return next((name for name in HTTP1_SERVERS if name == chosen), None)
 
 
 def _names(t: Table, key: str, default: tuple[str, ...]) -> tuple[str, ...]:

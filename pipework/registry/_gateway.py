@@ -58,6 +58,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        http1_server=s.http1_server,
         access_log_redact=s.access_log_redact,
         cors=config.edge.server_cors,
         jobs_auth=config.edge.jobs_auth,
