@@ -16,6 +16,7 @@ other, the reader takes every message.
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 import trio
@@ -40,7 +41,11 @@ class _Connection(TrioASGIHTTPConnection):
 def _took_first(request: Request, receive: Any) -> bool:
     """Take the request's first message if it is queued already, as quart's reader would;
     whether it was a hang-up."""
-    channel = getattr(receive, "__self__", None)
+    # hypercorn's receive is its memory channel's bound method; any other server's is
+    # read by the reader task alone.
+    if not isinstance(receive, MethodType):
+        return False
+    channel = receive.__self__
     if not isinstance(channel, trio.MemoryReceiveChannel):
         return False
     try:
