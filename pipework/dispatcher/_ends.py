@@ -13,7 +13,8 @@ cancelled, ``failed`` with an :class:`~pipework.InternalError` if the engine's o
 bookkeeping failed for it.
 
 The exception objects of failed jobs stay in this process (``exceptions``) for as long as
-finished records are retained, for ``Engine.wait`` to raise as they were.
+finished records are retained, for ``Engine.wait`` to raise as they were; only the latest
+failures keep their tracebacks (:mod:`._tracebacks`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ._lookup import ChainLookup
 from ._outcomes import is_job_timeout, note, refused_by_service, where_in
 from ._retained import Retained
 from ._status import DONE, TERMINAL, Status
+from ._tracebacks import FreshTracebacks
 from ._wake import Wake
 
 __all__ = ["INTERNAL_PLAN", "BranchEnds", "Ends"]
@@ -91,6 +93,8 @@ class Ends:
         self.exceptions: Retained[BaseException] = Retained(
             abilities.retain_count, abilities.retain_seconds
         )
+        #: The latest failures, which keep their tracebacks (older ones let them go).
+        self.fresh = FreshTracebacks()
         #: Jobs whose last write a shared store took with no wait (``update_soon``), with
         #: their step's event once the step has ended: let go of once the write lands.
         self.pending: dict[str, Event | None] = {}
@@ -320,6 +324,7 @@ class Ends:
             job.result = result
         elif exc is not None:
             job.exception = exc
+            self.fresh.add(exc)
             if job.parent is None:
                 self.exceptions.put(job.id, exc, self._flight.clock())
             job.error = ErrorInfo(
