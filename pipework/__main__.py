@@ -210,8 +210,11 @@ def _serve(args: argparse.Namespace) -> int:
         run = functools.partial(_run_gateway, gateway, args.host, args.port, fd, args.ready_fd)
     else:
         engine = load_engine(args.target)
-        # This process is pipework's own: it serves with the raised threshold unless told.
-        config = replace(ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD), **_overrides(args))
+        # This process is pipework's own: it serves with the raised threshold and the heap
+        # frozen unless told.
+        config = replace(
+            ContainerConfig(gc_threshold=SERVING_GC_THRESHOLD, gc_freeze=True), **_overrides(args)
+        )
         host = args.host or "127.0.0.1"
         port = 8000 if args.port is None else args.port
         run = functools.partial(_run, engine, config, host, port, fd, args.ready_fd)

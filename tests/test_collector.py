@@ -1,11 +1,12 @@
-"""The collector's young threshold while a container serves: raised for the serving when
-asked (``pipework serve`` asks by default; an embedding program's container does not), put
-back when the last server in the process stops."""
+"""The collector while a container serves: its young threshold raised and the heap frozen
+when asked (``pipework serve`` asks by default; an embedding program's container does not),
+both put back when the last server in the process stops; frozen again after a reload."""
 
 from __future__ import annotations
 
 import functools
 import gc
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pipework as pw
 from pipework import ConfigError, Gateway, load_config
 from pipework.__main__ import _overrides, build_parser
 from pipework.container import BoundAddress, Container, ContainerConfig
-from pipework.container._collector import SERVING_GC_THRESHOLD, tuned_collector
+from pipework.container._collector import SERVING_GC_THRESHOLD, refreeze, tuned_collector
 from pipework.registry._gateway import _container_config
 
 
@@ -86,3 +87,60 @@ def test_a_negative_threshold_is_refused_where_it_was_written(tmp_path: Path) ->
         load_config(path)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", str(path), "--gc-threshold", "-1"])
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_freezing_nests_and_ends_with_the_last_server() -> None:
+    assert gc.get_freeze_count() == 0
+    with tuned_collector(None, freeze=True):
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # everything alive now: never scanned while serving
+        with tuned_collector(None, freeze=True):
+            assert gc.get_freeze_count() == frozen  # frozen once
+        assert gc.get_freeze_count() == frozen  # the outer one still serves
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_reload_freezes_again_so_the_old_plan_is_collected() -> None:
+    plan = _Cycle()  # what a plan made at start-up is: garbage after a reload, in cycles
+    gone = weakref.ref(plan)
+    with tuned_collector(None, freeze=True):
+        del plan
+        gc.collect()
+        assert gone() is not None  # frozen: no collection frees it
+        refreeze()
+        assert gone() is None
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_refreeze_leaves_an_unfrozen_heap_alone() -> None:
+    refreeze()
+    assert gc.get_freeze_count() == 0
+
+
+def test_pipework_serve_freezes_unless_the_file_says_otherwise(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    for server, expected in (("", True), ("gc_freeze = false", False)):
+        path.write_text(f"[server]\n{server}\n")
+        assert _container_config(Gateway(str(path)).config).gc_freeze is expected
+    assert ContainerConfig().gc_freeze is False  # an embedding program's process: its own
+    path.write_text('[server]\ngc_freeze = "yes"\n')
+    with pytest.raises(ConfigError, match=r"server\.gc_freeze"):
+        load_config(path)
+
+
+async def test_a_gateway_serves_frozen_and_unfreezes_when_it_stops(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text("[server]\nport = 0\n")
+    gateway = Gateway(str(path))
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(gateway.run, port=0, stop=stop))
+        assert gc.get_freeze_count() > 0
+        stop.set()
+    assert gc.get_freeze_count() == 0

@@ -98,6 +98,9 @@ class ContainerConfig:
       default: the interpreter's, since the process is the embedding program's);
       ``SERVING_GC_THRESHOLD`` is what ``pipework serve`` uses. See :mod:`._collector` for
       why a server holding many connections wants it far above the default.
+    - ``gc_freeze``: freeze the heap while serving (``gc.freeze()``), so that collections no
+      longer scan what start-up made (False, the default: the process is the embedding
+      program's; ``pipework serve`` freezes). A reload freezes again (:mod:`._collector`).
     - ``trusted_proxies``: addresses and networks (``"10.0.0.0/8"``) whose
       ``X-Forwarded-*`` and ``Forwarded`` headers proxy routes pass on, appending to them;
       from any other client those headers are replaced.
@@ -127,6 +130,7 @@ class ContainerConfig:
     access_log: bool = True
     access_log_redact: tuple[str, ...] = DEFAULT_REDACTED
     gc_threshold: int | None = None
+    gc_freeze: bool = False
     trusted_proxies: tuple[str, ...] = ()
     cors: CorsPolicy | None = None
     http1_server: Http1Server | None = None
@@ -282,7 +286,7 @@ class Container:
                 "callback URLs are signed with the secret the job store keeps for every "
                 "process sharing it ([server] callback_secret_env chooses one instead)"
             )
-        with tuned_collector(self.config.gc_threshold):
+        with tuned_collector(self.config.gc_threshold, freeze=self.config.gc_freeze):
             await self._serve(
                 host, port, fd, stop, shutdown_trigger, options, ssl_context, task_status
             )

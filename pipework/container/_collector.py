@@ -12,6 +12,14 @@ whatever the thresholds.
 
 :func:`tuned_collector` sets the young threshold while the container serves and restores
 the interpreter's when the last server in the process stops.
+
+It may also freeze the heap (``gc.freeze()``, which costs nothing: no collection first, so
+what start-up left as garbage in cycles stays, once): the modules, the app and its routes,
+some 80,000 objects that live as long as the process, are then never scanned again. A full
+collection otherwise scans them every time, and each pauses every request in flight
+(docs/resilience.md, "Measured"). Frozen objects are never collected either, so a reload,
+after which the first plan is garbage, freezes again (:func:`refreeze`): one full
+collection then, none of the old plan kept. The last server to stop unfreezes the heap.
 """
 
 from __future__ import annotations
@@ -21,19 +29,53 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
 
-__all__ = ["SERVING_GC_THRESHOLD", "tuned_collector"]
+__all__ = ["SERVING_GC_THRESHOLD", "refreeze", "tuned_collector"]
 
 #: The young generation's threshold while serving (the interpreter's default is 700).
 SERVING_GC_THRESHOLD: Final = 50_000
 
 _serving = 0
 _saved: tuple[int, int, int] | None = None
+_freezing = 0
 
 
 @contextmanager
-def tuned_collector(young: int | None) -> Iterator[None]:
+def tuned_collector(young: int | None, *, freeze: bool = False) -> Iterator[None]:
     """Raise the young threshold to ``young`` (None or lower than the current one: leave
-    it) for the block; the thresholds found are restored when the last block ends."""
+    it) for the block; the thresholds found are restored when the last block ends. With
+    ``freeze``, the heap is frozen for the block (unfrozen when the last such block ends)."""
+    with _frozen(freeze), _threshold(young):
+        yield
+
+
+@contextmanager
+def _frozen(freeze: bool) -> Iterator[None]:
+    global _freezing
+    if not freeze:
+        yield
+        return
+    if _freezing == 0:
+        gc.freeze()
+    _freezing += 1
+    try:
+        yield
+    finally:
+        _freezing -= 1
+        if _freezing == 0:
+            gc.unfreeze()
+
+
+def refreeze() -> None:
+    """Freeze the heap again if a server froze it: after a reload, whose old plan is now
+    garbage that frozen would never be collected (one full collection)."""
+    if _freezing:
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+
+
+@contextmanager
+def _threshold(young: int | None) -> Iterator[None]:
     global _serving, _saved
     if young is None:
         yield

@@ -50,6 +50,7 @@ SERVER_KEYS: Final = (
     "callback_secret_env",
     "trusted_proxies",
     "gc_threshold",
+    "gc_freeze",
     "http1_server",
     "access_log_redact",
     # The job, board and jobs-page endpoints' CORS policy: read by _config_edge.
@@ -111,6 +112,9 @@ class ServerConfig:
     #: The garbage collector's young threshold while serving; 0 keeps the interpreter's.
     #: ``pipework serve`` owns its process, so it raises it by default (operations.md).
     gc_threshold: int = SERVING_GC_THRESHOLD
+    #: Freeze the heap while serving (``gc.freeze()``): collections no longer scan what
+    #: start-up made. On by default for the same reason (operations.md).
+    gc_freeze: bool = True
     #: Who serves cleartext HTTP/1.1: "lean" (pipework's own server) or "hypercorn";
     #: None: ``serve``'s default.
     http1_server: Http1Server | None = None
@@ -197,6 +201,7 @@ def read_server(c: Collector, value: Any) -> ServerConfig:
         callback_secret_env=t.string("callback_secret_env", None),
         trusted_proxies=_trusted_proxies(t),
         gc_threshold=t.integer("gc_threshold", d.gc_threshold, minimum=0),
+        gc_freeze=t.boolean("gc_freeze", d.gc_freeze),
         http1_server=_http1_server(t),
         tls=_server_tls(t),
         access_log_redact=_names(t, "access_log_redact", d.access_log_redact),

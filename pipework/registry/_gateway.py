@@ -32,6 +32,7 @@ from .._metrics import Metrics
 from .._tls import TlsFileError
 from ..backends._http import Backends
 from ..container._app import Container, ContainerConfig
+from ..container._collector import refreeze
 from ..container._server import BoundAddress
 from ..container._tls import CertificateSwitch, ServerTls, server_context
 from ..dispatcher._engine import Engine
@@ -58,6 +59,7 @@ def _container_config(config: GatewayConfig) -> ContainerConfig:
         callback_secret=s.callback_secret_value(os.environ),
         trusted_proxies=tuple(str(network) for network in s.trusted_proxies),
         gc_threshold=s.gc_threshold or None,
+        gc_freeze=s.gc_freeze,
         http1_server=s.http1_server,
         access_log_redact=s.access_log_redact,
         cors=config.edge.server_cors,
@@ -256,6 +258,7 @@ class Gateway:
         if backends is not None:
             await backends.__aexit__(None, None, None)  # the stack's own exit is then a no-op
             _log.info("closed the backends of plan %d", generation)
+        refreeze()  # the old plan is garbage now: frozen, it would never be collected
 
     def _certificates(self, config: GatewayConfig) -> tuple[ServerTls, ssl.SSLContext] | None:
         """The server's TLS files of ``config``, read again into a context for the swap;
