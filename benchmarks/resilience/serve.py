@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 import trio
 
@@ -73,6 +76,17 @@ path = "/hold"
 chain = ["hold_b"]
 timeout = 120
 """
+
+
+#: The environment variable gateway.toml's ``admin_token_env`` names: the benchmark reads
+#: the breaker's state through the admin API with it.
+ADMIN_TOKEN_ENV: Final = "PIPEWORK_BENCH_ADMIN_TOKEN"
+
+
+def admin_token() -> str:
+    """The admin API's bearer token: this process's, made on first use and put in its
+    environment, so that the gateway it starts reads the same."""
+    return os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
 
 
 def gateway_text(hosts: Sequence[str], *, hedge: bool = False, degrade: str | None = None) -> str:
