@@ -371,13 +371,18 @@ def scenarios(quick: bool, route: str | None = None) -> tuple[Scenario, ...]:
             (Change(0, ("fail 0.3", None, None), "fail"),),
             route=route,
         ),
-        Scenario(
-            "down",
-            f"every replica down (503) from t = {t.down_at:g} s, back at t = {t.back_at:g} s",
-            t.down_end,
-            (Change(t.down_at, ("down",) * 3, "down"), Change(t.back_at, fast, "back")),
-            poll=True,
-            route=route,
+        *(
+            Scenario(
+                "down" if on == route else f"down-{on}",
+                f"every replica down (503) from t = {t.down_at:g} s, back at t = {t.back_at:g} s"
+                + ("" if on == route else f", through the {on} route (`{PATHS[on]}`)"),
+                t.down_end,
+                (Change(t.down_at, ("down",) * 3, "down"), Change(t.back_at, fast, "back")),
+                poll=True,
+                route=on,
+            )
+            # A pipe route's refusal costs more than a proxy route's: both are measured.
+            for on in ((route, "proxy") if route == "pipe" else (route,))
         ),
         Scenario(
             "tail",
@@ -954,7 +959,7 @@ def figures(results: Results, scenario: str, gateway: str) -> Figures:
         return hang(run, results.run("healthy", gateway))
     if scenario == "503":
         return failing(run)
-    if scenario == "down":
+    if scenario.startswith("down"):
         return down(run)
     return tail(run)
 
@@ -989,6 +994,9 @@ GOALS = (
     Goal("503", "ok", "%", "client-visible 2xx share", "≥ 99.5 %", 99.5, higher=True),
     Goal("503", "calls", "×", "calls reaching the replicas ÷ requests", "≤ 1.25×", 1.25),
     Goal("down", "p99", "ms", "p99 of the answers not 2xx after the breaker opens", "≤ 5 ms", 5),
+    Goal(
+        "down-proxy", "p99", "ms", "p99 of the answers not 2xx after the breaker opens", "≤ 5 ms", 5
+    ),
     Goal(
         "down",
         "extra",
