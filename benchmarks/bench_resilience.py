@@ -62,8 +62,10 @@ it (so no state crosses scenarios); the two take turns.
 **Scenarios** (times of the full mode; the quick mode shortens them, and says how):
 *healthy* (every replica fast: the reference p99); *hang* (one replica hangs from t = 5 s,
 judged from t = 10 s); *503s* (one replica answers 503 to 30 % of its calls); *down*
-(every replica down from t = 5 s to t = 15 s, then back; the gateway's state read every
-0.1 s: pipework's breaker from `/metrics`, HAProxy's backend from its statistics page;
+(every replica down from t = 5 s to t = 15 s, then back, through route A and again
+through the proxy route `/p`; the gateway's state read every 0.1 s: pipework's breaker
+from the admin API's service document, not from `/metrics`, whose exposition read that
+often stalled the gateway being timed; HAProxy's backend from its statistics page;
 "after the breaker opens" is from the first reading open, and "closes" is the time from
 the replicas' return to the last answer that was not a 2xx); *tail* (one replica answers
 10 % of its calls after 1 s; pipework hedges); *degrade*, pipework's alone (below).
@@ -497,7 +499,7 @@ async def pipework_state(server: Server) -> str:
     """The breaker's state, from the admin API's service document (half open counts as
     open: calls are still refused). Not from ``/metrics``: its exposition costs the gateway
     several milliseconds of CPU, and read ten times a second it made the p99 it was
-    polled to time (docs/resilience.md, "The state read")."""
+    polled to time (docs/resilience.md, "Measured")."""
     request = (
         "GET /admin/services/replicas HTTP/1.1\r\n"
         f"Host: {_load.HOST}\r\nAuthorization: Bearer {serve.admin_token()}\r\n"
