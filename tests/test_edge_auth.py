@@ -204,6 +204,11 @@ async def test_tokens_signed_with_rs256_es256_and_eddsa_are_accepted_and_the_job
             id="alg-not-the-keys",
         ),
         pytest.param(lambda s: "not-a-jwt", "not a JWT", id="garbage"),
+        # JSON may escape one half of a pair: no text, so no identity (a store writes
+        # owners as UTF-8, which it cannot be).
+        pytest.param(
+            lambda s: s.sign(claims(sub="al\udc80ice")), "not valid Unicode", id="lone-surrogate"
+        ),
     ],
 )
 async def test_forgeries_are_401_with_www_authenticate_before_any_job(

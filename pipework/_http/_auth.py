@@ -530,6 +530,13 @@ class JwtBearer:
         subject = claims.get(self.subject_claim)
         if not isinstance(subject, str) or not subject:
             raise Refusal(f"the token's {self.subject_claim!r} claim is not a non-empty string")
+        try:
+            subject.encode("utf-8")  # what a store writes an owner as
+        except UnicodeEncodeError:
+            raise Refusal(
+                f"the token's {self.subject_claim!r} claim is not valid Unicode "
+                "(it escapes half of a surrogate pair)"
+            ) from None
         kept = {name: claims[name] for name in self.claims if name in claims}
         identity = Identity(subject, "jwt", self.name, _scopes(claims), kept, claims)
         return identity, _bound(claims.get("exp"), math.inf), _bound(claims.get("nbf"), -math.inf)
