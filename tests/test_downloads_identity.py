@@ -525,3 +525,38 @@ async def test_a_reload_turns_the_listing_by_identity_on(tmp_path: Path) -> None
     assert before.json() == {"jobs": [], "missing": []}
     assert_problem(bare, 401, "unauthorized")
     assert [e["id"] for e in after.json()["jobs"]] == [accepted.json()["id"]]
+
+
+async def test_an_identity_reads_its_jobs_status_and_result_without_their_tokens(
+    tmp_path: Path, each_store: type[Any]
+) -> None:
+    """A job the listing shows opens by the same credential, file or not; reading only:
+    cancelling and signalling still take the job's token."""
+    async with centre(tmp_path, each_store()) as c:
+        ticket = await c.submit("/plain", "alice")
+        job_id, token = ticket.split(":")
+        status = await c.client.get(f"/jobs/{job_id}", headers=key("alice"))
+        result = await c.client.get(f"/jobs/{job_id}/result", headers=key("alice"))
+        by_bob = await c.client.get(f"/jobs/{job_id}/result", headers=key("bob"))
+        bare = await c.client.get(f"/jobs/{job_id}/result")
+        wrong = await c.client.get(f"/jobs/{job_id}/result", headers={"X-API-Key": "nope"})
+        by_token = await c.client.get(f"/jobs/{job_id}/result", headers={"X-Job-Token": token})
+        cancel = await c.client.delete(f"/jobs/{job_id}", headers=key("alice"))
+        unknown = await c.client.get("/jobs/no-such-job", headers=key("alice"))
+    assert status.status_code == 200, status.text
+    assert status.json()["status"] == "done"
+    assert result.status_code == 200, result.text
+    assert result.json()["answer"] == 42
+    assert_problem(by_bob, 404, "job-not-found")
+    assert_problem(bare, 404, "job-not-found")  # no credential: as before, a token's 404
+    assert wrong.status_code == 401, wrong.text
+    assert by_token.json() == result.json()
+    assert_problem(cancel, 404, "job-not-found")
+    assert_problem(unknown, 404, "job-not-found")
+
+
+async def test_without_jobs_auth_a_job_opens_by_its_token_alone(tmp_path: Path) -> None:
+    async with centre(tmp_path, pw.MemoryJobStore(), jobs_auth=False) as c:
+        job_id, _ = (await c.submit("/plain", "alice")).split(":")
+        by_key = await c.client.get(f"/jobs/{job_id}/result", headers=key("alice"))
+    assert_problem(by_key, 404, "job-not-found")

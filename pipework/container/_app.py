@@ -233,6 +233,7 @@ class Container:
         )
         # GET /jobs/events follows the identity's jobs as GET /jobs lists them.
         self.board_api.caller = self.downloads.caller
+        self.jobs.identities = self.downloads
         self.board_api.owned = self.downloads.owned_views
         token = admin_token(config.admin_token)
         self.admin = (

@@ -1,7 +1,11 @@
 """The job API: status, result, cancel and signals for a job, and the signed callbacks.
 
 Every ``/jobs/{id}`` endpoint needs the job's token, checked as ``pipework._http._jobs``
-says (a wrong or missing token is a 404, as an unknown id; a dropped job 410).
+says (a wrong or missing token is a 404, as an unknown id; a dropped job 410). With
+``[server] jobs_auth``, a job's status and result are also read by the credential of the
+identity that started it (the one the listing shows it to): without its token, a request
+bringing that auth's credential is authenticated (401 if it does not hold) and answered if
+its identity owns the job (404 otherwise). Cancelling and signalling take the token alone.
 ``/callbacks/...`` needs no token: its signature is the authority, and it answers nothing
 about the job.
 """
@@ -10,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from quart import Response, request
 
-from .._errors import StoreUnavailable
+from .._errors import JobNotFound, StoreUnavailable
+from .._http._auth import RouteAuth
 from .._http._bodies import choose_media_type, decode, encode, raw_answer, read_body
 from .._http._jobs import authorize, job_document, job_token
 from .._http._problems import Problem, problem_for_error
@@ -24,9 +29,21 @@ from ..dispatcher._job import JobView
 from ..dispatcher._status import TERMINAL, Status
 from ._callbacks import CallbackSigner
 
-__all__ = ["JobsApi", "signal_unsure"]
+__all__ = ["Identities", "JobsApi", "signal_unsure"]
 
 _log = logging.getLogger("pipework.container")
+
+
+class Identities(Protocol):
+    """Who may read their own jobs (the download centre's ``jobs_auth``)."""
+
+    #: The authentication (None: tokens alone); a reload may change it.
+    auth: RouteAuth | None
+
+    async def caller(self) -> str | None:
+        """The request's owner string; a 401 or 403 :class:`Problem` without a good
+        credential."""
+        ...
 
 
 class JobsApi:
@@ -48,20 +65,49 @@ class JobsApi:
         self.body_time_limit = body_time_limit
         self.cancel_wait = cancel_wait
         self.expose_errors = expose_errors
+        #: Whose identity reads its own jobs' status and result (set by the container).
+        self.identities: Identities | None = None
 
     async def authorize(self, job_id: str) -> JobView:
         return await authorize(self.engine, job_id, job_token(request.headers))
+
+    async def _read(self, job_id: str) -> JobView:
+        """The job, to read: by its token, or else by the caller's identity if it owns it."""
+        try:
+            return await self.authorize(job_id)
+        except Problem as not_found:
+            if not_found.status != 404:
+                raise
+            owner = await self._owner()
+            if owner is None:
+                raise
+            try:
+                return await self.engine.authorize_owner(job_id, owner)
+            except JobNotFound:
+                raise not_found from None
+
+    async def _owner(self) -> str | None:
+        """The owner string of the request's identity, when ``jobs_auth`` is set and the
+        request brings one of its credentials (else None, and the token's answer stands)."""
+        identities = self.identities
+        auth = None if identities is None else identities.auth
+        if identities is None or auth is None:
+            return None
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        if not any(method.present(headers) for method in auth.methods):
+            return None
+        return await identities.caller()
 
     def _answer(self, value: Any, status: int = 200) -> Response:
         media_type = choose_media_type(request)
         return Response(encode(value, media_type), status=status, content_type=media_type)
 
     async def status(self, job_id: str) -> Response:
-        view = await self.authorize(job_id)
+        view = await self._read(job_id)
         return self._answer(job_document(view, expose=self.expose_errors))
 
     async def result(self, job_id: str) -> Response:
-        view = await self.authorize(job_id)
+        view = await self._read(job_id)
         if view.status is Status.DONE:
             raw = raw_answer(view.result)
             if raw is not None:  # bytes with their content type, as the route answers them
