@@ -40,6 +40,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from ._exposition import Exposition
+
 __all__ = [
     "CONTENT_TYPE",
     "MULTIPROC_ENV",
@@ -198,6 +200,7 @@ class Metrics:
         self, registry: CollectorRegistry | None = None, *, timeouts: Iterable[float] = ()
     ) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._exposition = Exposition()  # each series' name and labels, written once
         r = self.registry
         buckets = timeout_buckets(timeouts)
         self.pipe_duration = Histogram(
@@ -393,7 +396,7 @@ class Metrics:
         if self.multiprocess_dir is not None:
             self.publish()
             return self.node_exposition()
-        return generate_latest(self.registry)
+        return self._exposition.render(self.registry)
 
     def publish(self) -> None:
         """Write the state families' current values to this process's files in the
