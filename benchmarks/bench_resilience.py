@@ -51,7 +51,8 @@ requests that meet once are answered together, their connections' next requests 
 start together, and the fixed pause never separates them again, so the connections fall
 back into bunches within seconds. The random pause separates them at every request.
 `python -m benchmarks.resilience.loads` runs the quick mode with each load in turns and
-compares them. Each request carries its own `X-Request-ID`. A Lua script records every
+compares them. `python -m benchmarks.resilience.probe` runs one scenario of the full
+mode through pipework alone, a few times, to look at one figure closely. Each request carries its own `X-Request-ID`. A Lua script records every
 request's start (`CLOCK_MONOTONIC`, the clock the benchmark and the replicas read too),
 its time to the answer and the status; a request whose connection failed counts as a
 failure, one still out when the load stops as a failure if it had waited 1 s. The
@@ -493,6 +494,15 @@ async def _metrics(server: Server) -> list[tuple[str, str, float]]:
             labels, _, value = rest.rpartition("} ")
             samples.append((name, labels, float(value)))
     return samples
+
+
+async def pipework_state_from_metrics(server: Server) -> str:
+    """The breaker's state as the benchmark first read it, from ``/metrics`` (kept to
+    measure what reading it ten times a second costs: ``benchmarks.resilience.probe``)."""
+    for name, labels, value in await _metrics(server):
+        if name == "pipework_backend_breaker_state" and value == 1:
+            return "closed" if 'state="closed"' in labels else "open"
+    return "closed"  # no series yet: no call was made
 
 
 async def pipework_state(server: Server) -> str:
@@ -955,15 +965,25 @@ def degrade(phases: Sequence[Phase]) -> Figures:
 
 def figures(results: Results, scenario: str, gateway: str) -> Figures:
     run = results.run(scenario, gateway)
-    if scenario == "healthy":
-        return healthy(run)
     if scenario == "hang":
         return hang(run, results.run("healthy", gateway))
+    return figures_of(scenario, run)
+
+
+def figures_of(scenario: str, run: Run) -> Figures:
+    """The figures of a run of ``scenario`` that needs no other run (every one but *hang*)."""
+    if scenario == "healthy":
+        return healthy(run)
     if scenario == "503":
         return failing(run)
     if scenario.startswith("down"):
         return down(run)
     return tail(run)
+
+
+def scenario_named(name: str, route: str) -> Scenario:
+    """The full mode's scenario ``name`` with its load on ``route``."""
+    return next(s for s in scenarios(False, route) if s.name == name)
 
 
 # -- the report ----------------------------------------------------------------------------

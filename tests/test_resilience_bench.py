@@ -20,7 +20,7 @@ from benchmarks import _load, bench_resilience
 from benchmarks.bench_peers import enter_all
 from benchmarks.bench_resilience import Answer, Call, Change, Run, Scenario
 from benchmarks.peers import native
-from benchmarks.resilience import haproxy, serve
+from benchmarks.resilience import haproxy, probe, serve
 
 HOSTS = ("http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3")
 
@@ -337,3 +337,13 @@ def test_the_degradation_scenario_reads_its_figures() -> None:
     assert kept["note"].startswith("missed")  # 0.90x the throughput alone
     assert marked["subject_us"] == 99.5
     assert marked["note"] == "missed"  # one answer was not marked
+
+
+def test_the_probe_runs_a_scenario_of_the_full_mode_on_either_route() -> None:
+    down = bench_resilience.scenario_named("down", "proxy")
+    assert down.path == "/p"
+    assert down.poll
+    assert bench_resilience.scenario_named("tail", "pipe").hedge
+    assert set(probe.NAMES) <= {s.name for s in bench_resilience.scenarios(False)}
+    with pytest.raises(SystemExit):
+        probe.main(["--scenario", "degrade"])  # its phases are the benchmark's alone
