@@ -52,7 +52,8 @@ start together, and the fixed pause never separates them again, so the connectio
 back into bunches within seconds. The random pause separates them at every request.
 `python -m benchmarks.resilience.loads` runs the quick mode with each load in turns and
 compares them. `python -m benchmarks.resilience.probe` runs one scenario of the full
-mode through pipework alone, a few times, to look at one figure closely. Each request carries its own `X-Request-ID`. A Lua script records every
+mode through pipework alone, a few times, to look at one figure closely. Each request
+carries its own `X-Request-ID`. A Lua script records every
 request's start (`CLOCK_MONOTONIC`, the clock the benchmark and the replicas read too),
 its time to the answer and the status; a request whose connection failed counts as a
 failure, one still out when the load stops as a failure if it had waited 1 s. The
