@@ -173,6 +173,7 @@ function init(args)
   pause = tonumber(args[1])
   think = args[2]
   connections = tonumber(args[3])
+  tag = args[4]
   sent = 0
   records = {}
   math.randomseed(id)  -- each connection its own draws, the same in every run
@@ -201,7 +202,7 @@ function request()
   end
   sent = sent + 1
   started = now
-  return wrk.format(nil, nil, {["X-Request-ID"] = "w" .. id .. "-" .. sent})
+  return wrk.format(nil, nil, {["X-Request-ID"] = tag .. id .. "-" .. sent})
 end
 
 function response(status, headers, body)
@@ -269,10 +270,12 @@ def parse_wrk(stdout: str, origin: float) -> tuple[list[Answer], list[float]]:
     return answers, sorted(unfinished)
 
 
-async def wrk(url: str, seconds: float, think: str | None = None) -> tuple[float, str]:
+async def wrk(
+    url: str, seconds: float, think: str | None = None, tag: str = "w"
+) -> tuple[float, str]:
     """Our script under ``wrk`` on ``url`` for ``seconds``, each connection's pauses drawn
-    as ``think`` says (:data:`THINKS`; None: :data:`THINK`): when it started (monotonic
-    seconds) and what it printed."""
+    as ``think`` says (:data:`THINKS`; None: :data:`THINK`), each request's id beginning
+    with ``tag``: when it started (monotonic seconds) and what it printed."""
     think = THINK if think is None else think
     if think not in (*THINKS, AT_ONCE):
         raise ValueError(f"think must be one of {', '.join(THINKS)}, not {think!r}")
@@ -286,7 +289,7 @@ async def wrk(url: str, seconds: float, think: str | None = None) -> tuple[float
         script.flush()
         command = [executable, f"-t{CONNECTIONS}", f"-c{CONNECTIONS}", f"-d{seconds:g}s"]
         command += ["--timeout", "10s", "-s", script.name, url, "--", str(PAUSE_MS), think]
-        command += [str(CONNECTIONS)]
+        command += [str(CONNECTIONS), tag]
         began = time.monotonic()
         with trio.fail_after(seconds + 60):
             done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
@@ -706,8 +709,11 @@ async def _hold(served: Served, n: int) -> None:
         raise RuntimeError(f"pipework answered GET /hold with {status}: {body[:200]!r}")
 
 
-async def _logged(replica: Server) -> int:
-    return len(json.loads(await _send(replica, "GET", "/_log"))["calls"])
+async def _logged(replica: Server, tag: str | None = None) -> int:
+    """The calls ``replica`` logged since its last reset (only those whose request id
+    begins with ``tag``, if given)."""
+    calls = json.loads(await _send(replica, "GET", "/_log"))["calls"]
+    return sum(1 for _, rid, _ in calls if tag is None or rid.startswith(tag))
 
 
 async def run_degrade(
@@ -736,9 +742,11 @@ async def run_degrade(
                             await trio.sleep(0.02)
                 for replica in (*replicas, b):
                     await _send(replica, "POST", "/_reset")
-                began, stdout = await wrk(url, scenario.seconds, AT_ONCE)
+                # The phase's own ids: a request the last run left out may still reach B.
+                tag = f"d{len(phases)}-"
+                began, stdout = await wrk(url, scenario.seconds, AT_ONCE, tag)
                 answers, unfinished = parse_wrk(stdout, began)
-                calls_to_b = await _logged(b)
+                calls_to_b = await _logged(b, tag)
                 if saturated:
                     await set_modes([b], ["fast"])  # answers the held calls: B free again
             phases.append(Phase(saturated, scenario.seconds, answers, unfinished, calls_to_b))
