@@ -7,8 +7,8 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
 
@@ -27,14 +27,13 @@ from .._errors import (
 from .._logging import job_logger, log_job
 from .._metrics import Metrics
 from ..pipes._catalogue import Catalogue
-from ..pipes._pipe import Context, Pipe, PipeFunction
+from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
 from ..pipes._state import check_state, check_value
 from ._abilities import (
     Abilities,
     CheckedAdmission,
     CountingStore,
-    FastAdmission,
     FollowingStore,
     KeyedAdmission,
     ReportingPool,
@@ -46,6 +45,7 @@ from ._degrade import NEVER_REFUSING, Refusals
 from ._dispatcher import INTERNAL_PLAN, Dispatcher
 from ._events import RunJob
 from ._job import Job, JobView, degraded_of, hash_token, new_ids
+from ._probe import PROBE_CHAIN, internal_registry, probe_lane
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import DONE, TERMINAL, Status
 from ._store import JobGone, JobStore, MemoryJobStore, OwnerIndex
@@ -53,7 +53,7 @@ from ._suspend import check_early_signal
 from ._wake import Wake
 from ._weighted import WeightedPool
 
-__all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
+__all__ = ["Engine", "JobObserver"]
 
 _log = logging.getLogger("pipework.engine")
 
@@ -64,12 +64,6 @@ _RECHECK_SECONDS: Final = 5.0
 
 #: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
 JobObserver = Callable[[JobView, str | None], None]
-
-#: The engine's own chain that :meth:`Engine.probe` runs (in plan 0, not in any registry).
-PROBE_CHAIN: Final = "_pipework_canary"
-#: The probe's admission key: a lane of one slot of its own, outside the pool's keys, so
-#: traffic can never starve readiness (see :class:`_ProbeLane`).
-PROBE_KEY: Final = "_pipework_probe"
 
 
 class _PipeDecorator(Protocol):
@@ -130,7 +124,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         # What the parts can do, looked at once; the dispatcher sees the pool through the
         # probe's lane.
-        self._abilities = abilities = Abilities.of(self.store, self.queue, _probe_lane(self.pool))
+        self._abilities = abilities = Abilities.of(self.store, self.queue, probe_lane(self.pool))
         self._checked = self.pool if isinstance(self.pool, CheckedAdmission) else None
         self._keyed = self.pool if isinstance(self.pool, KeyedAdmission) else None
         self._counting = self.store if isinstance(self.store, CountingStore) else None
@@ -144,7 +138,7 @@ class Engine:
             NEVER_REFUSING if refusals is None else refusals,
         )
         # The engine's own chains live in a plan of their own, which no swap replaces.
-        self._dispatcher.plans[INTERNAL_PLAN] = _internal_registry()
+        self._dispatcher.plans[INTERNAL_PLAN] = internal_registry()
         # The active top-level jobs of each user plan: a replaced plan with none left is
         # retired (dropped, and whoever waits in wait_plan_retired is told).
         self._plan_jobs: dict[int, set[str]] = {1: set()}
@@ -804,74 +798,6 @@ class _RelayTarget:
 
     def changed(self, job: Job) -> None:
         self._engine._changed(job)
-
-
-def _internal_registry() -> Catalogue:
-    registry = Catalogue()
-
-    async def probe(ctx: Context) -> None:
-        ctx.state["ok"] = True
-
-    registry.add_pipe(Pipe(probe, PROBE_CHAIN))
-    registry.chain(PROBE_CHAIN, PROBE_CHAIN, key=PROBE_KEY)
-    return registry
-
-
-class _ProbeLane:
-    """The pool as the dispatcher sees it: ``pool`` for every key but :data:`PROBE_KEY`,
-    whose steps take a lane of one slot of their own. Readiness so proves the queue and a
-    worker without competing with traffic for the pool's slots (a busy pool is not an
-    unready one), and no pool config or reload can take that slot away."""
-
-    def __init__(self, pool: Admission) -> None:
-        self.pool = pool
-        self._lane: trio.Lock | None = None
-
-    def slot(
-        self, key: str, *, deadline: float = math.inf, continuing: bool = False
-    ) -> AbstractAsyncContextManager[None]:
-        if key == PROBE_KEY:
-            return self._probe_slot()
-        return self.pool.slot(key, deadline=deadline, continuing=continuing)
-
-    @asynccontextmanager
-    async def _probe_slot(self) -> AsyncIterator[None]:
-        if self._lane is None:
-            self._lane = trio.Lock()
-        async with self._lane:  # the probe's deadline is enforced by Engine.probe
-            yield
-
-    def record(self, key: str, *, ok: bool, latency: float) -> None:
-        if key != PROBE_KEY:
-            self.pool.record(key, ok=ok, latency=latency)
-
-
-class _FastProbeLane(_ProbeLane):
-    """The lane over a pool with an uncontended grant (every method of
-    :class:`~._abilities.FastAdmission`, each the pool's but the probe's key's grant, which
-    never comes: its steps take the lane)."""
-
-    def __init__(self, pool: Admission, fast: FastAdmission) -> None:
-        super().__init__(pool)
-        self.fast = fast
-
-    def grant_nowait(self, key: str) -> object | None:
-        return None if key == PROBE_KEY else self.fast.grant_nowait(key)
-
-    def release_nowait(self, handle: object, granted_at: float, now: float) -> None:
-        self.fast.release_nowait(handle, granted_at, now)
-
-    def withdraw_nowait(self, handle: object) -> None:
-        self.fast.withdraw_nowait(handle)
-
-    def limited(self, key: str) -> bool:
-        return self.fast.limited(key)
-
-
-def _probe_lane(pool: Admission) -> _ProbeLane:
-    if isinstance(pool, FastAdmission):
-        return _FastProbeLane(pool, pool)
-    return _ProbeLane(pool)
 
 
 def _outcome(job: Job, exception: BaseException | None) -> Any:
