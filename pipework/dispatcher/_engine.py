@@ -3,7 +3,6 @@ worker pool and the dispatcher, and runs them in its own nursery while it is ope
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import time
@@ -19,9 +18,7 @@ from .._errors import (
     DeadlineExceeded,
     JobCancelled,
     JobFailed,
-    JobNotFound,
     Overloaded,
-    SignalError,
     StoreUnavailable,
 )
 from .._logging import job_logger, log_job
@@ -29,7 +26,7 @@ from .._metrics import Metrics
 from ..pipes._catalogue import Catalogue
 from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
-from ..pipes._state import check_state, check_value
+from ..pipes._state import check_state
 from ._abilities import (
     Abilities,
     CheckedAdmission,
@@ -43,13 +40,14 @@ from ._admission import Admission
 from ._cursor import start_frames
 from ._degrade import NEVER_REFUSING, Refusals
 from ._dispatcher import INTERNAL_PLAN, Dispatcher
+from ._engine_access import JobAccess
+from ._engine_signals import JobSignals
 from ._events import RunJob
 from ._job import Job, JobView, degraded_of, hash_token, new_ids
 from ._probe import PROBE_CHAIN, internal_registry, probe_lane
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import DONE, TERMINAL, Status
-from ._store import JobGone, JobStore, MemoryJobStore, OwnerIndex
-from ._suspend import check_early_signal
+from ._store import JobStore, MemoryJobStore, OwnerIndex
 from ._wake import Wake
 from ._weighted import WeightedPool
 
@@ -90,7 +88,7 @@ _ENDED: Final = Wake()
 _ENDED.set()
 
 
-class Engine:
+class Engine(JobSignals, JobAccess):
     """Register pipes and chains, then ``async with engine:`` to run jobs.
 
     ``registry`` is where pipes and chains are registered (default: a new
@@ -610,51 +608,6 @@ class Engine:
                 else:  # cancelled, or too slow: the step ends it and its record retires
                     await self._dispatcher.ends.cancel(job)
 
-    async def status(self, job_id: str) -> JobView:
-        return (await self.store.get(job_id)).view()
-
-    async def authorize(self, job_id: str, token: str | None) -> JobView:
-        """The job's view if ``token`` is its owner token; otherwise JobNotFound, exactly as
-        for an unknown id, so a wrong token reveals nothing."""
-        given = "" if token is None else hash_token(token)
-        try:
-            job = await self.store.get(job_id)
-        except JobGone as gone:  # "gone" is news only for the owner
-            if gone.token_hash is not None and hmac.compare_digest(gone.token_hash, given):
-                raise
-            raise JobNotFound(f"no job with id {job_id!r}") from None
-        expected = job.token_hash
-        if expected is None or not hmac.compare_digest(expected, given):
-            raise JobNotFound(f"no job with id {job_id!r}")
-        return job.view()
-
-    async def authorize_owner(self, job_id: str, owner: str) -> JobView:
-        """The job's view if ``owner`` owns it (``submit(owner=...)``); otherwise
-        JobNotFound, as for an unknown id (a job dropped is not found either: its
-        tombstone keeps no owner)."""
-        try:
-            job = await self.store.get(job_id)
-        except JobGone:
-            raise JobNotFound(f"no job with id {job_id!r}") from None
-        # As bytes: an owner is any text (a JWT's sub), and compare_digest takes str only
-        # in ASCII.
-        if job.owner is None or not hmac.compare_digest(
-            job.owner.encode("utf-8", "surrogatepass"), owner.encode("utf-8", "surrogatepass")
-        ):
-            raise JobNotFound(f"no job with id {job_id!r}")
-        return job.view()
-
-    async def owned(
-        self, owner: str, *, limit: int, before: float | None = None
-    ) -> tuple[list[JobView], float | None]:
-        """``owner``'s jobs, newest first, a page at a time (see ``OwnerIndex.owned``):
-        nothing on a store that keeps no owner index."""
-        index = self._owner_index
-        if index is None:
-            return [], None
-        jobs, more = await index.owned(owner, limit=limit, before=before)
-        return [job.view() for job in jobs if job.owner == owner], more
-
     def observe(self, observer: JobObserver) -> Callable[[], None]:
         """Call ``observer(view, token_hash)`` whenever a job's status or progress changes
         (accepted, running, handed off, suspended, resumed, progress, finished), from the
@@ -694,72 +647,6 @@ class Engine:
         if job.status not in TERMINAL:
             await self._dispatcher.ends.cancel(job)
         return job.view()
-
-    async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
-        """Deliver signal ``name``: resumes the job if it is suspended waiting for it, or
-        is kept until the job suspends for it if the job is still queued or running.
-
-        Raises SignalError if the job has ended, waits for another signal, already has
-        this one pending, or already took a signal of this name and is not suspended for
-        it again: a repeat (of a callback, say) is refused, never kept, so of several
-        sent at once exactly one is delivered."""
-        check_value(payload, root="payload")
-        if self._abilities.shared_store is None:
-            # An in-process store: the read-check-write has no checkpoint.
-            await self._signal(job_id, name, payload, [])
-            return
-        # A shared store: a join's update (a branch ending here or in another process)
-        # must not land between this read and this write, or one of the two is lost.
-        written: list[bool] = []
-        try:
-            async with self._abilities.lock(job_id):
-                await self._signal(job_id, name, payload, written)
-        except StoreUnavailable as exc:
-            if written:
-                # Delivered (or kept) already: what failed after must not say nothing was
-                # done. The job is named: its client follows it, not sends the signal again.
-                exc.maybe_done = True
-                exc.job_id = job_id
-            raise
-
-    async def _signal(self, job_id: str, name: str, payload: Any, written: list[bool]) -> None:
-        """``written`` gets an item once the signal is written (delivered or kept)."""
-        # Each decision is made on the records as read, and written only if they are still
-        # so: on a shared store a record changed since it was read (by a step, its timer, a
-        # signal sent to one of its branches by their own id) sends the signal round again,
-        # on what was written. On an in-process store the read, the decision and the write
-        # have no checkpoint between them: concurrent signals are decided one by one.
-        while True:
-            job = await self.store.get(job_id)
-            if job.status in TERMINAL:
-                raise SignalError(
-                    f"job {job_id} is {job.status.value}; "
-                    f"signal {name!r} can only reach an active job"
-                )
-            target = await self._dispatcher.suspensions.find_waiting(job, name)
-            if target is not None:
-                if not await self._dispatcher.suspensions.deliver(target, name, payload):
-                    continue
-                written.append(True)
-                if target is not job:
-                    await self._note_taken(job, name)
-                return
-            check_early_signal(job, name)
-            if await self._dispatcher.suspensions.keep_signal(job, name, payload):
-                written.append(True)
-                return
-
-    async def _note_taken(self, job: Job, name: str) -> None:
-        """Remember on ``job`` the signal sent to it that one of its branches took: a
-        repeat of it will be sent to ``job`` too. The signal is delivered already: a job
-        that ended meanwhile needs nothing remembered, and nothing is raised for it."""
-        while not await self._dispatcher.suspensions.note_taken(job, name):
-            try:
-                job = await self.store.get(job.id)
-            except JobNotFound:
-                return
-            if job.status in TERMINAL:
-                return
 
     async def stream(self, job_id: str) -> AsyncGenerator[Any, None]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.
