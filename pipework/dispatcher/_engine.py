@@ -1,11 +1,17 @@
 """The in-process API: an :class:`Engine` owns a registry, a job pool, an event queue, a
-worker pool and the dispatcher, and runs them in its own nursery while it is open."""
+worker pool and the dispatcher, and runs them in its own nursery while it is open.
+
+Here: making the parts, the plans (registry swaps and their retirement), the lifecycle,
+waiting for a job's end, the probe, cancelling and streaming. The engine is also made of
+bases in modules of their own, so that each reads in one sitting: accepting jobs
+(``_engine_intake.py``), its observers (``_engine_observers.py``), reading a job back for
+its owner (``_engine_access.py``) and signals (``_engine_signals.py``); the probe's chain and
+lane are in ``_probe.py``.
+"""
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
 from types import TracebackType
@@ -13,20 +19,11 @@ from typing import Any, Final, Protocol, overload
 
 import trio
 
-from .. import _tracing
-from .._errors import (
-    DeadlineExceeded,
-    JobCancelled,
-    JobFailed,
-    Overloaded,
-    StoreUnavailable,
-)
-from .._logging import job_logger, log_job
+from .._errors import DeadlineExceeded, JobCancelled, JobFailed
 from .._metrics import Metrics
 from ..pipes._catalogue import Catalogue
 from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
-from ..pipes._state import check_state
 from ._abilities import (
     Abilities,
     CheckedAdmission,
@@ -34,16 +31,15 @@ from ._abilities import (
     FollowingStore,
     KeyedAdmission,
     ReportingPool,
-    SharedQueue,
 )
 from ._admission import Admission
-from ._cursor import start_frames
 from ._degrade import NEVER_REFUSING, Refusals
 from ._dispatcher import INTERNAL_PLAN, Dispatcher
 from ._engine_access import JobAccess
+from ._engine_intake import JobIntake
+from ._engine_observers import JobObserver
 from ._engine_signals import JobSignals
-from ._events import RunJob
-from ._job import Job, JobView, degraded_of, hash_token, new_ids
+from ._job import Job, JobView, degraded_of
 from ._probe import PROBE_CHAIN, internal_registry, probe_lane
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import DONE, TERMINAL, Status
@@ -51,17 +47,12 @@ from ._store import JobStore, MemoryJobStore, OwnerIndex
 from ._wake import Wake
 from ._weighted import WeightedPool
 
-__all__ = ["Engine", "JobObserver"]
-
-_log = logging.getLogger("pipework.engine")
+__all__ = ["Engine"]
 
 #: How often a request parked on a job that another process may finish looks at the
 #: record again: an end published while this process's subscription was away (Redis
 #: restarted, the client reconnected) is not heard again.
 _RECHECK_SECONDS: Final = 5.0
-
-#: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
-JobObserver = Callable[[JobView, str | None], None]
 
 
 class _PipeDecorator(Protocol):
@@ -88,7 +79,7 @@ _ENDED: Final = Wake()
 _ENDED.set()
 
 
-class Engine(JobSignals, JobAccess):
+class Engine(JobIntake, JobSignals, JobAccess):
     """Register pipes and chains, then ``async with engine:`` to run jobs.
 
     ``registry`` is where pipes and chains are registered (default: a new
@@ -294,224 +285,6 @@ class Engine(JobSignals, JobAccess):
 
     # -- jobs ----------------------------------------------------------------------------
 
-    async def submit(
-        self,
-        chain: str,
-        state: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 - the job's time limit, not this call's
-        correlation_id: str | None = None,
-        token: str | None = None,
-        stream: bool = False,
-        admit: bool = False,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        baggage: str | None = None,
-        pool_key: str | None = None,
-        owner: str | None = None,
-    ) -> str:
-        """Accept a job and return its id, or raise Overloaded at once if the queue is full.
-
-        ``timeout`` overrides the chain's; ``token`` is the owner secret (only its hash is
-        kept); ``stream=True`` keeps emitted chunks for :meth:`stream` instead of the record.
-        ``admit=True`` decides the job's admission now: :class:`~pipework.Rejected` if the
-        pool would refuse its first step (a pool without ``check_admission`` never does);
-        once accepted, its steps wait for their slots up to its deadline and are never
-        refused for load. For work promised before it runs, as an async route's 202.
-        ``traceparent``, ``tracestate`` and ``baggage`` (the W3C trace context of the
-        request behind the job) go with every backend call its pipes make. ``pool_key``
-        replaces the chain's key as the admission key of every step that would run under
-        it (a pipe with a key of its own keeps it), for the whole job and its branches: a
-        route's tenant (docs/edge-policy.md). ``owner``: who the job belongs to (an
-        authenticated caller's ``Identity.owner``): the store indexes the job by it, and
-        :meth:`owned` lists it for that owner.
-        """
-        if pool_key is not None and not (isinstance(pool_key, str) and pool_key):
-            raise ValueError(f"pool_key must be a non-empty string or None, got {pool_key!r}")
-        if owner is not None and not (isinstance(owner, str) and owner):
-            raise ValueError(f"owner must be a non-empty string or None, got {owner!r}")
-        job = self._new_job(
-            self._generation,
-            chain,
-            state,
-            timeout,
-            correlation_id,
-            token,
-            admit,
-            traceparent,
-            tracestate,
-            baggage,
-            pool_key,
-            owner,
-        )
-        nowait = self._dispatcher.nowait
-        if stream or not nowait or self._abilities.shared_queue is not None:
-            return await self._enqueue(job, stream)
-        # An in-process store and queue: the common case awaits nothing, so it runs here
-        # rather than in a coroutine of its own.
-        try:
-            nowait[2](job)
-            try:
-                self.queue.submit_nowait(RunJob(job.id))
-            except Overloaded:
-                await self.store.delete(job.id)
-                raise
-        except BaseException:
-            self._not_accepted(job)
-            raise
-        self._accepted(job)
-        return job.id
-
-    async def _accept(
-        self,
-        generation: int,
-        chain: str,
-        state: dict[str, Any] | None,
-        *,
-        timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
-    ) -> str:
-        job = self._new_job(
-            generation, chain, state, timeout, None, None, False, None, None, None, None, None
-        )
-        return await self._enqueue(job, False)
-
-    def _new_job(
-        self,
-        generation: int,
-        chain: str,
-        state: dict[str, Any] | None,
-        timeout: float | None,
-        correlation_id: str | None,
-        token: str | None,
-        admit: bool,
-        traceparent: str | None,
-        tracestate: str | None,
-        baggage: str | None,
-        pool_key: str | None,
-        owner: str | None,
-    ) -> Job:
-        """The record of a job about to be accepted, counted on its plan."""
-        if self._nursery is None:
-            raise RuntimeError("the engine is not running; use `async with engine:` first")
-        plan = self._dispatcher.plans[generation].get_chain(chain)
-        state = check_state({} if state is None else state)
-        limit = timeout if timeout is not None else plan.timeout or self.default_timeout
-        now = self._dispatcher.flight.clock()
-        deadline = math.inf if limit is None else now + limit
-        wall = time.time()
-        job_id, new_correlation = new_ids()
-        tracing = _tracing.ACTIVE
-        if tracing.on:
-            # The job carries the span it was submitted under (a request's server span):
-            # its steps, run by the engine's tasks or another process, are its children.
-            current, current_state = tracing.headers()
-            if current is not None:
-                traceparent, tracestate = current, current_state
-        job = Job.accepted(
-            job_id,
-            chain,
-            state,
-            correlation_id or new_correlation,
-            deadline,
-            None if token is None else hash_token(token),
-            traceparent,
-            generation,
-            now,
-            admit,
-            wall,
-            tracestate,
-            baggage,
-            pool_key,
-            owner,
-        )
-        start_frames(job, plan, now)  # its first key: the pool key's, when it uses it
-        if tracing.on:
-            tracing.annotate("pipework.job_id", job_id)
-            tracing.event("job queued", {"pipework.job_id": job_id, "pipework.key": job.key})
-        if admit and self._checked is not None:
-            self._checked.check_admission(job.key, deadline=deadline)
-        # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
-        jobs = self._plan_jobs.get(generation)
-        if jobs is not None:
-            jobs.add(job.id)
-        return job
-
-    async def _enqueue(self, job: Job, stream: bool) -> str:
-        """Store the new job and queue its first step."""
-        relayed = stream and self._relay is not None
-        try:
-            if relayed:  # its steps may run anywhere: marked before its first event
-                await self._relay.open_stream(job.id)
-            nowait = self._dispatcher.nowait
-            # A shared queue that writes the record and the first event together (Redis).
-            shared_queue = self._abilities.shared_queue
-            handled = shared_queue is not None and await self._create_claiming(job, shared_queue)
-            if not handled and (
-                shared_queue is None
-                or not await shared_queue.create_and_submit(self.store, job, RunJob(job.id))
-            ):
-                if nowait:
-                    nowait[2](job)
-                else:
-                    await self.store.create(job)
-                try:
-                    self.queue.submit_nowait(RunJob(job.id))
-                except Overloaded:
-                    await self.store.delete(job.id)
-                    raise
-                await self._abilities.flush()  # a shared queue: the first event is there first
-        except BaseException as exc:
-            if isinstance(exc, StoreUnavailable) and exc.maybe_done:
-                exc.job_id = job.id  # it may exist and run: its client is told to follow it
-            if relayed:
-                self._relay.close_stream(job.id)
-            self._not_accepted(job)
-            raise
-        if relayed:
-            self._relayed.add(job.id)
-        elif stream:
-            self._receivers[job.id] = self._dispatcher.ends.open_stream(job.id, self._stream_buffer)
-        self._accepted(job)
-        return job.id
-
-    async def _create_claiming(self, job: Job, shared_queue: SharedQueue) -> bool:
-        """Write a new job's record and first event with the event claimed by this process,
-        its first step started at once on a slot held meanwhile, when a slot is free now
-        (``Dispatcher.hold_first``); False, with nothing written, when that cannot be."""
-        if self._dispatcher.steps.hold_first(job) is None:
-            return False
-        event = RunJob(job.id)
-        try:
-            claimed = await shared_queue.create_and_claim(self.store, job, event)
-        except BaseException:
-            self._dispatcher.steps.let_go_first(job.id)
-            raise
-        if claimed:
-            self._dispatcher.steps.start_claimed(event)
-        else:  # not written (None), or its event left on the stream for the next read
-            self._dispatcher.steps.let_go_first(job.id)
-        return claimed is not None
-
-    def _not_accepted(self, job: Job) -> None:
-        jobs = self._plan_jobs.get(job.plan)
-        if jobs is not None:
-            jobs.discard(job.id)
-            self._retire_if_idle(job.plan)
-
-    def _accepted(self, job: Job) -> None:
-        if self._observers:
-            self._changed(job)
-        if job_logger.isEnabledFor(logging.DEBUG):  # a job's life: DEBUG (docs/operations.md)
-            log_job(
-                "job accepted",
-                logging.DEBUG,
-                correlation_id=job.correlation_id,
-                job_id=job.id,
-                route=job.chain,
-                key=job.key,
-                status=job.status.value,
-            )
-
     async def wait(self, job_id: str) -> Any:
         """Wait for the job to end: its result, or its original exception raised here."""
         nowait = self._dispatcher.nowait
@@ -607,34 +380,6 @@ class Engine(JobSignals, JobAccess):
                     await self.store.delete(job_id)
                 else:  # cancelled, or too slow: the step ends it and its record retires
                     await self._dispatcher.ends.cancel(job)
-
-    def observe(self, observer: JobObserver) -> Callable[[], None]:
-        """Call ``observer(view, token_hash)`` whenever a job's status or progress changes
-        (accepted, running, handed off, suspended, resumed, progress, finished), from the
-        engine's own tasks: it must not block. ``token_hash`` is the hash of the job's owner
-        token (None without one). Branches of parallel stages and the probe job are not
-        reported. An observer that raises is logged and kept. Returns the unsubscriber."""
-        self._observers.append(observer)
-        return lambda: self._observers.remove(observer)
-
-    def _changed(self, job: Job) -> None:
-        if not self._observers or job.parent is not None or job.plan == INTERNAL_PLAN:
-            return
-        if self._relay is not None:
-            self._relay.seen(job)
-        view = job.view()
-        for observer in list(self._observers):
-            try:
-                observer(view, job.token_hash)
-            except Exception:
-                _log.exception("pipework: a job observer failed on job %s", job.id)
-
-    def watch(self, job_id: str) -> None:
-        """Tell this engine's observers of the job's changes (status, progress) made by
-        other processes too, until it ends: for a follower held here of a job that may run
-        elsewhere. Nothing to do when every step runs in this process (the memory queue)."""
-        if self._relay is not None:
-            self._relay.watch(job_id)
 
     def set_callback_factory(self, factory: Callable[[str, str, float], str] | None) -> None:
         """Let pipes hand out callback URLs: ``factory(job_id, signal, ttl) -> url``."""
