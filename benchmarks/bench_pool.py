@@ -24,7 +24,7 @@ from types import TracebackType
 import trio
 
 from pipework.dispatcher._weighted import WeightedPool
-from pipework.dispatcher._weighted_core import Weights
+from pipework.dispatcher._weighted_config import Weights
 
 BASELINE = "trio.CapacityLimiter"
 KEYS = ("users", "search", "billing", "export")

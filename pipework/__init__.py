@@ -60,11 +60,11 @@ from .dispatcher._queue import QueueStatistics as QueueStatistics
 from .dispatcher._status import Status as Status
 from .dispatcher._store import MemoryJobStore as MemoryJobStore
 from .dispatcher._weighted import WeightedPool as WeightedPool
-from .dispatcher._weighted_core import Adaptive as Adaptive
-from .dispatcher._weighted_core import KeyStatistics as KeyStatistics
-from .dispatcher._weighted_core import PoolConfig as PoolConfig
-from .dispatcher._weighted_core import PoolStatistics as PoolStatistics
-from .dispatcher._weighted_core import Weights as Weights
+from .dispatcher._weighted_config import Adaptive as Adaptive
+from .dispatcher._weighted_config import PoolConfig as PoolConfig
+from .dispatcher._weighted_config import Weights as Weights
+from .dispatcher._weighted_statistics import KeyStatistics as KeyStatistics
+from .dispatcher._weighted_statistics import PoolStatistics as PoolStatistics
 from .pipes._catalogue import Catalogue as Catalogue
 from .pipes._merge import MISSING as MISSING
 from .pipes._merge import MergePolicy as MergePolicy

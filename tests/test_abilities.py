@@ -10,7 +10,7 @@ import trio
 
 import pipework as pw
 from pipework.dispatcher._abilities import Abilities, FastAdmission, ReportingPool
-from pipework.dispatcher._engine import PROBE_KEY, _probe_lane
+from pipework.dispatcher._probe import PROBE_KEY, probe_lane
 
 from ._copying_store import CopyingJobStore
 
@@ -66,7 +66,7 @@ async def test_the_probe_lane_keeps_every_fast_ability_of_its_pool(
     """The lane forwarded the grant and the release but not the withdrawal, so a claimed
     slot given back unused counted a hold time (the pool's wait estimate) it never had."""
     pool = pw.WeightedPool(1)
-    lane = _probe_lane(pool)
+    lane = probe_lane(pool)
     assert isinstance(lane, FastAdmission)
     abilities = Abilities.of(pw.MemoryJobStore(), pw.MemoryEventQueue(), lane)
     assert abilities.grant(PROBE_KEY) is None  # the probe takes its lane, never a slot

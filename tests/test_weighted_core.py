@@ -19,12 +19,8 @@ from hypothesis.stateful import (
 )
 
 from pipework import Adaptive, PoolConfig, PoolConfigError, Rejected, Weights
-from pipework.dispatcher._weighted_core import (
-    PAUSED_RETRY_AFTER,
-    AdmissionCore,
-    Ticket,
-    TicketState,
-)
+from pipework.dispatcher._weighted_core import PAUSED_RETRY_AFTER, AdmissionCore
+from pipework.dispatcher._weighted_ledger import Ticket, TicketState
 
 
 def core(max_workers: int = 4, **keys: Weights) -> AdmissionCore:

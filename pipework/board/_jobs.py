@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Final
 
 from .._http._jobs import job_document
-from ..dispatcher._engine import JobObserver
+from ..dispatcher._engine_observers import JobObserver
 from ..dispatcher._job import JobView
 from ..dispatcher._status import TERMINAL
 from ._core import BoardSettings, ResourceExists

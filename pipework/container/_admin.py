@@ -41,7 +41,8 @@ from .._http._problems import Problem
 from .._http._ratelimit import RateLimits
 from ..dispatcher._engine import Engine
 from ..dispatcher._weighted import WeightedPool
-from ..dispatcher._weighted_core import PoolConfig, PoolConfigError, PoolStatistics, Weights
+from ..dispatcher._weighted_config import PoolConfig, PoolConfigError, Weights
+from ..dispatcher._weighted_statistics import PoolStatistics
 from ._admin_limits import (
     LiveLimits,
     check_limit_fields,

@@ -20,7 +20,8 @@ from .._errors import Overloaded
 from .._http._bodies import JSON, dumps_json
 from .._http._problems import Problem, problem_for_exception
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..dispatcher._engine import PROBE_CHAIN, Engine
+from ..dispatcher._engine import Engine
+from ..dispatcher._probe import PROBE_CHAIN
 from ._modes import Parking
 from ._modes_core import shutting_down
 

@@ -41,7 +41,8 @@ from ._queue import EventQueue
 from ._status import Status
 from ._store import JobStore, NowaitAccess
 from ._wake import Wake
-from ._weighted_core import PoolConfig, PoolStatistics
+from ._weighted_config import PoolConfig
+from ._weighted_statistics import PoolStatistics
 
 __all__ = [
     "Abilities",

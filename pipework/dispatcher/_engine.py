@@ -1,75 +1,58 @@
 """The in-process API: an :class:`Engine` owns a registry, a job pool, an event queue, a
-worker pool and the dispatcher, and runs them in its own nursery while it is open."""
+worker pool and the dispatcher, and runs them in its own nursery while it is open.
+
+Here: making the parts, the plans (registry swaps and their retirement), the lifecycle,
+waiting for a job's end, the probe, cancelling and streaming. The engine is also made of
+bases in modules of their own, so that each reads in one sitting: accepting jobs
+(``_engine_intake.py``), its observers (``_engine_observers.py``), reading a job back for
+its owner (``_engine_access.py``) and signals (``_engine_signals.py``); the probe's chain and
+lane are in ``_probe.py``.
+"""
 
 from __future__ import annotations
 
-import hmac
-import logging
 import math
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing
 from types import TracebackType
 from typing import Any, Final, Protocol, overload
 
 import trio
 
-from .. import _tracing
-from .._errors import (
-    DeadlineExceeded,
-    JobCancelled,
-    JobFailed,
-    JobNotFound,
-    Overloaded,
-    SignalError,
-    StoreUnavailable,
-)
-from .._logging import job_logger, log_job
+from .._errors import DeadlineExceeded, JobCancelled, JobFailed
 from .._metrics import Metrics
 from ..pipes._catalogue import Catalogue
-from ..pipes._pipe import Context, Pipe, PipeFunction
+from ..pipes._pipe import Pipe, PipeFunction
 from ..pipes._stages import Chain, StageItem
-from ..pipes._state import check_state, check_value
 from ._abilities import (
     Abilities,
     CheckedAdmission,
     CountingStore,
-    FastAdmission,
     FollowingStore,
     KeyedAdmission,
     ReportingPool,
-    SharedQueue,
 )
 from ._admission import Admission
-from ._cursor import start_frames
 from ._degrade import NEVER_REFUSING, Refusals
 from ._dispatcher import INTERNAL_PLAN, Dispatcher
-from ._events import RunJob
-from ._job import Job, JobView, degraded_of, hash_token, new_ids
+from ._engine_access import JobAccess
+from ._engine_intake import JobIntake
+from ._engine_observers import JobObserver
+from ._engine_signals import JobSignals
+from ._job import Job, JobView, degraded_of
+from ._probe import PROBE_CHAIN, internal_registry, probe_lane
 from ._queue import EventQueue, MemoryEventQueue
 from ._status import DONE, TERMINAL, Status
-from ._store import JobGone, JobStore, MemoryJobStore, OwnerIndex
-from ._suspend import check_early_signal
+from ._store import JobStore, MemoryJobStore, OwnerIndex
 from ._wake import Wake
 from ._weighted import WeightedPool
 
-__all__ = ["PROBE_CHAIN", "PROBE_KEY", "Engine", "JobObserver"]
-
-_log = logging.getLogger("pipework.engine")
+__all__ = ["Engine"]
 
 #: How often a request parked on a job that another process may finish looks at the
 #: record again: an end published while this process's subscription was away (Redis
 #: restarted, the client reconnected) is not heard again.
 _RECHECK_SECONDS: Final = 5.0
-
-#: ``observer(view, token_hash)``: see :meth:`Engine.observe`.
-JobObserver = Callable[[JobView, str | None], None]
-
-#: The engine's own chain that :meth:`Engine.probe` runs (in plan 0, not in any registry).
-PROBE_CHAIN: Final = "_pipework_canary"
-#: The probe's admission key: a lane of one slot of its own, outside the pool's keys, so
-#: traffic can never starve readiness (see :class:`_ProbeLane`).
-PROBE_KEY: Final = "_pipework_probe"
 
 
 class _PipeDecorator(Protocol):
@@ -96,7 +79,7 @@ _ENDED: Final = Wake()
 _ENDED.set()
 
 
-class Engine:
+class Engine(JobIntake, JobSignals, JobAccess):
     """Register pipes and chains, then ``async with engine:`` to run jobs.
 
     ``registry`` is where pipes and chains are registered (default: a new
@@ -130,7 +113,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         # What the parts can do, looked at once; the dispatcher sees the pool through the
         # probe's lane.
-        self._abilities = abilities = Abilities.of(self.store, self.queue, _probe_lane(self.pool))
+        self._abilities = abilities = Abilities.of(self.store, self.queue, probe_lane(self.pool))
         self._checked = self.pool if isinstance(self.pool, CheckedAdmission) else None
         self._keyed = self.pool if isinstance(self.pool, KeyedAdmission) else None
         self._counting = self.store if isinstance(self.store, CountingStore) else None
@@ -144,7 +127,7 @@ class Engine:
             NEVER_REFUSING if refusals is None else refusals,
         )
         # The engine's own chains live in a plan of their own, which no swap replaces.
-        self._dispatcher.plans[INTERNAL_PLAN] = _internal_registry()
+        self._dispatcher.plans[INTERNAL_PLAN] = internal_registry()
         # The active top-level jobs of each user plan: a replaced plan with none left is
         # retired (dropped, and whoever waits in wait_plan_retired is told).
         self._plan_jobs: dict[int, set[str]] = {1: set()}
@@ -302,224 +285,6 @@ class Engine:
 
     # -- jobs ----------------------------------------------------------------------------
 
-    async def submit(
-        self,
-        chain: str,
-        state: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 - the job's time limit, not this call's
-        correlation_id: str | None = None,
-        token: str | None = None,
-        stream: bool = False,
-        admit: bool = False,
-        traceparent: str | None = None,
-        tracestate: str | None = None,
-        baggage: str | None = None,
-        pool_key: str | None = None,
-        owner: str | None = None,
-    ) -> str:
-        """Accept a job and return its id, or raise Overloaded at once if the queue is full.
-
-        ``timeout`` overrides the chain's; ``token`` is the owner secret (only its hash is
-        kept); ``stream=True`` keeps emitted chunks for :meth:`stream` instead of the record.
-        ``admit=True`` decides the job's admission now: :class:`~pipework.Rejected` if the
-        pool would refuse its first step (a pool without ``check_admission`` never does);
-        once accepted, its steps wait for their slots up to its deadline and are never
-        refused for load. For work promised before it runs, as an async route's 202.
-        ``traceparent``, ``tracestate`` and ``baggage`` (the W3C trace context of the
-        request behind the job) go with every backend call its pipes make. ``pool_key``
-        replaces the chain's key as the admission key of every step that would run under
-        it (a pipe with a key of its own keeps it), for the whole job and its branches: a
-        route's tenant (docs/edge-policy.md). ``owner``: who the job belongs to (an
-        authenticated caller's ``Identity.owner``): the store indexes the job by it, and
-        :meth:`owned` lists it for that owner.
-        """
-        if pool_key is not None and not (isinstance(pool_key, str) and pool_key):
-            raise ValueError(f"pool_key must be a non-empty string or None, got {pool_key!r}")
-        if owner is not None and not (isinstance(owner, str) and owner):
-            raise ValueError(f"owner must be a non-empty string or None, got {owner!r}")
-        job = self._new_job(
-            self._generation,
-            chain,
-            state,
-            timeout,
-            correlation_id,
-            token,
-            admit,
-            traceparent,
-            tracestate,
-            baggage,
-            pool_key,
-            owner,
-        )
-        nowait = self._dispatcher.nowait
-        if stream or not nowait or self._abilities.shared_queue is not None:
-            return await self._enqueue(job, stream)
-        # An in-process store and queue: the common case awaits nothing, so it runs here
-        # rather than in a coroutine of its own.
-        try:
-            nowait[2](job)
-            try:
-                self.queue.submit_nowait(RunJob(job.id))
-            except Overloaded:
-                await self.store.delete(job.id)
-                raise
-        except BaseException:
-            self._not_accepted(job)
-            raise
-        self._accepted(job)
-        return job.id
-
-    async def _accept(
-        self,
-        generation: int,
-        chain: str,
-        state: dict[str, Any] | None,
-        *,
-        timeout: float | None,  # noqa: ASYNC109 - the job's time limit, not this call's
-    ) -> str:
-        job = self._new_job(
-            generation, chain, state, timeout, None, None, False, None, None, None, None, None
-        )
-        return await self._enqueue(job, False)
-
-    def _new_job(
-        self,
-        generation: int,
-        chain: str,
-        state: dict[str, Any] | None,
-        timeout: float | None,
-        correlation_id: str | None,
-        token: str | None,
-        admit: bool,
-        traceparent: str | None,
-        tracestate: str | None,
-        baggage: str | None,
-        pool_key: str | None,
-        owner: str | None,
-    ) -> Job:
-        """The record of a job about to be accepted, counted on its plan."""
-        if self._nursery is None:
-            raise RuntimeError("the engine is not running; use `async with engine:` first")
-        plan = self._dispatcher.plans[generation].get_chain(chain)
-        state = check_state({} if state is None else state)
-        limit = timeout if timeout is not None else plan.timeout or self.default_timeout
-        now = self._dispatcher.flight.clock()
-        deadline = math.inf if limit is None else now + limit
-        wall = time.time()
-        job_id, new_correlation = new_ids()
-        tracing = _tracing.ACTIVE
-        if tracing.on:
-            # The job carries the span it was submitted under (a request's server span):
-            # its steps, run by the engine's tasks or another process, are its children.
-            current, current_state = tracing.headers()
-            if current is not None:
-                traceparent, tracestate = current, current_state
-        job = Job.accepted(
-            job_id,
-            chain,
-            state,
-            correlation_id or new_correlation,
-            deadline,
-            None if token is None else hash_token(token),
-            traceparent,
-            generation,
-            now,
-            admit,
-            wall,
-            tracestate,
-            baggage,
-            pool_key,
-            owner,
-        )
-        start_frames(job, plan, now)  # its first key: the pool key's, when it uses it
-        if tracing.on:
-            tracing.annotate("pipework.job_id", job_id)
-            tracing.event("job queued", {"pipework.job_id": job_id, "pipework.key": job.key})
-        if admit and self._checked is not None:
-            self._checked.check_admission(job.key, deadline=deadline)
-        # Counted on its plan before the first await, so a swap cannot retire it meanwhile.
-        jobs = self._plan_jobs.get(generation)
-        if jobs is not None:
-            jobs.add(job.id)
-        return job
-
-    async def _enqueue(self, job: Job, stream: bool) -> str:
-        """Store the new job and queue its first step."""
-        relayed = stream and self._relay is not None
-        try:
-            if relayed:  # its steps may run anywhere: marked before its first event
-                await self._relay.open_stream(job.id)
-            nowait = self._dispatcher.nowait
-            # A shared queue that writes the record and the first event together (Redis).
-            shared_queue = self._abilities.shared_queue
-            handled = shared_queue is not None and await self._create_claiming(job, shared_queue)
-            if not handled and (
-                shared_queue is None
-                or not await shared_queue.create_and_submit(self.store, job, RunJob(job.id))
-            ):
-                if nowait:
-                    nowait[2](job)
-                else:
-                    await self.store.create(job)
-                try:
-                    self.queue.submit_nowait(RunJob(job.id))
-                except Overloaded:
-                    await self.store.delete(job.id)
-                    raise
-                await self._abilities.flush()  # a shared queue: the first event is there first
-        except BaseException as exc:
-            if isinstance(exc, StoreUnavailable) and exc.maybe_done:
-                exc.job_id = job.id  # it may exist and run: its client is told to follow it
-            if relayed:
-                self._relay.close_stream(job.id)
-            self._not_accepted(job)
-            raise
-        if relayed:
-            self._relayed.add(job.id)
-        elif stream:
-            self._receivers[job.id] = self._dispatcher.ends.open_stream(job.id, self._stream_buffer)
-        self._accepted(job)
-        return job.id
-
-    async def _create_claiming(self, job: Job, shared_queue: SharedQueue) -> bool:
-        """Write a new job's record and first event with the event claimed by this process,
-        its first step started at once on a slot held meanwhile, when a slot is free now
-        (``Dispatcher.hold_first``); False, with nothing written, when that cannot be."""
-        if self._dispatcher.steps.hold_first(job) is None:
-            return False
-        event = RunJob(job.id)
-        try:
-            claimed = await shared_queue.create_and_claim(self.store, job, event)
-        except BaseException:
-            self._dispatcher.steps.let_go_first(job.id)
-            raise
-        if claimed:
-            self._dispatcher.steps.start_claimed(event)
-        else:  # not written (None), or its event left on the stream for the next read
-            self._dispatcher.steps.let_go_first(job.id)
-        return claimed is not None
-
-    def _not_accepted(self, job: Job) -> None:
-        jobs = self._plan_jobs.get(job.plan)
-        if jobs is not None:
-            jobs.discard(job.id)
-            self._retire_if_idle(job.plan)
-
-    def _accepted(self, job: Job) -> None:
-        if self._observers:
-            self._changed(job)
-        if job_logger.isEnabledFor(logging.DEBUG):  # a job's life: DEBUG (docs/operations.md)
-            log_job(
-                "job accepted",
-                logging.DEBUG,
-                correlation_id=job.correlation_id,
-                job_id=job.id,
-                route=job.chain,
-                key=job.key,
-                status=job.status.value,
-            )
-
     async def wait(self, job_id: str) -> Any:
         """Wait for the job to end: its result, or its original exception raised here."""
         nowait = self._dispatcher.nowait
@@ -616,79 +381,6 @@ class Engine:
                 else:  # cancelled, or too slow: the step ends it and its record retires
                     await self._dispatcher.ends.cancel(job)
 
-    async def status(self, job_id: str) -> JobView:
-        return (await self.store.get(job_id)).view()
-
-    async def authorize(self, job_id: str, token: str | None) -> JobView:
-        """The job's view if ``token`` is its owner token; otherwise JobNotFound, exactly as
-        for an unknown id, so a wrong token reveals nothing."""
-        given = "" if token is None else hash_token(token)
-        try:
-            job = await self.store.get(job_id)
-        except JobGone as gone:  # "gone" is news only for the owner
-            if gone.token_hash is not None and hmac.compare_digest(gone.token_hash, given):
-                raise
-            raise JobNotFound(f"no job with id {job_id!r}") from None
-        expected = job.token_hash
-        if expected is None or not hmac.compare_digest(expected, given):
-            raise JobNotFound(f"no job with id {job_id!r}")
-        return job.view()
-
-    async def authorize_owner(self, job_id: str, owner: str) -> JobView:
-        """The job's view if ``owner`` owns it (``submit(owner=...)``); otherwise
-        JobNotFound, as for an unknown id (a job dropped is not found either: its
-        tombstone keeps no owner)."""
-        try:
-            job = await self.store.get(job_id)
-        except JobGone:
-            raise JobNotFound(f"no job with id {job_id!r}") from None
-        # As bytes: an owner is any text (a JWT's sub), and compare_digest takes str only
-        # in ASCII.
-        if job.owner is None or not hmac.compare_digest(
-            job.owner.encode("utf-8", "surrogatepass"), owner.encode("utf-8", "surrogatepass")
-        ):
-            raise JobNotFound(f"no job with id {job_id!r}")
-        return job.view()
-
-    async def owned(
-        self, owner: str, *, limit: int, before: float | None = None
-    ) -> tuple[list[JobView], float | None]:
-        """``owner``'s jobs, newest first, a page at a time (see ``OwnerIndex.owned``):
-        nothing on a store that keeps no owner index."""
-        index = self._owner_index
-        if index is None:
-            return [], None
-        jobs, more = await index.owned(owner, limit=limit, before=before)
-        return [job.view() for job in jobs if job.owner == owner], more
-
-    def observe(self, observer: JobObserver) -> Callable[[], None]:
-        """Call ``observer(view, token_hash)`` whenever a job's status or progress changes
-        (accepted, running, handed off, suspended, resumed, progress, finished), from the
-        engine's own tasks: it must not block. ``token_hash`` is the hash of the job's owner
-        token (None without one). Branches of parallel stages and the probe job are not
-        reported. An observer that raises is logged and kept. Returns the unsubscriber."""
-        self._observers.append(observer)
-        return lambda: self._observers.remove(observer)
-
-    def _changed(self, job: Job) -> None:
-        if not self._observers or job.parent is not None or job.plan == INTERNAL_PLAN:
-            return
-        if self._relay is not None:
-            self._relay.seen(job)
-        view = job.view()
-        for observer in list(self._observers):
-            try:
-                observer(view, job.token_hash)
-            except Exception:
-                _log.exception("pipework: a job observer failed on job %s", job.id)
-
-    def watch(self, job_id: str) -> None:
-        """Tell this engine's observers of the job's changes (status, progress) made by
-        other processes too, until it ends: for a follower held here of a job that may run
-        elsewhere. Nothing to do when every step runs in this process (the memory queue)."""
-        if self._relay is not None:
-            self._relay.watch(job_id)
-
     def set_callback_factory(self, factory: Callable[[str, str, float], str] | None) -> None:
         """Let pipes hand out callback URLs: ``factory(job_id, signal, ttl) -> url``."""
         self._dispatcher.hooks.callback_factory = factory
@@ -700,72 +392,6 @@ class Engine:
         if job.status not in TERMINAL:
             await self._dispatcher.ends.cancel(job)
         return job.view()
-
-    async def signal(self, job_id: str, name: str, payload: Any = None) -> None:
-        """Deliver signal ``name``: resumes the job if it is suspended waiting for it, or
-        is kept until the job suspends for it if the job is still queued or running.
-
-        Raises SignalError if the job has ended, waits for another signal, already has
-        this one pending, or already took a signal of this name and is not suspended for
-        it again: a repeat (of a callback, say) is refused, never kept, so of several
-        sent at once exactly one is delivered."""
-        check_value(payload, root="payload")
-        if self._abilities.shared_store is None:
-            # An in-process store: the read-check-write has no checkpoint.
-            await self._signal(job_id, name, payload, [])
-            return
-        # A shared store: a join's update (a branch ending here or in another process)
-        # must not land between this read and this write, or one of the two is lost.
-        written: list[bool] = []
-        try:
-            async with self._abilities.lock(job_id):
-                await self._signal(job_id, name, payload, written)
-        except StoreUnavailable as exc:
-            if written:
-                # Delivered (or kept) already: what failed after must not say nothing was
-                # done. The job is named: its client follows it, not sends the signal again.
-                exc.maybe_done = True
-                exc.job_id = job_id
-            raise
-
-    async def _signal(self, job_id: str, name: str, payload: Any, written: list[bool]) -> None:
-        """``written`` gets an item once the signal is written (delivered or kept)."""
-        # Each decision is made on the records as read, and written only if they are still
-        # so: on a shared store a record changed since it was read (by a step, its timer, a
-        # signal sent to one of its branches by their own id) sends the signal round again,
-        # on what was written. On an in-process store the read, the decision and the write
-        # have no checkpoint between them: concurrent signals are decided one by one.
-        while True:
-            job = await self.store.get(job_id)
-            if job.status in TERMINAL:
-                raise SignalError(
-                    f"job {job_id} is {job.status.value}; "
-                    f"signal {name!r} can only reach an active job"
-                )
-            target = await self._dispatcher.suspensions.find_waiting(job, name)
-            if target is not None:
-                if not await self._dispatcher.suspensions.deliver(target, name, payload):
-                    continue
-                written.append(True)
-                if target is not job:
-                    await self._note_taken(job, name)
-                return
-            check_early_signal(job, name)
-            if await self._dispatcher.suspensions.keep_signal(job, name, payload):
-                written.append(True)
-                return
-
-    async def _note_taken(self, job: Job, name: str) -> None:
-        """Remember on ``job`` the signal sent to it that one of its branches took: a
-        repeat of it will be sent to ``job`` too. The signal is delivered already: a job
-        that ended meanwhile needs nothing remembered, and nothing is raised for it."""
-        while not await self._dispatcher.suspensions.note_taken(job, name):
-            try:
-                job = await self.store.get(job.id)
-            except JobNotFound:
-                return
-            if job.status in TERMINAL:
-                return
 
     async def stream(self, job_id: str) -> AsyncGenerator[Any, None]:
         """Yield the chunks the job emits as they come, then its outcome's error if any.
@@ -804,74 +430,6 @@ class _RelayTarget:
 
     def changed(self, job: Job) -> None:
         self._engine._changed(job)
-
-
-def _internal_registry() -> Catalogue:
-    registry = Catalogue()
-
-    async def probe(ctx: Context) -> None:
-        ctx.state["ok"] = True
-
-    registry.add_pipe(Pipe(probe, PROBE_CHAIN))
-    registry.chain(PROBE_CHAIN, PROBE_CHAIN, key=PROBE_KEY)
-    return registry
-
-
-class _ProbeLane:
-    """The pool as the dispatcher sees it: ``pool`` for every key but :data:`PROBE_KEY`,
-    whose steps take a lane of one slot of their own. Readiness so proves the queue and a
-    worker without competing with traffic for the pool's slots (a busy pool is not an
-    unready one), and no pool config or reload can take that slot away."""
-
-    def __init__(self, pool: Admission) -> None:
-        self.pool = pool
-        self._lane: trio.Lock | None = None
-
-    def slot(
-        self, key: str, *, deadline: float = math.inf, continuing: bool = False
-    ) -> AbstractAsyncContextManager[None]:
-        if key == PROBE_KEY:
-            return self._probe_slot()
-        return self.pool.slot(key, deadline=deadline, continuing=continuing)
-
-    @asynccontextmanager
-    async def _probe_slot(self) -> AsyncIterator[None]:
-        if self._lane is None:
-            self._lane = trio.Lock()
-        async with self._lane:  # the probe's deadline is enforced by Engine.probe
-            yield
-
-    def record(self, key: str, *, ok: bool, latency: float) -> None:
-        if key != PROBE_KEY:
-            self.pool.record(key, ok=ok, latency=latency)
-
-
-class _FastProbeLane(_ProbeLane):
-    """The lane over a pool with an uncontended grant (every method of
-    :class:`~._abilities.FastAdmission`, each the pool's but the probe's key's grant, which
-    never comes: its steps take the lane)."""
-
-    def __init__(self, pool: Admission, fast: FastAdmission) -> None:
-        super().__init__(pool)
-        self.fast = fast
-
-    def grant_nowait(self, key: str) -> object | None:
-        return None if key == PROBE_KEY else self.fast.grant_nowait(key)
-
-    def release_nowait(self, handle: object, granted_at: float, now: float) -> None:
-        self.fast.release_nowait(handle, granted_at, now)
-
-    def withdraw_nowait(self, handle: object) -> None:
-        self.fast.withdraw_nowait(handle)
-
-    def limited(self, key: str) -> bool:
-        return self.fast.limited(key)
-
-
-def _probe_lane(pool: Admission) -> _ProbeLane:
-    if isinstance(pool, FastAdmission):
-        return _FastProbeLane(pool, pool)
-    return _ProbeLane(pool)
 
 
 def _outcome(job: Job, exception: BaseException | None) -> Any:

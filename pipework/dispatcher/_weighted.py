@@ -29,7 +29,10 @@ from trio.lowlevel import (
     wait_task_rescheduled,
 )
 
-from ._weighted_core import AdmissionCore, PoolConfig, PoolStatistics, Ticket, TicketState, Weights
+from ._weighted_config import PoolConfig, Weights
+from ._weighted_core import AdmissionCore
+from ._weighted_ledger import Ticket, TicketState
+from ._weighted_statistics import PoolStatistics
 
 __all__ = ["WeightedPool"]
 

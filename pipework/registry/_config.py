@@ -27,7 +27,7 @@ import httpx
 
 from ..backends._http import Backends
 from ..backends._http_spec import Service
-from ..dispatcher._weighted_core import PoolConfig, PoolConfigError
+from ..dispatcher._weighted_config import PoolConfig, PoolConfigError
 from ..pipes._pipe import REQUEST_KEY, Pipe
 from ._config_boards import BackplaneSettings, BoardConfig, read_boards
 from ._config_edge import EdgeConfig, read_edge

@@ -14,7 +14,7 @@ from .._tls import TlsFileError
 from ..backends._http_spec import Service, check_base_url, check_header_name
 from ..container._collector import SERVING_GC_THRESHOLD
 from ..container._tls import CLIENT_AUTH, ClientAuth, ServerTls, server_context
-from ..dispatcher._weighted_core import Adaptive, PoolConfig, PoolConfigError, Weights
+from ..dispatcher._weighted_config import Adaptive, PoolConfig, PoolConfigError, Weights
 from ..proxy._access import DEFAULT_REDACTED
 from ..proxy._forwarding import Network, trusted_networks
 from ._config_problems import Collector, KeyPath, describe_value
