@@ -102,9 +102,6 @@ __all__ = ["RedisJobStore", "StoreUnavailable"]
 
 _log = logging.getLogger("pipework.dispatcher")
 
-#: The wall-clock TTL a finished record gets beyond its retention: a safety net only.
-_SLACK_SECONDS: Final = 60.0
-
 #: The shortest callback secret a signer takes (the container's rule).
 _MIN_SECRET: Final = 16
 

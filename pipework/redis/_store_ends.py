@@ -1,7 +1,8 @@
 """How the Redis job store hears of the ends other processes record: its subscription to
-``{p}:finished`` (:meth:`Ends.follow_finished`), whether every end recorded anywhere
-reaches this process now (:meth:`Ends._hearing`), and the waits for an end that rely on it
-(:meth:`Ends.wait_end`), woken when a subscription drops (see :mod:`._store`, **Ends**).
+``{p}:finished`` (:meth:`EndsHeard.follow_finished`), whether every end recorded anywhere
+reaches this process now (:meth:`EndsHeard._hearing`), and the waits for an end that rely
+on it (:meth:`EndsHeard.wait_end`), woken when a subscription drops (see :mod:`._store`,
+**Ends**).
 
 Separate from the reads and writes that consult and feed it (the jobs created here whose
 end was not heard of, the ends recorded here): this is the state they share, and the one
@@ -21,13 +22,13 @@ from ._batches import Batches
 from ._client import Subscription
 from ._wire import UNREACHABLE
 
-__all__ = ["Ends"]
+__all__ = ["EndsHeard"]
 
 #: How many ends recorded here are kept for this process's waiters (each taken once).
 _ENDED_KEPT: Final = 4096
 
 
-class Ends(Batches):
+class EndsHeard(Batches):
     """The store's hearing of ends (see the module). The store sets this state in its
     ``__init__``: ``prefix``; the subscriptions running and subscribed now; the jobs created
     here whose end was not heard of (``_active``); the subscriptions dropped so far

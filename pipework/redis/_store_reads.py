@@ -21,7 +21,7 @@ from .._errors import JobGone, JobNotFound, StoreUnavailable
 from ..dispatcher._job import Job
 from ..dispatcher._status import ACTIVE, TERMINAL, Status
 from ._record import decode
-from ._store_ends import Ends
+from ._store_ends import EndsHeard
 from ._store_resend import Resending
 from ._store_scripts import _bulk
 from ._wire import Arg
@@ -33,7 +33,7 @@ __all__ = ["Reads"]
 _OWN_KEPT: Final = 4096
 
 
-class Reads(Ends, Resending):
+class Reads(EndsHeard, Resending):
     """The store's reads (see the module). The store sets what they use in its
     ``__init__``: the remembered tombstones' bounds, the clock's offset (None until
     measured), the records left queued by this store (``_own``) and those whose event it
