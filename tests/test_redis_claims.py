@@ -20,7 +20,7 @@ from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Job, new_job_id
 from pipework.redis import RedisEventQueue, RedisJobStore
 from pipework.redis._queue import _CLAIM_READ, encode_event
-from pipework.redis._store import _SHAS
+from pipework.redis._store_scripts import _SHAS
 from pipework.redis._wire import Connection, ReplyError
 
 from ._redis import RedisServer

@@ -12,7 +12,7 @@ import trio
 from pipework import Status
 from pipework.dispatcher._job import Job
 from pipework.redis import RedisJobStore
-from pipework.redis._store import _SHAS
+from pipework.redis._store_scripts import _SHAS
 from pipework.redis._wire import _parse
 
 

@@ -12,7 +12,7 @@ import pipework as pw
 from pipework.dispatcher._job import Job, new_job_id
 from pipework.redis import RedisJobStore
 from pipework.redis._resend import MOST_PAUSE, Resend
-from pipework.redis._store import _sent_again
+from pipework.redis._store_scripts import _sent_again
 
 from ._redis import RedisServer
 

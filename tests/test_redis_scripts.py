@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from pipework.redis import _backplane, _ratelimit, _relay, _store, _timers
+from pipework.redis import _backplane, _ratelimit, _relay, _store_scripts, _timers
 from pipework.redis._client import Client
 from pipework.redis._scripts import Script, load, terminal_statuses
 from pipework.redis._wire import Arg, Connection, ReplyError
@@ -24,7 +24,7 @@ from ._redis import RedisServer
 SCRIPTS: dict[str, Script] = {
     script.name: script
     for script in [
-        *_store._SCRIPTS.values(),
+        *_store_scripts._SCRIPTS.values(),
         _timers._CLAIM,
         _relay._EMIT,
         _relay._READ,

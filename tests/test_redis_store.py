@@ -22,7 +22,7 @@ from pipework.dispatcher._job import Frame, Job, new_job_id
 from pipework.dispatcher._wake import Wake
 from pipework.redis import RedisJobStore
 from pipework.redis._batches import _EARLY, _FLIGHTS
-from pipework.redis._store import _FIELDS
+from pipework.redis._record import _FIELDS
 from pipework.redis._wire import Connection
 
 from ._redis import RedisServer, TestRedisJobStore, held, wait_idle

@@ -46,7 +46,9 @@ from .._logging import job_logger, log_job, mark_reported, note_upstream
 from .._metrics import Metrics
 from ..pipes._pipe import Context, Pipe
 from ..pipes._state import raw_value
-from ._client import CallNote, ServiceClient, decode_answer, too_big, unaccepted
+from ._answers import decode_answer, too_big, unaccepted
+from ._client import ServiceClient
+from ._client_tries import CallNote
 from ._failures import (
     BadAnswer,
     CallTimeout,
@@ -301,7 +303,7 @@ class Backends:
 
     async def _traced(self, call: HttpCall, ctx: Context) -> Any:
         """:meth:`call` in a client span of its own (the pipe's child): the backend gets
-        its ``traceparent``; each try is an event on it (``_client.py``)."""
+        its ``traceparent``; each try is an event on it (``_client_tries.py``)."""
         service = self.services[call.service]
         span = _tracing.ACTIVE.start(
             f"{call.method} {call.service}",

@@ -13,7 +13,9 @@ through their interfaces (the layers are checked by ``lint-imports``). Inside:
 - ``_client``: on top of it, a connection concurrent callers share (``Client``), and a
   pub/sub subscription that is made again after every reconnect (``Subscription``);
 - ``_scripts``: the Lua scripts, files under ``lua/`` read once at import;
-- ``_batches`` and ``_store``: the job store, its calls batched on one connection;
+- ``_batches`` and ``_store``: the job store, its calls batched on one connection (the
+  store in layers: ``_store_resend``, ``_store_ends``, ``_store_reads``, ``_store_writes``;
+  its records' format in ``_record``, its scripts' commands in ``_store_scripts``);
 - ``_queue`` and ``_timers``: the event queue on a Stream, and suspend timers;
 - ``_relay``: a job's progress, chunks and cancels between processes;
 - ``_backplane``: the push board's writes shared between processes.

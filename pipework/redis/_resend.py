@@ -1,6 +1,6 @@
 """When a store call whose round trip failed (the connection lost, no answer in time, a
 server loading its data) is sent again: the arithmetic alone, no I/O (the store does the
-sending, :meth:`~._store.RedisJobStore._resend`).
+sending, :meth:`~._store_resend.Resending._resend`).
 
 A call is sent again at once, whatever the time (a killed connection is made again at once
 and the call then goes through); after that, with pauses doubling from ``first`` up to
