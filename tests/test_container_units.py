@@ -16,9 +16,10 @@ import pipework as pw
 from pipework._http._bodies import content_length, decode, encode
 from pipework._http._problems import Problem, problem_for_error, problem_for_exception
 from pipework.container import CallbackSigner
+from pipework.container._event_stream import sse_event
 from pipework.container._idempotency import IdempotencyTable, fingerprint
-from pipework.container._modes import Parking, sse_event
 from pipework.container._modes_core import Preferences, build_state, check_key, parse_prefer
+from pipework.container._parking import Parking
 from pipework.container._request import read_headers
 from pipework.dispatcher._wake import Wake
 

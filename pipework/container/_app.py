@@ -54,7 +54,8 @@ from ._downloads import DownloadsApi, FileResults, add_download_rules
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._middleware import CATCH_ALL, CORS_ENDPOINTS, Middleware, preflight_answer
-from ._modes import Parking, Submissions
+from ._modes import Submissions
+from ._parking import Parking
 from ._quart import App
 from ._readiness import CANARY_CHAIN, Probes, healthz
 from ._request import incoming

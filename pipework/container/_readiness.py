@@ -22,8 +22,8 @@ from .._http._problems import Problem, problem_for_exception
 from .._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..dispatcher._engine import Engine
 from ..dispatcher._probe import PROBE_CHAIN
-from ._modes import Parking
 from ._modes_core import shutting_down
+from ._parking import Parking
 
 __all__ = ["CANARY_CHAIN", "Probes", "healthz"]
 
