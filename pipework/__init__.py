@@ -45,9 +45,9 @@ from .container._app import Container as Container
 from .container._app import ContainerConfig as ContainerConfig
 from .container._app import create_app as create_app
 from .container._callbacks import CallbackSigner as CallbackSigner
-from .container._downloads import FileResults as FileResults
-from .container._downloads import OwnedFiles as OwnedFiles
-from .container._downloads import ResultFile as ResultFile
+from .container._result_files import FileResults as FileResults
+from .container._result_files import OwnedFiles as OwnedFiles
+from .container._result_files import ResultFile as ResultFile
 from .container._routes import Route as Route
 from .dispatcher._admission import Admission as Admission
 from .dispatcher._degrade import Refusals as Refusals

@@ -50,7 +50,7 @@ from ._admin import AdminApi, Reload, admin_token
 from ._admin_services import Upstreams
 from ._callbacks import CallbackSigner, SecretKeeper
 from ._collector import tuned_collector
-from ._downloads import DownloadsApi, FileResults, add_download_rules
+from ._downloads import DownloadsApi, add_download_rules
 from ._idempotency import IdempotencyTable
 from ._jobs_api import JobsApi
 from ._middleware import CATCH_ALL, CORS_ENDPOINTS, Middleware, preflight_answer
@@ -59,6 +59,7 @@ from ._parking import Parking
 from ._quart import App
 from ._readiness import CANARY_CHAIN, Probes, healthz
 from ._request import incoming
+from ._result_files import FileResults
 from ._routes import Route, routes_of
 from ._server import HTTP1_SERVERS, BoundAddress, Http1Server, serve
 
