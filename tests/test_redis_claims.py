@@ -19,7 +19,8 @@ from pipework.dispatcher._dispatcher import Dispatcher
 from pipework.dispatcher._events import RunJob
 from pipework.dispatcher._job import Job, new_job_id
 from pipework.redis import RedisEventQueue, RedisJobStore
-from pipework.redis._queue import _CLAIM_READ, encode_event
+from pipework.redis._queue_events import encode_event
+from pipework.redis._queue_shared import CLAIM_READ
 from pipework.redis._store_scripts import _SHAS
 from pipework.redis._wire import Connection, ReplyError
 
@@ -171,7 +172,7 @@ async def test_a_claim_with_other_events_before_it_leaves_its_event_to_the_next_
                 break
             await trio.sleep(0.01)
         # Events put elsewhere and not read yet: as many as a claim's read takes.
-        foreign = [f"f{i}" for i in range(_CLAIM_READ)]
+        foreign = [f"f{i}" for i in range(CLAIM_READ)]
         connection = await Connection.open(redis_server.url)
         try:
             for job_id in foreign:
@@ -189,18 +190,18 @@ async def test_a_claim_with_other_events_before_it_leaves_its_event_to_the_next_
         assert (await store.get(second.id)).status is pw.Status.RUNNING
         with trio.fail_after(10):
             got = await queue.get_batch()
-            while len(got) < _CLAIM_READ + 1:
+            while len(got) < CLAIM_READ + 1:
                 got += await queue.get_batch()
         # The foreign events (read by the first claim) and the first job's, by a later
         # read; never the second job's: it is this consumer's already.
         assert [e.job_id for e in got if isinstance(e, RunJob)] == [*foreign, first.id]
-        assert await _pending(redis_server, prefix) == _CLAIM_READ + 2
+        assert await _pending(redis_server, prefix) == CLAIM_READ + 2
         queue.ack(event)
         queue.step_ended(event)
         for e in got:
             queue.ack(e)
         with trio.fail_after(10):
-            await _until_pending(redis_server, prefix, _CLAIM_READ + 1)
+            await _until_pending(redis_server, prefix, CLAIM_READ + 1)
 
 
 async def test_a_queue_with_a_connection_of_its_own_claims_nothing(

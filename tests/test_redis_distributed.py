@@ -27,7 +27,7 @@ from pipework.container import BoundAddress
 from pipework.dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
 from pipework.dispatcher._job import Job
 from pipework.redis import RedisEventQueue, RedisJobStore
-from pipework.redis._queue import decode_event, encode_event
+from pipework.redis._queue_events import decode_event, encode_event
 from pipework.redis._wire import ReplyError
 
 from ._redis import RedisServer, start_redis

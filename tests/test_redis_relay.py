@@ -29,7 +29,7 @@ from pipework import JobView
 from pipework.dispatcher._events import Expire, RunJob
 from pipework.dispatcher._job import Job
 from pipework.redis import RedisEventQueue, RedisJobStore
-from pipework.redis._queue import decode_event, encode_event
+from pipework.redis._queue_events import decode_event, encode_event
 from pipework.redis._relay import RedisRelay
 from pipework.redis._timers import RedisTimers
 from pipework.redis._wire import Arg, Connection

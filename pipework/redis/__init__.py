@@ -16,7 +16,9 @@ through their interfaces (the layers are checked by ``lint-imports``). Inside:
 - ``_batches`` and ``_store``: the job store, its calls batched on one connection (the
   store in layers: ``_store_resend``, ``_store_ends``, ``_store_reads``, ``_store_writes``;
   its records' format in ``_record``, its scripts' commands in ``_store_scripts``);
-- ``_queue`` and ``_timers``: the event queue on a Stream, and suspend timers;
+- ``_queue`` and ``_timers``: the event queue on a Stream (in layers: ``_queue_reads``,
+  ``_queue_shared``, the writes in the store's round trips; its events' format in
+  ``_queue_events``), and suspend timers;
 - ``_relay``: a job's progress, chunks and cancels between processes;
 - ``_backplane``: the push board's writes shared between processes.
 

@@ -42,17 +42,16 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
-import msgpack
 import trio
 
 from .._errors import Overloaded, StoreUnavailable
-from ..dispatcher._events import BranchDone, Event, Expire, Resume, RunJob
-from ..dispatcher._job import Job
+from ..dispatcher._events import Event, Expire, Resume, RunJob
 from ..dispatcher._queue import QueueStatistics
+from ._queue_events import FIELD, encode_event
+from ._queue_shared import SharedWrites
 from ._relay import RedisRelay
 from ._store import RedisJobStore
 from ._timers import RedisTimers
@@ -60,7 +59,6 @@ from ._wire import (
     NOT_NOW,
     UNREACHABLE,
     Arg,
-    Command,
     Connection,
     ReplyError,
     encode_args,
@@ -68,78 +66,12 @@ from ._wire import (
     redis_outage,
 )
 
-__all__ = ["RedisEventQueue", "decode_event", "encode_event"]
+__all__ = ["RedisEventQueue"]
 
 _log = logging.getLogger("pipework.dispatcher")
 
-_FIELD: Final = b"e"
 
-#: How long after the last events a store's round trips brought the blocking read
-#: resumes (a process whose store is busy reads in its round trips).
-_QUIET: Final = 0.01
-
-#: How many entries create_and_claim's read may take: its own, and a few before it (other
-#: processes' events, or events put without a claim); with more before it, the job's
-#: event is left to the next read and the job runs as any other.
-_CLAIM_READ: Final = 4
-
-#: How many entries a read riding in a store's round trip takes at most: no more than half
-#: the room left, the rest is for create_and_claim's reads meanwhile.
-_RIDE_READ: Final = 64
-
-
-#: One packer for every event (msgpack.packb makes one per call).
-_pack: Final = msgpack.Packer(use_bin_type=True).pack
-
-
-def encode_event(event: Event) -> bytes:
-    if isinstance(event, RunJob):
-        wire: list[Any] = ["run", event.job_id]
-    elif isinstance(event, Resume):
-        wire = ["resume", event.job_id, event.signal]
-    elif isinstance(event, Expire):
-        wire = ["expire", event.job_id, event.version]
-    else:
-        wire = [
-            "branch",
-            event.parent_id,
-            event.branch_id,
-            event.index,
-            event.outcome,
-            event.delta,
-            event.join_id,
-            list(event.stage),
-            None if event.error is None else list(event.error),
-        ]
-    data: bytes = _pack(wire)
-    return data
-
-
-def decode_event(data: bytes) -> Event:
-    wire = msgpack.unpackb(data, raw=False)
-    kind = wire[0]
-    if kind == "run":
-        return RunJob(wire[1])
-    if kind == "resume":
-        return Resume(wire[1], wire[2])
-    if kind == "expire":
-        return Expire(wire[1], int(wire[2]))
-    if kind == "branch":
-        error = wire[8]
-        return BranchDone(
-            wire[1],
-            wire[2],
-            int(wire[3]),
-            wire[4],
-            wire[5],
-            join_id=wire[6],
-            stage=tuple(wire[7]),
-            error=None if error is None else (error[0], error[1], error[2], int(error[3])),
-        )
-    raise ValueError(f"unknown event kind {kind!r} on the event stream")
-
-
-class RedisEventQueue:
+class RedisEventQueue(SharedWrites):
     """Events on the stream ``{prefix}:events``, read by consumer group ``group``.
 
     ``consumer`` names this process in the group (default: host, pid and a random tail);
@@ -219,7 +151,7 @@ class RedisEventQueue:
             self._call,
             prefix=prefix,
             stream=self.stream,
-            field=_FIELD,
+            field=FIELD,
             retrying=self._retrying,
             poll=timer_poll,
             written=self._wake,
@@ -321,120 +253,6 @@ class RedisEventQueue:
         self._accepted += 1
         self._outbox.append((self._put, encode_event(event)))
         self._have_work.set()
-
-    async def create_and_submit(self, store: object, job: Job, event: RunJob) -> bool:
-        """Create the job's record in ``store`` and submit its first event in one write, if
-        ``store`` is the store this queue shares (False, doing nothing, otherwise): the
-        record and the event reach Redis together, in one command and one round trip.
-        Raises :class:`~pipework.Overloaded` as :meth:`submit_nowait` does, writing
-        nothing."""
-        if store is not self._store or self._store is None:
-            return False
-        self._check_room()
-        await self._store.create(job, entry=(self.stream, _FIELD, encode_event(event)))
-        self._accepted += 1
-        self._shared_depth += 1  # as for a batch written (_send_outbox)
-        return True
-
-    def can_claim(self, store: object) -> bool:
-        """Whether :meth:`create_and_claim` can claim a job of ``store``'s: the store is the
-        one whose round trips this queue shares."""
-        return self._store is not None and store is self._store
-
-    async def create_and_claim(self, store: object, job: Job, event: RunJob) -> bool | None:
-        """:meth:`create_and_submit`, with the event read for this consumer in the same
-        write, for a creator that holds a worker slot for the job's first step: True if
-        the event is this consumer's (pending for it, the record marked running: the
-        caller starts the step with ``event``, which it must :meth:`ack` and
-        :meth:`step_ended` as any delivered one), False if entries before it took the
-        room this consumer has (the record stays queued, the event on the stream). The
-        entries read before it are delivered as any read's. None, with nothing done, if
-        ``store`` is not the queue's or the queue has no room to claim (the caller uses
-        :meth:`create_and_submit`)."""
-        room = min(self._room_left(), _CLAIM_READ)
-        if store is not self._store or self._store is None or room <= 0 or self._running is None:
-            return None
-        self._check_room()
-        self._reserved += room
-        claimed: list[bytes] = []
-
-        def read(reply: Any) -> None:
-            # Told in reply order, before any later read's entries are delivered.
-            self._reserved -= room
-            self._room.set()
-            claimed.append(b"")
-            if not reply:
-                return  # not created: it exists already
-            at, entries = reply
-            if entries:
-                self._last_read = trio.current_time()
-                others = [e for e in entries if e[0] != at] if at else entries
-                if others:
-                    self._deliver(others)
-            if at:
-                self._inflight[id(event)] = (event, at)
-                claimed[0] = at
-
-        try:
-            await self._store.create(
-                job,
-                entry=(self.stream, _FIELD, encode_event(event)),
-                claim=(self._claim_arg, room, read),
-            )
-        finally:
-            if not claimed:  # no answer came
-                self._reserved -= room
-                self._room.set()
-        self._accepted += 1
-        self._shared_depth += 1  # as for a batch written (_send_outbox)
-        return bool(claimed[0])
-
-    async def update_and_put(self, store: object, job: Job, event: RunJob) -> bool:
-        """Write the job's record to ``store`` and put its next event in the same write, if
-        ``store`` is the store this queue shares (False, doing nothing, otherwise): a
-        hand-off's record and the event that runs its next step reach Redis together, and
-        nothing waits in the outbox before the step's own event is acknowledged."""
-        if store is not self._store or self._store is None:
-            return False
-        await self._store.update(job, entry=(self.stream, _FIELD, encode_event(event)))
-        self._accepted += 1
-        self._shared_depth += 1  # as for a batch written (_send_outbox)
-        return True
-
-    async def update_unless_changed_and_put(
-        self, store: object, job: Job, event: Event
-    ) -> bool | None:
-        """``store.update_unless_changed(job)`` with ``event`` put in the same write, if
-        ``store`` is the store this queue shares (None, doing nothing, otherwise): a
-        delivered signal's record and its ``Resume`` reach Redis together. Put in the
-        outbox after the write, a process killed between the two left its job queued with
-        no event to run it, for ever (found by the chaos harness)."""
-        if store is not self._store or self._store is None:
-            return None
-        entry = (self.stream, _FIELD, encode_event(event))
-        if not await self._store.update_unless_changed(job, entry=entry):
-            return False
-        self._accepted += 1
-        self._shared_depth += 1  # as for a batch written (_send_outbox)
-        return True
-
-    def update_and_put_soon(
-        self,
-        store: object,
-        job: Job,
-        event: RunJob,
-        then: Callable[[BaseException | None], None],
-    ) -> bool:
-        """:meth:`update_and_put` with no wait (``RedisJobStore.update_soon``): ``then`` is
-        told how the write went. False, with nothing done, when the store cannot take it so
-        (the caller awaits :meth:`update_and_put`)."""
-        if store is not self._store or self._store is None:
-            return False
-        if not self._store.update_soon(job, then, entry=(self.stream, _FIELD, encode_event(event))):
-            return False
-        self._accepted += 1
-        self._shared_depth += 1  # as for a batch written (_send_outbox)
-        return True
 
     async def get(self) -> Event:
         return await self._receive.receive()
@@ -546,7 +364,7 @@ class RedisEventQueue:
         acknowledgement that must follow this round's events goes in the next round."""
         batch, self._outbox = self._outbox, []
         ready = self._ready()
-        commands: list[list[Arg]] = [["XADD", self.stream, "*", _FIELD, d] for _, d in batch]
+        commands: list[list[Arg]] = [["XADD", self.stream, "*", FIELD, d] for _, d in batch]
         if ready:
             commands.append(["XACK", self.stream, self.group, *ready])
             commands.append(["XINFO", "GROUPS", self.stream])
@@ -570,147 +388,6 @@ class RedisEventQueue:
             if isinstance(replies[-2], ReplyError):
                 raise replies[-2]
             self._depth_from(replies[-1])
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                await self._until_room()
-                if self._store is not None:
-                    # While the store's round trips bring events (board), they read; a
-                    # blocking read waits for new events only once they have gone quiet.
-                    await self._quiet()
-                count = self._room_left()
-                if count <= 0:  # reads riding in round trips took it meanwhile
-                    continue
-                self._reading = True
-                try:
-                    reply = await self._retrying("reading events", self._read, count)
-                finally:
-                    self._reading = False
-                if reply:
-                    self._last_read = trio.current_time()
-                    self._deliver(reply[0][1])
-        finally:
-            reader, self._reader = self._reader, None
-            if reader is not None:
-                await reader.aclose()
-
-    async def _until_room(self) -> None:
-        """Wait until this consumer may read more (see _room_left): an acknowledgement or a
-        riding read landing sets ``_room``."""
-        while self._room_left() <= 0:
-            self._room = trio.Event()
-            await self._room.wait()
-
-    async def _quiet(self) -> None:
-        while True:
-            quiet = self._last_read + _QUIET - trio.current_time()
-            if quiet <= 0:
-                return
-            await trio.sleep(quiet)
-
-    def board(self) -> Command | None:
-        """The read that rides along in the store's next round trip (after the events it
-        writes, which so come back at once), unless the blocking read is waiting or a
-        read is riding already (batches may be on their way two at a time): every read
-        on its way counts against ``max_inflight`` until it lands (:meth:`alight`)."""
-        room = self._room_left()
-        room = min(room - room // 2, _RIDE_READ)  # half at most: the rest for claims
-        if self._reading or self._riding or room <= 0 or self._running is None:
-            return None
-        self._riding = room
-        self._reserved += room
-        return [
-            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", room,
-            "STREAMS", self.stream, ">",
-        ]  # fmt: skip
-
-    def alight(self, reply: Any) -> None:
-        """The riding read's reply (None if it never came back)."""
-        self._reserved -= self._riding
-        self._riding = 0
-        self._room.set()
-        if isinstance(reply, ReplyError) or not reply or self._running is None:
-            return  # an error reaches the blocking read too (NOGROUP: the group is made)
-        self._last_read = trio.current_time()
-        self._deliver(reply[0][1])
-
-    def _room_left(self) -> int:
-        """How many more events this consumer may read: ``max_inflight`` less those it
-        holds and those reads on their way may bring."""
-        return self.max_inflight - len(self._inflight) - self._reserved
-
-    async def _read(self, count: int) -> Any:
-        """One blocking ``XREADGROUP`` on the reader's own connection."""
-        if self._reader is None or self._reader.closed:
-            self._reader = await Connection.open(self.url)
-        command: list[Arg] = [
-            "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count,
-            "BLOCK", int(self.block * 1000), "STREAMS", self.stream, ">",
-        ]  # fmt: skip
-        (reply,) = await self._reader.call([command])
-        if isinstance(reply, ReplyError):
-            raise reply
-        return reply
-
-    def _deliver(self, entries: Any, *, claimed: bool = False) -> None:
-        for identifier, fields in entries:
-            if fields is None:  # trimmed away meanwhile
-                continue
-            try:
-                if len(fields) == 2 and fields[0] == _FIELD:  # as this queue writes them
-                    event = decode_event(fields[1])
-                else:
-                    event = decode_event(dict(zip(fields[::2], fields[1::2], strict=True))[_FIELD])
-            except Exception:
-                _log.exception("pipework: an unreadable event %r was dropped", identifier)
-                self._acks.append((identifier, 0, 0))
-                self._have_work.set()
-                continue
-            self._inflight[id(event)] = (event, identifier)
-            if claimed:
-                self._claimed.add(id(event))
-            self._send.send_nowait(event)
-
-    async def _claim_loop(self) -> None:
-        while True:
-            await trio.sleep(self.claim_idle / 3)
-            await self._retrying("claiming events", self._claim)
-
-    async def _claim(self) -> None:
-        held = [identifier for _, identifier in self._inflight.values()]
-        held += [identifier for _, identifier in self._started.values()]
-        if held:  # still ours: not idle, whatever they wait for
-            (reply,) = await self._call(
-                [["XCLAIM", self.stream, self.group, self.consumer, 0, *held, "JUSTID"]]
-            )
-            if isinstance(reply, ReplyError):
-                raise reply
-        mine = set(held)
-        start: bytes = b"0-0"
-        idle = int(self.claim_idle * 1000)
-        # Claims count toward max_inflight as reads do: a consumer with a full pool leaves
-        # a dead one's events to the others (or to its next round) rather than taking them
-        # all at once, to wait for its slots past their wait timeout.
-        room = self._room_left()
-        while room > 0:
-            command: list[Arg] = [
-                "XAUTOCLAIM", self.stream, self.group, self.consumer, idle, start,
-                "COUNT", min(100, room),
-            ]  # fmt: skip
-            (reply,) = await self._call([command])
-            if isinstance(reply, ReplyError):
-                raise reply
-            start, entries = reply[0], reply[1]
-            claimed = [e for e in entries if e[0] not in mine]
-            if claimed:
-                _log.warning(
-                    "pipework: claimed %d events left pending by a silent consumer", len(claimed)
-                )
-                self._deliver(claimed, claimed=True)
-                room -= len(claimed)
-            if start == b"0-0":
-                return
 
     async def _retrying(self, what: str, fn: Any, *args: Any) -> Any:
         """Run one round trip; while Redis is away, log and try again (nothing accepted is
