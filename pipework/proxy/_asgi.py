@@ -26,32 +26,33 @@ proxied request passes through, in order:
 Before the answer's head is sent, a failure is a problem answer (502 for the backend, 504
 for a timeout, 413, 503); after it, the connection is closed mid-body, which is how HTTP
 tells a client that an answer was cut short.
+
+The layer is made of bases in modules of their own, so each reads in one sitting: the
+route's chains (steps 3 and 7) and steps 5 to 8 are :mod:`._asgi_service`'s, a websocket
+is :mod:`._asgi_websocket`'s, and one request's record and the small rules it goes by are
+in :mod:`._exchange`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Collection, Iterator, MutableMapping
 from ipaddress import IPv4Network, IPv6Network
-from typing import Any, Final, Protocol
+from typing import Any
 
 import trio
 
 from .. import _tracing
 from .._errors import DeadlineExceeded, PipeworkError
-from .._http._auth import IDENTITY_STATE_KEY, Identity, RouteAuth, put_identity
+from .._http._auth import Identity, RouteAuth, put_identity
 from .._http._cors import CorsPolicy, PreflightRefused, header_pairs
 from .._http._problems import Problem, problem_for_exception
 from .._http._ratelimit import RateLimits
-from .._http._request_ids import request_id
 from .._metrics import Metrics
-from ..backends._failures import CallTimeout, ConnectFailed, TransportFailure
-from ..backends._stream import StreamTimeouts, UpstreamAnswer
+from ..backends._failures import TransportFailure
 from ..dispatcher._admission import Admission
 from ._access import (
     ALWAYS_REDACTED,
@@ -63,7 +64,25 @@ from ._access import (
     redacted_query,
     trace_id,
 )
-from ._forwarding import Peer, request_headers, response_headers
+from ._asgi_service import ChainRunner, ServiceExchange
+from ._asgi_websocket import WebsocketRoutes
+from ._exchange import (
+    PREFLIGHT_HEADERS,
+    Exchange,
+    body_framing,
+    correlation_id_of,
+    failure_problem,
+    first_leaf,
+    log_cut,
+    lower_name,
+    raw_header,
+    sent_target,
+    stream_timeouts,
+    too_large,
+    with_cors,
+)
+from ._forwarding import Peer, request_headers
+from ._proxies import ProxySet
 from ._relay import (
     ASGIReceive,
     ASGISend,
@@ -73,68 +92,16 @@ from ._relay import (
     send_problem,
     watch_disconnect,
 )
-from ._route import BadTarget, ProxyMiss, ProxyRoute, ProxyTable
+from ._route import BadTarget, ProxyMiss, ProxyRoute
 from ._upstream import Upstream
-from ._websocket import relay_websocket
-from ._websocket_core import WebsocketOutcome
 
-__all__ = ["ProxyLayer", "ProxySet"]
-
-_log = logging.getLogger("pipework.proxy")
+__all__ = ["ProxyLayer"]
 
 #: The app behind (Quart's): typed loosely, as each framework types its own messages.
 ASGIApp = Callable[..., Awaitable[None]]
 
-#: Idle time between two chunks when neither the route nor the service says (seconds).
-DEFAULT_IDLE_TIMEOUT: Final = 60.0
-#: Methods sent on with ``Content-Length: 0`` when the client sent no body: some servers
-#: refuse them without a length (411).
-_EMPTY_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
-
-class ChainRunner(Protocol):
-    """What runs a route's ``chain``/``after``: the engine (``Engine.run``)."""
-
-    async def run(self, chain: str, state: dict[str, Any] | None = None, **kwargs: Any) -> Any: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySet:
-    """The proxy routes in force and their services: swapped whole on reload. ``clients``
-    maps a service's name to its :class:`Upstream`."""
-
-    table: ProxyTable
-    clients: dict[str, Upstream] = field(default_factory=dict)
-    #: Who may call each route (by route name; absent: anyone), checked before a slot.
-    auth: Mapping[str, RouteAuth] = field(default_factory=dict)
-    #: Which other origins' pages may call each route (by route name; absent: the gateway
-    #: leaves CORS, preflights included, to the service).
-    cors: Mapping[str, CorsPolicy] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Exchange:
-    """One proxied request's bookkeeping, for its metrics and access log line."""
-
-    route: ProxyRoute
-    correlation_id: str
-    method: str
-    path: str
-    started: float
-    scope: MutableMapping[str, Any]
-    status: int | None = None  # sent to the client; None: nothing was
-    upstream: int | None = None  # the backend's own status
-    sent: int = 0  # body bytes to the client
-    upload: Upload | None = None
-    host: str | None = None  # the service's host that answered (or failed last)
-    retries: int = 0
-    client_gone: bool = False
-    # The answer's last message was handed to the server (the backend's, or a problem's).
-    answered: bool = False
-    identity: Identity | None = None  # who the route's auth says the caller is
-
-
-class ProxyLayer:
+class ProxyLayer(WebsocketRoutes, ServiceExchange):
     """The ASGI app: proxy routes here, every other request to ``app``."""
 
     def __init__(
@@ -200,15 +167,15 @@ class ProxyLayer:
         if proxies.table and kind == "http":
             method = scope["method"]
             if method == "OPTIONS" and proxies.cors:
-                asked = _header(scope["headers"], b"access-control-request-method")
-                if asked is not None and _header(scope["headers"], b"origin") is not None:
+                asked = raw_header(scope["headers"], b"access-control-request-method")
+                if asked is not None and raw_header(scope["headers"], b"origin") is not None:
                     hit = proxies.table.match(scope["path"], asked.decode("latin-1").strip())
                     if isinstance(hit, ProxyRoute) and hit.name in proxies.cors:
                         return self._preflight(proxies.cors[hit.name], scope, send)
             hit = proxies.table.match(scope["path"], method)
             if hit is not None:
                 if isinstance(hit, ProxyRoute) and hit.name in proxies.cors:
-                    send = _with_cors(send, proxies.cors[hit.name], scope)
+                    send = with_cors(send, proxies.cors[hit.name], scope)
                 return self._serve(hit, proxies, scope, receive, send)
         elif proxies.table and kind == "websocket":
             hit = proxies.table.match(scope["path"], "GET")
@@ -224,7 +191,7 @@ class ProxyLayer:
         headers = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in scope["headers"]
-            if name.lower() in _PREFLIGHT_HEADERS
+            if name.lower() in PREFLIGHT_HEADERS
         }
         try:
             found = cors.preflight(
@@ -237,10 +204,10 @@ class ProxyLayer:
                 403, "Forbidden", str(exc), slug="cors-refused", headers={"Vary": "Origin"}
             )
             await send_problem(
-                send, problem, correlation_id=_correlation_id(scope), instance=scope["path"]
+                send, problem, correlation_id=correlation_id_of(scope), instance=scope["path"]
             )
             return
-        pairs = [*header_pairs(found), (b"x-request-id", _correlation_id(scope).encode())]
+        pairs = [*header_pairs(found), (b"x-request-id", correlation_id_of(scope).encode())]
         await send({"type": "http.response.start", "status": 204, "headers": pairs})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -253,99 +220,6 @@ class ProxyLayer:
         put_identity(scope, identity)
         return identity
 
-    async def _serve_websocket(
-        self,
-        route: ProxyRoute,
-        proxies: ProxySet,
-        scope: MutableMapping[str, Any],
-        receive: ASGIReceive,
-        send: ASGISend,
-    ) -> None:
-        """Relay a websocket to the service's; the connection holds a slot of its key for
-        as long as it stays open."""
-        client = proxies.clients[route.service]
-        correlation_id = _correlation_id(scope)
-        started = time.perf_counter()
-        outcome: WebsocketOutcome | None = None
-        # The service's call (a WebsocketCall: its module imports httpx, the proxy does not),
-        # for the access line's host.
-        connected: list[Any] = []
-        try:
-            auth = proxies.auth.get(route.name)
-            if auth is not None:
-                try:
-                    await self._authenticate(auth, scope)
-                except Problem as refused:  # refused before the handshake is accepted
-                    await send({"type": "websocket.close", "code": 1008})
-                    outcome = WebsocketOutcome(refused.status, detail=refused.detail)
-                    return
-            try:
-                target = _target(route, scope)
-            except BadTarget:
-                await send({"type": "websocket.close", "code": 1008})  # not proxied
-                outcome = WebsocketOutcome(403, detail="the path may not be proxied")
-                return
-            limits = self.rate_limits
-            met = None if limits is None else limits.routes.get(route.name)
-            if met:
-                assert limits is not None
-                too_many = await limits.check(met, scope)
-                if too_many is not None:  # before the slot, as for a request
-                    await send({"type": "websocket.close", "code": 1013})
-                    outcome = WebsocketOutcome(too_many.status, detail=too_many.detail)
-                    return
-            host, forwarded = self._head_out(route, client, scope, correlation_id)
-            timeouts = _timeouts(route, client)
-            with self._using(proxies):
-                refusal = client.client.refusal()
-                if refusal is not None:  # no slot waited for, as for a request
-                    raise refusal
-                async with (
-                    self.pool.slot(route.pool_key),
-                    client.client.websocket(timeouts.connect) as call,
-                ):
-                    connected.append(call)
-                    outcome = await relay_websocket(
-                        scope,
-                        receive,
-                        send,
-                        connect=call.connect,
-                        target=target,
-                        host=functools.partial(call.host, host),
-                        headers=forwarded,
-                        idle_timeout=route.idle_timeout,
-                        handshake_timeout=timeouts.first_byte,
-                        service=route.service,
-                        correlation_id=correlation_id,
-                        answer_filter=response_headers,
-                        handshake_done=call.handshake_done,
-                    )
-        except* PipeworkError:  # the pool or the service's breaker refused, before the handshake
-            await send({"type": "websocket.close", "code": 1013})
-            outcome = WebsocketOutcome(
-                503, detail="no slot for the service's key, or its breaker open"
-            )
-        finally:
-            status = "none" if outcome is None or outcome.status is None else str(outcome.status)
-            self.metrics.proxy_responses.labels(route.name, route.service, status).inc()
-            duration = time.perf_counter() - started
-            self.metrics.proxy_duration.labels(route.name, route.service).observe(duration)
-            if self.access_log and access_logger.isEnabledFor(logging.INFO):
-                log_access(
-                    {
-                        **self._who(scope),
-                        "method": "GET",
-                        "path": scope["path"],
-                        "status": None if outcome is None else outcome.status,
-                        "duration": round(duration, 6),
-                        "correlation_id": correlation_id,
-                        "route": route.name,
-                        "service": route.service,
-                        "host": connected[0].netloc if connected else None,
-                        "close_code": None if outcome is None else outcome.close_code,
-                    }
-                )
-
     async def _serve(
         self,
         hit: ProxyRoute | ProxyMiss,
@@ -354,7 +228,7 @@ class ProxyLayer:
         receive: ASGIReceive,
         send: ASGISend,
     ) -> None:
-        correlation_id = _correlation_id(scope)
+        correlation_id = correlation_id_of(scope)
         path = scope["path"]
         if isinstance(hit, ProxyMiss):
             allow = ", ".join(sorted(hit.allow))
@@ -378,7 +252,7 @@ class ProxyLayer:
                     }
                 )
             return
-        exchange = _Exchange(hit, correlation_id, scope["method"], path, time.perf_counter(), scope)
+        exchange = Exchange(hit, correlation_id, scope["method"], path, time.perf_counter(), scope)
         tracing = _tracing.ACTIVE
         if tracing.on:  # the request's server span, named by its route
             tracing.rename(f"{scope['method']} {hit.prefix}")
@@ -393,7 +267,7 @@ class ProxyLayer:
 
     async def _exchange(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         proxies: ProxySet,
         scope: MutableMapping[str, Any],
         receive: ASGIReceive,
@@ -419,12 +293,12 @@ class ProxyLayer:
         client = proxies.clients[route.service]
         deadline = math.inf if route.timeout is None else trio.current_time() + route.timeout
         incoming: list[tuple[bytes, bytes]] = scope["headers"]
-        length, has_body = _body_framing(incoming, ex.method)
+        length, has_body = body_framing(incoming, ex.method)
         if route.max_body is not None and length is not None and length > route.max_body:
-            await self._refuse(ex, send, _too_large(BodyTooLarge(route.max_body)))
+            await self._refuse(ex, send, too_large(BodyTooLarge(route.max_body)))
             return
         try:
-            target = _target(route, scope)
+            target = sent_target(route, scope)
         except BadTarget as exc:
             problem = Problem(400, "Bad Request", str(exc), slug="malformed-request")
             await self._refuse(ex, send, problem)
@@ -442,11 +316,11 @@ class ProxyLayer:
             # The service refuses calls now (its breaker open, every host drained): the
             # same answer its call would get, before a slot of the key is waited for or
             # anything of the body read (docs/resilience.md).
-            await self._refuse(ex, send, _failure(route, refusal))
+            await self._refuse(ex, send, failure_problem(route, refusal))
             return
         if forwarded is None:
             _, forwarded = self._head_out(route, client, scope, ex.correlation_id)
-        timeouts = _timeouts(route, client)
+        timeouts = stream_timeouts(route, client)
         with trio.CancelScope(deadline=deadline) as deadline_scope:
             async with trio.open_nursery() as nursery:
 
@@ -466,15 +340,15 @@ class ProxyLayer:
                     ex.client_gone = True
                 except* BodyTooLarge as group:
                     if ex.status is None:
-                        await self._refuse(ex, send, _too_large(_first(group)))
+                        await self._refuse(ex, send, too_large(first_leaf(group)))
                 except* (TransportFailure, PipeworkError) as group:
-                    failure = _first(group)
+                    failure = first_leaf(group)
                     if isinstance(failure, TransportFailure) and failure.host is not None:
                         ex.host, ex.retries = failure.host, failure.retries
                     if ex.status is None:
-                        await self._refuse(ex, send, _failure(route, failure))
+                        await self._refuse(ex, send, failure_problem(route, failure))
                     else:
-                        _log_cut(ex, failure)
+                        log_cut(ex, failure)
                 nursery.cancel_scope.cancel()
         if deadline_scope.cancelled_caught and ex.status is None and not ex.client_gone:
             problem = problem_for_exception(
@@ -493,8 +367,8 @@ class ProxyLayer:
         scope: MutableMapping[str, Any],
         correlation_id: str,
     ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-        """The ``Host`` and headers sent on (its target: :func:`_target`)."""
-        kept = _header(scope["headers"], b"host") if route.host == "keep" else None
+        """The ``Host`` and headers sent on (its target: :func:`sent_target`)."""
+        kept = raw_header(scope["headers"], b"host") if route.host == "keep" else None
         host = kept or client.netloc
         forwarded = request_headers(
             scope["headers"],
@@ -502,190 +376,19 @@ class ProxyLayer:
             trusted=self.trusted,
             host=host,
             request_id=correlation_id.encode(),
-            request_id_header=_lower(client.request_id_header),
+            request_id_header=lower_name(client.request_id_header),
         )
         return host, forwarded
 
-    async def _relay(
-        self,
-        ex: _Exchange,
-        client: Upstream,
-        target: bytes,
-        forwarded: list[tuple[bytes, bytes]],
-        upload: Upload | None,
-        length: int | None,
-        timeouts: StreamTimeouts,
-        deadline: float,
-        send: ASGISend,
-    ) -> None:
-        route = ex.route
-        key = route.pool_key
-        tracing = _tracing.ACTIVE
-        if tracing.on:
-            tracing.event("slot wait", {"pipework.key": key})
-        # The wait for a slot ends at the deadline or the key's own wait timeout.
-        async with self.pool.slot(key, deadline=deadline):
-            if tracing.on:
-                tracing.event("slot granted", {"pipework.key": key})
-                await self._traced(ex, client, target, forwarded, upload, length, timeouts, send)
-            else:
-                await self._stream(ex, client, target, forwarded, upload, length, timeouts, send)
-
-    async def _stream(
-        self,
-        ex: _Exchange,
-        client: Upstream,
-        target: bytes,
-        forwarded: list[tuple[bytes, bytes]],
-        upload: Upload | None,
-        length: int | None,
-        timeouts: StreamTimeouts,
-        send: ASGISend,
-    ) -> None:
-        """The exchange with the service, under the key's slot: its answer relayed."""
-        key = ex.route.pool_key
-        asked = trio.current_time()
-        stream = client.client.stream(
-            ex.method.encode(), target, forwarded, upload, length=length, timeouts=timeouts
-        )
-        try:
-            async with stream as answer:
-                ex.upstream = answer.status
-                ex.host, ex.retries = answer.host, answer.retries
-                latency = trio.current_time() - asked
-                self.pool.record(key, ok=answer.status < 500, latency=latency)
-                await self._answer(ex, answer, send)
-        except TransportFailure:
-            self.pool.record(key, ok=False, latency=trio.current_time() - asked)
-            raise
-
-    async def _traced(
-        self,
-        ex: _Exchange,
-        client: Upstream,
-        target: bytes,
-        forwarded: list[tuple[bytes, bytes]],
-        upload: Upload | None,
-        length: int | None,
-        timeouts: StreamTimeouts,
-        send: ASGISend,
-    ) -> None:
-        """The exchange under its slot, with tracing on: in a client span (the server
-        span's child) whose ``traceparent`` and ``tracestate`` the service gets in place
-        of the client's."""
-        route = ex.route
-        span = _tracing.ACTIVE.start(
-            f"{ex.method} {route.service}",
-            "client",
-            {
-                "http.request.method": ex.method,
-                "pipework.service": route.service,
-                "pipework.route": route.name,
-            },
-        )
-        error: BaseException | None = None
-        try:
-            traceparent, tracestate = span.headers()
-            forwarded = [
-                (name, value)
-                for name, value in forwarded
-                if name.lower() not in (b"traceparent", b"tracestate")
-            ]
-            if traceparent is not None:
-                forwarded.append((b"traceparent", traceparent.encode()))
-                if tracestate is not None:
-                    forwarded.append((b"tracestate", tracestate.encode()))
-            await self._stream(ex, client, target, forwarded, upload, length, timeouts, send)
-        except BaseException as exc:
-            error = exc if isinstance(exc, Exception) else None  # a cancel is no failure
-            raise
-        finally:
-            if ex.upstream is not None:
-                span.set("http.response.status_code", ex.upstream)
-            span.end(error)
-
-    async def _answer(self, ex: _Exchange, answer: UpstreamAnswer, send: ASGISend) -> None:
-        status, headers = answer.status, response_headers(answer.headers)
-        if ex.route.after is not None:
-            edited = await self._after(ex, ex.route.after, status, headers, send)
-            if edited is None:
-                return
-            status, headers = edited
-        headers.append((b"x-request-id", ex.correlation_id.encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        ex.status = status
-        async for chunk in answer.body():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            ex.sent += len(chunk)
-        ex.answered = True  # before the last message: the server reports the end meanwhile
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    # -- the route's chains --------------------------------------------------------------
-
-    async def _before(
-        self,
-        ex: _Exchange,
-        chain: str,
-        scope: MutableMapping[str, Any],
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        send: ASGISend,
-    ) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
-        """Run ``chain`` on the request's head: the target and headers it leaves, or None
-        when it refused (answered)."""
-        request = {
-            "method": ex.method,
-            "path": ex.path,
-            "target": target.decode("latin-1"),
-            "headers": _pairs(headers),
-            "client": None if scope.get("client") is None else scope["client"][0],
-        }
-        start: dict[str, Any] = {"request": request}
-        if ex.identity is not None:  # the route's chain sees who the caller is
-            start[IDENTITY_STATE_KEY] = ex.identity.state()
-        state = await self._run(ex, chain, start, send)
-        if state is None:
-            return None
-        edited = state.get("request", request)
-        return (
-            str(edited.get("target", request["target"])).encode("latin-1"),
-            _unpairs(edited.get("headers", request["headers"])),
-        )
-
-    async def _after(
-        self,
-        ex: _Exchange,
-        chain: str,
-        status: int,
-        headers: list[tuple[bytes, bytes]],
-        send: ASGISend,
-    ) -> tuple[int, list[tuple[bytes, bytes]]] | None:
-        response = {"status": status, "headers": _pairs(headers)}
-        state = await self._run(ex, chain, {"response": response}, send)
-        if state is None:
-            return None
-        edited = state.get("response", response)
-        return int(edited.get("status", status)), _unpairs(edited.get("headers", []))
-
-    async def _run(
-        self, ex: _Exchange, chain: str, state: dict[str, Any], send: ASGISend
-    ) -> dict[str, Any] | None:
-        try:
-            result = await self.chains.run(chain, state, correlation_id=ex.correlation_id)
-        except Exception as exc:  # the job's own error, raised by Engine.run
-            await self._refuse(ex, send, problem_for_exception(exc))
-            return None
-        return result if isinstance(result, dict) else state
-
     # -- answers and accounting ----------------------------------------------------------
 
-    async def _refuse(self, ex: _Exchange, send: ASGISend, problem: Problem) -> None:
+    async def _refuse(self, ex: Exchange, send: ASGISend, problem: Problem) -> None:
         ex.answered = True
         ex.status = await send_problem(
             send, problem, correlation_id=ex.correlation_id, instance=ex.path
         )
 
-    def _account(self, ex: _Exchange) -> None:
+    def _account(self, ex: Exchange) -> None:
         route = ex.route
         status = "none" if ex.status is None else str(ex.status)
         duration = time.perf_counter() - ex.started
@@ -729,129 +432,3 @@ class ProxyLayer:
 
 
 # -- small rules -------------------------------------------------------------------------
-
-
-_PREFLIGHT_HEADERS: Final = frozenset(
-    {b"origin", b"access-control-request-method", b"access-control-request-headers"}
-)
-
-
-def _with_cors(send: ASGISend, cors: CorsPolicy, scope: MutableMapping[str, Any]) -> ASGISend:
-    """``send`` adding the route's CORS headers to the answer's head (the service's own
-    ``Access-Control-*`` headers are replaced: the route's policy decides)."""
-    origin = _header(scope["headers"], b"origin")
-    text = None if origin is None else origin.decode("latin-1")
-    added = header_pairs(cors.response_headers(text))
-
-    async def sending(message: MutableMapping[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            kept = [
-                (name, value)
-                for name, value in message["headers"]
-                if not name.lower().startswith(b"access-control-")
-            ]
-            message = {**message, "headers": [*kept, *added]}
-        await send(message)
-
-    return sending
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key.lower() == name:
-            return value
-    return None
-
-
-def _target(route: ProxyRoute, scope: MutableMapping[str, Any]) -> bytes:
-    """The target sent on; :class:`BadTarget` for a path that must not be (a dot segment
-    would leave the route's prefix on the service)."""
-    return route.target(scope.get("raw_path") or scope["path"].encode(), scope["query_string"])
-
-
-def _lower(name: str | None) -> bytes | None:
-    return None if name is None else name.lower().encode("latin-1")
-
-
-def _correlation_id(scope: MutableMapping[str, Any]) -> str:
-    given = _header(scope["headers"], b"x-request-id")
-    return request_id(None if given is None else given.decode("latin-1"))
-
-
-def _body_framing(headers: list[tuple[bytes, bytes]], method: str) -> tuple[int | None, bool]:
-    """The request body's declared length and whether it has a body at all. The server
-    (h11) has refused ambiguous framing already; the body is framed again on the way out."""
-    declared = _header(headers, b"content-length")
-    if declared is not None:
-        return int(declared), True
-    if _header(headers, b"transfer-encoding") is not None:
-        return None, True
-    # No framing is an empty body (RFC 9112 §6.3); one that usually has a body says so.
-    return (0, True) if method in _EMPTY_BODY_METHODS else (None, False)
-
-
-def _timeouts(route: ProxyRoute, service: Upstream) -> StreamTimeouts:
-    connect = route.connect_timeout or service.connect_timeout or service.timeout
-    first_byte = route.first_byte_timeout or service.timeout
-    idle = route.idle_timeout or DEFAULT_IDLE_TIMEOUT
-    return StreamTimeouts(connect=connect, first_byte=first_byte, idle=idle)
-
-
-def _pairs(headers: list[tuple[bytes, bytes]]) -> list[list[str]]:
-    return [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]
-
-
-def _unpairs(pairs: Any) -> list[tuple[bytes, bytes]]:
-    return [(str(n).lower().encode("latin-1"), str(v).encode("latin-1")) for n, v in pairs]
-
-
-def _first(group: BaseExceptionGroup[Any]) -> Any:
-    """The first leaf of ``group``: the failure the answer names."""
-    leaf: BaseException = group
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
-    return leaf
-
-
-def _too_large(exc: BodyTooLarge) -> Problem:
-    return Problem(
-        413,
-        "Content Too Large",
-        f"{exc}; send a smaller body",
-        slug="body-too-large",
-    )
-
-
-def _failure(route: ProxyRoute, exc: BaseException) -> Problem:
-    """The problem for a failed exchange, before any byte of the answer was sent."""
-    if isinstance(exc, PipeworkError):
-        return problem_for_exception(exc)
-    where = f"proxy route {route.name!r} to service {route.service!r}"
-    if isinstance(exc, CallTimeout):
-        return Problem(
-            504,
-            "Gateway Timeout",
-            f"{where}: {exc}",
-            slug="deadline-exceeded",
-            service=route.service,
-            phase=exc.phase,
-        )
-    what = "could not connect" if isinstance(exc, ConnectFailed) else "failed"
-    return Problem(
-        502,
-        "Bad Gateway",
-        f"{where}: the backend {what}: {exc}",
-        slug="backend-failed",
-        service=route.service,
-    )
-
-
-def _log_cut(ex: _Exchange, exc: BaseException) -> None:
-    _log.warning(
-        "proxy route %r: the answer from service %r was cut after %d bytes: %s",
-        ex.route.name,
-        ex.route.service,
-        ex.sent,
-        exc,
-        extra={"correlation_id": ex.correlation_id, "route": ex.route.name},
-    )
