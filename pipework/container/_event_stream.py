@@ -114,9 +114,7 @@ class EventStream:
         with trio.CancelScope(shield=True):
             if not self._settled:
                 await self._submissions.cancel_quietly(self._job_id)
-            aclose = getattr(self._chunks, "aclose", None)  # an async generator's
-            if aclose is not None:
-                await aclose()
+            await self._chunks.aclose()  # Engine.stream's async generator
 
 
 def sse_event(event: str, json_text: str, *, event_id: int | None = None) -> bytes:
