@@ -21,9 +21,10 @@ trio servers (`benchmarks/peers/backend.py`), one process each.
   about a tenth of what it serves on one core, so it also runs pinned to one CPU
   (`--one-core`), and the goal row compares against the better of the two.
 
-Every Python gateway runs with the same garbage-collector settings: the young generation's
-threshold pipework's container serves with (50,000; the interpreter's default is 700), set in
-the Starlette and Flask processes too (`--gc serving` of `benchmarks/peers/serve.py`).
+Every Python gateway runs with the same garbage-collector settings, those of `pipework
+serve`: the young generation's threshold 50,000 (the interpreter's default is 700) and the
+start-up heap frozen (`gc.freeze()`), set in the Starlette and Flask processes too (`--gc
+serving` of `benchmarks/peers/serve.py`).
 Every gateway gives a backend call 5 s, answers a timeout 504 and logs at WARNING (no access
 lines). Load on A: `wrk -t2 -c64 --timeout 10s` (GET /a); a Lua hook counts the 2xx answers
 per second, and **req/s counts 2xx answers only** (an error answered fast is not

@@ -24,10 +24,10 @@ pipework's own HTTP/1.1 server (`pipework/container/_h1_server.py`, the default)
 so the two servers are compared in the same run. docs/design.md, "What a proxied request
 costs", says where a proxied request's time goes.
 
-**Garbage collector.** Every Python gateway runs with the same settings: the young
-generation's threshold pipework's container serves with (50,000; the interpreter's default
-is 700), set in the Starlette process too; one more row measures pipework with the
-interpreter's thresholds.
+**Garbage collector.** Every Python gateway runs with the same settings, those of
+`pipework serve`: the young generation's threshold 50,000 (the interpreter's default is
+700) and the start-up heap frozen, set in the Starlette process too; one more row measures
+pipework with the interpreter's thresholds and nothing frozen.
 
 Every gateway gives a backend 5 s (to connect, and to answer) and logs no access line.
 Measures: **small GET**: `wrk -t2 -c32 --timeout 10s` on GET /a, req/s counting 2xx answers

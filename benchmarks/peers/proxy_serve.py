@@ -13,10 +13,10 @@ as they came. Logging is at WARNING (no access lines). KIND is:
 ``--http1 lean|hypercorn`` (pipework only): who serves its cleartext HTTP/1.1
 (``[server] http1_server``; default pipework's own server).
 
-``--gc serving`` (the default): the garbage collector's young threshold is the one a
-pipework container serves with (``ContainerConfig.gc_threshold``, 50,000), for every kind;
-``--gc interpreter``: the interpreter's own thresholds (700), for every kind. So the
-gateways differ only in their code.
+``--gc serving`` (the default): the garbage collector as ``pipework serve`` sets it, the
+young threshold 50,000 (``[server] gc_threshold``) and the start-up heap frozen
+(``gc_freeze``), for every kind; ``--gc interpreter``: the interpreter's own thresholds
+(700) and nothing frozen, for every kind. So the gateways differ only in their code.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from typing import Any
 import trio
 
 from .._serve import raise_open_files_limit
-from .serve import BACKLOG, _announce, _listen, gc_threshold, set_collector
+from .serve import (
+    BACKLOG,
+    _announce,
+    _listen,
+    collector_overrides,
+    gc_threshold,
+    set_collector,
+)
 
 GATEWAY_FILE = Path(__file__).with_name("proxy.toml")
 #: The base URLs written in proxy.toml, by the route's first path segment.
@@ -59,9 +66,9 @@ def serve_pipework(urls: Mapping[str, str], young: int | None, http1: str | None
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "proxy.toml")
         path.write_text(gateway_text(urls))
-        # The container sets the threshold while it serves (None: it leaves the
+        # The container sets the collector while it serves (None: it leaves the
         # interpreter's); the command line has no option for it.
-        overrides: dict[str, Any] = {"gc_threshold": young}
+        overrides: dict[str, Any] = collector_overrides(young)
         if http1 is not None:
             overrides["http1_server"] = http1
         gateway = pw.Gateway(str(path), overrides=overrides)

@@ -18,11 +18,12 @@ every kind, so no gateway writes an access line per request. KIND is:
   one CPU (``os.sched_setaffinity``): on two idle cores its threads otherwise contend for
   the GIL across cores and serve a tenth as much (docs/benchmarks.md, bench_peers).
 
-``--gc serving`` (the default): every kind runs with the garbage collector's young threshold
-a pipework container serves with (``ContainerConfig.gc_threshold``, 50,000), set in the
-Starlette and Flask processes too, so the gateways differ only in their code; ``--gc
-interpreter``: every kind with the interpreter's own thresholds (700; not with pipework's
-``--workers``, whose command line has no such option).
+``--gc serving`` (the default): every kind runs with the garbage collector as ``pipework
+serve`` sets it (the young threshold 50,000, ``[server] gc_threshold``, and the start-up heap
+frozen, ``gc_freeze``), set in the Starlette and Flask processes too, so the gateways differ
+only in their code; ``--gc interpreter``: every kind with the interpreter's own thresholds
+(700) and nothing frozen (not with pipework's ``--workers``, whose command line has no such
+option).
 
 ``--reuse-port`` binds with ``SO_REUSEPORT``, so that several processes serve one port
 (the kernel spreads new connections across them): start the first with port 0 and the
@@ -47,6 +48,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -91,9 +93,18 @@ def gc_threshold(which: str) -> int | None:
 
 
 def set_collector(young: int | None) -> None:
-    """Set this process's young threshold (None: leave the interpreter's)."""
+    """Set this process's collector as ``pipework serve`` sets its own: the young threshold
+    ``young`` and the heap frozen as it is now, start-up done (None: leave the
+    interpreter's collector alone, as pipework's ``--gc interpreter`` does)."""
     if young is not None:
         gc.set_threshold(young, *gc.get_threshold()[1:])
+        gc.freeze()
+
+
+def collector_overrides(young: int | None) -> dict[str, Any]:
+    """pipework's file settings for the same collector: ``[server] gc_threshold`` and
+    ``gc_freeze`` (both off with None)."""
+    return {"gc_threshold": young, "gc_freeze": young is not None}
 
 
 def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool, young: int | None) -> None:
@@ -107,9 +118,9 @@ def serve_pipework(a_url: str, b_url: str, port: int, reuse_port: bool, young: i
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "gateway.toml")
         path.write_text(gateway_text(a_url, b_url))
-        # The container sets the threshold while it serves (None: it leaves the
+        # The container sets the collector while it serves (None: it leaves the
         # interpreter's); the command line has no option for it.
-        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+        gateway = pw.Gateway(str(path), overrides=collector_overrides(young))
 
         async def main() -> None:
             stop = trio.Event()

@@ -26,7 +26,7 @@ from typing import Final
 import trio
 
 from .._serve import raise_open_files_limit
-from ..peers.serve import _announce, gc_threshold
+from ..peers.serve import _announce, collector_overrides, gc_threshold
 
 GATEWAY_FILE = Path(__file__).with_name("gateway.toml")
 #: The hosts written in gateway.toml, which ``--host`` replaces in order.
@@ -111,9 +111,9 @@ def serve_pipework(
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "gateway.toml")
         path.write_text(gateway_text(hosts, hedge=hedge, degrade=degrade))
-        # The container sets the threshold while it serves (None: it leaves the
+        # The container sets the collector while it serves (None: it leaves the
         # interpreter's); the command line has no option for it.
-        gateway = pw.Gateway(str(path), overrides={"gc_threshold": young})
+        gateway = pw.Gateway(str(path), overrides=collector_overrides(young))
 
         async def main() -> None:
             stop = trio.Event()
